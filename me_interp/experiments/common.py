@@ -1,0 +1,219 @@
+"""What every experiment shares: the common config fields, the command line, and the run writer.
+
+Every experiment module defines::
+
+    @dataclass(frozen=True)
+    class Config(CommonConfig): ...                  # extra fields become --flags
+    def run(cfg: Config, model=None) -> Result        # pure: no printing, no files
+    def figures(result: Result) -> dict[str, go.Figure]
+    def summary(result: Result) -> str                # the short table main() prints
+    def main(argv=None) -> int:
+        return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+
+and so shares one command-line shape: ``--model`` (default: bundled), ``--prompts`` (file), ``--bos``,
+``--dtype``, ``--device``, ``--seed``, ``--out``, ``--help``, plus its own fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from me_interp import io
+from me_interp.models import BOS_CHOICES, DTYPES, LoadedModel, ModelLoadError, load_model
+from me_interp.prompts import builtin_prompts, read_prompts
+
+COMMON_FIELDS = ("model", "prompts", "bos", "dtype", "device", "seed", "out")
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    """Fields shared by every experiment.
+
+    Attributes:
+        model: ``None``/``"bundled"`` for SmolLM2-135M-Instruct, else an HF name or local directory.
+        prompts: a prompt file (one per line, or a JSON list); ``None`` for the built-in set.
+        bos: ``auto`` (the tokenizer's own behaviour), ``yes`` or ``no``.
+        dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``.
+        device: ``cpu``, ``cuda``, ... (``None``: CUDA when available).
+        seed: seeds Python, NumPy and torch.
+        out: results root; a run goes to ``<out>/<experiment>/<run_id>/``.
+    """
+
+    model: str | None = None
+    prompts: str | None = None
+    bos: str = "auto"
+    dtype: str = "auto"
+    device: str | None = None
+    seed: int = 0
+    out: str = "runs"
+
+    def __post_init__(self) -> None:
+        if self.bos not in BOS_CHOICES:
+            raise ValueError(f"bos must be one of {BOS_CHOICES}, got {self.bos!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown config keys for {cls.__name__}: {sorted(unknown)}")
+        kwargs = dict(d)
+        for f in dataclasses.fields(cls):
+            if f.name in kwargs and isinstance(kwargs[f.name], list):
+                kwargs[f.name] = tuple(kwargs[f.name])
+        return cls(**kwargs)
+
+    def load_prompts(self) -> list[str]:
+        return builtin_prompts() if self.prompts is None else read_prompts(self.prompts)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def model_for(cfg: CommonConfig, model: Any = None) -> LoadedModel:
+    """``model`` if given (a LoadedModel, or an HF object is not accepted here), else load ``cfg.model``."""
+    if isinstance(model, LoadedModel):
+        return model
+    if model is not None:
+        raise TypeError("pass a LoadedModel (me_interp.load_model(...)) or None")
+    return load_model(cfg.model, bos=cfg.bos, dtype=cfg.dtype, device=cfg.device)
+
+
+# ------------------------------------------------------------------------------------------
+# command line
+# ------------------------------------------------------------------------------------------
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(element type, is_sequence) of a field annotation such as ``int | None`` or ``tuple[float, ...]``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0]) if len(args) == 1 else (str, False)
+    if origin in (tuple, list):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return (args[0] if args else str), True
+    if origin is typing.Literal:
+        return type(typing.get_args(tp)[0]), False
+    return tp, False
+
+
+def _parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "y", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
+
+
+def build_parser(config_cls: type, prog: str, description: str | None = None):
+    """An argparse parser with one ``--flag`` per config field (``_`` → ``-``)."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(description or "").strip().split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    hints = typing.get_type_hints(config_cls)
+    helps = {
+        "model": "model: omit for the bundled SmolLM2-135M-Instruct; else an HF name or local dir",
+        "prompts": "prompt file (one per line, or a JSON list); omit for the built-in prompts",
+        "bos": "prepend BOS: auto = the tokenizer's own behaviour",
+        "dtype": "auto = float32 on CPU, bfloat16 on GPU",
+        "device": "cpu, cuda, cuda:1, ... (default: cuda when available)",
+        "seed": "seed for every RNG",
+        "out": "results root directory",
+    }
+    for f in dataclasses.fields(config_cls):
+        flag = "--" + f.name.replace("_", "-")
+        tp, seq = _base_type(hints[f.name])
+        kwargs: dict[str, Any] = {"default": f.default, "help": helps.get(f.name, f.name)}
+        if f.name == "bos":
+            kwargs["choices"] = list(BOS_CHOICES)
+        elif f.name == "dtype":
+            kwargs["choices"] = ["auto", *sorted(DTYPES)]
+        if tp is bool:
+            kwargs["type"] = _parse_bool
+        elif tp in (int, float, str):
+            kwargs["type"] = tp
+        literal = typing.get_origin(hints[f.name]) is typing.Literal
+        if literal:
+            kwargs["choices"] = list(typing.get_args(hints[f.name]))
+        if seq:
+            kwargs["nargs"] = "+"
+        p.add_argument(flag, dest=f.name, **kwargs)
+    return p
+
+
+def config_from_args(config_cls: type, args: argparse.Namespace):
+    values = {}
+    for f in dataclasses.fields(config_cls):
+        v = getattr(args, f.name)
+        if isinstance(v, list):
+            v = tuple(v)
+        values[f.name] = v
+    return config_cls(**values)
+
+
+def cli_main(
+    name: str,
+    config_cls: type,
+    run: Callable[..., Any],
+    figures: Callable[[Any], Mapping[str, Any]] | None,
+    summary: Callable[[Any], str] | None,
+    argv: Sequence[str] | None = None,
+    description: str | None = None,
+) -> int:
+    """Parse ``argv``, run the experiment, write ``<out>/<name>/<run_id>/``, print a summary.
+
+    Returns 0 on success, 2 on bad input (with a one-line ``error:`` message on stderr).
+    """
+    parser = build_parser(config_cls, f"python -m me_interp.experiments.{name}", description)
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(config_cls, args)
+        seed_everything(cfg.seed)
+        model = model_for(cfg)
+        result = run(cfg, model)
+        figs = figures(result) if figures else {}
+        env = io.environment(model.info())
+        run_dir = io.write_run(cfg.out, name, cfg, result, env, figs)
+    except (ValueError, TypeError, FileNotFoundError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if summary:
+        print(summary(result))
+    print(f"results: {run_dir}")
+    return 0
+
+
+def fmt_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain fixed-width text table."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.3g}"
+        return str(v)
+
+    cells = [[cell(v) for v in r] for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    line = lambda r: "  ".join(str(v).rjust(w) for v, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, cells)])

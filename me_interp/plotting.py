@@ -1,0 +1,141 @@
+"""Figures as plotly ``go.Figure`` objects (never shown here: the caller decides).
+
+Conventions: x axes are 0-based layer indices (the hover shows 1-based too); the ME layer is marked
+with a dashed vertical line; norms are on log axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+SITE_TITLES = {
+    "resid_pre": "block input (resid_pre)",
+    "attn_in": "pre-attention RMSNorm output",
+    "attn_out": "attention output",
+    "resid_mid": "after attention (resid_mid)",
+    "ffn_in": "pre-FFN RMSNorm output",
+    "ffn_out": "FFN output",
+    "resid_post": "layer output (resid_post)",
+}
+
+
+def mark_layer(fig: go.Figure, layer: int | None, label: str = "ME layer", **kw) -> go.Figure:
+    """Add a dashed vertical line at ``layer`` (0-based) to every subplot."""
+    if layer is not None:
+        fig.add_vline(
+            x=layer,
+            line_dash="dash",
+            line_color="firebrick",
+            annotation_text=f"{label} {layer} (1-based {layer + 1})",
+            annotation_position="top left",
+            **kw,
+        )
+    return fig
+
+
+def layer_lines(
+    series: Mapping[str, Sequence[float]],
+    title: str,
+    yaxis_title: str,
+    me_layer: int | None = None,
+    log_y: bool = False,
+) -> go.Figure:
+    """One line per named series over layers."""
+    fig = go.Figure()
+    for name, ys in series.items():
+        xs = list(range(len(ys)))
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=list(ys),
+                mode="lines+markers",
+                name=name,
+                customdata=[x + 1 for x in xs],
+                hovertemplate="layer %{x} (1-based %{customdata}): %{y:.4g}<extra>" + name + "</extra>",
+            )
+        )
+    fig.update_layout(title=title, xaxis_title="layer (0-based)", yaxis_title=yaxis_title, template="plotly_white")
+    if log_y:
+        fig.update_yaxes(type="log")
+    return mark_layer(fig, me_layer)
+
+
+def site_norms_figure(
+    site_norms: Mapping[str, Mapping[str, Sequence[float]]],
+    me_layer: int | None,
+    model_name: str,
+) -> go.Figure:
+    """Figure-1 view: per-layer norm of the massive token vs the mean of the other tokens, per site."""
+    sites = list(site_norms)
+    cols = 3
+    rows = (len(sites) + cols - 1) // cols
+    fig = make_subplots(
+        rows=rows,
+        cols=cols,
+        subplot_titles=[SITE_TITLES.get(s, s) for s in sites],
+        horizontal_spacing=0.07,
+        vertical_spacing=0.14,
+    )
+    for i, s in enumerate(sites):
+        r, c = i // cols + 1, i % cols + 1
+        for key, color, label in (
+            ("massive", "firebrick", "massive token"),
+            ("others", "steelblue", "mean of other tokens"),
+        ):
+            ys = list(site_norms[s][key])
+            fig.add_trace(
+                go.Scatter(
+                    x=list(range(len(ys))),
+                    y=ys,
+                    mode="lines+markers",
+                    marker_size=4,
+                    line_color=color,
+                    name=label,
+                    legendgroup=key,
+                    showlegend=i == 0,
+                    hovertemplate="layer %{x}: ‖h‖ = %{y:.4g}<extra>" + label + "</extra>",
+                ),
+                row=r,
+                col=c,
+            )
+        fig.update_yaxes(type="log", title_text="L2 norm" if c == 1 else None, row=r, col=c)
+        fig.update_xaxes(title_text="layer (0-based)", row=r, col=c)
+        if me_layer is not None:
+            fig.add_vline(x=me_layer, line_dash="dash", line_color="gray", row=r, col=c)
+    me = "none found" if me_layer is None else f"{me_layer} (0-based) / {me_layer + 1} (1-based)"
+    fig.update_layout(
+        title=f"Token norms per layer — {model_name}<br><sup>median over prompts; dashed line: ME layer {me}</sup>",
+        template="plotly_white",
+        height=330 * rows + 120,
+    )
+    return fig
+
+
+def token_dim_heatmap(
+    values: Sequence[Sequence[float]],
+    token_labels: Sequence[str],
+    title: str,
+) -> go.Figure:
+    """|activation| per token (rows) × hidden dimension (columns)."""
+    labels = [f"{i}: {t!r}" for i, t in enumerate(token_labels)]
+    fig = go.Figure(
+        go.Heatmap(
+            z=[[abs(v) for v in row] for row in values],
+            y=labels,
+            colorscale="Viridis",
+            colorbar_title="|a|",
+            hovertemplate="token %{y}<br>dim %{x}<br>|a| = %{z:.4g}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=title,
+        xaxis_title="hidden dimension",
+        yaxis_title="token (position: text)",
+        yaxis_autorange="reversed",
+        template="plotly_white",
+        height=max(300, 24 * len(labels) + 150),
+    )
+    return fig

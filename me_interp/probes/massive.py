@@ -1,0 +1,237 @@
+"""Massive-activation detection over all positions, and ME-layer localisation.
+
+Detection, at each layer's output ``h_l`` (``resid_post``), per prompt and token (never only position 0):
+
+* ``"sun"`` (Sun et al. 2024): some value ``|a| > abs_threshold`` (100) **and**
+  ``|a| ≥ rel_threshold × median|a|`` (1000 ×, median over all real tokens and dims of that prompt's
+  layer output);
+* ``"norm"``: ``‖h_t‖ ≥ norm_ratio × median_{t'≠t} ‖h_{t'}‖``;
+* ``"either"`` / ``"both"``: the union / intersection.
+
+A layer *has* a massive activation when at least ``min_prompt_fraction`` of the prompts have a massive
+token there. The *massive dims* of a massive token are those of its ``top_k`` largest values that pass
+the value criterion (its top-1 dim when none does).
+
+**ME layer (operational definition).** An *emergence event* is a maximal run of consecutive layers
+whose outputs have a massive activation; it starts at layer ``l`` (0-based; ``l+1`` 1-based). Its *jump*
+is the median over prompts of ``R_l / R_{l-1}`` with ``R = max_t ‖h_t‖ / mean_{t≠argmax} ‖h_t‖`` (the
+embeddings stand in for ``R_{-1}``). Its *site* is the sub-layer that made most of the jump:
+``log(R_mid/R_pre)`` (attention) against ``log(R_post/R_mid)`` (FFN). The **ME layer** is the start
+layer of the event with the largest jump. Every event is reported, including precursors that vanish
+before the last layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+from jaxtyping import Bool
+
+from me_interp.probes.norms import NormScan, ratio_to_others, top_ratio
+
+CriterionKind = Literal["sun", "norm", "either", "both"]
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """Massive-activation criterion (see module docstring)."""
+
+    kind: CriterionKind = "sun"
+    abs_threshold: float = 100.0
+    rel_threshold: float = 1000.0
+    norm_ratio: float = 50.0
+    min_prompt_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("sun", "norm", "either", "both"):
+            raise ValueError(f"criterion kind must be sun/norm/either/both, got {self.kind!r}")
+        for f in ("abs_threshold", "rel_threshold", "norm_ratio"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+        if not 0 < self.min_prompt_fraction <= 1:
+            raise ValueError("min_prompt_fraction must be in (0, 1]")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def value_passes(scan: NormScan, crit: Criterion) -> Bool[torch.Tensor, "layer batch pos k"]:
+    """Which of each token's top-k values pass the value (Sun) criterion."""
+    med = scan.median_abs[:, :, None, None]
+    return (scan.top_abs > crit.abs_threshold) & (scan.top_abs >= crit.rel_threshold * med)
+
+
+def massive_tokens(scan: NormScan, crit: Criterion) -> Bool[torch.Tensor, "layer batch pos"]:
+    """Which (layer, prompt, position) are massive under ``crit``."""
+    sun = value_passes(scan, crit).any(-1)
+    norms = scan.site_norms("resid_post")  # [layer batch pos]
+    mask = scan.mask
+    T = mask.shape[-1]
+    # median of the *other* tokens' norms, per token
+    other_med = torch.full_like(norms, float("nan"))
+    for t in range(T):
+        others = mask.clone()
+        others[:, t] = False
+        vals = norms.masked_fill(~others, float("nan"))
+        other_med[..., t] = vals.nanmedian(dim=-1).values
+    by_norm = norms >= crit.norm_ratio * other_med  # NaN (single token) compares False
+    combined = {
+        "sun": sun,
+        "norm": by_norm,
+        "either": sun | by_norm,
+        "both": sun & by_norm,
+    }[crit.kind]
+    return combined & mask
+
+
+@dataclass(frozen=True)
+class Event:
+    """One emergence event (0-based layers; ``None`` end means it lasts to the last layer)."""
+
+    layer: int
+    layer_1based: int
+    last_layer: int
+    persists_to_end: bool
+    jump: float
+    site: Literal["attention", "ffn"]
+    attn_log_gain: float
+    ffn_log_gain: float
+    positions: list[list[int]]
+    dims: list[int]
+    prompt_fraction: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MELocation:
+    """Where massive activations are born: the ME layer, every event, per-layer statistics."""
+
+    criterion: Criterion
+    me_layer: int | None
+    events: list[Event]
+    layer_has_massive: list[bool]
+    prompt_fraction: list[float]
+    top_ratio: list[float]
+    max_over_median: list[float]
+    massive_positions: list[list[int]]
+    massive_dims: list[int]
+    reference_positions: list[int]
+    site_ratios: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def me_layer_1based(self) -> int | None:
+        return None if self.me_layer is None else self.me_layer + 1
+
+    @property
+    def me_event(self) -> Event | None:
+        return next((e for e in self.events if e.layer == self.me_layer), None)
+
+
+def _dims_at(scan: NormScan, crit: Criterion, massive: torch.Tensor, layer: int) -> list[int]:
+    passes = value_passes(scan, crit)[layer]  # [batch pos k]
+    counts: dict[int, int] = {}
+    for b, t in torch.nonzero(massive[layer]).tolist():
+        dims = scan.top_dims[layer, b, t][passes[b, t]].tolist() or [
+            int(scan.top_dims[layer, b, t, 0])
+        ]
+        for d in dims:
+            counts[d] = counts.get(d, 0) + 1
+    return sorted(counts, key=lambda d: (-counts[d], d))
+
+
+def _positions_at(massive: torch.Tensor, layer: int) -> list[list[int]]:
+    return [torch.nonzero(row).flatten().tolist() for row in massive[layer]]
+
+
+def _median(x: torch.Tensor) -> float:
+    return float(x.float().nanmedian())
+
+
+def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation:
+    """Find every emergence event and the ME layer from a :class:`NormScan` (see module docstring).
+
+    Raises:
+        ValueError: if a prompt has a single token (the ratios need other tokens).
+    """
+    crit = crit or Criterion()
+    mask = scan.mask
+    if (mask.sum(-1) < 2).any():
+        bad = int(torch.nonzero(mask.sum(-1) < 2)[0, 0])
+        raise ValueError(
+            f"prompt {bad} has a single token: the ME-layer scan compares each token with the other "
+            "tokens of its prompt, so every prompt needs at least 2 tokens"
+        )
+    n_layers = scan.n_layers
+    massive = massive_tokens(scan, crit)  # [layer batch pos]
+    frac = massive.any(-1).float().mean(-1)  # [layer]
+    has = [bool(f >= crit.min_prompt_fraction) for f in frac]
+
+    r_post = top_ratio(scan.site_norms("resid_post"), mask)  # [layer batch]
+    r_pre = top_ratio(scan.site_norms("resid_pre"), mask) if "resid_pre" in scan.sites else None
+    r_mid = top_ratio(scan.site_norms("resid_mid"), mask) if "resid_mid" in scan.sites else None
+
+    events: list[Event] = []
+    layer = 0
+    while layer < n_layers:
+        if not has[layer]:
+            layer += 1
+            continue
+        start = layer
+        while layer + 1 < n_layers and has[layer + 1]:
+            layer += 1
+        before = r_post[start - 1] if start > 0 else (r_pre[0] if r_pre is not None else None)
+        jump = _median(r_post[start] / before) if before is not None else math.inf
+        if r_pre is not None and r_mid is not None:
+            attn_gain = _median(torch.log(r_mid[start] / r_pre[start]))
+            ffn_gain = _median(torch.log(r_post[start] / r_mid[start]))
+        else:
+            attn_gain = ffn_gain = float("nan")
+        events.append(
+            Event(
+                layer=start,
+                layer_1based=start + 1,
+                last_layer=layer,
+                persists_to_end=layer == n_layers - 1,
+                jump=jump,
+                site="ffn" if not ffn_gain < attn_gain else "attention",
+                attn_log_gain=attn_gain,
+                ffn_log_gain=ffn_gain,
+                positions=_positions_at(massive, start),
+                dims=_dims_at(scan, crit, massive, start),
+                prompt_fraction=float(frac[start]),
+            )
+        )
+        layer += 1
+
+    me_event = max(events, key=lambda e: (e.jump, -e.layer)) if events else None
+    me_layer = None if me_event is None else me_event.layer
+    mask_norms = scan.site_norms("resid_post")
+    if me_layer is not None:
+        ref_norm = torch.where(massive[me_layer], mask_norms[me_layer], torch.full((), -1.0))
+        has_ref = massive[me_layer].any(-1)
+        reference = torch.where(has_ref, ref_norm.argmax(-1), torch.zeros_like(has_ref, dtype=torch.long))
+    else:
+        reference = torch.zeros(mask.shape[0], dtype=torch.long)
+    site_ratios = {
+        s: [_median(v) for v in ratio_to_others(scan.site_norms(s), mask, reference)]
+        for s in scan.sites
+    }
+    max_abs = scan.top_abs[..., 0].masked_fill(~mask, 0).amax(-1)  # [layer batch]
+    return MELocation(
+        criterion=crit,
+        me_layer=me_layer,
+        events=events,
+        layer_has_massive=has,
+        prompt_fraction=[float(f) for f in frac],
+        top_ratio=[_median(r) for r in r_post],
+        max_over_median=[_median(m) for m in max_abs / scan.median_abs],
+        massive_positions=_positions_at(massive, me_layer) if me_layer is not None else [],
+        massive_dims=_dims_at(scan, crit, massive, me_layer) if me_layer is not None else [],
+        reference_positions=reference.tolist(),
+        site_ratios=site_ratios,
+    )
