@@ -14,7 +14,9 @@ Sources, in the order they are tried:
   The cache carries a manifest with the weights' SHA-256 and is rebuilt whenever it does not verify.
 * a local directory written by ``save_pretrained``;
 * an HF hub name (works wherever the hub or a local HF cache is reachable);
-* an already-built HF ``PreTrainedModel`` (pass its tokenizer too).
+* an already-built HF ``PreTrainedModel`` (pass its tokenizer too);
+* ``"synthetic:planted"``, ``"synthetic:twin"``, ``"synthetic:tiny-llama"``, ``"synthetic:tiny-qwen3"``:
+  the tiny models of :mod:`me_interp.synthetic` (tests, demos; their prompts are words ``w0 … w59``).
 
 Supported: decoder-only models with RMSNorm and a gated (SwiGLU-style) FFN — Llama, Qwen2/2.5/3,
 Mistral, SmolLM and kin. Anything else raises :class:`UnsupportedArchitectureError`.
@@ -459,7 +461,8 @@ def load_model(
 
     Args:
         model: ``None`` or ``"bundled"`` (SmolLM2-135M-Instruct), a local directory, an HF name, an
-            HF ``PreTrainedModel``, or an existing :class:`LoadedModel` (returned as is).
+            HF ``PreTrainedModel``, ``"synthetic:<kind>"`` (:mod:`me_interp.synthetic`), or an
+            existing :class:`LoadedModel` (returned as is).
         tokenizer: the tokenizer, required with an HF model object.
         bos: ``"auto"`` (the tokenizer's own behaviour), ``"yes"`` or ``"no"``.
         dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (fp32 on CPU, bf16 on GPU).
@@ -485,6 +488,10 @@ def load_model(
             shutil.rmtree(path, ignore_errors=True)  # verified but unloadable: rebuild once
             hf, tok = _load_hf_dir(str(ensure_bundled_cache()), dt, dev)
         name, boot_name = BUNDLED_DISPLAY_NAME, str(path)
+    elif isinstance(model, str) and model.startswith(SYNTHETIC_PREFIX):
+        hf, tok = _synthetic(model)
+        hf = hf.to(device=dev, dtype=dt)
+        name = boot_name = model
     elif isinstance(model, (str, os.PathLike)):
         hf, tok = _load_hf_dir(str(model), dt, dev)
         name = boot_name = str(model)
@@ -506,6 +513,29 @@ def load_model(
     hf.eval()
     bridge = _boot(boot_name, hf, tok, dev, dt)
     return LoadedModel(bridge, hf, tok, name=name, bos=bos, dtype=dt, device=dev)
+
+
+SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_MODELS = ("planted", "twin", "tiny-llama", "tiny-qwen3")
+
+
+def _synthetic(spec: str):
+    """``synthetic:planted`` / ``synthetic:twin`` / ``synthetic:tiny-llama`` / ``synthetic:tiny-qwen3``."""
+    from me_interp import synthetic
+
+    kind = spec.removeprefix(SYNTHETIC_PREFIX)
+    if kind == "planted":
+        return synthetic.planted_llama()[:2]
+    if kind == "twin":
+        return synthetic.planted_llama(plant=False)[:2]
+    if kind == "tiny-llama":
+        return synthetic.tiny_llama()
+    if kind == "tiny-qwen3":
+        return synthetic.tiny_qwen3()
+    raise ModelLoadError(
+        f"unknown synthetic model {spec!r}; choose one of "
+        + ", ".join(SYNTHETIC_PREFIX + k for k in SYNTHETIC_MODELS)
+    )
 
 
 def _boot(name: str, hf: Any, tok: Any, device: torch.device, dtype: torch.dtype):

@@ -235,3 +235,11 @@ def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation
         reference_positions=reference.tolist(),
         site_ratios=site_ratios,
     )
+
+
+def find_me_layer(model, batch, criterion: Criterion | None = None, fwd_hooks=()) -> MELocation:
+    """Scan ``batch`` (with optional intervention hooks) and localise the ME layer in one call."""
+    from me_interp import names
+    from me_interp.probes.norms import scan_norms
+
+    return locate_me_layer(scan_norms(model, batch, names.SITES, extra_hooks=list(fwd_hooks)), criterion)
