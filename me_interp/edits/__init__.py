@@ -1,0 +1,1 @@
+"""Weight edits as context managers that always restore the original weights."""

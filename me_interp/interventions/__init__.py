@@ -1,0 +1,1 @@
+"""Hook factories (TransformerLens and HF): interventions never mutate the model."""
