@@ -453,7 +453,7 @@ def load_model(
     model: Any = None,
     *,
     tokenizer: Any = None,
-    bos: BosChoice = "auto",
+    bos: str = "auto",
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
 ) -> LoadedModel:

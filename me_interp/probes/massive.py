@@ -39,7 +39,7 @@ CriterionKind = Literal["sun", "norm", "either", "both"]
 class Criterion:
     """Massive-activation criterion (see module docstring)."""
 
-    kind: CriterionKind = "sun"
+    kind: str = "sun"  # one of CriterionKind; validated in __post_init__
     abs_threshold: float = 100.0
     rel_threshold: float = 1000.0
     norm_ratio: float = 50.0

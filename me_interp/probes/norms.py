@@ -34,7 +34,7 @@ class NormScan:
     median_abs: Float[torch.Tensor, "layer batch"]
     mask: Bool[torch.Tensor, "batch pos"]
     kept_prompt: int
-    kept_resid: Float[torch.Tensor, "layer pos d_model"]
+    kept_resid: Float[torch.Tensor, "layer kept_pos d_model"]
 
     def site_norms(self, site: str) -> Float[torch.Tensor, "layer batch pos"]:
         if site not in self.sites:

@@ -1,0 +1,166 @@
+"""Massive-activation detection and ME-layer localisation: hand-built scans, planted models, real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from me_interp.probes.massive import Criterion, locate_me_layer, massive_tokens
+from me_interp.probes.norms import NormScan, scan_norms
+
+
+def _scan(resid_norms: torch.Tensor, top: torch.Tensor, median: torch.Tensor, mask=None) -> NormScan:
+    """A NormScan from per-layer resid norms [layer batch pos] and top-1 |a| [layer batch pos]."""
+    L, B, T = resid_norms.shape
+    mask = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
+    pre = torch.cat([torch.ones(1, B, T), resid_norms[:-1]])
+    norms = torch.stack([pre, resid_norms, resid_norms])  # resid_pre, resid_mid (= pre: FFN made it), post
+    norms[1] = pre
+    return NormScan(
+        sites=("resid_pre", "resid_mid", "resid_post"),
+        norms=norms,
+        top_abs=top[..., None].expand(L, B, T, 2).clone(),
+        top_dims=torch.tensor([5, 9]).expand(L, B, T, 2).clone(),
+        median_abs=median,
+        mask=mask,
+        kept_prompt=0,
+        kept_resid=torch.zeros(L, T, 3),
+    )
+
+
+def _precursor_then_me():
+    """6 layers, 2 prompts, 4 tokens: a precursor at layer 1 that dies at 3, the real event at 4."""
+    L, B, T = 6, 2, 4
+    norms = torch.ones(L, B, T)
+    top = torch.full((L, B, T), 0.5)
+    median = torch.full((L, B), 0.3)
+    norms[1:3, :, 0] = 20.0  # precursor: ratio 20
+    top[1:3, :, 0] = 400.0  # 400 > 100 and >= 1000 * 0.3
+    norms[4:, :, 0] = 2000.0  # ME: ratio 2000
+    top[4:, :, 0] = 1500.0
+    return _scan(norms, top, median)
+
+
+def test_events_include_a_vanishing_precursor():
+    loc = locate_me_layer(_precursor_then_me())
+    assert [(e.layer, e.last_layer, e.persists_to_end) for e in loc.events] == [(1, 2, False), (4, 5, True)]
+    assert loc.me_layer == 4 and loc.me_layer_1based == 5
+    assert loc.events[0].jump == pytest.approx(20.0) and loc.events[1].jump == pytest.approx(2000.0)
+    assert loc.me_event.site == "ffn"
+    assert loc.massive_positions == [[0], [0]] and loc.massive_dims == [5, 9]
+
+
+def test_sun_criterion_thresholds_are_both_needed():
+    scan = _precursor_then_me()
+    # raise the relative threshold so the precursor (400 / 0.3 = 1333x) no longer counts
+    loc = locate_me_layer(scan, Criterion(rel_threshold=2000.0))
+    assert [e.layer for e in loc.events] == [4]
+    # raise the absolute threshold above 1500: nothing is massive
+    assert locate_me_layer(scan, Criterion(abs_threshold=1600.0)).me_layer is None
+
+
+def test_norm_criterion_and_combinations():
+    scan = _precursor_then_me()
+    by_norm = massive_tokens(scan, Criterion(kind="norm", norm_ratio=50.0))
+    assert by_norm[:, 0, 0].tolist() == [False, False, False, False, True, True]
+    either = massive_tokens(scan, Criterion(kind="either", norm_ratio=50.0))
+    both = massive_tokens(scan, Criterion(kind="both", norm_ratio=50.0))
+    assert either[:, 0, 0].tolist() == [False, True, True, False, True, True]
+    assert both[:, 0, 0].tolist() == by_norm[:, 0, 0].tolist()
+
+
+def test_min_prompt_fraction():
+    scan = _precursor_then_me()
+    scan.top_abs[1:3, 1] = 0.5  # precursor only in prompt 0
+    assert [e.layer for e in locate_me_layer(scan, Criterion(min_prompt_fraction=0.5)).events] == [1, 4]
+    assert [e.layer for e in locate_me_layer(scan, Criterion(min_prompt_fraction=1.0)).events] == [4]
+
+
+def test_detection_covers_all_positions():
+    scan = _precursor_then_me()
+    scan.top_abs[4:, 1, 2] = 1500.0  # a second massive token at position 2 of prompt 1
+    loc = locate_me_layer(scan)
+    assert loc.massive_positions == [[0], [0, 2]]
+
+
+def test_bad_criterion():
+    with pytest.raises(ValueError, match="criterion kind"):
+        Criterion(kind="loud")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_prompt_fraction"):
+        Criterion(min_prompt_fraction=0.0)
+    with pytest.raises(ValueError, match="abs_threshold"):
+        Criterion(abs_threshold=-1)
+
+
+# -- planted models: the answer is known by construction -----------------------------------
+
+
+def test_planted_me_layer_is_found_exactly(planted, planted_prompts):
+    model, plant = planted
+    loc = locate_me_layer(scan_norms(model, model.tokenize(planted_prompts)))
+    assert loc.me_layer == plant.layer and loc.me_layer_1based == plant.layer + 1
+    assert len(loc.events) == 1
+    ev = loc.events[0]
+    assert ev.site == "ffn" and ev.persists_to_end
+    assert loc.massive_dims == [plant.massive_dim]
+    assert loc.massive_positions == [[0]] * len(planted_prompts)
+    # before the planted layer nothing is massive; after it the ratio stays put (carried unchanged)
+    assert max(loc.top_ratio[: plant.layer]) < 2.0
+    assert min(loc.top_ratio[plant.layer :]) > 100.0
+
+
+def test_unplanted_twin_has_no_me_layer(twin, planted_prompts):
+    model, _ = twin
+    for kind in ("sun", "norm", "either"):
+        loc = locate_me_layer(scan_norms(model, model.tokenize(planted_prompts)), Criterion(kind=kind))
+        assert loc.me_layer is None and loc.events == [] and loc.massive_dims == []
+
+
+def test_planted_sink_token_found_at_every_position(planted):
+    model, plant = planted
+    batch = model.tokenize(["w1 w2 <s> w3 w4", "w5 w6 w7 w8"])  # <s> is the planted sink token
+    loc = locate_me_layer(scan_norms(model, batch))
+    assert loc.massive_positions == [[0, 3], [0]]
+
+
+def test_planted_without_bos_has_no_massive_activation(planted, planted_prompts):
+    from me_interp.models import LoadedModel
+
+    model, _ = planted
+    no_bos = LoadedModel(model.bridge, model.hf, model.tokenizer, "p", "no", model.dtype, model.device)
+    loc = locate_me_layer(scan_norms(no_bos, no_bos.tokenize(planted_prompts)))
+    assert loc.me_layer is None
+
+
+def test_one_token_prompt_is_rejected(planted):
+    model, _ = planted
+    scan = scan_norms(model, model.tokenize(["w1 w2 w3", "w4"]))  # "w4" -> [<s>, w4]; fine
+    locate_me_layer(scan)
+    from me_interp.models import LoadedModel
+
+    no_bos = LoadedModel(model.bridge, model.hf, model.tokenizer, "p", "no", model.dtype, model.device)
+    scan = scan_norms(no_bos, no_bos.tokenize(["w1 w2 w3", "w4"]))
+    with pytest.raises(ValueError, match="single token"):
+        locate_me_layer(scan)
+
+
+# -- the bundled real model ------------------------------------------------------------------
+
+
+def test_bundled_me_event(bundled):
+    from me_interp.prompts import builtin_prompts
+
+    loc = locate_me_layer(scan_norms(bundled, bundled.tokenize(builtin_prompts())))
+    me = loc.me_layer
+    assert me is not None and 5 <= me <= 20  # measured: 11
+    assert me == 11
+    ev = loc.me_event
+    assert ev.site == "ffn"
+    assert 50 < ev.jump < 500  # measured: ~133
+    assert 507 in loc.massive_dims[:2]
+    assert all(0 in ps for ps in loc.massive_positions)
+    assert 0.5 < loc.site_ratios["resid_post"][me - 1] < 3.0  # measured: ~1.0
+    assert 100 < loc.site_ratios["resid_post"][me] < 300  # measured: ~165
+    assert 300 < loc.site_ratios["ffn_out"][me] < 2000  # measured: ~675
+    assert 2000 < loc.max_over_median[me] < 50000  # measured: ~10000
+    assert loc.site_ratios["resid_post"][-1] < 30  # decays in the last layers (~8)
