@@ -89,7 +89,7 @@ def test_bad_criterion():
     with pytest.raises(ValueError, match="min_prompt_fraction"):
         Criterion(min_prompt_fraction=0.0)
     with pytest.raises(ValueError, match="abs_threshold"):
-        Criterion(abs_threshold=-1)
+        Criterion(abs_threshold=-1.0)
 
 
 # -- planted models: the answer is known by construction -----------------------------------
