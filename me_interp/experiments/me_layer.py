@@ -214,6 +214,41 @@ def summary(result: Result) -> str:
     return "\n".join(lines)
 
 
+def verdicts(result: Result) -> list[dict[str, Any]]:
+    """Claim 1 of the paper (sudden emergence at one layer, by the FFN, carried by the residual)."""
+    loc = result.location
+    ev = loc.me_event
+    if ev is None:
+        return [
+            {
+                "claim": "Massive activations appear suddenly at one layer (the ME layer)",
+                "measured": "no layer output meets the massive criterion",
+                "holds": False,
+            }
+        ]
+    n = len(loc.top_ratio)
+    carried = ev.last_layer - ev.layer + 1
+    return [
+        {
+            "claim": "Massive activations appear suddenly at one layer (the ME layer)",
+            "measured": f"ME layer {ev.layer} (1-based {ev.layer + 1}): norm ratio jumps x{ev.jump:.3g} "
+            f"in one layer; {len(loc.events)} emergence event(s)",
+            "holds": ev.jump >= 10,
+        },
+        {
+            "claim": "The ME layer's FFN (not its attention) creates the massive activation",
+            "measured": f"log-ratio gain FFN {ev.ffn_log_gain:.3g} vs attention {ev.attn_log_gain:.3g}",
+            "holds": ev.site == "ffn",
+        },
+        {
+            "claim": "The residual stream then carries it to the last layer",
+            "measured": f"massive at {carried} of the {n - ev.layer} layers from the ME layer on "
+            f"(to layer {ev.last_layer}); last-layer ratio {loc.top_ratio[-1]:.3g}",
+            "holds": ev.persists_to_end,
+        },
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
 

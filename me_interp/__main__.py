@@ -1,0 +1,49 @@
+"""``python -m me_interp`` / ``me-interp``: the whole battery on one model and one HTML report.
+
+    python -m me_interp                      # bundled model, every experiment, report in runs/report.html
+    python -m me_interp --only me_layer mechanism --out runs/quick
+    python -m me_interp --model Qwen/Qwen3-4B --device cuda --dtype bfloat16
+
+An interrupted battery resumes: re-run the same command and finished experiments are skipped
+(``--fresh`` re-runs everything).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from me_interp.experiments.common import CommonConfig, build_parser, config_from_args
+from me_interp.models import ModelLoadError
+from me_interp.report import EXPERIMENTS, REPORT_FILE, run_battery
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(CommonConfig, "python -m me_interp", __doc__)
+    parser.add_argument("--only", nargs="+", choices=EXPERIMENTS, help="run only these experiments")
+    parser.add_argument("--skip", nargs="+", choices=EXPERIMENTS, default=[], help="skip these")
+    parser.add_argument("--fresh", action="store_true", help="re-run experiments already finished")
+    args = parser.parse_args(argv)
+    chosen = [e for e in (args.only or EXPERIMENTS) if e not in args.skip]
+    try:
+        cfg = config_from_args(CommonConfig, args)
+        state = run_battery(
+            cfg, chosen, progress=lambda line: print(line, file=sys.stderr, flush=True), fresh=args.fresh
+        )
+    except (ValueError, TypeError, FileNotFoundError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    failed = [n for n in chosen if state["experiments"].get(n, {}).get("status") != "done"]
+    for n in chosen:
+        e = state["experiments"].get(n, {})
+        for v in e.get("verdicts", []):
+            mark = {True: "holds", False: "does NOT hold", None: "inconclusive"}[v.get("holds")]
+            print(f"{n:22s} {mark:14s} {v['claim']}: {v['measured']}")
+        if e.get("status") == "failed":
+            print(f"{n:22s} FAILED         {e['error']}")
+    print(f"report: {cfg.out}/{REPORT_FILE}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
