@@ -1,0 +1,247 @@
+"""FFN concentration: is the massive token's FFN signal concentrated on few coordinates, and which neurons?
+
+For a gated FFN ``FFN(ĥ) = W_down( σ(W_gate ĥ) ⊙ W_up ĥ )`` (paper.md §2, claim 3), at each stage
+``s`` of each layer and for every token ``t``:
+
+* concentration (Herfindahl index / inverse participation ratio)
+  ``C_t = Σ_i (h_{t,i}² / Σ_j h_{t,j}²)²`` — ``1`` for a one-hot vector, ``1/d`` for a flat one;
+* ``ΔC = C_m − mean_{t≠m} C_t`` over the real tokens (``m`` = the massive token, position 0 by default),
+  averaged over prompts; the paper expects it large only at the ME layer, for every projection;
+* FFN magnification of a token: ``‖FFN(ĥ_t)‖₂ / ‖ĥ_t‖₂`` with ``ĥ_t`` the pre-FFN RMSNorm output (after
+  the gain), which the paper expects to peak at the ME layer for the massive token.
+
+Stages (:data:`STAGES`): ``"input"`` = ``ĥ`` (``blocks.L.ln2.hook_out``), ``"gate"`` = ``W_gate ĥ`` before
+the activation (``mlp.hook_pre``), ``"up"`` = ``W_up ĥ`` (``mlp.hook_pre_linear``), ``"product"`` =
+``σ(W_gate ĥ) ⊙ W_up ĥ`` (``mlp.hook_post``, the input of ``W_down``), ``"down"`` = the FFN output
+(``hook_mlp_out``).
+
+Neuron contributions (:func:`neuron_contributions`): the massive token's FFN output is
+``y = Σ_n a_n W_down[:, n]`` with ``a`` the product stage, so neuron ``n`` explains the share
+``s_n = a_n ⟨W_down[:, n], y⟩ / ‖y‖²`` of it (signed projection; ``Σ_n s_n = 1`` exactly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from jaxtyping import Bool, Float, Int
+
+from me_interp import names
+from me_interp.models import Batch, LoadedModel
+from me_interp.probes.alignment import delta_vs_others, others_mean, reference_positions
+
+STAGES = ("input", "gate", "up", "product", "down")
+PROJECTIONS = ("gate", "up", "product", "down")
+_STAGE_SITE = {
+    "input": "ffn_in",
+    "gate": "ffn_gate",
+    "up": "ffn_up",
+    "product": "ffn_act",
+    "down": "ffn_out",
+}
+
+
+def concentration(h: Float[torch.Tensor, "*tok d"]) -> Float[torch.Tensor, "*tok"]:
+    """Herfindahl index ``C = Σ_i (h_i² / Σ_j h_j²)²`` along the last dim (NaN for a zero vector)."""
+    e = h.float() ** 2
+    p = e / e.sum(-1, keepdim=True)
+    return (p**2).sum(-1)
+
+
+@dataclass(frozen=True)
+class FFNScan:
+    """What :func:`ffn_scan` measured. Layers are 0-based."""
+
+    conc: dict[str, Float[torch.Tensor, "layer batch pos"]]
+    in_norm: Float[torch.Tensor, "layer batch pos"]
+    out_norm: Float[torch.Tensor, "layer batch pos"]
+    act_at_ref: Float[torch.Tensor, "layer batch d_mlp"]
+    out_at_ref: Float[torch.Tensor, "layer batch d_model"]
+    mask: Bool[torch.Tensor, "batch pos"]
+    reference: Int[torch.Tensor, " batch"]
+
+    def delta_c(self, stage: str) -> Float[torch.Tensor, "layer batch"]:
+        """``ΔC`` at ``stage`` per layer and prompt."""
+        if stage not in self.conc:
+            raise ValueError(f"unknown FFN stage {stage!r}; choose from {STAGES}")
+        return delta_vs_others(self.conc[stage], self.mask, self.reference)
+
+    def massive_c(self, stage: str) -> Float[torch.Tensor, "layer batch"]:
+        return self.conc[stage][:, torch.arange(len(self.reference)), self.reference]
+
+    def others_c(self, stage: str) -> Float[torch.Tensor, "layer batch"]:
+        return others_mean(self.conc[stage], self.mask, self.reference)
+
+    def magnification(self) -> Float[torch.Tensor, "layer batch"]:
+        """``‖FFN out‖ / ‖FFN in‖`` of the massive token per layer and prompt."""
+        idx = torch.arange(len(self.reference))
+        return (self.out_norm / self.in_norm)[:, idx, self.reference]
+
+    def magnification_others(self) -> Float[torch.Tensor, "layer batch"]:
+        """Mean over the other real tokens of ``‖FFN out‖ / ‖FFN in‖``."""
+        return others_mean(self.out_norm / self.in_norm, self.mask, self.reference)
+
+
+def _record_stage(x, hook, *, layer, out):
+    out[layer] = concentration(x.detach()).cpu()
+    return x
+
+
+def _record_ends(x, hook, *, layer, norm_out, at_ref, ref):
+    h = x.detach().float()
+    norm_out[layer] = h.norm(dim=-1).cpu()
+    if at_ref is not None:
+        at_ref[layer] = h[torch.arange(h.shape[0], device=h.device), ref.to(h.device)].cpu()
+    return x
+
+
+def _record_act(x, hook, *, layer, at_ref, ref):
+    h = x.detach().float()
+    at_ref[layer] = h[torch.arange(h.shape[0], device=h.device), ref.to(h.device)].cpu()
+    return x
+
+
+def ffn_scan(
+    model: LoadedModel,
+    batch: Batch,
+    positions: Sequence[int] | None = None,
+    fwd_hooks: Sequence = (),
+) -> FFNScan:
+    """Concentration at every FFN stage, in/out norms, and the massive token's neuron activations.
+
+    One forward, statistics computed in the hooks (no cache).
+
+    Args:
+        positions: the massive token of each prompt (``None``: position 0).
+        fwd_hooks: interventions to run in the same forward.
+    """
+    ref = reference_positions(batch, positions)
+    L, (B, T) = model.n_layers, batch.tokens.shape
+    conc = {s: torch.full((L, B, T), float("nan")) for s in STAGES}
+    in_norm = torch.full((L, B, T), float("nan"))
+    out_norm = torch.full((L, B, T), float("nan"))
+    act_at_ref = torch.zeros(L, B, model.d_mlp)
+    out_at_ref = torch.zeros(L, B, model.d_model)
+    hooks = []
+    for layer in range(L):
+        for s in STAGES:
+            hooks.append(
+                (names.site(_STAGE_SITE[s], layer), partial(_record_stage, layer=layer, out=conc[s]))
+            )
+        hooks.append(
+            (
+                names.ffn_in(layer),
+                partial(_record_ends, layer=layer, norm_out=in_norm, at_ref=None, ref=ref),
+            )
+        )
+        hooks.append(
+            (
+                names.ffn_out(layer),
+                partial(_record_ends, layer=layer, norm_out=out_norm, at_ref=out_at_ref, ref=ref),
+            )
+        )
+        hooks.append(
+            (
+                names.site("ffn_act", layer),
+                partial(_record_act, layer=layer, at_ref=act_at_ref, ref=ref),
+            )
+        )
+    model.run_with_hooks(batch, [*fwd_hooks, *hooks])
+    mask = batch.attention_mask.bool().cpu()
+    nan = float("nan")
+    return FFNScan(
+        conc={s: v.masked_fill(~mask, nan) for s, v in conc.items()},
+        in_norm=in_norm.masked_fill(~mask, nan),
+        out_norm=out_norm.masked_fill(~mask, nan),
+        act_at_ref=act_at_ref,
+        out_at_ref=out_at_ref,
+        mask=mask,
+        reference=ref,
+    )
+
+
+def neuron_contributions(
+    act: Float[torch.Tensor, "batch d_mlp"], w_down: Float[torch.Tensor, "d_model d_mlp"]
+) -> Float[torch.Tensor, "batch d_mlp"]:
+    """Share ``s_n = a_n ⟨W_down[:, n], y⟩ / ‖y‖²`` of the FFN output ``y = W_down a`` per neuron.
+
+    ``Σ_n s_n = 1`` for every row (NaN when ``y = 0``).
+    """
+    a = act.float()
+    W = w_down.detach().float().to(a.device)
+    y = a @ W.T  # [batch d_model]
+    proj = y @ W  # [batch d_mlp] = <W_down[:, n], y>
+    return a * proj / (y**2).sum(-1, keepdim=True)
+
+
+@dataclass(frozen=True)
+class NeuronTable:
+    """Top FFN neurons of one layer by their share of the massive token's FFN output."""
+
+    layer: int
+    neurons: list[int]
+    mean_share: list[float]
+    mean_activation: list[float]
+    mean_contribution_norm: list[float]
+    n_prompts: int
+
+    def to_dict(self) -> dict:
+        return {
+            "layer": self.layer,
+            "layer_1based": self.layer + 1,
+            "n_prompts": self.n_prompts,
+            "neurons": [
+                {
+                    "neuron": n,
+                    "share": s,
+                    "activation": a,
+                    "contribution_norm": c,
+                }
+                for n, s, a, c in zip(
+                    self.neurons,
+                    self.mean_share,
+                    self.mean_activation,
+                    self.mean_contribution_norm,
+                )
+            ],
+        }
+
+
+def top_neurons(model: LoadedModel, scan: FFNScan, layer: int, top: int = 10) -> NeuronTable:
+    """The ``top`` neurons of ``layer`` ranked by mean share of the massive token's FFN output.
+
+    ``contribution_norm = |a_n| ‖W_down[:, n]‖`` (mean over prompts).
+    """
+    model.check_layer(layer)
+    if top < 1:
+        raise ValueError("top must be >= 1")
+    act = scan.act_at_ref[layer]  # [batch d_mlp]
+    w_down = model.ffn_weights(layer).down
+    share = neuron_contributions(act, w_down).mean(0)
+    top = min(top, share.shape[0])
+    order = torch.sort(share, descending=True, stable=True).indices[:top]
+    col_norm = w_down.detach().float().norm(dim=0).cpu()
+    contrib = (act.abs() * col_norm).mean(0)
+    return NeuronTable(
+        layer=layer,
+        neurons=order.tolist(),
+        mean_share=share[order].tolist(),
+        mean_activation=act.mean(0)[order].tolist(),
+        mean_contribution_norm=contrib[order].tolist(),
+        n_prompts=int(act.shape[0]),
+    )
+
+
+__all__ = [
+    "FFNScan",
+    "NeuronTable",
+    "PROJECTIONS",
+    "STAGES",
+    "concentration",
+    "ffn_scan",
+    "neuron_contributions",
+    "top_neurons",
+]
