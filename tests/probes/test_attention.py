@@ -1,0 +1,113 @@
+"""Attention probes: entropy fixed points, sink rate, BOS metric, re-derivations, the planted sink."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from me_interp import names
+from me_interp.probes.attention import (
+    attention_entropy,
+    attention_probe,
+    attention_stats,
+    head_sink_rate,
+    sink_rate,
+)
+
+
+def test_entropy_fixed_points():
+    for n in (1, 2, 7, 64):
+        assert attention_entropy(torch.full((n,), 1.0 / n)).item() == pytest.approx(math.log(n), abs=1e-5)
+    one_hot = torch.zeros(9)
+    one_hot[3] = 1.0
+    assert attention_entropy(one_hot).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_entropy_matches_numpy():
+    a = torch.softmax(torch.randn(3, 5, 11), -1)
+    an = a.double().numpy()
+    np.testing.assert_allclose(attention_entropy(a).numpy(), -(an * np.log(an)).sum(-1), rtol=1e-5)
+
+
+def test_sink_rate_matches_a_count():
+    to = torch.rand(4, 6, 5)
+    got = sink_rate(to, 0.3)
+    for layer in range(4):
+        want = sum(float(to[layer, b, h]) > 0.3 for b in range(6) for h in range(5)) / 30
+        assert got[layer].item() == pytest.approx(want)
+    per_head = head_sink_rate(to, 0.3)
+    assert per_head.shape == (4, 5)
+    assert torch.allclose(per_head.mean(-1), got)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="eps"):
+            sink_rate(to, bad)
+        with pytest.raises(ValueError, match="eps"):
+            head_sink_rate(to, bad)
+
+
+def test_probe_matches_a_full_capture(tiny_nobos, word_prompts, capture):
+    model = tiny_nobos
+    batch = model.tokenize(word_prompts)
+    ref = [1, 0, 2, 3]
+    mpos = [[1, 3], [0], [2, 0], [3]]
+    ap = attention_probe(model, batch, reference=ref, massive_positions=mpos, eps=0.2)
+    acts = capture(model, batch, {f"p{L}": names.pattern(L) for L in range(3)})
+    for L in range(3):
+        A = acts[f"p{L}"].double().numpy()  # [batch head q k]
+        for b, n in enumerate(batch.lengths):
+            queries = list(range(1, n))
+            second = [q for q in queries if q >= n // 2]
+            for h in range(model.n_heads):
+                to = np.mean([A[b, h, q, ref[b]] for q in queries])
+                assert ap.to_ref[L, b, h].item() == pytest.approx(to, rel=1e-5)
+                ent = np.mean([-(A[b, h, q, :n] * np.log(np.maximum(A[b, h, q, :n], 1e-30))).sum() for q in queries])
+                assert ap.entropy[L, b, h].item() == pytest.approx(ent, rel=1e-5, abs=1e-6)
+                bos = np.mean([A[b, h, q, 0] for q in second])
+                assert ap.bos[L, b, h].item() == pytest.approx(bos, rel=1e-5)
+                for p in (0, 1, 2, 3):
+                    v = ap.to_each[p][L, b, h].item()
+                    if p in mpos[b]:
+                        assert v == pytest.approx(np.mean([A[b, h, q, p] for q in queries]), rel=1e-5)
+                    else:
+                        assert math.isnan(v)
+    assert ap.sink_rate() == sink_rate(ap.to_ref, 0.2).tolist()
+    assert sorted(ap.to_each) == [0, 1, 2, 3]
+
+
+def test_attention_stats_keeps_working_and_agrees(tiny_nobos, word_prompts):
+    batch = tiny_nobos.tokenize(word_prompts)
+    st = attention_stats(tiny_nobos, batch)
+    ap = attention_probe(tiny_nobos, batch)
+    assert torch.allclose(st.to_positions, ap.to_ref, atol=1e-6)
+    assert torch.allclose(st.entropy, ap.entropy, atol=1e-6)
+    assert len(st.mean_to_positions()) == tiny_nobos.n_layers
+
+
+def test_bad_inputs(tiny_nobos, word_prompts):
+    batch = tiny_nobos.tokenize(word_prompts)
+    with pytest.raises(ValueError, match="outside prompt 2"):
+        attention_probe(tiny_nobos, batch, reference=[0, 0, 3, 0])
+    with pytest.raises(ValueError, match="rows for 4 prompts"):
+        attention_probe(tiny_nobos, batch, massive_positions=[[0]])
+    with pytest.raises(ValueError, match="eps"):
+        attention_probe(tiny_nobos, batch, eps=1.2)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        attention_probe(tiny_nobos, tiny_nobos.tokenize(["w1", "w2 w3"]))
+
+
+def test_planted_sink_appears_downstream_and_not_before(planted, planted_prompts):
+    model, plant = planted
+    ap = attention_probe(model, model.tokenize(planted_prompts))
+    head = ap.to_ref.mean(1)[:, plant.sink_head]  # [layer]
+    assert head[plant.layer + 1 :].min() > 0.95
+    assert head[: plant.layer + 1].max() < 0.35
+    rate = ap.sink_rate()
+    assert max(rate[: plant.layer + 1]) == 0.0
+    assert min(rate[plant.layer + 1 :]) >= 1 / model.n_heads
+    per_head = ap.head_sink_rate()
+    assert all(per_head[L][plant.sink_head] == 1.0 for L in range(plant.layer + 1, model.n_layers))
+    bos = ap.mean_bos()
+    assert min(bos[plant.layer + 1 :]) > 1.5 * max(bos[: plant.layer + 1])
