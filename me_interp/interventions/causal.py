@@ -1,0 +1,431 @@
+"""Hook factories for the causal tests of massive activations: remove, ablate, transplant, cap, rescale.
+
+Every factory returns TransformerLens hooks ``list[(hook_name, fn)]`` built with ``functools.partial``;
+none mutates the model. Every hook *sets* absolute values (``x[:, p, D] = v``), so it is idempotent
+(some bridge hooks fire twice per forward). Where the value depends on the input, the factory measures
+it first on the unmodified run of the same ``batch`` (one forward, :func:`capture`), so the hooks are
+tied to that batch (``per_prompt=True``); with ``per_prompt=False`` the value is averaged over the
+prompts and the hooks work on any batch (row-wise, as :func:`me_interp.patching.patch_sweep` needs).
+
+Notation: ``h_t`` the activation of token ``t`` at the hooked site, ``p`` a massive position, ``D`` the
+massive dims, ``h̄ = mean_{t≠p} h_t`` over the other real tokens of the prompt.
+
+* :func:`set_values` — ``x[:, P, D] = v`` (the primitive).
+* :func:`remove_massive` — ``h_p[D] ← h̄[D]`` (``fill="others_mean"``) or ``0`` (``fill="zero"``).
+* :func:`ablate_dims` — Sun et al.'s mean-ablation ``h_p[D] ← mean_prompts h_p[D]`` or Owen et al.'s
+  zero-ablation ``h_p[D] ← 0``.
+* :func:`transplant` — ``h_dst ← h_dst + c`` with ``c = P_D(h_src − h̄)`` (``mode="difference"``) or
+  ``c = ‖P_D(h_src − h̄)‖ · u`` with ``u`` the prompt-mean unit direction (``mode="direction"``, matched
+  norm); optionally ``h_src ← h_src − c_src`` (the component removed from the source).
+* :func:`cap_ffn_output` — ``FFN_p ← FFN_p · min(1, median_{t≠p}‖FFN_t‖ / ‖FFN_p‖)``.
+* :func:`scale_ffn_product` — ``a_p ← α a_p`` with ``a = act(W_gate x) ⊙ W_up x`` (``mlp.hook_post``).
+* :func:`normalize_ffn_product` — ``a_p ← a_p · mean_{t≠p}‖a_t‖ / ‖a_p‖``.
+* :func:`flatten_ffn_norm_gain` — RMSNorm-only: the pre-FFN norm output of ``p`` becomes
+  ``ĥ_p ⊙ mean(w)`` (the gain flattened for the massive token only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+from jaxtyping import Float
+
+from me_interp import names
+from me_interp.models import Batch, LoadedModel
+
+HookList = list[tuple[str, object]]
+
+
+# ------------------------------------------------------------------------------------------
+# primitives
+# ------------------------------------------------------------------------------------------
+
+
+def _set(x: torch.Tensor, hook, *, pos: torch.Tensor, dims: torch.Tensor | None, values: torch.Tensor):
+    x = x.clone()
+    v = values.to(device=x.device, dtype=x.dtype)
+    if dims is None:
+        x[:, pos] = v  # v: [P, d] or [B, P, d]
+    else:
+        sub = x[:, pos]  # [B P d] (a copy)
+        sub[..., dims] = v
+        x[:, pos] = sub
+    return x
+
+
+def set_values(
+    hook_name: str,
+    positions: Sequence[int],
+    values: Float[torch.Tensor, "..."],
+    dims: Sequence[int] | None = None,
+) -> HookList:
+    """``x[:, positions, dims] = values`` at ``hook_name``.
+
+    Args:
+        hook_name: a TransformerLens hook name (build it with :mod:`me_interp.names`).
+        positions: token positions ``P``.
+        values: ``[P, k]`` (same for every row) or ``[batch, P, k]`` (per row); ``k`` = ``len(dims)``
+            or the full width when ``dims`` is None.
+        dims: the dims to set (None: all).
+
+    Raises:
+        ValueError: empty positions/dims or a shape mismatch.
+    """
+    positions = [int(p) for p in positions]
+    if not positions:
+        raise ValueError("positions must not be empty")
+    if dims is not None:
+        dims = [int(d) for d in dims]
+        if not dims:
+            raise ValueError("dims must not be empty (pass None for all dims)")
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"dims must be distinct, got {dims}")
+    if values.dim() not in (2, 3) or values.shape[-2] != len(positions):
+        raise ValueError(
+            f"values must be [P, k] or [batch, P, k] with P = {len(positions)}, got {tuple(values.shape)}"
+        )
+    if dims is not None and values.shape[-1] != len(dims):
+        raise ValueError(f"values have {values.shape[-1]} columns for {len(dims)} dims")
+    fn = partial(
+        _set,
+        pos=torch.tensor(positions),
+        dims=None if dims is None else torch.tensor(dims),
+        values=values.detach().clone(),
+    )
+    return [(hook_name, fn)]
+
+
+def _rec(x: torch.Tensor, hook, *, store: dict, key: str):
+    store[key] = x.detach().clone()
+    return x
+
+
+def capture(
+    model: LoadedModel, batch: Batch, hook_names: Sequence[str], fwd_hooks: Sequence = ()
+) -> dict[str, torch.Tensor]:
+    """One forward of ``batch``; the activations at ``hook_names`` (after ``fwd_hooks``)."""
+    store: dict[str, torch.Tensor] = {}
+    hooks = [(n, partial(_rec, store=store, key=n)) for n in dict.fromkeys(hook_names)]
+    model.run_with_hooks(batch, [*fwd_hooks, *hooks])
+    return store
+
+
+def _check_positions(batch: Batch, positions: Sequence[int]) -> list[int]:
+    positions = [int(p) for p in positions]
+    if not positions:
+        raise ValueError("positions must not be empty")
+    shortest = min(batch.lengths)
+    for p in positions:
+        if not 0 <= p < shortest:
+            raise ValueError(f"position {p} is outside the shortest prompt ({shortest} tokens)")
+    return positions
+
+
+def _check_dims(model: LoadedModel, dims: Sequence[int] | None, width: int | None = None):
+    if dims is None:
+        return None
+    dims = [int(d) for d in dims]
+    width = model.d_model if width is None else width
+    if not dims:
+        raise ValueError("dims must not be empty (pass None for all dims)")
+    for d in dims:
+        if not 0 <= d < width:
+            raise ValueError(f"dim {d} out of range for width {width}")
+    return dims
+
+
+def others_mean(
+    x: Float[torch.Tensor, "batch pos d"], mask: torch.Tensor, positions: Sequence[int]
+) -> Float[torch.Tensor, "batch d"]:
+    """``mean_{t∉P} x_t`` over the real tokens of each prompt that are not in ``positions``."""
+    keep = mask.bool().clone()
+    keep[:, list(positions)] = False
+    if not keep.any(-1).all():
+        raise ValueError("every prompt needs at least one token outside the massive positions")
+    w = keep.to(x.dtype)[..., None]
+    return (x * w).sum(1) / w.sum(1)
+
+
+def _others_norm(x, mask, positions, how: Literal["mean", "median"]):
+    keep = mask.bool().clone()
+    keep[:, list(positions)] = False
+    n = x.float().norm(dim=-1).masked_fill(~keep, float("nan"))  # [batch pos]
+    return n.nanmedian(-1).values if how == "median" else n.nanmean(-1)
+
+
+def _finish(values: torch.Tensor, per_prompt: bool) -> torch.Tensor:
+    """``[batch, P, k]`` → itself, or its prompt mean ``[P, k]``."""
+    return values if per_prompt else values.mean(0)
+
+
+# ------------------------------------------------------------------------------------------
+# residual-stream edits
+# ------------------------------------------------------------------------------------------
+
+
+def remove_massive(
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    positions: Sequence[int],
+    dims: Sequence[int] | None = None,
+    site: str = "resid_post",
+    fill: Literal["others_mean", "zero"] = "others_mean",
+    per_prompt: bool = True,
+) -> HookList:
+    """Remove the massive activation at ``site`` of ``layer``: ``h_p[D] ← h̄[D]`` (or 0).
+
+    Args:
+        dims: massive dims ``D`` (None: the whole vector, i.e. ``h_p ← h̄``).
+        site: any of :data:`me_interp.names.SITES` (e.g. ``resid_post`` = layer output,
+            ``ffn_out`` = the FFN's contribution).
+        fill: ``others_mean`` (the other tokens' mean) or ``zero``.
+        per_prompt: values per prompt (tied to ``batch``) or averaged (any batch).
+    """
+    model.check_layer(layer)
+    positions = _check_positions(batch, positions)
+    dims = _check_dims(model, dims)
+    if fill not in ("others_mean", "zero"):
+        raise ValueError(f"fill must be 'others_mean' or 'zero', got {fill!r}")
+    name = names.site(site, layer)
+    x = capture(model, batch, [name])[name].float()  # [B T d]
+    sel = slice(None) if dims is None else dims
+    if fill == "zero":
+        vals = torch.zeros(len(batch), len(positions), x.shape[-1])[..., sel]
+    else:
+        mean = others_mean(x, batch.attention_mask, positions)  # [B d]
+        vals = mean[:, None, :].expand(-1, len(positions), -1)[..., sel].cpu()
+    return set_values(name, positions, _finish(vals, per_prompt), dims)
+
+
+def ablate_dims(
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    positions: Sequence[int],
+    dims: Sequence[int],
+    mode: Literal["zero", "mean"] = "zero",
+) -> HookList:
+    """Ablate the massive dims of the layer output at the massive positions.
+
+    ``mode="mean"`` (Sun et al.): ``h_p[D] ← mean over the prompts of h_p[D]`` — the massive value kept
+    at its typical size; ``mode="zero"`` (Owen et al.): ``h_p[D] ← 0``.
+    """
+    model.check_layer(layer)
+    positions = _check_positions(batch, positions)
+    dims = _check_dims(model, dims)
+    if dims is None:
+        raise ValueError("ablate_dims needs the massive dims")
+    if mode not in ("zero", "mean"):
+        raise ValueError(f"mode must be 'zero' or 'mean', got {mode!r}")
+    name = names.resid_post(layer)
+    if mode == "zero":
+        vals = torch.zeros(len(positions), len(dims))
+    else:
+        x = capture(model, batch, [name])[name].float().cpu()
+        vals = x[:, positions][..., dims].mean(0)  # [P k]
+    return set_values(name, positions, vals, dims)
+
+
+@dataclass(frozen=True)
+class Transplant:
+    """What :func:`transplant` moved: per prompt, the component added to ``dst`` and its norm."""
+
+    hooks: HookList
+    component: Float[torch.Tensor, "batch d_model"]
+    norm: Float[torch.Tensor, " batch"]
+
+
+def transplant(
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    src: int,
+    dst: int,
+    dims: Sequence[int] | None = None,
+    mode: Literal["difference", "direction"] = "difference",
+    remove_source: bool = False,
+) -> Transplant:
+    """Write the massive component of token ``src`` into token ``dst`` at the output of ``layer``.
+
+    ``c_b = P_D(h_src − h̄)`` (``h̄`` = mean of the tokens other than ``src``; ``P_D`` keeps dims ``D``,
+    all dims when None). ``mode="difference"`` adds ``c_b``; ``mode="direction"`` adds
+    ``‖c_b‖ · u`` with ``u = mean_b c_b / ‖mean_b c_b‖`` (one direction for every prompt, at matched
+    norm). ``remove_source=True`` also subtracts ``c_b`` from ``src``: ``h_src ← h_src − c_b``.
+
+    Raises:
+        ValueError: ``src == dst`` or a position outside a prompt.
+    """
+    model.check_layer(layer)
+    _check_positions(batch, [src, dst])
+    if src == dst:
+        raise ValueError("src and dst positions must differ")
+    dims = _check_dims(model, dims)
+    if mode not in ("difference", "direction"):
+        raise ValueError(f"mode must be 'difference' or 'direction', got {mode!r}")
+    name = names.resid_post(layer)
+    x = capture(model, batch, [name])[name].float().cpu()  # [B T d]
+    diff = x[:, src] - others_mean(x, batch.attention_mask.cpu(), [src])  # [B d]
+    if dims is not None:
+        proj = torch.zeros_like(diff)
+        proj[:, dims] = diff[:, dims]
+        diff = proj
+    norm = diff.norm(dim=-1)
+    if mode == "direction":
+        u = diff.mean(0)
+        u = u / u.norm()
+        comp = norm[:, None] * u[None]
+    else:
+        comp = diff
+    new_dst = x[:, dst] + comp
+    if remove_source:
+        new_src = x[:, src] - comp
+        vals = torch.stack([new_src, new_dst], dim=1)  # [B 2 d]
+        hooks = set_values(name, [src, dst], vals)
+    else:
+        hooks = set_values(name, [dst], new_dst[:, None])
+    return Transplant(hooks=hooks, component=comp, norm=norm)
+
+
+# ------------------------------------------------------------------------------------------
+# FFN-only and RMSNorm-only edits at one layer
+# ------------------------------------------------------------------------------------------
+
+
+def cap_ffn_output(
+    model: LoadedModel, batch: Batch, layer: int, positions: Sequence[int]
+) -> HookList:
+    """``FFN_p ← FFN_p · min(1, median_{t∉P}‖FFN_t‖ / ‖FFN_p‖)`` at ``blocks.L.hook_mlp_out``."""
+    model.check_layer(layer)
+    positions = _check_positions(batch, positions)
+    name = names.ffn_out(layer)
+    x = capture(model, batch, [name])[name].float().cpu()
+    cap = _others_norm(x, batch.attention_mask.cpu(), positions, "median")  # [B]
+    sub = x[:, positions]  # [B P d]
+    scale = (cap[:, None] / sub.norm(dim=-1)).clamp(max=1.0)
+    return set_values(name, positions, sub * scale[..., None])
+
+
+def scale_ffn_product(
+    model: LoadedModel, batch: Batch, layer: int, positions: Sequence[int], alpha: float
+) -> HookList:
+    """``a_p ← α a_p`` for the FFN intermediate product ``a = act(W_gate x) ⊙ W_up x``."""
+    model.check_layer(layer)
+    positions = _check_positions(batch, positions)
+    name = names.site("ffn_act", layer)
+    x = capture(model, batch, [name])[name].float().cpu()
+    return set_values(name, positions, float(alpha) * x[:, positions])
+
+
+def normalize_ffn_product(
+    model: LoadedModel, batch: Batch, layer: int, positions: Sequence[int]
+) -> HookList:
+    """``a_p ← a_p · mean_{t∉P}‖a_t‖ / ‖a_p‖``: the massive token's FFN product at the others' norm."""
+    model.check_layer(layer)
+    positions = _check_positions(batch, positions)
+    name = names.site("ffn_act", layer)
+    x = capture(model, batch, [name])[name].float().cpu()
+    target = _others_norm(x, batch.attention_mask.cpu(), positions, "mean")  # [B]
+    sub = x[:, positions]
+    return set_values(name, positions, sub * (target[:, None] / sub.norm(dim=-1))[..., None])
+
+
+def flatten_ffn_norm_gain(
+    model: LoadedModel, batch: Batch, layer: int, positions: Sequence[int]
+) -> HookList:
+    """RMSNorm-only: the pre-FFN norm output of the massive token becomes ``ĥ_p ⊙ mean(w)``.
+
+    ``ĥ_p = h_p / rms(h_p)`` is read at ``ln2.hook_normalized``; the hook sets ``ln2.hook_out`` at
+    ``p``, so the FFN sees the token standardised but without the gain's per-dim emphasis.
+    """
+    model.check_layer(layer)
+    positions = _check_positions(batch, positions)
+    norm_name, out_name = names.site("ffn_normalized", layer), names.ffn_in(layer)
+    hat = capture(model, batch, [norm_name])[norm_name].float().cpu()
+    w_mean = float(model.ffn_norm_gain(layer).detach().float().mean())
+    return set_values(out_name, positions, hat[:, positions] * w_mean)
+
+
+__all__ = [
+    "Transplant",
+    "ablate_dims",
+    "cap_ffn_output",
+    "capture",
+    "flatten_ffn_norm_gain",
+    "normalize_ffn_product",
+    "others_mean",
+    "remove_massive",
+    "scale_ffn_product",
+    "set_values",
+    "transplant",
+]
+
+
+# ------------------------------------------------------------------------------------------
+# where to intervene (measured, never hard-coded)
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MassiveSite:
+    """Where the massive activation is, as measured by the ME-layer probe on a batch."""
+
+    layer: int
+    position: int
+    dims: tuple[int, ...]
+    detected: bool
+
+    def to_dict(self) -> dict:
+        return {
+            "layer": self.layer,
+            "layer_1based": self.layer + 1,
+            "position": self.position,
+            "dims": list(self.dims),
+            "detected": self.detected,
+        }
+
+
+def locate_massive(
+    model: LoadedModel,
+    batch: Batch,
+    layer: int | None = None,
+    position: int | None = None,
+    criterion=None,
+) -> MassiveSite:
+    """Measure the ME layer, the massive position (the commonest over prompts) and the massive dims.
+
+    ``layer`` / ``position`` override the measured values (the dims are then read at that layer).
+
+    Raises:
+        ValueError: no massive activation is found and no ``layer`` is given.
+    """
+    from collections import Counter
+
+    from me_interp.probes.massive import find_me_layer
+
+    loc = find_me_layer(model, batch, criterion)
+    if layer is None:
+        if loc.me_layer is None:
+            raise ValueError(
+                f"no massive activation found in {model.name} on these prompts: pass the layer "
+                "to intervene on explicitly"
+            )
+        layer = loc.me_layer
+    model.check_layer(layer)
+    if position is None:
+        position = Counter(loc.reference_positions).most_common(1)[0][0]
+    _check_positions(batch, [position])
+    if loc.me_layer == layer and loc.massive_dims:
+        dims = tuple(loc.massive_dims)
+    else:  # the largest |a| of the massive token at that layer, commonest over prompts
+        name = names.resid_post(layer)
+        x = capture(model, batch, [name])[name].float().abs()[:, position]  # [B d]
+        dims = tuple(Counter(x.argmax(-1).tolist()).most_common(1)[0][:1])
+    return MassiveSite(layer=layer, position=int(position), dims=dims, detected=loc.me_layer is not None)
+
+
+__all__ += ["MassiveSite", "locate_massive"]

@@ -1,0 +1,352 @@
+"""Batched activation patching: many (layer, position) patches in one forward, one patch per batch row.
+
+Activation patching (ROME; ARENA) runs a *corrupt* input, overwrites one activation with its value from
+the *clean* run, and measures how much of the clean behaviour comes back. Here the behaviour is the
+massive activation and the sink it causes, so the metrics read activations, not logits:
+
+* :class:`NormRatio` — ``R = ‖h_p‖ / mean_{t≠p} ‖h_t‖`` at ``blocks.L.hook_resid_post`` (the massive
+  token ``p`` against the other real tokens of its prompt);
+* :class:`SinkMass` — ``S = mean_{l∈layers} mean_{h} mean_{q>p} A^{(l,h)}[q, p]``, the attention mass on
+  ``p`` (queries after ``p`` only: earlier queries cannot see it).
+
+The normalised score of a patch is ARENA's ``(m_patched − m_corrupt) / (m_clean − m_corrupt)`` on the
+prompt-mean metric: 1 = the patch restores the clean value, 0 = it does nothing.
+
+**Batching.** For one site (``resid_pre``, ``attn_out``, ``mlp_out``/``ffn_out``, ``ffn_in``, ...) every
+cell ``(layer, pos)`` becomes ``B`` rows of one big batch (``B`` = number of prompts): row
+``c·B + b`` is prompt ``b`` of the corrupt input with cell ``c`` patched. One hook per layer copies the
+clean activation of prompt ``b`` at ``pos_c`` into exactly the rows whose cell has that layer, so a
+chunk of ``batch_size`` rows is one forward instead of ``batch_size / B`` forwards. The results equal
+``transformer_lens.patching.generic_activation_patch`` on the same inputs (tests/test_patching.py).
+
+Corruption hooks (``corrupt_hooks``) run in the corrupt and in every patched forward, before the patch
+hooks, so patching the corrupted site itself from the clean run undoes the corruption. They must be
+row-wise (not depend on the batch size): :mod:`me_interp.interventions.causal` builds such hooks with
+``per_prompt=False``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol
+
+import torch
+from jaxtyping import Bool, Float
+from tqdm.auto import tqdm
+
+from me_interp import names
+from me_interp.models import Batch, LoadedModel
+from me_interp.probes.norms import ratio_to_others
+
+#: Sites a sweep can patch; ``mlp_out`` is TransformerLens' name for ``ffn_out``.
+PATCH_SITES: tuple[str, ...] = (*names.SITES, "mlp_out")
+
+
+def site_hook(site: str, layer: int) -> str:
+    """Hook name of a patchable ``site`` of block ``layer`` (``mlp_out`` = ``ffn_out``)."""
+    if site not in PATCH_SITES:
+        raise ValueError(f"unknown patching site {site!r}; choose from {', '.join(PATCH_SITES)}")
+    return names.site("ffn_out" if site == "mlp_out" else site, layer)
+
+
+# ------------------------------------------------------------------------------------------
+# metrics
+# ------------------------------------------------------------------------------------------
+
+
+class PatchMetric(Protocol):
+    """A row-wise metric read from recorded activations.
+
+    ``hook_names()`` are the activations it needs; ``__call__(acts, mask)`` returns one value per row.
+    """
+
+    def hook_names(self) -> tuple[str, ...]: ...
+
+    def __call__(
+        self, acts: Mapping[str, torch.Tensor], mask: Bool[torch.Tensor, "batch pos"]
+    ) -> Float[torch.Tensor, " batch"]: ...
+
+
+@dataclass(frozen=True)
+class NormRatio:
+    """``‖h_p‖ / mean_{t≠p} ‖h_t‖`` at the output of ``layer`` (real tokens only)."""
+
+    layer: int
+    position: int = 0
+
+    def hook_names(self) -> tuple[str, ...]:
+        return (names.resid_post(self.layer),)
+
+    def __call__(
+        self, acts: Mapping[str, torch.Tensor], mask: Bool[torch.Tensor, "batch pos"]
+    ) -> Float[torch.Tensor, " batch"]:
+        norms = acts[names.resid_post(self.layer)].float().norm(dim=-1).cpu()  # [batch pos]
+        ref = torch.full((norms.shape[0],), self.position, dtype=torch.long)
+        return ratio_to_others(norms, mask.cpu(), ref)
+
+
+@dataclass(frozen=True)
+class SinkMass:
+    """Mean over ``layers``, heads and real queries ``q > p`` of the attention ``A[q, p]``."""
+
+    layers: tuple[int, ...]
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("SinkMass needs at least one layer")
+
+    def hook_names(self) -> tuple[str, ...]:
+        return tuple(names.pattern(layer) for layer in self.layers)
+
+    def __call__(
+        self, acts: Mapping[str, torch.Tensor], mask: Bool[torch.Tensor, "batch pos"]
+    ) -> Float[torch.Tensor, " batch"]:
+        p = self.position
+        q = mask.cpu().clone()
+        q[:, : p + 1] = False  # queries after p
+        if not q.any(-1).all():
+            raise ValueError(f"SinkMass needs every prompt to have a token after position {p}")
+        qm = q.float()  # [batch q]
+        per_layer = []
+        for layer in self.layers:
+            a = acts[names.pattern(layer)].float().cpu()[..., p]  # [batch head q]
+            per_layer.append(((a * qm[:, None]).sum(-1) / qm.sum(-1)[:, None]).mean(-1))
+        return torch.stack(per_layer).mean(0)
+
+
+def _record(x: torch.Tensor, hook, *, store: dict, key: str):
+    store[key] = x.detach()
+    return x
+
+
+def evaluate_metrics(
+    model: LoadedModel,
+    batch: Batch,
+    metrics: Mapping[str, PatchMetric],
+    fwd_hooks: Sequence = (),
+) -> dict[str, Float[torch.Tensor, " batch"]]:
+    """One forward of ``batch`` with ``fwd_hooks``; every metric per prompt."""
+    store: dict[str, torch.Tensor] = {}
+    rec = [(n, partial(_record, store=store, key=n)) for n in _metric_hooks(metrics)]
+    model.run_with_hooks(batch, [*fwd_hooks, *rec])
+    mask = batch.attention_mask.bool()
+    return {k: m(store, mask).float() for k, m in metrics.items()}
+
+
+def _metric_hooks(metrics: Mapping[str, PatchMetric]) -> list[str]:
+    return list(dict.fromkeys(n for m in metrics.values() for n in m.hook_names()))
+
+
+def normalized(
+    patched: torch.Tensor, clean: torch.Tensor, corrupt: torch.Tensor
+) -> torch.Tensor:
+    """ARENA normalisation ``(patched − corrupt) / (clean − corrupt)`` (clean → 1, corrupt → 0).
+
+    ``clean`` and ``corrupt`` are scalars (prompt means); NaN where they coincide.
+    """
+    denom = float(clean) - float(corrupt)
+    if denom == 0 or not math.isfinite(denom):
+        return torch.full_like(patched, float("nan"))
+    return (patched - float(corrupt)) / denom
+
+
+# ------------------------------------------------------------------------------------------
+# the sweep
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SweepResult:
+    """Per-prompt metric values of a patching sweep over one site.
+
+    ``values[metric]`` is ``[layer, pos, batch]`` in the order of ``layers`` and ``positions``;
+    ``clean`` / ``corrupt`` are the unpatched runs' ``[batch]`` values.
+    """
+
+    site: str
+    layers: list[int]
+    positions: list[int]
+    values: dict[str, torch.Tensor]
+    clean: dict[str, torch.Tensor]
+    corrupt: dict[str, torch.Tensor]
+    n_forwards: int = 0
+    batch_size: int = 0
+    metric_names: list[str] = field(default_factory=list)
+
+    def mean(self, metric: str) -> Float[torch.Tensor, "layer pos"]:
+        return self.values[metric].mean(-1)
+
+    def normalized(self, metric: str) -> Float[torch.Tensor, "layer pos"]:
+        """``(mean patched − mean corrupt) / (mean clean − mean corrupt)`` per cell."""
+        return normalized(
+            self.mean(metric), self.clean[metric].mean(), self.corrupt[metric].mean()
+        )
+
+    def cell(self, metric: str, layer: int, pos: int, normalise: bool = True) -> float:
+        li, pi = self.layers.index(layer), self.positions.index(pos)
+        grid = self.normalized(metric) if normalise else self.mean(metric)
+        return float(grid[li, pi])
+
+    def to_dict(self) -> dict:
+        return {
+            "site": self.site,
+            "layers": self.layers,
+            "positions": self.positions,
+            "clean_mean": {k: float(v.mean()) for k, v in self.clean.items()},
+            "corrupt_mean": {k: float(v.mean()) for k, v in self.corrupt.items()},
+            "normalized": {k: self.normalized(k).tolist() for k in self.values},
+            "mean": {k: self.mean(k).tolist() for k in self.values},
+            "n_forwards": self.n_forwards,
+            "batch_size": self.batch_size,
+        }
+
+
+def _patch(x: torch.Tensor, hook, *, rows, pos, src):
+    x = x.clone()
+    x[rows, pos] = src.to(device=x.device, dtype=x.dtype)
+    return x
+
+
+def _check_pair(clean: Batch, corrupt: Batch) -> None:
+    if clean.tokens.shape != corrupt.tokens.shape:
+        raise ValueError(
+            f"clean and corrupt batches must have the same shape, got {tuple(clean.tokens.shape)} "
+            f"and {tuple(corrupt.tokens.shape)}: corrupt prompts must have the clean token length"
+        )
+    if not torch.equal(clean.attention_mask, corrupt.attention_mask):
+        raise ValueError("clean and corrupt batches must have the same attention mask (lengths)")
+
+
+def patch_sweep(
+    model: LoadedModel,
+    clean: Batch,
+    corrupt: Batch,
+    site: str,
+    metrics: Mapping[str, PatchMetric],
+    layers: Sequence[int] | None = None,
+    positions: Sequence[int] | None = None,
+    batch_size: int = 64,
+    corrupt_hooks: Sequence = (),
+    clean_hooks: Sequence = (),
+    progress: bool | None = None,
+) -> SweepResult:
+    """Patch ``site`` from the clean run into the corrupt run at every ``(layer, pos)``, batched.
+
+    Args:
+        model: the loaded model.
+        clean: clean prompts.
+        corrupt: corrupt prompts, same shape and attention mask as ``clean``.
+        site: one of :data:`PATCH_SITES`.
+        metrics: name → :class:`PatchMetric` (e.g. :class:`NormRatio`, :class:`SinkMass`).
+        layers: layers to patch (default all).
+        positions: positions to patch (default all).
+        batch_size: at most this many rows (patched prompts) per forward (at least one cell).
+        corrupt_hooks: row-wise hooks that define the corruption (run before the patch hooks).
+        clean_hooks: hooks of the clean run.
+        progress: tqdm on stderr (``None``: only on a terminal).
+
+    Raises:
+        ValueError: unknown site, layer/position out of range, mismatched batches, no metric.
+    """
+    _check_pair(clean, corrupt)
+    if not metrics:
+        raise ValueError("give at least one metric")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    B, T = clean.tokens.shape
+    layers = list(range(model.n_layers)) if layers is None else [int(x) for x in layers]
+    positions = list(range(T)) if positions is None else [int(p) for p in positions]
+    if not layers or not positions:
+        raise ValueError("nothing to patch: layers and positions must not be empty")
+    for layer in layers:
+        model.check_layer(layer)
+    for p in positions:
+        if not 0 <= p < T:
+            raise ValueError(f"position {p} out of range for prompts of {T} tokens")
+    hook_of = {layer: site_hook(site, layer) for layer in layers}
+
+    # clean run: the site's activations at every patched layer, and the clean metrics
+    store: dict[str, torch.Tensor] = {}
+    rec = [(n, partial(_record, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
+    clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec])
+    clean_acts = {layer: store[hook_of[layer]].clone() for layer in layers}  # [B T ...]
+    corrupt_vals = evaluate_metrics(model, corrupt, metrics, corrupt_hooks)
+
+    cells = list(itertools.product(range(len(layers)), range(len(positions))))
+    per_fwd = max(1, batch_size // B)
+    out = {k: torch.zeros(len(layers), len(positions), B) for k in metrics}
+    mhooks = _metric_hooks(metrics)
+    n_fwd = 0
+    chunks = range(0, len(cells), per_fwd)
+    for start in tqdm(chunks, desc=f"patching {site}", disable=None if progress is None else not progress):
+        chunk = cells[start : start + per_fwd]
+        n = len(chunk)
+        rows_batch = Batch(
+            corrupt.tokens.repeat(n, 1), corrupt.attention_mask.repeat(n, 1), None
+        )
+        patch_hooks = []
+        for li in sorted({li for li, _ in chunk}):
+            idx = [c for c, (cl, _) in enumerate(chunk) if cl == li]
+            rows = torch.tensor([c * B + b for c in idx for b in range(B)])
+            pos = torch.tensor([positions[chunk[c][1]] for c in idx for _ in range(B)])
+            prompt = torch.arange(B).repeat(len(idx))
+            src = clean_acts[layers[li]][prompt.to(clean.tokens.device), pos.to(clean.tokens.device)]
+            patch_hooks.append(
+                (hook_of[layers[li]], partial(_patch, rows=rows, pos=pos, src=src))
+            )
+        acts: dict[str, torch.Tensor] = {}
+        rec = [(n_, partial(_record, store=acts, key=n_)) for n_ in mhooks]
+        model.run_with_hooks(rows_batch, [*corrupt_hooks, *patch_hooks, *rec])
+        n_fwd += 1
+        mask = rows_batch.attention_mask.bool()
+        for k, m in metrics.items():
+            v = m(acts, mask).float().view(n, B)
+            for c, (li, pi) in enumerate(chunk):
+                out[k][li, pi] = v[c]
+    return SweepResult(
+        site=site,
+        layers=layers,
+        positions=positions,
+        values=out,
+        clean=clean_vals,
+        corrupt=corrupt_vals,
+        n_forwards=n_fwd,
+        batch_size=per_fwd * B,
+        metric_names=list(metrics),
+    )
+
+
+def patch_loop(
+    model: LoadedModel,
+    clean: Batch,
+    corrupt: Batch,
+    site: str,
+    metrics: Mapping[str, PatchMetric],
+    layers: Sequence[int] | None = None,
+    positions: Sequence[int] | None = None,
+    corrupt_hooks: Sequence = (),
+) -> SweepResult:
+    """The unbatched reference: one forward per ``(layer, pos)`` cell (for tests and benchmarks)."""
+    return patch_sweep(
+        model, clean, corrupt, site, metrics, layers, positions, batch_size=1,
+        corrupt_hooks=corrupt_hooks, progress=False,
+    )
+
+
+__all__ = [
+    "PATCH_SITES",
+    "NormRatio",
+    "PatchMetric",
+    "SinkMass",
+    "SweepResult",
+    "evaluate_metrics",
+    "normalized",
+    "patch_loop",
+    "patch_sweep",
+    "site_hook",
+]
