@@ -500,7 +500,12 @@ def load_model(
             raise ModelLoadError(
                 "an HF model object was given without its tokenizer: pass tokenizer=..."
             )
-        hf, tok = model.to(device=dev, dtype=dt), tokenizer
+        if getattr(model, "hf_device_map", None):  # dispatched by accelerate: leave placement alone
+            hf, tok = model, tokenizer
+            dev = next(model.parameters()).device
+            dt = next(model.parameters()).dtype
+        else:
+            hf, tok = model.to(device=dev, dtype=dt), tokenizer
         if getattr(hf.config, "_attn_implementation", "eager") != "eager":
             hf.config._attn_implementation = "eager"
         name = boot_name = getattr(hf.config, "_name_or_path", "") or type(hf).__name__
