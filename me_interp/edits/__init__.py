@@ -1,1 +1,60 @@
-"""Weight edits as context managers that always restore the original weights."""
+"""Weight edits as context managers that always restore the original weights.
+
+Every edit is built on :func:`edited_parameters` (save clones, write, restore in ``finally``):
+
+    with swapped_layers(model, a, b, part="ffn"): ...
+    with patched_weights(model, source_layer, target_layer, part, source_model=None): ...
+    with permuted_gain(model, layer, perm, norm="ffn"): ...
+    with flattened_gain(model, layer, alpha, norm="ffn"): ...
+    with svd_ablated(model, layer, matrix, k): ...
+    with neurons_ablated(model, layer, neurons): ...
+
+Parts: ``attn_norm``, ``ffn_norm``, ``ffn``, ``attn``, ``block`` (:data:`PARTS`).
+"""
+
+from me_interp.edits.core import PARTS, check_part, edited_parameters, part_module, part_parameters
+from me_interp.edits.ffn import (
+    MATRICES,
+    check_neurons,
+    ffn_matrix,
+    neurons_ablated,
+    singular_values,
+    svd_ablated,
+    top_singular_part,
+)
+from me_interp.edits.gains import (
+    NORMS,
+    check_permutation,
+    flattened_gain,
+    gain,
+    permuted_gain,
+    random_permutation,
+    top_dims,
+    top_dims_permutation,
+)
+from me_interp.edits.swap import patched_weights, swapped_layers
+
+__all__ = [
+    "MATRICES",
+    "NORMS",
+    "PARTS",
+    "check_neurons",
+    "check_part",
+    "check_permutation",
+    "edited_parameters",
+    "ffn_matrix",
+    "flattened_gain",
+    "gain",
+    "neurons_ablated",
+    "part_module",
+    "part_parameters",
+    "patched_weights",
+    "permuted_gain",
+    "random_permutation",
+    "singular_values",
+    "svd_ablated",
+    "swapped_layers",
+    "top_dims",
+    "top_dims_permutation",
+    "top_singular_part",
+]
