@@ -1,0 +1,129 @@
+"""swapped_layers / patched_weights: positive (moves exactly the part), negative (nothing else), reference
+forward (an HF copy edited by hand gives the same logits), planted answers, bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from me_interp import edits, synthetic
+from me_interp.probes import find_me_layer
+
+HF_PART = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn": "mlp",
+    "attn": "self_attn",
+}
+
+
+@pytest.mark.parametrize("part", edits.PARTS)
+def test_swap_positive_and_negative(planted, snap, changed_ptrs, part):
+    model, _ = planted  # its norm gains differ between layers (a fresh tiny Llama's are all 1)
+    pa, pb = edits.part_parameters(model, 0, part), edits.part_parameters(model, 3, part)
+    a0 = {n: p.detach().clone() for n, p in pa.items()}
+    b0 = {n: p.detach().clone() for n, p in pb.items()}
+    before = snap(model)
+    with edits.swapped_layers(model, 0, 3, part):
+        for n in pa:
+            assert torch.equal(pa[n].detach(), b0[n])
+            assert torch.equal(pb[n].detach(), a0[n])
+        touched = {p.data_ptr() for p in [*pa.values(), *pb.values()]}
+        assert changed_ptrs(model, before) <= touched  # nothing outside the part moved
+        assert changed_ptrs(model, before)  # and the part did (random layers differ)
+
+
+def _hf_logits(hf, batch):
+    with torch.no_grad():
+        return hf(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
+
+
+@pytest.mark.parametrize("part", ["ffn", "block"])
+def test_swap_matches_a_hand_edited_hf_reference(tiny_llama, part):
+    """An independent HF copy with the weights swapped by hand gives the same logits."""
+    model = tiny_llama
+    ref, _ = synthetic.tiny_llama()  # same seed: the same weights, a plain HF model
+    layers = ref.model.layers
+    with torch.no_grad():
+        mods = [(layers[0], layers[2])] if part == "block" else [(layers[0].mlp, layers[2].mlp)]
+        for ma, mb in mods:
+            for (na, pa), (nb, pb) in zip(ma.named_parameters(), mb.named_parameters()):
+                assert na == nb
+                tmp = pa.detach().clone()
+                pa.copy_(pb)
+                pb.copy_(tmp)
+    batch = model.tokenize(synthetic.planted_prompts(3))
+    with edits.swapped_layers(model, 0, 2, part):
+        got = model.run_with_hooks(batch)
+    want = _hf_logits(ref, batch)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    unedited = model.run_with_hooks(batch)
+    assert not torch.allclose(unedited, want, atol=1e-3)
+
+
+def test_planted_swap_answers(planted, planted_prompts):
+    """Construction: the massive activation needs gain dims (ffn_norm) and neuron 5 (ffn) in one layer."""
+    model, plant = planted
+    batch = model.tokenize(planted_prompts)
+    L = plant.layer
+    for partner in (0, 4):
+        with edits.swapped_layers(model, L, partner, "block"):
+            assert find_me_layer(model, batch).me_layer == partner
+        for part in ("ffn", "ffn_norm"):  # each alone splits gain from neuron: no massive activation
+            with edits.swapped_layers(model, L, partner, part):
+                assert find_me_layer(model, batch).me_layer is None
+        for part in ("attn", "attn_norm"):  # every layer has the same sink head: nothing moves
+            with edits.swapped_layers(model, L, partner, part):
+                assert find_me_layer(model, batch).me_layer == L
+    assert find_me_layer(model, batch).me_layer == L
+
+
+def test_swap_bad_inputs(tiny_llama):
+    with pytest.raises(ValueError, match="with itself"):
+        with edits.swapped_layers(tiny_llama, 1, 1, "ffn"):
+            pass
+    with pytest.raises(ValueError, match="out of range"):
+        with edits.swapped_layers(tiny_llama, 1, 9, "ffn"):
+            pass
+    with pytest.raises(ValueError, match="unknown component"):
+        with edits.swapped_layers(tiny_llama, 0, 1, "mlp"):
+            pass
+
+
+def test_patch_positive_and_negative(tiny_llama, snap, changed_ptrs):
+    model = tiny_llama
+    src = {n: p.detach().clone() for n, p in edits.part_parameters(model, 1, "attn").items()}
+    tgt = edits.part_parameters(model, 2, "attn")
+    before = snap(model)
+    with edits.patched_weights(model, 1, 2, "attn"):
+        for n, p in tgt.items():
+            assert torch.equal(p.detach(), src[n])
+        assert changed_ptrs(model, before) == {p.data_ptr() for p in tgt.values()}
+    assert changed_ptrs(model, before) == set()
+
+
+def test_patch_from_second_model_creates_the_planted_mechanism(planted, twin, planted_prompts, snap, changed):
+    model, plant = planted
+    twin_model, _ = twin
+    batch = twin_model.tokenize(planted_prompts)
+    assert find_me_layer(twin_model, batch).me_layer is None
+    before_src = snap(model)
+    with edits.patched_weights(twin_model, plant.layer, plant.layer, "block", source_model=model):
+        assert find_me_layer(twin_model, batch).me_layer == plant.layer
+    assert find_me_layer(twin_model, batch).me_layer is None
+    assert changed(model, before_src) == set()  # the source is never written
+    # the unplanted layer copied into the planted model removes the mechanism
+    with edits.patched_weights(model, plant.layer, plant.layer, "ffn", source_model=twin_model):
+        assert find_me_layer(model, model.tokenize(planted_prompts)).me_layer is None
+
+
+def test_patch_bad_inputs(tiny_llama, tiny_qwen3):
+    with pytest.raises(ValueError, match="onto itself"):
+        with edits.patched_weights(tiny_llama, 2, 2, "ffn"):
+            pass
+    with pytest.raises(ValueError, match="different parameters"):
+        with edits.patched_weights(tiny_llama, 0, 0, "attn", source_model=tiny_qwen3):
+            pass
+    with pytest.raises(ValueError, match="out of range"):
+        with edits.patched_weights(tiny_llama, 0, 7, "ffn"):
+            pass
