@@ -213,12 +213,16 @@ def _head_heatmap(z: list[list[float]], title: str, cbar: str, me: int | None, *
 
 def figures(result: Result) -> dict[str, go.Figure]:
     me = result.me_layer
+    lines = {
+        f"sink rate (share of heads with mean attention > {result.eps})": result.series("sink_rate"),
+        "mean attention to the massive token": result.series("attn_to_massive"),
+        "BOS metric: 2nd-half queries → position 0": result.series("bos_attention"),
+    }
+    if len(result.attn_to_each_position) > 1:  # several massive positions: one line each
+        for p, ys in result.attn_to_each_position.items():
+            lines[f"mean attention to massive position {p}"] = ys
     sink = plotting.layer_lines(
-        {
-            f"sink rate (share of heads with mean attention > {result.eps})": result.series("sink_rate"),
-            "mean attention to the massive token": result.series("attn_to_massive"),
-            "BOS metric: 2nd-half queries → position 0": result.series("bos_attention"),
-        },
+        lines,
         "Attention sink on the massive token per layer (mean over prompts and heads)",
         "share / attention probability (0–1)",
         me,

@@ -218,3 +218,15 @@ def test_bundled_attention_sinks(bundled_results):
     ent = r.series("attn_entropy")
     assert 1.1 < ent[11] < 1.4
     assert _holds(r) == [False, True, True, False]
+
+
+def test_sink_figure_shows_each_massive_position(planted_results):
+    import dataclasses
+
+    res, _ = planted_results
+    r = res["attention_sinks"]
+    n = len(r.layers)
+    two = dataclasses.replace(r, attn_to_each_position={0: [0.5] * n, 3: [0.1] * n})
+    names = [t.name for t in attention_sinks.figures(two)["sink_rate"].data]
+    assert "mean attention to massive position 3" in names
+    assert not any("massive position" in t.name for t in attention_sinks.figures(r)["sink_rate"].data)
