@@ -32,7 +32,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Bool, Float
@@ -58,6 +58,7 @@ def site_hook(site: str, layer: int) -> str:
 # ------------------------------------------------------------------------------------------
 
 
+@runtime_checkable
 class PatchMetric(Protocol):
     """A row-wise metric read from recorded activations.
 

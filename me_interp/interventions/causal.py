@@ -174,7 +174,7 @@ def remove_massive(
     positions: Sequence[int],
     dims: Sequence[int] | None = None,
     site: str = "resid_post",
-    fill: Literal["others_mean", "zero"] = "others_mean",
+    fill: str = "others_mean",
     per_prompt: bool = True,
 ) -> HookList:
     """Remove the massive activation at ``site`` of ``layer``: ``h_p[D] ← h̄[D]`` (or 0).
@@ -208,7 +208,7 @@ def ablate_dims(
     layer: int,
     positions: Sequence[int],
     dims: Sequence[int],
-    mode: Literal["zero", "mean"] = "zero",
+    mode: str = "zero",
 ) -> HookList:
     """Ablate the massive dims of the layer output at the massive positions.
 
@@ -247,7 +247,7 @@ def transplant(
     src: int,
     dst: int,
     dims: Sequence[int] | None = None,
-    mode: Literal["difference", "direction"] = "difference",
+    mode: str = "difference",
     remove_source: bool = False,
 ) -> Transplant:
     """Write the massive component of token ``src`` into token ``dst`` at the output of ``layer``.

@@ -1,0 +1,223 @@
+"""Causal hook factories: positive tests (by the computed amount) and negative tests (rest bit-identical)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from me_interp import names
+from me_interp.interventions import causal
+
+
+@pytest.fixture(scope="module")
+def setup(planted):
+    model, plant = planted
+    batch = model.tokenize(["w1 w2 w3 w4 w5 w6", "w9 w10 w11 w12 w13 w14", "w30 w31 w32 w33 w34 w35"])
+    return model, plant, batch
+
+
+def _cap(model, batch, name, hooks=()):
+    return causal.capture(model, batch, [name], hooks)[name]
+
+
+def _others(x, p):
+    keep = [t for t in range(x.shape[1]) if t != p]
+    return x[:, keep].mean(1)
+
+
+def _assert_rest_identical(before, after, positions, dims=None):
+    mask = torch.ones_like(before, dtype=torch.bool)
+    if dims is None:
+        mask[:, positions] = False
+    else:
+        for p in positions:
+            mask[:, p, dims] = False
+    assert torch.equal(before[mask], after[mask])
+
+
+def test_set_values_positive_negative_and_idempotent(setup):
+    model, plant, batch = setup
+    name = names.resid_post(1)
+    before = _cap(model, batch, name)
+    vals = torch.arange(6, dtype=torch.float32).view(2, 3)
+    hooks = causal.set_values(name, [1, 4], vals, dims=[2, 5, 9])
+    after = _cap(model, batch, name, hooks)
+    for b in range(len(batch)):
+        assert torch.equal(after[b, 1, [2, 5, 9]], vals[0])
+        assert torch.equal(after[b, 4, [2, 5, 9]], vals[1])
+    _assert_rest_identical(before, after, [1, 4], [2, 5, 9])
+    # idempotent: applying the hook twice is applying it once
+    fn = hooks[0][1]
+    assert torch.equal(fn(fn(before, None), None), fn(before, None))
+    # the model is not mutated
+    again = _cap(model, batch, name)
+    assert torch.equal(again, before)
+
+
+def test_set_values_bad_inputs():
+    with pytest.raises(ValueError, match="positions must not be empty"):
+        causal.set_values("x", [], torch.zeros(0, 2))
+    with pytest.raises(ValueError, match="values must be"):
+        causal.set_values("x", [0, 1], torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="columns"):
+        causal.set_values("x", [0], torch.zeros(1, 3), dims=[1, 2])
+    with pytest.raises(ValueError, match="distinct"):
+        causal.set_values("x", [0], torch.zeros(1, 2), dims=[1, 1])
+
+
+def test_locate_massive_finds_the_plant(setup):
+    model, plant, batch = setup
+    site = causal.locate_massive(model, batch)
+    assert (site.layer, site.position, site.dims, site.detected) == (
+        plant.layer,
+        0,
+        (plant.massive_dim,),
+        True,
+    )
+    with pytest.raises(ValueError, match="out of range"):
+        causal.locate_massive(model, batch, layer=9)
+
+
+def test_locate_massive_on_twin_says_none(twin):
+    model, _ = twin
+    with pytest.raises(ValueError, match="no massive activation"):
+        causal.locate_massive(model, model.tokenize(["w1 w2 w3 w4"]))
+
+
+@pytest.mark.parametrize("fill", ["others_mean", "zero"])
+def test_remove_massive_positive_negative(setup, fill):
+    model, plant, batch = setup
+    L, D = plant.layer, [plant.massive_dim]
+    name = names.resid_post(L)
+    before = _cap(model, batch, name)
+    after = _cap(model, batch, name, causal.remove_massive(model, batch, L, [0], D, fill=fill))
+    expect = _others(before, 0)[:, D] if fill == "others_mean" else torch.zeros(len(batch), 1)
+    torch.testing.assert_close(after[:, 0, D], expect, rtol=1e-6, atol=1e-6)
+    _assert_rest_identical(before, after, [0], D)
+    assert before[:, 0, D].abs().min() > 100  # it was massive
+
+
+def test_remove_massive_shared_values_are_prompt_means(setup):
+    model, plant, batch = setup
+    name = names.ffn_out(plant.layer)
+    before = _cap(model, batch, name)
+    hooks = causal.remove_massive(model, batch, plant.layer, [0], None, site="ffn_out", per_prompt=False)
+    after = _cap(model, batch, name, hooks)
+    expect = _others(before, 0).mean(0)
+    for b in range(len(batch)):
+        torch.testing.assert_close(after[b, 0], expect, rtol=1e-5, atol=1e-6)
+    _assert_rest_identical(before, after, [0])
+    # row-wise: works on a batch of another size
+    other = model.tokenize(["w40 w41 w42"])
+    out = _cap(model, other, name, hooks)
+    torch.testing.assert_close(out[0, 0], expect, rtol=1e-5, atol=1e-6)
+
+
+def test_ablate_dims_mean_and_zero(setup):
+    model, plant, batch = setup
+    L, D = plant.layer, [plant.massive_dim, 3]
+    name = names.resid_post(L)
+    before = _cap(model, batch, name)
+    mean = _cap(model, batch, name, causal.ablate_dims(model, batch, L, [0], D, "mean"))
+    torch.testing.assert_close(mean[:, 0, D], before[:, 0, D].mean(0).expand(len(batch), -1))
+    _assert_rest_identical(before, mean, [0], D)
+    zero = _cap(model, batch, name, causal.ablate_dims(model, batch, L, [0], D, "zero"))
+    assert torch.all(zero[:, 0, D] == 0)
+    _assert_rest_identical(before, zero, [0], D)
+    with pytest.raises(ValueError, match="mode"):
+        causal.ablate_dims(model, batch, L, [0], D, "median")
+    with pytest.raises(ValueError, match="out of range"):
+        causal.ablate_dims(model, batch, L, [0], [32])
+
+
+@pytest.mark.parametrize("remove", [False, True])
+def test_transplant_difference(setup, remove):
+    model, plant, batch = setup
+    L, D = plant.layer, [plant.massive_dim]
+    name = names.resid_post(L)
+    h = _cap(model, batch, name)
+    t = causal.transplant(model, batch, L, 0, 3, D, "difference", remove_source=remove)
+    after = _cap(model, batch, name, t.hooks)
+    c = np.zeros((len(batch), model.d_model), dtype=np.float32)
+    hn = h.numpy()
+    c[:, D] = (hn[:, 0] - hn[:, 1:].mean(1))[:, D]
+    np.testing.assert_allclose(after[:, 3].numpy(), hn[:, 3] + c, rtol=1e-5, atol=1e-4)
+    if remove:
+        np.testing.assert_allclose(after[:, 0].numpy(), hn[:, 0] - c, rtol=1e-5, atol=1e-3)
+        _assert_rest_identical(h, after, [0, 3])
+    else:
+        _assert_rest_identical(h, after, [3])
+
+
+def test_transplant_direction_matches_norm(setup):
+    model, plant, batch = setup
+    name = names.resid_post(plant.layer)
+    h = _cap(model, batch, name)
+    t = causal.transplant(model, batch, plant.layer, 0, 2, None, "direction")
+    after = _cap(model, batch, name, t.hooks)
+    added = after[:, 2] - h[:, 2]
+    diff = h[:, 0] - _others(h, 0)
+    torch.testing.assert_close(added.norm(dim=-1), diff.norm(dim=-1), rtol=1e-4, atol=1e-3)
+    u = added / added.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(u, u[:1].expand_as(u), rtol=1e-4, atol=1e-4)  # one direction
+    with pytest.raises(ValueError, match="must differ"):
+        causal.transplant(model, batch, plant.layer, 2, 2)
+    with pytest.raises(ValueError, match="outside the shortest prompt"):
+        causal.transplant(model, batch, plant.layer, 0, 12)
+
+
+def test_cap_ffn_output(setup):
+    model, plant, batch = setup
+    name = names.ffn_out(plant.layer)
+    x = _cap(model, batch, name)
+    after = _cap(model, batch, name, causal.cap_ffn_output(model, batch, plant.layer, [0]))
+    med = x[:, 1:].norm(dim=-1).median(dim=-1).values
+    torch.testing.assert_close(after[:, 0].norm(dim=-1), med, rtol=1e-5, atol=1e-6)
+    cos = torch.nn.functional.cosine_similarity(after[:, 0], x[:, 0], dim=-1)
+    torch.testing.assert_close(cos, torch.ones_like(cos), rtol=0, atol=1e-5)
+    _assert_rest_identical(x, after, [0])
+
+
+def test_scale_and_normalize_ffn_product(setup):
+    model, plant, batch = setup
+    L, name = plant.layer, names.site("ffn_act", plant.layer)
+    a = _cap(model, batch, name)
+    scaled = _cap(model, batch, name, causal.scale_ffn_product(model, batch, L, [0], 0.25))
+    torch.testing.assert_close(scaled[:, 0], 0.25 * a[:, 0])
+    _assert_rest_identical(a, scaled, [0])
+    normed = _cap(model, batch, name, causal.normalize_ffn_product(model, batch, L, [0]))
+    torch.testing.assert_close(normed[:, 0].norm(dim=-1), a[:, 1:].norm(dim=-1).mean(-1), rtol=1e-5, atol=1e-6)
+    _assert_rest_identical(a, normed, [0])
+
+
+def test_flatten_ffn_norm_gain(setup):
+    model, plant, batch = setup
+    L = plant.layer
+    mid = _cap(model, batch, names.resid_mid(L)).double()
+    eps = model.norm_eps()
+    hat = mid / torch.sqrt((mid**2).mean(-1, keepdim=True) + eps)
+    w = model.ffn_norm_gain(L).detach().double()
+    name = names.ffn_in(L)
+    before = _cap(model, batch, name)
+    after = _cap(model, batch, name, causal.flatten_ffn_norm_gain(model, batch, L, [0]))
+    torch.testing.assert_close(after[:, 0].double(), hat[:, 0] * w.mean(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(before[:, 0].double(), hat[:, 0] * w, rtol=1e-5, atol=1e-5)
+    _assert_rest_identical(before, after, [0])
+    # the planted gain dims were what made the FFN fire: the massive activation is gone
+    out = _cap(model, batch, names.resid_post(L), causal.flatten_ffn_norm_gain(model, batch, L, [0]))
+    assert out[:, 0, plant.massive_dim].abs().max() < 0.1 * _cap(model, batch, names.resid_post(L))[:, 0, plant.massive_dim].abs().min()
+
+
+def test_factories_reject_bad_layers_and_positions(setup):
+    model, plant, batch = setup
+    with pytest.raises(ValueError, match="out of range"):
+        causal.cap_ffn_output(model, batch, 5, [0])
+    with pytest.raises(ValueError, match="outside the shortest prompt"):
+        causal.scale_ffn_product(model, batch, 1, [7], 0.5)
+    with pytest.raises(ValueError, match="positions must not be empty"):
+        causal.normalize_ffn_product(model, batch, 1, [])
+    with pytest.raises(ValueError, match="fill"):
+        causal.remove_massive(model, batch, 1, [0], fill="one")
+    with pytest.raises(ValueError, match="dims must not be empty"):
+        causal.remove_massive(model, batch, 1, [0], dims=[])

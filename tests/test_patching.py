@@ -1,0 +1,223 @@
+"""Batched activation patching: equality with transformer_lens.patching, fixed points, bad inputs."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from transformer_lens import patching as tl_patching
+
+from me_interp import names
+from me_interp.interventions import causal
+from me_interp.models import Batch
+from me_interp.patching import (
+    NormRatio,
+    SinkMass,
+    evaluate_metrics,
+    normalized,
+    patch_loop,
+    patch_sweep,
+    site_hook,
+)
+
+
+@pytest.fixture(scope="module")
+def pair(planted):
+    """Clean planted prompts (BOS first) and the corrupt copy with BOS replaced by the next word."""
+    model, plant = planted
+    clean = model.tokenize(["w1 w2 w3 w4 w5", "w7 w8 w9 w10 w11", "w20 w21 w22 w23 w24"])
+    t = clean.tokens.clone()
+    t[:, 0] = t[:, 1]
+    return model, plant, clean, Batch(t, clean.attention_mask.clone())
+
+
+def _metrics(plant, last=4):
+    return {
+        "ratio": NormRatio(last, 0),
+        "sink": SinkMass(tuple(range(plant.layer + 1, last + 1)), 0),
+    }
+
+
+def _tl_sweep(model, clean, corrupt, tl_fn, metrics, metric_name, permanent=()):
+    """transformer_lens.patching on the bridge; metrics read by permanent recording hooks."""
+    store: dict = {}
+
+    def rec(x, hook, key):
+        store[key] = x.detach().clone()
+        return x
+
+    bridge = model.bridge
+    _, cache = bridge.run_with_cache(clean.tokens)  # the clean run, no hooks
+    mask = corrupt.attention_mask.bool()
+    try:
+        for name, fn in permanent:
+            bridge.add_hook(name, fn, is_permanent=True)
+        for m in metrics.values():
+            for n in m.hook_names():
+                bridge.add_hook(n, partial(rec, key=n), is_permanent=True)
+        res = tl_fn(
+            bridge,
+            corrupt.tokens,
+            cache,
+            lambda logits: metrics[metric_name](store, mask),
+            reduce="none",
+        )
+    finally:
+        bridge.reset_hooks(including_permanent=True)
+    return res.values  # [layer pos batch]
+
+
+@pytest.mark.parametrize(
+    "site,tl_fn",
+    [
+        ("resid_pre", tl_patching.get_act_patch_resid_pre),
+        ("attn_out", tl_patching.get_act_patch_attn_out),
+        ("mlp_out", tl_patching.get_act_patch_mlp_out),
+    ],
+)
+def test_sweep_equals_transformer_lens(pair, site, tl_fn):
+    model, plant, clean, corrupt = pair
+    metrics = _metrics(plant)
+    ours = patch_sweep(model, clean, corrupt, site, metrics, batch_size=16)
+    assert ours.n_forwards == 6  # 30 cells x 3 prompts in chunks of 5 cells
+    for name in metrics:
+        ref = _tl_sweep(model, clean, corrupt, tl_fn, metrics, name)
+        torch.testing.assert_close(ours.values[name], ref.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_sweep_with_corruption_hooks_equals_transformer_lens(pair):
+    """The remove_ffn corruption: row-wise hooks run before the patch, as TL permanent hooks do."""
+    model, plant, clean, _ = pair
+    hooks = causal.remove_massive(
+        model, clean, plant.layer, [0], None, site="ffn_out", per_prompt=False
+    )
+    metrics = _metrics(plant)
+    ours = patch_sweep(model, clean, clean, "mlp_out", metrics, corrupt_hooks=hooks, batch_size=32)
+    ref = _tl_sweep(
+        model, clean, clean, tl_patching.get_act_patch_mlp_out, metrics, "ratio", permanent=hooks
+    )
+    torch.testing.assert_close(ours.values["ratio"], ref.float(), rtol=1e-4, atol=1e-5)
+    # patching the corrupted site itself undoes the corruption exactly
+    assert ours.cell("ratio", plant.layer, 0) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_ffn_in_sweep_equals_one_forward_per_cell_loop(pair):
+    """TL's get_act_name cannot name ln2.hook_out, so ffn_in is checked against a hand loop."""
+    model, plant, clean, corrupt = pair
+    metrics = {"ratio": NormRatio(4, 0)}
+    ours = patch_sweep(model, clean, corrupt, "ffn_in", metrics, layers=[1, 2, 3], batch_size=64)
+    store: dict = {}
+
+    def rec(x, hook, key):
+        store[key] = x.detach().clone()
+        return x
+
+    for i, layer in enumerate([1, 2, 3]):
+        name = names.ffn_in(layer)
+        model.run_with_hooks(clean, [(name, partial(rec, key="clean"))])
+        clean_act = store["clean"]
+        for p in range(clean.tokens.shape[1]):
+
+            def patch(x, hook, p=p):
+                x = x.clone()
+                x[:, p] = clean_act[:, p]
+                return x
+
+            model.run_with_hooks(
+                corrupt, [(name, patch), (names.resid_post(4), partial(rec, key="out"))]
+            )
+            norms = store["out"].norm(dim=-1).numpy()
+            ref = norms[:, 0] / norms[:, 1:].mean(-1)
+            np.testing.assert_allclose(ours.values["ratio"][i, p].numpy(), ref, rtol=1e-4)
+
+
+def test_chunking_does_not_change_values(pair):
+    model, plant, clean, corrupt = pair
+    metrics = _metrics(plant)
+    a = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=3)
+    b = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=1000)
+    c = patch_loop(model, clean, corrupt, "resid_pre", metrics)
+    assert (a.n_forwards, b.n_forwards, c.n_forwards) == (30, 1, 30)
+    for k in metrics:
+        torch.testing.assert_close(a.values[k], b.values[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c.values[k], b.values[k], rtol=1e-5, atol=1e-6)
+
+
+def test_fixed_points_clean_one_corrupt_zero(pair):
+    model, plant, clean, corrupt = pair
+    metrics = {"ratio": NormRatio(plant.layer, 0)}
+    sw = patch_sweep(model, clean, corrupt, "resid_pre", metrics)
+    # normalisation itself
+    c, k = sw.clean["ratio"].mean(), sw.corrupt["ratio"].mean()
+    assert float(normalized(torch.tensor([float(c)]), c, k)) == pytest.approx(1.0)
+    assert float(normalized(torch.tensor([float(k)]), c, k)) == pytest.approx(0.0)
+    # patching the whole corrupted difference (token 0's embedding) restores the clean run
+    assert sw.cell("ratio", 0, 0) == pytest.approx(1.0, abs=1e-5)
+    # patches after the metric layer cannot change it: exactly 0
+    grid = sw.normalized("ratio")
+    assert torch.all(grid[plant.layer + 1 :] == 0)
+    # positions > 0 are identical in clean and corrupt at layer 0: patching them is a no-op
+    assert torch.all(grid[0, 1:] == 0)
+
+
+def test_planted_mlp_out_restores_massive_and_sink(pair):
+    """The construction: layer 2's FFN writes the massive dim at the BOS token; heads 0 read it."""
+    model, plant, clean, corrupt = pair
+    sw = patch_sweep(model, clean, corrupt, "mlp_out", _metrics(plant))
+    assert sw.cell("ratio", plant.layer, 0) > 0.99
+    assert sw.cell("sink", plant.layer, 0) > 0.99
+    others = sw.normalized("ratio").clone()
+    others[plant.layer, 0] = 0
+    assert others.abs().max() < 0.01
+    attn = patch_sweep(model, clean, corrupt, "attn_out", _metrics(plant))
+    assert attn.normalized("ratio").abs().max() < 0.01
+
+
+def test_metrics_match_hand_computation(pair):
+    model, plant, clean, _ = pair
+    _, cache = model.bridge.run_with_cache(clean.tokens)
+    vals = evaluate_metrics(model, clean, _metrics(plant))
+    h = cache[names.resid_post(4)].numpy()
+    n = np.linalg.norm(h, axis=-1)
+    np.testing.assert_allclose(vals["ratio"].numpy(), n[:, 0] / n[:, 1:].mean(-1), rtol=1e-5)
+    sinks = []
+    for layer in range(plant.layer + 1, 5):
+        a = cache[names.pattern(layer)].numpy()  # [b h q k]
+        sinks.append(a[:, :, 1:, 0].mean(-1).mean(-1))
+    np.testing.assert_allclose(vals["sink"].numpy(), np.mean(sinks, 0), rtol=1e-5)
+
+
+def test_patching_clean_into_clean_is_a_no_op(pair):
+    """Negative test: a patch that copies the same values leaves every metric bit-identical."""
+    model, plant, clean, _ = pair
+    sw = patch_sweep(model, clean, clean, "attn_out", {"ratio": NormRatio(4, 0)}, layers=[0, 3])
+    base = evaluate_metrics(model, Batch(clean.tokens.repeat(10, 1), clean.attention_mask.repeat(10, 1)),
+                            {"ratio": NormRatio(4, 0)})["ratio"][:3]
+    for li in range(2):
+        for p in range(6):
+            torch.testing.assert_close(sw.values["ratio"][li, p], base, rtol=0, atol=0)
+
+
+def test_bad_inputs(pair):
+    model, plant, clean, corrupt = pair
+    m = {"ratio": NormRatio(4, 0)}
+    with pytest.raises(ValueError, match="unknown patching site"):
+        patch_sweep(model, clean, corrupt, "mlp_in", m)
+    with pytest.raises(ValueError, match="out of range"):
+        patch_sweep(model, clean, corrupt, "resid_pre", m, layers=[7])
+    with pytest.raises(ValueError, match="position 9 out of range"):
+        patch_sweep(model, clean, corrupt, "resid_pre", m, positions=[9])
+    short = model.tokenize(["w1 w2", "w3 w4", "w5 w6"])
+    with pytest.raises(ValueError, match="same shape"):
+        patch_sweep(model, clean, short, "resid_pre", m)
+    with pytest.raises(ValueError, match="at least one metric"):
+        patch_sweep(model, clean, corrupt, "resid_pre", {})
+    with pytest.raises(ValueError, match="batch_size"):
+        patch_sweep(model, clean, corrupt, "resid_pre", m, batch_size=0)
+    with pytest.raises(ValueError, match="at least one layer"):
+        SinkMass((), 0)
+    with pytest.raises(ValueError, match="unknown patching site"):
+        site_hook("bogus", 0)
+    assert site_hook("mlp_out", 3) == names.ffn_out(3)
