@@ -1,0 +1,199 @@
+"""The same interventions on a plain HF model, as PyTorch forward hooks (training-aware WeMask).
+
+``hf_interventions(model, spec, ...)`` registers, per intervened layer ``L``:
+
+* a forward *pre*-hook (``with_kwargs=True``) on the decoder layer that records the absolute positions
+  of the tokens in this call: its ``position_ids`` kwarg (what HF Llama/Qwen pass every layer, also
+  at decode steps with a KV cache), else ``cache_position``, else the cache length + ``arange``;
+* a forward hook on the pre-attention RMSNorm (``input_layernorm``, site ``attn_in``) or on the decoder
+  layer itself (site ``resid_post``) that returns the edited output.
+
+The edit is the spec's own :meth:`edit` — the very code the TransformerLens hooks run — so the two
+backends agree (tested to 1e-5 on the bundled model). No ``torch.no_grad`` anywhere: gradients flow
+through the edited activations, so the hooks can stay in place during SFT/DPO/GRPO with any HF/TRL
+trainer (``docs/wemask.md``). The handle is a context manager that removes every hook in ``finally``;
+``.remove()`` does the same for long-lived use. ``handle.stats`` counts, per layer, the calls and the
+tokens edited, so a training loop can check that the mask was active in every step.
+
+``positions_from="index"`` reproduces the released code's behaviour (the target is index 0 *of the
+current call*), which masks every newly generated token at decode steps with a KV cache. It exists
+to demonstrate that bug, not for use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from me_interp.interventions import core
+
+POSITION_MODES = ("absolute", "index")
+
+
+class HFInterventions:
+    """Forward hooks applying intervention specs to an HF model (see module docstring).
+
+    Args:
+        model: an HF causal LM (Llama/Qwen/Mistral-style) or a :class:`~me_interp.models.LoadedModel`.
+        specs: one or more specs (``WeMask``, ``DirectionProjection``, ...).
+        positions_from: ``"absolute"`` (correct) or ``"index"`` (the released code's bug).
+    """
+
+    def __init__(self, model: Any, specs: Sequence[Any], positions_from: str = "absolute") -> None:
+        if positions_from not in POSITION_MODES:
+            raise ValueError(f"positions_from must be one of {POSITION_MODES}, got {positions_from!r}")
+        if not specs:
+            raise ValueError("give at least one intervention spec")
+        self.model = model
+        self.specs = tuple(specs)
+        self.positions_from = positions_from
+        self.layers = core.decoder_layers(model)
+        for spec in self.specs:
+            core.check_site(spec.site)
+            core.check_layers(spec.layers, len(self.layers))
+        self._handles: list[Any] = []
+        self._positions: dict[int, torch.Tensor] = {}
+        self.stats: dict[int, dict[str, int]] = {}
+
+    # -- registration --------------------------------------------------------------------------
+    def register(self) -> HFInterventions:
+        if self._handles:
+            raise RuntimeError("these hooks are already registered")
+        try:
+            touched = sorted({L for s in self.specs for L in s.layers})
+            for L in touched:
+                layer = self.layers[L]
+                self.stats[L] = {"calls": 0, "edited_tokens": 0}
+                self._handles.append(
+                    layer.register_forward_pre_hook(partial(self._record, L=L), with_kwargs=True)
+                )
+                for si, spec in enumerate(self.specs):
+                    if L not in spec.layers:
+                        continue
+                    fn = partial(self._edit, L=L, spec=spec)
+                    if spec.site == "attn_in":
+                        mod = layer.input_layernorm
+                    else:
+                        mod = layer
+                    self._handles.append(mod.register_forward_hook(fn))
+                self._handles.append(layer.register_forward_hook(partial(self._forget, L=L)))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def remove(self) -> None:
+        """Remove every hook (safe to call twice)."""
+        while self._handles:
+            self._handles.pop().remove()
+        self._positions.clear()
+
+    def __enter__(self) -> HFInterventions:
+        return self.register()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _record(self, module: Any, args: tuple, kwargs: dict, *, L: int) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        T = hidden.shape[1]
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = kwargs.get("cache_position")
+            if pos is not None:
+                pos = pos[None, :]
+        if pos is None:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            past = 0
+            if cache is not None and hasattr(cache, "get_seq_length"):
+                past = int(cache.get_seq_length(L))
+            pos = (torch.arange(T, device=hidden.device) + past)[None, :]
+        if pos.shape[-1] != T:
+            raise RuntimeError(
+                f"layer {L}: position_ids cover {pos.shape[-1]} tokens but the hidden states have {T}"
+            )
+        self._positions[L] = pos
+
+    def _forget(self, module: Any, args: tuple, output: Any, *, L: int) -> None:
+        self._positions.pop(L, None)
+
+    def _abs_pos(self, L: int, T: int, device: torch.device) -> torch.Tensor:
+        if self.positions_from == "index":
+            return torch.arange(T, device=device)[None, :]
+        pos = self._positions.get(L)
+        if pos is None or pos.shape[-1] != T:  # norm called outside its decoder layer
+            pos = torch.arange(T, device=device)[None, :]
+        return pos.to(device)
+
+    def _edit(self, module: Any, args: tuple, output: Any, *, L: int, spec: Any) -> Any:
+        h = output[0] if isinstance(output, tuple) else output
+        resid = args[0] if (spec.needs_resid and args) else None
+        abs_pos = self._abs_pos(L, h.shape[1], h.device)
+        target = core.target_mask(abs_pos, spec.positions, h.shape[0])
+        new = spec.edit(h, L, target, resid)
+        st = self.stats[L]
+        st["calls"] += 1
+        st["edited_tokens"] += int(target.sum())
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+
+def hf_interventions(
+    model: Any, *specs: Any, positions_from: str = "absolute"
+) -> HFInterventions:
+    """Hooks for ``specs`` on an HF model; use as ``with hf_interventions(hf, spec): ...`` or
+    ``h = hf_interventions(hf, spec).register(); ...; h.remove()``."""
+    return HFInterventions(model, specs, positions_from)
+
+
+def hf_we_mask(
+    model: Any,
+    rate: float | int,
+    variant: str = "weight",
+    *,
+    layers: Sequence[int],
+    positions: core.PositionsArg = (0,),
+    seed: int = 0,
+) -> HFInterventions:
+    """WeMask on a plain HF model (unregistered handle; enter it or call ``.register()``).
+
+    ``layers`` is explicit here (measure the ME layer once with a LoadedModel and
+    :func:`me_interp.interventions.wemask.mask_layers`, or read it from a ``me_layer`` result).
+    """
+    from me_interp.interventions.wemask import WeMask
+
+    return HFInterventions(model, [WeMask.build(model, layers, rate, variant, positions, seed)])
+
+
+def load_hf(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """A *plain* HF model and its tokenizer, for the HF hooks, generation and training.
+
+    ``me_interp.load_model`` wraps the HF model in a TransformerBridge, which replaces its submodules
+    in place (``model.hf`` then holds bridge components whose attention ignores HF's KV cache). Use a
+    plain copy for KV-cache generation and for training. ``model``: ``None``/``"bundled"`` (the cached
+    fp32 SmolLM2-135M-Instruct), ``"synthetic:<kind>"``, a local directory or an HF name.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from me_interp import models
+
+    if model is None or model == models.BUNDLED:
+        path = str(models.ensure_bundled_cache())
+    elif isinstance(model, str) and model.startswith(models.SYNTHETIC_PREFIX):
+        hf, tok = models._synthetic(model)
+        return hf.to(device=device, dtype=dtype).eval(), tok
+    else:
+        path = str(model)
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    return hf.to(device).eval(), tok
+
+
+__all__ = ["HFInterventions", "hf_interventions", "hf_we_mask", "load_hf"]

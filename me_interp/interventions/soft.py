@@ -1,0 +1,187 @@
+"""Soft alternatives to the hard WeMask (``paper.md`` §3), for the massive token only.
+
+* **Dim projection** — ``h − α P_S h`` with ``P_S`` the projection on a coordinate dim set ``S``
+  (explicit dims, or any WeMask selection at a rate): the coordinates in ``S`` are scaled by ``1 − α``.
+  ``α = 1`` on the attention input is exactly WeMask; ``α = 0`` is the identity.
+* **Direction projection** — ``h − α (⟨h, v⟩ / ‖v‖²) v`` for a massive direction ``v`` per layer
+  (given, or estimated as the mean of the massive tokens' vectors at that site by
+  :func:`estimate_direction`). ``α = 1`` removes the component along ``v`` entirely.
+
+Both act at the attention input (``site="attn_in"``: ``RMSNorm_attn`` output, residual untouched) or in
+the residual stream (``site="resid_post"``: the layer output, carried downstream). ``α ∈ [0, 1]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from jaxtyping import Float
+
+from me_interp import names
+from me_interp.interventions import core
+from me_interp.interventions.core import PositionsArg
+from me_interp.interventions.wemask import WeMask
+
+
+def dim_projection(
+    model: Any,
+    alpha: float | int,
+    layers: Sequence[int],
+    *,
+    dims: Sequence[int] | None = None,
+    variant: str = "weight",
+    rate: float = 0.1,
+    site: str = "attn_in",
+    positions: PositionsArg = (0,),
+    seed: int = 0,
+) -> WeMask:
+    """Spec of ``h − α P_S h`` on the target tokens (``S``: ``dims``, else the WeMask ``variant`` at ``rate``).
+
+    Raises:
+        ValueError: ``alpha`` or ``rate`` outside [0, 1], dims out of range, bad site/layers.
+    """
+    alpha = core.check_fraction(alpha, "alpha")
+    keep = 1.0 - alpha
+    if dims is None:
+        return WeMask.build(model, layers, rate, variant, positions, seed, site=site, keep=keep)
+    d = core.d_model_of(model)
+    dims_t = torch.as_tensor(list(dims), dtype=torch.long)
+    if dims_t.numel() and (dims_t.min() < 0 or dims_t.max() >= d):
+        raise ValueError(f"dims must lie in 0..{d - 1}, got {list(dims)}")
+    dims_t = dims_t.unique()
+    layers = core.check_layers(layers, core.n_layers_of(model))
+    return WeMask(
+        layers=layers,
+        rate=dims_t.numel() / d,
+        variant="given",
+        positions=core.normalize_positions(positions),
+        seed=seed,
+        fixed_dims={L: dims_t for L in layers},
+        site=core.check_site(site),
+        keep=keep,
+        d_model=d,
+    )
+
+
+@dataclass(frozen=True)
+class DirectionProjection:
+    """Spec of ``h − α (⟨h, v_l⟩ / ‖v_l‖²) v_l`` on the target tokens at ``site`` of each layer ``l``."""
+
+    layers: tuple[int, ...]
+    alpha: float
+    directions: dict[int, torch.Tensor] = field(compare=False, repr=False)
+    site: str = "attn_in"
+    positions: tuple = (0,)
+    needs_resid: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        model: Any,
+        alpha: float | int,
+        directions: Mapping[int, torch.Tensor] | torch.Tensor,
+        layers: Sequence[int] | None = None,
+        site: str = "attn_in",
+        positions: PositionsArg = (0,),
+    ) -> DirectionProjection:
+        """``directions``: one vector for every layer in ``layers``, or a ``{layer: v}`` mapping."""
+        alpha = core.check_fraction(alpha, "alpha")
+        core.check_site(site)
+        d = core.d_model_of(model)
+        if isinstance(directions, torch.Tensor):
+            if layers is None:
+                raise ValueError("give layers= with a single direction vector")
+            dirs = {L: directions for L in layers}
+        else:
+            dirs = dict(directions)
+            layers = tuple(dirs) if layers is None else layers
+        layers = core.check_layers(layers, core.n_layers_of(model))
+        out = {}
+        for L in layers:
+            if L not in dirs:
+                raise ValueError(f"no direction given for layer {L}")
+            v = torch.as_tensor(dirs[L]).detach().float().flatten()
+            if v.shape[0] != d:
+                raise ValueError(f"direction for layer {L} has {v.shape[0]} dims, the model has {d}")
+            if not torch.isfinite(v).all() or float(v.norm()) == 0.0:
+                raise ValueError(f"direction for layer {L} is zero or not finite")
+            out[L] = v
+        return cls(layers, alpha, out, site, core.normalize_positions(positions))
+
+    def edit(
+        self, h: torch.Tensor, layer: int, target: torch.Tensor, resid: torch.Tensor | None
+    ) -> torch.Tensor:
+        if layer not in self.layers:
+            return h
+        return core.remove_direction(h, target, self.directions[layer], self.alpha)
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "direction_projection",
+            "layers": list(self.layers),
+            "alpha": self.alpha,
+            "site": self.site,
+            "positions": self.positions,
+        }
+
+
+def _capture(x: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
+    store[layer] = x.detach().float().cpu()
+    return x
+
+
+def estimate_direction(
+    model: Any,
+    batch: Any,
+    layers: Sequence[int],
+    site: str = "attn_in",
+    positions: PositionsArg = (0,),
+) -> dict[int, Float[torch.Tensor, " d_model"]]:
+    """The massive direction per layer: ``v_l = mean`` of the target tokens' vectors at ``site``.
+
+    Args:
+        model: the :class:`~me_interp.models.LoadedModel`.
+        batch: prompts to estimate from (``model.tokenize``).
+        positions: absolute positions of the massive tokens (all prompts, or one list per prompt).
+    """
+    core.check_site(site)
+    layers = core.check_layers(layers, model.n_layers)
+    pos = core.normalize_positions(positions)
+    store: dict[int, torch.Tensor] = {}
+    hooks = [(names.site(site, L), partial(_capture, store=store, layer=L)) for L in layers]
+    model.run_with_hooks(batch, hooks)
+    B, T = batch.tokens.shape
+    target = core.target_mask(torch.arange(T)[None, :], pos, B) & batch.attention_mask.bool().cpu()
+    if not target.any():
+        raise ValueError("no target token inside the prompts: check positions")
+    return {L: store[L][target].mean(0) for L in layers}
+
+
+def project_dims(model: Any, alpha: float | int, layers: Sequence[int], **kwargs: Any) -> list:
+    """TransformerLens hooks of :func:`dim_projection`."""
+    return core.tl_hooks(dim_projection(model, alpha, layers, **kwargs))
+
+
+def project_direction(
+    model: Any,
+    alpha: float | int,
+    directions: Mapping[int, torch.Tensor] | torch.Tensor,
+    layers: Sequence[int] | None = None,
+    site: str = "attn_in",
+    positions: PositionsArg = (0,),
+) -> list:
+    """TransformerLens hooks of :class:`DirectionProjection`."""
+    return core.tl_hooks(DirectionProjection.build(model, alpha, directions, layers, site, positions))
+
+
+__all__ = [
+    "DirectionProjection",
+    "dim_projection",
+    "estimate_direction",
+    "project_dims",
+    "project_direction",
+]

@@ -1,0 +1,303 @@
+"""WeMask (weight-guided masking, ``paper.md`` §2.5) and the dim selections it is compared with.
+
+For every layer ``l`` from a start layer to the last, zero ``k = round(r·d)`` dims of the *massive
+token's* attention input ``RMSNorm_attn(h_l) = h_l / rms(h_l) ⊙ w_attn^{(l)}`` — only for the massive
+token (absolute position 0 by default, or the detected massive positions), never the residual stream,
+never the other tokens::
+
+    ĥ_{l,t}[S_l] ← 0   for t ∈ massive positions, l ≥ start
+
+The dim set ``S_l`` has four selections, named apart:
+
+* ``weight``     — ``TopK(|w_attn^{(l)}|, k)``: the paper's text (the same dims for every token/input);
+* ``activation`` — ``TopK(|ĥ_{l,t}|, k)`` of the massive token's *normalised* activation (after the
+  gain), per input: the authors' released code;
+* ``random``     — ``k`` dims drawn without replacement, seeded by ``(seed, layer)``: an ablation;
+* ``magnitude``  — ``TopK(|h_{l,t}|, k)`` of the massive token's *residual* activation (the norm's
+  input), per input: an ablation.
+
+Ties are broken towards the lower dim index (stable sort). The start layer is explicit: ``start="ge"``
+masks layers ``≥ ME`` (the paper), ``"gt"`` layers ``> ME``. The ME layer is measured
+(:func:`me_interp.probes.find_me_layer`) unless given.
+
+:func:`select_dims` is the one pure selection function; the TransformerLens hooks (:func:`we_mask`) and
+the HF hooks (:mod:`me_interp.interventions.hf_hooks`) both call it through :class:`WeMask`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float, Int
+
+from me_interp.interventions import core
+from me_interp.interventions.core import PositionsArg
+
+VARIANTS: tuple[str, ...] = ("weight", "activation", "random", "magnitude")
+STARTS: tuple[str, ...] = ("ge", "gt")
+Variant = Literal["weight", "activation", "random", "magnitude"]
+RANDOM_SEED_STRIDE = 1_000_003
+# variants whose dims do not depend on the input ("given": explicit dims, used by soft.dim_projection)
+FIXED_VARIANTS: tuple[str, ...] = ("weight", "random", "given")
+
+
+def check_variant(variant: str) -> str:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown WeMask variant {variant!r}; choose one of {VARIANTS}")
+    return variant
+
+
+def _top_abs(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest ``|x|`` along the last axis (ties: lower index first)."""
+    order = torch.sort(x.detach().abs().float(), dim=-1, descending=True, stable=True).indices
+    return order[..., :k]
+
+
+def select_dims(
+    model: Any,
+    layer: int,
+    variant: str,
+    rate: float | int,
+    activations: Float[torch.Tensor, "*rows d_model"] | None = None,
+    seed: int = 0,
+) -> Int[torch.Tensor, "*rows k"]:
+    """The dims WeMask zeroes at ``layer``: ``k = round(rate · d_model)`` indices.
+
+    Args:
+        model: a :class:`~me_interp.models.LoadedModel` or an HF causal LM.
+        layer: 0-based layer.
+        variant: ``weight`` (``TopK |w_attn|``), ``activation`` (``TopK |ĥ|`` of the given normalised
+            activations), ``random`` (seeded by ``(seed, layer)``) or ``magnitude`` (``TopK |h|`` of the
+            given residual activations).
+        rate: ``r ∈ [0, 1]``.
+        activations: ``[..., d_model]``; required by ``activation`` (the attention-norm *output* of the
+            massive tokens) and ``magnitude`` (the norm's *input*, the residual stream).
+        seed: for ``random``.
+
+    Returns:
+        ``[k]`` for ``weight``/``random`` (sorted), ``[..., k]`` (one row per activation row) otherwise.
+
+    Raises:
+        ValueError: bad variant, rate outside [0, 1], missing or mis-shaped activations.
+    """
+    check_variant(variant)
+    n_layers, d = core.n_layers_of(model), core.d_model_of(model)
+    core.check_layers([layer], n_layers)
+    k = core.n_selected(rate, d)
+    if variant == "weight":
+        gain = core.attn_norm_gain(model, layer)
+        return _top_abs(gain, k).sort().values.cpu()
+    if variant == "random":
+        gen = torch.Generator().manual_seed(int(seed) * RANDOM_SEED_STRIDE + layer)
+        return torch.randperm(d, generator=gen)[:k].sort().values
+    if activations is None:
+        raise ValueError(
+            f"variant {variant!r} selects dims from the massive token's activations: pass activations"
+        )
+    if activations.shape[-1] != d:
+        raise ValueError(f"activations have {activations.shape[-1]} dims, the model has {d}")
+    return _top_abs(activations, k)
+
+
+def find_me_layer(model: Any, batch: Any = None) -> int:
+    """The measured ME layer (0-based) on ``batch`` (default: the built-in prompts).
+
+    Raises:
+        ValueError: when no layer meets the massive-activation criterion.
+    """
+    from me_interp.models import LoadedModel
+    from me_interp.probes import find_me_layer as _find
+
+    if not isinstance(model, LoadedModel):
+        raise TypeError("detecting the ME layer needs a LoadedModel; pass me_layer= for an HF model")
+    if batch is None:
+        from me_interp.prompts import builtin_prompts
+
+        batch = model.tokenize(builtin_prompts())
+    loc = _find(model, batch)
+    if loc.me_layer is None:
+        raise ValueError(
+            f"no ME layer found in {model.name}: no layer output meets the massive-activation "
+            "criterion. Pass layers= (or me_layer=) explicitly."
+        )
+    return int(loc.me_layer)
+
+
+def mask_layers(
+    model: Any,
+    start: str = "ge",
+    me_layer: int | None = None,
+    end: int | None = None,
+    batch: Any = None,
+) -> tuple[int, ...]:
+    """Layers WeMask acts on: ``[ME, end]`` (``start="ge"``) or ``[ME + 1, end]`` (``"gt"``).
+
+    Args:
+        me_layer: the ME layer (0-based); measured with :func:`find_me_layer` when ``None``.
+        end: last layer (inclusive, default the model's last layer).
+    """
+    if start not in STARTS:
+        raise ValueError(f"start must be 'ge' (layers >= ME) or 'gt' (layers > ME), got {start!r}")
+    n = core.n_layers_of(model)
+    me = find_me_layer(model, batch) if me_layer is None else me_layer
+    core.check_layers([me], n)
+    last = n - 1 if end is None else end
+    core.check_layers([last], n)
+    first = me if start == "ge" else me + 1
+    if first > last:
+        raise ValueError(f"no layers from {first} to {last}: the ME layer {me} is the last layer")
+    return tuple(range(first, last + 1))
+
+
+def massive_positions(model: Any, batch: Any) -> list[list[int]]:
+    """Detected massive positions per prompt at the ME layer (:func:`me_interp.probes.find_me_layer`)."""
+    from me_interp.probes import find_me_layer as _find
+
+    loc = _find(model, batch)
+    if loc.me_layer is None:
+        raise ValueError(f"no massive activation detected in {model.name}: no positions to mask")
+    return [list(p) for p in loc.massive_positions]
+
+
+@dataclass(frozen=True)
+class WeMask:
+    """A WeMask spec (see module docstring); build it with :meth:`build` or :func:`we_mask`.
+
+    ``fixed_dims`` holds the precomputed dims of the input-independent variants (``weight``,
+    ``random``) per layer; ``activation`` and ``magnitude`` select per input in :meth:`edit`.
+    ``keep`` is the factor the selected coordinates are multiplied by (0 for the hard mask).
+    """
+
+    layers: tuple[int, ...]
+    rate: float
+    variant: str = "weight"
+    positions: tuple = (0,)
+    seed: int = 0
+    fixed_dims: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    site: str = "attn_in"
+    keep: float = 0.0
+    d_model: int = 0
+
+    @property
+    def needs_resid(self) -> bool:
+        return self.variant == "magnitude" and self.site == "attn_in"
+
+    @classmethod
+    def build(
+        cls,
+        model: Any,
+        layers: Sequence[int],
+        rate: float | int,
+        variant: str = "weight",
+        positions: PositionsArg = (0,),
+        seed: int = 0,
+        site: str = "attn_in",
+        keep: float | int = 0.0,
+    ) -> WeMask:
+        """Validate the arguments and precompute the input-independent dims for ``model``."""
+        check_variant(variant)
+        core.check_fraction(rate, "rate")
+        core.check_site(site)
+        layers = core.check_layers(layers, core.n_layers_of(model))
+        fixed = {}
+        if variant in ("weight", "random"):
+            fixed = {L: select_dims(model, L, variant, rate, seed=seed) for L in layers}
+        return cls(
+            layers=layers,
+            rate=float(rate),
+            variant=variant,
+            positions=core.normalize_positions(positions),
+            seed=int(seed),
+            fixed_dims=fixed,
+            site=site,
+            keep=float(keep),
+            d_model=core.d_model_of(model),
+        )
+
+    def dims_for(
+        self, layer: int, h_sel: torch.Tensor, resid_sel: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Dims to edit for the target tokens (``h_sel``/``resid_sel``: their rows ``[n, d]``)."""
+        if self.variant in FIXED_VARIANTS:
+            return self.fixed_dims[layer]
+        k = core.n_selected(self.rate, h_sel.shape[-1])
+        if self.variant == "activation":
+            return _top_abs(h_sel, k)
+        src = resid_sel if resid_sel is not None else h_sel  # magnitude
+        return _top_abs(src, k)
+
+    def edit(
+        self,
+        h: torch.Tensor,
+        layer: int,
+        target: torch.Tensor,
+        resid: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if layer not in self.layers:
+            return h
+        if self.needs_resid and resid is None:
+            raise ValueError("the magnitude variant needs the residual input of the norm")
+        if not bool(target.any()):
+            return h.clone()
+        dims = self.dims_for(layer, h[target], resid[target] if resid is not None else None)
+        return core.scale_dims(h, target, dims, self.keep)
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "wemask" if self.keep == 0.0 else "dim_projection",
+            "layers": list(self.layers),
+            "rate": self.rate,
+            "variant": self.variant,
+            "positions": self.positions,
+            "seed": self.seed,
+            "site": self.site,
+            "alpha": 1.0 - self.keep,
+        }
+
+
+def we_mask(
+    model: Any,
+    rate: float | int,
+    variant: str = "weight",
+    *,
+    layers: Sequence[int] | None = None,
+    start: str = "ge",
+    me_layer: int | None = None,
+    positions: PositionsArg = (0,),
+    seed: int = 0,
+    batch: Any = None,
+) -> list[tuple[str, Any]]:
+    """TransformerLens hooks for WeMask: zero ``round(rate·d)`` dims of the massive token's attention input.
+
+    Args:
+        model: the :class:`~me_interp.models.LoadedModel`.
+        rate: ``r ∈ [0, 1]``.
+        variant: ``weight`` | ``activation`` | ``random`` | ``magnitude`` (module docstring).
+        layers: explicit 0-based layers; default :func:`mask_layers` (``start`` from ``me_layer``).
+        start: ``"ge"`` (layers ≥ ME, the paper) or ``"gt"`` (layers > ME).
+        me_layer: the ME layer; measured on ``batch`` (default built-in prompts) when ``None``.
+        positions: absolute positions of the massive token(s): all prompts, or one list per prompt.
+        seed: seed of the ``random`` variant.
+
+    Returns:
+        ``[(hook_name, fn), ...]`` for ``model.run_with_hooks`` / ``bridge.hooks(fwd_hooks=...)``.
+    """
+    if layers is None:
+        layers = mask_layers(model, start=start, me_layer=me_layer, batch=batch)
+    spec = WeMask.build(model, layers, rate, variant, positions, seed)
+    return core.tl_hooks(spec)
+
+
+__all__ = [
+    "STARTS",
+    "VARIANTS",
+    "WeMask",
+    "find_me_layer",
+    "mask_layers",
+    "massive_positions",
+    "select_dims",
+    "we_mask",
+]
