@@ -36,6 +36,13 @@ from me_interp.probes.massive import Criterion, MELocation, find_me_layer
 
 NAME = "mechanism"
 PositionChoice = Literal["detected", "zero"]
+STAGE_LABELS = {
+    "input": "FFN input (RMSNorm output)",
+    "gate": "after W_gate",
+    "up": "after W_up",
+    "product": "σ(gate)·up",
+    "down": "after W_down (FFN output)",
+}
 
 
 def detect(
@@ -332,11 +339,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
         me,
     )
     dc = plotting.layer_lines(
-        {
-            {"input": "FFN input (RMSNorm output)", "gate": "after W_gate", "up": "after W_up",
-             "product": "σ(gate)·up", "down": "after W_down (FFN output)"}[s]: result.series("delta_c", s)
-            for s in STAGES
-        },
+        {STAGE_LABELS[s]: result.series("delta_c", s) for s in STAGES},
         "ΔC: Herfindahl concentration of the massive token minus the others, per FFN stage",
         "ΔC (dimensionless, 1 = one-hot)",
         me,
