@@ -303,3 +303,22 @@ def test_cli_bad_inputs(module, args, message, prompt_file, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err
     assert not (tmp_path / module.NAME).exists() or not any((tmp_path / module.NAME).iterdir())
+
+
+# ---------------------------------------------------------------------------- bundled model
+
+
+@pytest.mark.slow
+def test_weight_swap_bundled(bundled):
+    """Real SmolLM2-135M (ME layer 11): the FFN moves the emergence only to a neighbouring layer, the
+    pre-FFN gain of a distant layer does not stop it. Numbers from docs/weight_experiments.md."""
+    cfg = weight_swap.Config(parts=("ffn_norm", "ffn"), partners=(12, 20))
+    res = weight_swap.run(cfg, bundled)
+    assert res.layer == 11
+    assert 100 < res.baseline.ratio_at(11) < 250
+    assert 3 < res.baseline.top_ratio[-1] < 15
+    by = {(r["part"], r["partner"]): r for r in res.rows}
+    assert by[("ffn", 12)]["me_layer"] == 12 and 20 < by[("ffn", 12)]["ratio_at_partner"] < 100
+    assert by[("ffn", 20)]["me_layer"] is None and by[("ffn", 20)]["ratio_at_layer"] < 3
+    assert by[("ffn_norm", 20)]["me_layer"] == 11 and 60 < by[("ffn_norm", 20)]["ratio_at_layer"] < 200
+    assert 0.8 < res.baseline.sink_after(11) < 1.0
