@@ -1,6 +1,21 @@
-"""Read-only measurements: (model, batch or scan) -> tensors and small dataclasses."""
+"""Read-only measurements: (model, batch or scan) -> tensors and small dataclasses.
 
-from me_interp.probes.attention import AttentionStats, attention_stats
+Entry points (one forward pass each, hooks only at the sites they need):
+
+* :func:`scan_norms` / :func:`locate_me_layer` / :func:`find_me_layer` — token norms, massive
+  activations over all positions, the ME layer and every emergence event;
+* :func:`alignment_scan` — RMSNorm alignment (WeightNorm, Frac over TopK(|w|), KL(p‖g), deltas);
+* :func:`ffn_scan` / :func:`top_neurons` — FFN concentration (Herfindahl C), magnification, neurons;
+* :func:`invariance_scan` — directional invariance of the massive token (and its key) across inputs;
+* :func:`attention_stats` / :func:`attention_probe` — attention to positions, sink rate, entropy;
+* :func:`geometry_scan` — mean pairwise cosine, effective rank, participation ratio.
+"""
+
+from me_interp.probes.alignment import AlignmentScan, alignment_scan, massive_dim_gain_ranks
+from me_interp.probes.attention import AttentionProbe, AttentionStats, attention_probe, attention_stats
+from me_interp.probes.ffn import FFNScan, ffn_scan, top_neurons
+from me_interp.probes.geometry import GeometryScan, effective_rank, geometry_scan, participation_ratio
+from me_interp.probes.invariance import InvarianceScan, invariance_scan
 from me_interp.probes.massive import (
     Criterion,
     Event,
@@ -12,16 +27,29 @@ from me_interp.probes.massive import (
 from me_interp.probes.norms import NormScan, ratio_to_others, scan_norms, top_ratio
 
 __all__ = [
+    "AlignmentScan",
+    "AttentionProbe",
     "AttentionStats",
-    "attention_stats",
-    "find_me_layer",
     "Criterion",
     "Event",
+    "FFNScan",
+    "GeometryScan",
+    "InvarianceScan",
     "MELocation",
     "NormScan",
+    "alignment_scan",
+    "attention_probe",
+    "attention_stats",
+    "effective_rank",
+    "ffn_scan",
+    "find_me_layer",
+    "geometry_scan",
+    "invariance_scan",
     "locate_me_layer",
+    "massive_dim_gain_ranks",
     "massive_tokens",
+    "participation_ratio",
     "ratio_to_others",
     "scan_norms",
-    "top_ratio",
+    "top_neurons",
 ]
