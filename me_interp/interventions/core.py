@@ -254,7 +254,7 @@ def hf_of(model: Any) -> torch.nn.Module:
     return model.hf if isinstance(model, LoadedModel) else model
 
 
-def decoder_layers(model: Any) -> Sequence[torch.nn.Module]:
+def decoder_layers(model: Any) -> Any:
     """The HF decoder layers (``model.model.layers`` for a Llama/Qwen causal LM)."""
     hf = hf_of(model)
     dec = hf.get_decoder() if hasattr(hf, "get_decoder") else hf

@@ -1,0 +1,121 @@
+"""HF forward hooks: identical to the TransformerLens hooks, gradients flow, cleaned up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from me_interp import synthetic
+from me_interp.interventions import (
+    DirectionProjection,
+    WeMask,
+    dim_projection,
+    hf_interventions,
+    hf_we_mask,
+    tl_hooks,
+)
+from me_interp.interventions.wemask import VARIANTS
+
+LAYERS = (2, 3, 4)
+
+
+def _hf_logits(hf, batch, *specs, **kw):
+    with torch.no_grad(), hf_interventions(hf, *specs, **kw):
+        return hf(batch.tokens, attention_mask=batch.attention_mask).logits
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_hf_equals_tl_on_planted(planted, plain_planted, variant):
+    model, _ = planted
+    hf, _, _ = plain_planted
+    batch = model.tokenize(synthetic.planted_prompts(4))
+    spec = WeMask.build(model, LAYERS, 0.3, variant, seed=3)
+    tl = model.run_with_hooks(batch, tl_hooks(spec))
+    hfl = _hf_logits(hf, batch, spec)
+    real = batch.attention_mask.bool()
+    torch.testing.assert_close(hfl[real], tl[real], atol=1e-5, rtol=1e-5)
+    assert (tl - model.run_with_hooks(batch))[real].abs().max() > 1e-5
+
+
+def test_hf_soft_equals_tl(planted, plain_planted):
+    model, _ = planted
+    hf, _, _ = plain_planted
+    batch = model.tokenize(synthetic.planted_prompts(3))
+    real = batch.attention_mask.bool()
+    for spec in (
+        dim_projection(model, 0.6, [2, 3], dims=[7, 3], site="resid_post"),
+        DirectionProjection.build(model, 0.8, torch.randn(model.d_model), layers=LAYERS),
+    ):
+        torch.testing.assert_close(
+            _hf_logits(hf, batch, spec)[real],
+            model.run_with_hooks(batch, tl_hooks(spec))[real],
+            atol=1e-5,
+            rtol=1e-5,
+        )
+
+
+def test_hf_equals_tl_on_bundled(bundled, plain_bundled):
+    hf, _ = plain_bundled
+    batch = bundled.tokenize(["The capital of France is Paris.", "Once upon a time, a fox"])
+    real = batch.attention_mask.bool()
+    layers = tuple(range(11, bundled.n_layers))  # measured ME layer of the bundled model: 11
+    for variant in ("weight", "magnitude"):
+        spec = WeMask.build(bundled, layers, 0.1, variant)
+        tl = bundled.run_with_hooks(batch, tl_hooks(spec))
+        torch.testing.assert_close(_hf_logits(hf, batch, spec)[real], tl[real], atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_flow_and_masked_entries_get_none(plain_tiny):
+    hf, tok = plain_tiny
+    hf = hf.train()
+    ids = torch.tensor([tok("w1 w2 w3 w4 w5 w6")["input_ids"]])
+    L, rate = 1, 0.25
+    spec = WeMask.build(hf, [L], rate, "weight")
+    dims = spec.fixed_dims[L]
+    seen = {}
+
+    def keep_grad(mod, args, out):  # registered first: sees the pre-mask norm output
+        out.retain_grad()
+        seen["pre"] = out
+
+    h = hf.model.layers[L].input_layernorm.register_forward_hook(keep_grad)
+    try:
+        with hf_interventions(hf, spec) as handle:
+            loss = hf(ids, labels=ids).loss
+            loss.backward()
+        assert handle.stats[L] == {"calls": 1, "edited_tokens": 1}
+    finally:
+        h.remove()
+        hf.eval()
+    g = seen["pre"].grad
+    assert torch.isfinite(g).all()
+    assert torch.equal(g[0, 0, dims], torch.zeros_like(g[0, 0, dims]))  # masked: no gradient
+    keep = torch.ones(g.shape[-1], dtype=torch.bool)
+    keep[dims] = False
+    assert g[0, 0, keep].abs().sum() > 0 and g[0, 1:].abs().sum() > 0
+    grads = [p.grad for p in hf.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(x).all() for x in grads)
+    hf.zero_grad(set_to_none=True)
+
+
+def test_hooks_removed_after_exception(plain_planted):
+    hf, _, _ = plain_planted
+    handle = hf_we_mask(hf, 0.5, layers=LAYERS)
+    with pytest.raises(RuntimeError, match="boom"):
+        with handle:
+            assert handle.active
+            raise RuntimeError("boom")
+    assert not handle.active
+    for layer in hf.model.layers:
+        assert not layer._forward_hooks and not layer._forward_pre_hooks
+        assert not layer.input_layernorm._forward_hooks
+
+
+def test_bad_hf_inputs(plain_planted):
+    hf, _, _ = plain_planted
+    with pytest.raises(ValueError, match="out of range"):
+        hf_we_mask(hf, 0.5, layers=[9])
+    with pytest.raises(ValueError, match="positions_from"):
+        hf_interventions(hf, WeMask.build(hf, [1], 0.5), positions_from="relative")
+    with pytest.raises(ValueError, match="at least one"):
+        hf_interventions(hf)
