@@ -193,10 +193,6 @@ def check_layers(model: LoadedModel, layers: Sequence[int], what: str) -> list[i
     return out
 
 
-def verdict_number(x: float) -> float | None:
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), 4)
-
-
 # ------------------------------------------------------------------------------------------
 # the experiment
 # ------------------------------------------------------------------------------------------

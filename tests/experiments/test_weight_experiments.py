@@ -15,6 +15,11 @@ from me_interp.probes import Criterion
 FIRST_KEYS = ["claim", "baseline", "intervened", "verdict"]
 
 
+@pytest.fixture
+def snap_hf():
+    return lambda model: {k: v.detach().clone() for k, v in model.hf.state_dict().items()}
+
+
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
     from me_interp import synthetic
@@ -137,6 +142,17 @@ def test_no_me_layer_needs_explicit_layer(twin, prompt_file):
     model, _ = twin
     with pytest.raises(ValueError, match="no ME layer found"):
         weight_swap.run(weight_swap.Config(prompts=prompt_file, parts=("ffn",)), model)
+
+
+def test_weight_swap_runs_on_qwen3_with_explicit_layer(tiny_qwen3, prompt_file, snap_hf):
+    """A random tiny Qwen3 has no ME layer: --layer picks the layer; attn swaps include q/k norms."""
+    before = snap_hf(tiny_qwen3)
+    cfg = weight_swap.Config(prompts=prompt_file, layer=1, partners=(0, 3), parts=("attn", "block"))
+    res = weight_swap.run(cfg, tiny_qwen3)
+    assert res.layer == 1 and len(res.rows) == 4
+    assert all(r["outcome"] == "vanished" for r in res.rows)  # there was nothing to move
+    after = tiny_qwen3.hf.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
 # ---------------------------------------------------------------------------- rmsnorm_permutation
