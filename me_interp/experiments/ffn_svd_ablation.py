@@ -199,12 +199,12 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     ref = torch.tensor([p[0] for p in s.positions])
     scores = neuron_scores(s.model, s.batch, m, ref, dims) if cfg.n_neurons else torch.zeros(0)
     top = scores.argsort(descending=True)[: cfg.n_neurons].tolist()
-    conditions: list[tuple[str, Any, Any]] = [("svd", (mat, k), None) for mat in cfg.matrices for k in cfg.ks]
-    conditions += [("neurons", [n], None) for n in top]
+    conditions: list[tuple[str, Any]] = [("svd", (mat, k)) for mat in cfg.matrices for k in cfg.ks]
+    conditions += [("neurons", [n]) for n in top]
     if len(top) > 1:
-        conditions.append(("neurons", top, None))
+        conditions.append(("neurons", top))
     rows = []
-    for kind, what, _ in tqdm(conditions, desc=NAME, disable=None):
+    for kind, what in tqdm(conditions, desc=NAME, disable=None):
         ctx = svd_ablated(s.model, m, what[0], what[1]) if kind == "svd" else neurons_ablated(s.model, m, what)
         with ctx:
             after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
