@@ -8,8 +8,8 @@ input (position 0) in layers from the measured ME layer (``start="ge"``: ≥ ME,
 last, and measures on a shipped text sample, in one forward per condition:
 
 * perplexity, next-token ``KL(p_ref ‖ p_int)`` and top-1 agreement with the unmodified model;
-* attention to the sink (position 0) and attention entropy, averaged over the masked layers, heads and
-  real queries ``q ≥ 1``;
+* attention to the sink (position 0) and attention entropy: per prompt and head the mean over real
+  queries ``q ≥ 1``, then the mean over prompts, heads and masked layers (as ``probes.attention_stats``);
 * effective rank ``exp(−Σ p_i log p_i)``, ``p = σ / Σσ`` (singular values of the token states
   ``t ≥ 1`` of each text at ``rank_layer``), mean over texts;
 * optionally (``--mc true``) log-likelihood accuracy on the shipped multiple-choice items.
@@ -164,8 +164,9 @@ def _measure(
         a = store[L]  # [batch head q k]
         to0 = a[..., 0]
         h = -(a * a.clamp_min(1e-30).log()).sum(-1)
-        sink.append(float((to0 * qm).sum() / (qm.sum() * a.shape[1])))
-        ent.append(float((h * qm).sum() / (qm.sum() * a.shape[1])))
+        n_q = qm.sum(-1)  # [batch 1]: per prompt, mean over its real queries, then over prompts/heads
+        sink.append(float(((to0 * qm).sum(-1) / n_q).mean()))
+        ent.append(float(((h * qm).sum(-1) / n_q).mean()))
     out["sink"] = sum(sink) / len(sink)
     out["entropy"] = sum(ent) / len(ent)
     resid = store["resid"]
