@@ -143,6 +143,14 @@ def _metric_hooks(metrics: Mapping[str, PatchMetric]) -> list[str]:
     return list(dict.fromkeys(n for m in metrics.values() for n in m.hook_names()))
 
 
+def _hook_layer(name: str) -> int:
+    """Block index of a ``blocks.L....`` hook name."""
+    parts = name.split(".")
+    if len(parts) < 2 or parts[0] != "blocks" or not parts[1].isdigit():
+        raise ValueError(f"metric hook {name!r} is not inside a block")
+    return int(parts[1])
+
+
 def normalized(
     patched: torch.Tensor, clean: torch.Tensor, corrupt: torch.Tensor
 ) -> torch.Tensor:
@@ -235,6 +243,7 @@ def patch_sweep(
     corrupt_hooks: Sequence = (),
     clean_hooks: Sequence = (),
     progress: bool | None = None,
+    skip_shared: bool = True,
 ) -> SweepResult:
     """Patch ``site`` from the clean run into the corrupt run at every ``(layer, pos)``, batched.
 
@@ -250,6 +259,13 @@ def patch_sweep(
         corrupt_hooks: row-wise hooks that define the corruption (run before the patch hooks).
         clean_hooks: hooks of the clean run.
         progress: tqdm on stderr (``None``: only on a terminal).
+        skip_shared: run only what a patch can change. A cell whose clean activation equals the
+            corrupt one for every prompt (bit for bit: e.g. every layer upstream of a hook-based
+            corruption, or the unchanged tokens at layer 0) and a cell after the last layer a metric
+            reads cannot change the corrupt run, so its value is the corrupt value and it is not run;
+            the forwards stop after that last layer (``stop_at_layer``: no unembedding).
+            ``False``: every cell, full forwards (the plain reference). (TransformerBridge's
+            ``start_at_layer`` still runs the earlier blocks in TL 4.3, so it would save nothing.)
 
     Raises:
         ValueError: unknown site, layer/position out of range, mismatched batches, no metric.
@@ -276,12 +292,26 @@ def patch_sweep(
     rec = [(n, partial(_record, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
     clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec])
     clean_acts = {layer: store[hook_of[layer]].clone() for layer in layers}  # [B T ...]
-    corrupt_vals = evaluate_metrics(model, corrupt, metrics, corrupt_hooks)
-
-    cells = list(itertools.product(range(len(layers)), range(len(positions))))
-    per_fwd = max(1, batch_size // B)
-    out = {k: torch.zeros(len(layers), len(positions), B) for k in metrics}
+    # corrupt run: the metrics, and the site's activations (to find cells where clean == corrupt)
     mhooks = _metric_hooks(metrics)
+    cstore: dict[str, torch.Tensor] = {}
+    rec = [(n, partial(_record, store=cstore, key=n)) for n in dict.fromkeys(hook_of.values())]
+    corrupt_vals = evaluate_metrics(model, corrupt, metrics, [*corrupt_hooks, *rec])
+
+    last_needed = max(_hook_layer(n) for n in mhooks)
+    out = {k: v[None, None].repeat(len(layers), len(positions), 1) for k, v in corrupt_vals.items()}
+
+    def changes(li: int, pi: int) -> bool:
+        layer, p = layers[li], positions[pi]
+        same = torch.equal(clean_acts[layer][:, p], cstore[hook_of[layer]][:, p])
+        return layer <= last_needed and not same
+
+    cells = [
+        c
+        for c in itertools.product(range(len(layers)), range(len(positions)))
+        if not skip_shared or changes(*c)
+    ]
+    per_fwd = max(1, batch_size // B)
     n_fwd = 0
     chunks = range(0, len(cells), per_fwd)
     for start in tqdm(chunks, desc=f"patching {site}", disable=None if progress is None else not progress):
@@ -302,7 +332,14 @@ def patch_sweep(
             )
         acts: dict[str, torch.Tensor] = {}
         rec = [(n_, partial(_record, store=acts, key=n_)) for n_ in mhooks]
-        model.run_with_hooks(rows_batch, [*corrupt_hooks, *patch_hooks, *rec])
+        hooks = [*corrupt_hooks, *patch_hooks, *rec]
+        with torch.no_grad():
+            model.bridge.run_with_hooks(
+                rows_batch.tokens,
+                attention_mask=rows_batch.attention_mask,
+                stop_at_layer=last_needed + 1 if skip_shared else None,
+                fwd_hooks=hooks,
+            )
         n_fwd += 1
         mask = rows_batch.attention_mask.bool()
         for k, m in metrics.items():
@@ -335,7 +372,7 @@ def patch_loop(
     """The unbatched reference: one forward per ``(layer, pos)`` cell (for tests and benchmarks)."""
     return patch_sweep(
         model, clean, corrupt, site, metrics, layers, positions, batch_size=1,
-        corrupt_hooks=corrupt_hooks, progress=False,
+        corrupt_hooks=corrupt_hooks, progress=False, skip_shared=False,
     )
 
 
