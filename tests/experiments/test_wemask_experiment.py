@@ -118,3 +118,23 @@ def test_bundled_small_sweep(bundled):
     assert 0.97 < w01 < 1.05
     assert 1.3 < w1 < 4.0
     assert 1.2 < m01 < 3.0
+
+
+def test_finetune_script_on_planted(tmp_path):
+    """The example fine-tuning script: loss goes down, the mask is active every step, it reloads."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "experiments" / "finetune_wemask.py"
+    spec = importlib.util.spec_from_file_location("finetune_wemask", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ft"
+    rc = mod.main(["--model", "synthetic:planted", "--me-layer", "2", "--steps", "3", "--lr", "1e-2",
+                   "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    m = json.loads((out / "finetune_metrics.json").read_text())
+    assert all(m["checks"].values())
+    assert m["final_loss"] < m["losses"][0]
+    assert m["masked_layers"] == [2, 3, 4]
+    assert all(v == m["n_examples"] for step in m["edited_tokens_per_step"] for v in step.values())
