@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from me_interp.experiments.common import CommonConfig, build_parser, config_from_args
+from me_interp.experiments.common import CommonConfig, apply_threads, build_parser, config_from_args
 from me_interp.models import ModelLoadError
 from me_interp.report import EXPERIMENTS, REPORT_FILE, run_battery
 
@@ -27,6 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [e for e in (args.only or EXPERIMENTS) if e not in args.skip]
     try:
         cfg = config_from_args(CommonConfig, args)
+        apply_threads(cfg)
         state = run_battery(
             cfg, chosen, progress=lambda line: print(line, file=sys.stderr, flush=True), fresh=args.fresh
         )

@@ -39,12 +39,12 @@ EXPERIMENTS: tuple[str, ...] = (
 )
 STATE_FILE = "battery.json"
 REPORT_FILE = "report.html"
-COMMON_KEYS = ("model", "prompts", "bos", "dtype", "device", "seed", "out")
+COMMON_KEYS = ("model", "prompts", "bos", "dtype", "device", "seed", "out", "threads")
 
 
 def _fingerprint(common: CommonConfig) -> dict[str, Any]:
     d = common.to_dict()
-    return {k: d[k] for k in COMMON_KEYS if k not in ("out", "device")}
+    return {k: d[k] for k in COMMON_KEYS if k not in ("out", "device", "threads")}
 
 
 def _load_state(out: Path) -> dict[str, Any]:
