@@ -62,3 +62,19 @@ def test_generation_errors(plain_tiny, planted):
         generate(planted[0], PROMPTS, 2)
     out = generate(planted[0], PROMPTS[:1], 2, use_cache=False)
     assert len(out.new_tokens[0]) == 2 and isinstance(out.texts[0], str)
+
+
+def test_hf_generate_with_hooks_matches(plain_tiny, full_mask):
+    """HF's own generate (left padding, KV cache) derives position_ids from the attention mask, so the
+    hooks are correct there too: same tokens as the reference no-cache loop."""
+    hf, tok = plain_tiny
+    old = tok.padding_side
+    tok.padding_side = "left"
+    try:
+        enc = tok(PROMPTS, return_tensors="pt", padding=True)
+        with torch.no_grad(), hf_interventions(hf, full_mask):
+            out = hf.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    finally:
+        tok.padding_side = old
+    ours = generate(hf, PROMPTS, 6, [full_mask], use_cache=False, tokenizer=tok).new_tokens
+    assert out[:, enc["input_ids"].shape[1] :].tolist() == ours
