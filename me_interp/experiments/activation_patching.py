@@ -10,8 +10,9 @@ enough). Corrupt run, chosen by ``--corruption``:
   tokens' mean FFN output (``interventions.causal.remove_massive``, prompt-mean values, so the hook is
   row-wise). On SmolLM2 the massive activation appears at position 0 whatever the first token is, so
   this is the corruption that removes it;
-* ``auto`` — ``first_token`` when it brings the ME-layer norm ratio of the massive token under
-  ``--removal-fraction`` of the clean one (measured), else ``remove_ffn``.
+* ``auto`` — ``first_token`` when it brings the massive token's ME-layer norm over the median norm
+  of the other tokens under ``--removal-fraction`` of the clean value (measured), else
+  ``remove_ffn``. (On SmolLM2 doubling the first token makes position 1 massive as well.)
 
 For each site (``resid_pre``, ``attn_out``, ``mlp_out``, ``ffn_in`` = the pre-FFN RMSNorm output) every
 ``(layer, position)`` is patched from the clean run, batched (``me_interp.patching.patch_sweep``), and
@@ -32,6 +33,7 @@ from typing import Any, Literal
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from me_interp import names
 from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.models import Batch, LoadedModel
@@ -101,6 +103,20 @@ def first_token_corrupt(model: LoadedModel, clean: Batch) -> Batch:
     t = clean.tokens.clone()
     t[:, 0] = t[:, 1]
     return Batch(t, clean.attention_mask.clone(), None)
+
+
+def median_ratio(model: LoadedModel, batch: Batch, layer: int, position: int) -> float:
+    """Prompt mean of ``‖h_p‖ / median_{t≠p} ‖h_t‖`` at the output of ``layer``.
+
+    The median, not the mean, of the others: a corruption that makes a *second* token massive
+    (SmolLM2 does this when token 0 is doubled) must not count as removing the massive activation.
+    """
+    name = names.resid_post(layer)
+    n = causal.capture(model, batch, [name])[name].float().norm(dim=-1).cpu()  # [batch pos]
+    keep = batch.attention_mask.bool().cpu().clone()
+    keep[:, position] = False
+    others = n.masked_fill(~keep, float("nan")).nanmedian(-1).values
+    return float((n[:, position] / others).mean())
 
 
 @dataclass
@@ -173,14 +189,14 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     if site.layer < last:
         metrics["sink"] = SinkMass(tuple(range(site.layer + 1, model.n_layers)), p)
 
-    me_ratio = {"r": NormRatio(site.layer, p)}
-    clean_me = float(evaluate_metrics(model, clean, me_ratio)["r"].mean())
+    clean_me = median_ratio(model, clean, site.layer, p)
     corruption, corrupt_hooks, note = cfg.corruption, [], ""
     if corruption in ("auto", "first_token"):
         corrupt = first_token_corrupt(model, clean)
-        ft_me = float(evaluate_metrics(model, corrupt, me_ratio)["r"].mean())
+        ft_me = median_ratio(model, corrupt, site.layer, p)
         note = (
-            f"first-token replacement: ME-layer norm ratio {clean_me:.4g} (clean) -> {ft_me:.4g}"
+            f"first-token replacement: ME-layer norm / median of others {clean_me:.4g} (clean) "
+            f"-> {ft_me:.4g}"
         )
         if corruption == "auto":
             corruption = "first_token" if ft_me <= cfg.removal_fraction * clean_me else "remove_ffn"

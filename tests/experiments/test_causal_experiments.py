@@ -196,3 +196,45 @@ def test_transplant_dst_checks(planted, prompt_file):
         transplant.run(_cfg(transplant, prompt_file, dst=0), model)
     with pytest.raises(ValueError, match="no query after it"):
         transplant.run(_cfg(transplant, prompt_file, dst=7), model)
+
+
+# ------------------------------------------------------------------------------------------
+# the bundled real model (two-sided bounds on measured facts)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundled_prompts(tmp_path_factory):
+    from me_interp.prompts import builtin_prompts
+
+    path = tmp_path_factory.mktemp("bundled") / "prompts.txt"
+    path.write_text("\n".join(p.replace("\n", "\\n") for p in builtin_prompts()[:4]) + "\n")
+    return str(path)
+
+
+@pytest.mark.slow
+def test_bundled_component_ablation(bundled, bundled_prompts):
+    r = component_ablation.run(component_ablation.Config(prompts=bundled_prompts), bundled)
+    assert r.site.layer == 11 and r.site.position == 0 and 507 in r.site.dims
+    m = r.measures
+    assert 80 < m["baseline"]["me_ratio"] < 300
+    assert m["cap_ffn"]["me_ratio"] < 3 and r.removed("cap_ffn")
+    assert m["normalize_product"]["me_ratio"] < 3
+    assert not r.removed("flatten_gain")  # SmolLM2: flattening the gain does not stop it
+    assert 0.9 < r.ppl_ratio("mean_dims") < 1.1  # Sun et al.
+    assert r.ppl_ratio("zero_dims") > 100  # zeroing ruins this model
+    assert m["cap_ffn"]["sink"] < 0.5 * m["baseline"]["sink"]
+
+
+@pytest.mark.slow
+def test_bundled_activation_patching_remove_ffn(bundled, bundled_prompts):
+    cfg = activation_patching.Config(
+        prompts=bundled_prompts, sites=("mlp_out",), max_tokens=6, max_prompts=2
+    )
+    r = activation_patching.run(cfg, bundled)
+    # the massive activation appears at position 0 whatever the first token: auto falls back
+    assert r.corruption == "remove_ffn"
+    sw = r.sweeps["mlp_out"]
+    assert sw.cell("norm_ratio", 11, 0) == pytest.approx(1.0, abs=1e-3)
+    assert sw.clean["norm_ratio"].mean() > 3 > 1.5 > sw.corrupt["norm_ratio"].mean()
+    assert r.holds() is True
