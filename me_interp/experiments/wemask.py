@@ -39,7 +39,14 @@ from me_interp import evaluation, names
 from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
 from me_interp.interventions import core
 from me_interp.interventions.soft import DirectionProjection, dim_projection, estimate_direction
-from me_interp.interventions.wemask import STARTS, VARIANTS, WeMask, find_me_layer, mask_layers
+from me_interp.interventions.wemask import (
+    STARTS,
+    VARIANTS,
+    WeMask,
+    find_me_layer,
+    mask_layers,
+    massive_positions,
+)
 from me_interp.models import Batch, LoadedModel
 from me_interp.prompts import read_prompts
 
@@ -71,6 +78,8 @@ class Config(CommonConfig):
         texts: text file (one text per line) for the metrics; ``None``: the shipped sample.
         rank_layer: layer whose token states give the effective rank (negative: from the end).
         mc: also score the shipped multiple-choice items (one more forward per condition).
+        positions: ``first`` (absolute position 0) or ``massive`` (the massive positions detected in
+            each text at the ME layer; texts with none fall back to position 0).
     """
 
     rates: tuple[float, ...] = (0.0, 0.1, 0.3, 0.5, 0.7, 1.0)
@@ -82,6 +91,7 @@ class Config(CommonConfig):
     texts: str | None = None
     rank_layer: int = -1
     mc: bool = False
+    positions: str = "first"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,6 +107,8 @@ class Config(CommonConfig):
                 raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}")
         if self.start not in STARTS:
             raise ValueError(f"start must be one of {STARTS}, got {self.start!r}")
+        if self.positions not in ("first", "massive"):
+            raise ValueError(f"positions must be 'first' or 'massive', got {self.positions!r}")
 
     def load_texts(self) -> list[str]:
         if self.texts is None:
@@ -187,6 +199,7 @@ class Result:
     n_tokens: int
     baseline: dict[str, float]
     rows: list[dict[str, Any]] = field(default_factory=list)
+    positions: Any = (0,)
 
     def row(self, kind: str, variant: str, rate: float, alpha: float = 1.0) -> dict | None:
         for r in self.rows:
@@ -289,7 +302,7 @@ class Result:
             "me_layer_1based": self.me_layer + 1,
             "start": self.start,
             "masked_layers": self.layers,
-            "masked_positions": [0],
+            "masked_positions": self.positions,
             "rank_layer": self.rank_layer,
             "n_texts": self.n_texts,
             "n_tokens": self.n_tokens,
@@ -314,6 +327,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     rank_layer = cfg.rank_layer % model.n_layers
     batch = model.tokenize(cfg.load_texts())
     directions = estimate_direction(model, prompts, layers, "attn_in") if cfg.alphas else {}
+    positions: Any = (0,)
+    if cfg.positions == "massive":
+        positions = [p or [0] for p in massive_positions(model, batch)]
     items = evaluation.load_mc_items() if cfg.mc else None
 
     base, ref = _measure(model, batch, [], layers, rank_layer, None)
@@ -327,11 +343,13 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     conds = _conditions(cfg)
     for kind, variant, rate, alpha in tqdm(conds, desc="wemask sweep", disable=None):
         if kind == "wemask":
-            spec: Any = WeMask.build(model, layers, rate, variant, seed=cfg.seed)
+            spec: Any = WeMask.build(model, layers, rate, variant, positions, seed=cfg.seed)
         elif kind == "dim_projection":
-            spec = dim_projection(model, alpha, layers, variant=variant, rate=rate)
+            spec = dim_projection(
+                model, alpha, layers, variant=variant, rate=rate, positions=positions
+            )
         else:
-            spec = DirectionProjection.build(model, alpha, directions, layers)
+            spec = DirectionProjection.build(model, alpha, directions, layers, positions=positions)
         hooks = core.tl_hooks(spec)
         m, _ = _measure(model, batch, hooks, layers, rank_layer, ref)
         if items is not None:
@@ -348,6 +366,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         n_tokens=int(batch.attention_mask.sum()),
         baseline=base,
         rows=rows,
+        positions=positions,
     )
 
 
@@ -379,7 +398,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
         if m == "perplexity":
             rate_fig.update_yaxes(type="log", row=rr, col=cc)
     rate_fig.update_layout(
-        title=f"WeMask mask-rate study — {result.model}<br><sup>massive token = position 0; layers "
+        title=f"WeMask mask-rate study — {result.model}<br><sup>masked positions: {_pos_label(result.positions)}; layers "
         f"{result.layers[0]}..{result.layers[-1]} (ME layer {result.me_layer}, start '{result.start}')</sup>",
         template="plotly_white",
         height=330 * nrows + 120,
@@ -417,10 +436,16 @@ def verdicts(result: Result) -> list[dict[str, Any]]:
     return [{k: v[k] for k in ("claim", "measured", "holds")} for v in result.verdict_list()]
 
 
+def _pos_label(positions: Any) -> str:
+    if positions and isinstance(positions[0], (list, tuple)):
+        return "detected massive positions " + str(sorted({p for row in positions for p in row}))
+    return str(list(positions))
+
+
 def summary(result: Result) -> str:
     head = (
         f"model: {result.model}   ME layer {result.me_layer} (1-based {result.me_layer + 1}); masked "
-        f"layers {result.layers[0]}..{result.layers[-1]} at position 0; {result.n_texts} texts, "
+        f"layers {result.layers[0]}..{result.layers[-1]} at positions {_pos_label(result.positions)}; {result.n_texts} texts, "
         f"{result.n_tokens} tokens"
     )
     metrics = [m for m in (*METRICS, "mc_accuracy") if m in result.baseline]

@@ -138,3 +138,17 @@ def test_finetune_script_on_planted(tmp_path):
     assert m["final_loss"] < m["losses"][0]
     assert m["masked_layers"] == [2, 3, 4]
     assert all(v == m["n_examples"] for step in m["edited_tokens_per_step"] for v in step.values())
+
+
+def test_massive_positions_option(planted, texts_file):
+    model, _ = planted
+    cfg = exp.Config(
+        prompts=texts_file, texts=texts_file, rates=(1.0,), variants=("weight",), alphas=(),
+        positions="massive",
+    )  # fmt: skip
+    r = exp.run(cfg, model)
+    assert r.positions == [[0], [0], [0]]  # the planted massive token is the BOS at position 0
+    first = exp.run(exp.Config(prompts=texts_file, texts=texts_file, rates=(1.0,), variants=("weight",), alphas=()), model)
+    assert r.rows[0]["perplexity"] == first.rows[0]["perplexity"]
+    with pytest.raises(ValueError, match="positions must be"):
+        exp.Config(positions="all")
