@@ -186,6 +186,7 @@ class SweepResult:
     n_forwards: int = 0
     batch_size: int = 0
     metric_names: list[str] = field(default_factory=list)
+    prefix_skipped: bool = False
 
     def mean(self, metric: str) -> Float[torch.Tensor, "layer pos"]:
         return self.values[metric].mean(-1)
@@ -212,7 +213,50 @@ class SweepResult:
             "mean": {k: self.mean(k).tolist() for k in self.values},
             "n_forwards": self.n_forwards,
             "batch_size": self.batch_size,
+            "prefix_skipped": self.prefix_skipped,
         }
+
+
+def _capture_block_inputs(model: LoadedModel, batch: Batch, hooks: Sequence, layers: Sequence[int]):
+    """One forward of ``batch``: the keyword arguments every block receives (masks, rotary
+    embeddings) and the residual stream entering each of ``layers``."""
+    got: dict = {}
+
+    def pre(module, args, kwargs):
+        got.setdefault("kwargs", kwargs)
+
+    store: dict[str, torch.Tensor] = {}
+    rec = [(names.resid_pre(x), partial(_record, store=store, key=str(x))) for x in set(layers)]
+    handle = model.bridge.blocks[0].register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        model.run_with_hooks(batch, [*hooks, *rec])
+    finally:
+        handle.remove()
+    kwargs = {
+        k: v
+        for k, v in got.get("kwargs", {}).items()
+        if k not in ("cache", "past_key_value", "past_key_values", "use_cache", "cache_position")
+    }
+    return kwargs, {int(k): v for k, v in store.items()}
+
+
+def _tile(v, n: int, B: int):
+    """Repeat the batch dimension of block kwargs ``n`` times (row ``c·B + b`` = prompt ``b``)."""
+    if torch.is_tensor(v):
+        return v.repeat(n, *([1] * (v.dim() - 1))) if v.dim() and v.shape[0] == B else v
+    if isinstance(v, tuple):
+        return tuple(_tile(x, n, B) for x in v)
+    return v
+
+
+def _run_blocks(model: LoadedModel, resid: torch.Tensor, start: int, stop: int, kwargs, hooks):
+    """Run blocks ``start..stop`` (inclusive) on ``resid`` with ``hooks``; earlier blocks skipped."""
+    with torch.no_grad(), model.bridge.hooks(fwd_hooks=list(hooks)):
+        h = resid
+        for i in range(start, stop + 1):
+            out = model.bridge.blocks[i](h, **kwargs)
+            h = out[0] if isinstance(out, tuple) else out
+    return h
 
 
 def _patch(x: torch.Tensor, hook, *, rows, pos, src):
@@ -262,10 +306,15 @@ def patch_sweep(
         skip_shared: run only what a patch can change. A cell whose clean activation equals the
             corrupt one for every prompt (bit for bit: e.g. every layer upstream of a hook-based
             corruption, or the unchanged tokens at layer 0) and a cell after the last layer a metric
-            reads cannot change the corrupt run, so its value is the corrupt value and it is not run;
-            the forwards stop after that last layer (``stop_at_layer``: no unembedding).
-            ``False``: every cell, full forwards (the plain reference). (TransformerBridge's
-            ``start_at_layer`` still runs the earlier blocks in TL 4.3, so it would save nothing.)
+            reads cannot change the corrupt run, so its value is the corrupt value and it is not run.
+            Each chunk (cells sorted by layer) runs only the blocks from its first patched layer to
+            the last layer a metric reads, starting from the corrupt run's residual stream (the
+            blocks are called directly with the masks and rotary embeddings captured from the
+            corrupt run; checked once against the full corrupt forward, else full forwards are
+            used — ``SweepResult.prefix_skipped`` says which). Metric activations before the first
+            patched layer are the corrupt run's. (TransformerBridge's own ``start_at_layer`` runs
+            the earlier blocks anyway in TL 4.3, so it is not used.) ``False``: every cell, full
+            forwards (the plain reference).
 
     Raises:
         ValueError: unknown site, layer/position out of range, mismatched batches, no metric.
@@ -295,7 +344,9 @@ def patch_sweep(
     # corrupt run: the metrics, and the site's activations (to find cells where clean == corrupt)
     mhooks = _metric_hooks(metrics)
     cstore: dict[str, torch.Tensor] = {}
+    cstore_m: dict[str, torch.Tensor] = {}
     rec = [(n, partial(_record, store=cstore, key=n)) for n in dict.fromkeys(hook_of.values())]
+    rec += [(n, partial(_record, store=cstore_m, key=n)) for n in mhooks]
     corrupt_vals = evaluate_metrics(model, corrupt, metrics, [*corrupt_hooks, *rec])
 
     last_needed = max(_hook_layer(n) for n in mhooks)
@@ -311,8 +362,29 @@ def patch_sweep(
         for c in itertools.product(range(len(layers)), range(len(positions)))
         if not skip_shared or changes(*c)
     ]
+    cells.sort(key=lambda c: layers[c[0]])  # layer-major: each chunk starts as late as possible
     per_fwd = max(1, batch_size // B)
     n_fwd = 0
+    suffix = None
+    if skip_shared and cells:
+        # run only blocks first_patched..last_needed, from the corrupt run's residual stream; checked
+        # once against the full corrupt forward, else fall back to full forwards
+        kwargs, resid_in = _capture_block_inputs(
+            model, corrupt, corrupt_hooks, sorted({layers[li] for li, _ in cells})
+        )
+        try:
+            check: dict[str, torch.Tensor] = {}
+            first0 = layers[cells[0][0]]
+            mrec = [(n_, partial(_record, store=check, key=n_)) for n_ in mhooks]
+            _run_blocks(model, resid_in[first0], first0, last_needed, kwargs, [*corrupt_hooks, *mrec])
+            ok = all(
+                torch.allclose(check[n_].float(), cstore_m[n_].float(), rtol=1e-4, atol=1e-5)
+                for n_ in mhooks
+                if _hook_layer(n_) >= first0
+            )
+        except (TypeError, ValueError, RuntimeError, KeyError):
+            ok = False
+        suffix = (kwargs, resid_in) if ok else None
     chunks = range(0, len(cells), per_fwd)
     for start in tqdm(chunks, desc=f"patching {site}", disable=None if progress is None else not progress):
         chunk = cells[start : start + per_fwd]
@@ -331,15 +403,30 @@ def patch_sweep(
                 (hook_of[layers[li]], partial(_patch, rows=rows, pos=pos, src=src))
             )
         acts: dict[str, torch.Tensor] = {}
-        rec = [(n_, partial(_record, store=acts, key=n_)) for n_ in mhooks]
+        first = min(layers[li] for li, _ in chunk) if suffix is not None else 0
+        for n_ in mhooks:  # read before the first patched layer: the corrupt run's, exactly
+            if _hook_layer(n_) < first:
+                acts[n_] = cstore_m[n_].repeat(n, *([1] * (cstore_m[n_].dim() - 1)))
+        rec = [(n_, partial(_record, store=acts, key=n_)) for n_ in mhooks if _hook_layer(n_) >= first]
         hooks = [*corrupt_hooks, *patch_hooks, *rec]
-        with torch.no_grad():
-            model.bridge.run_with_hooks(
-                rows_batch.tokens,
-                attention_mask=rows_batch.attention_mask,
-                stop_at_layer=last_needed + 1 if skip_shared else None,
-                fwd_hooks=hooks,
+        if suffix is not None:
+            kwargs, resid_in = suffix
+            _run_blocks(
+                model,
+                _tile(resid_in[first], n, B),
+                first,
+                last_needed,
+                {k: _tile(v, n, B) for k, v in kwargs.items()},
+                hooks,
             )
+        else:
+            with torch.no_grad():
+                model.bridge.run_with_hooks(
+                    rows_batch.tokens,
+                    attention_mask=rows_batch.attention_mask,
+                    stop_at_layer=last_needed + 1 if skip_shared else None,
+                    fwd_hooks=hooks,
+                )
         n_fwd += 1
         mask = rows_batch.attention_mask.bool()
         for k, m in metrics.items():
@@ -356,6 +443,7 @@ def patch_sweep(
         n_forwards=n_fwd,
         batch_size=per_fwd * B,
         metric_names=list(metrics),
+        prefix_skipped=suffix is not None,
     )
 
 

@@ -142,6 +142,7 @@ def test_chunking_does_not_change_values(pair):
     d = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=3)
     # layer 0, positions 1..5: the same token embeddings in clean and corrupt -> skipped
     assert (a.n_forwards, b.n_forwards, c.n_forwards, d.n_forwards) == (30, 1, 30, 25)
+    assert (a.prefix_skipped, b.prefix_skipped, c.prefix_skipped, d.prefix_skipped) == (False, True, False, True)
     for k in metrics:
         torch.testing.assert_close(a.values[k], b.values[k], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(c.values[k], b.values[k], rtol=1e-5, atol=1e-6)

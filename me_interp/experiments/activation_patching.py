@@ -37,7 +37,7 @@ from me_interp import names
 from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.models import Batch, LoadedModel
-from me_interp.patching import PATCH_SITES, NormRatio, SinkMass, SweepResult, evaluate_metrics, patch_sweep
+from me_interp.patching import PATCH_SITES, NormRatio, SinkMass, SweepResult, patch_sweep
 
 NAME = "activation_patching"
 CORRUPTIONS = ("auto", "first_token", "remove_ffn")
