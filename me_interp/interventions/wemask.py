@@ -266,7 +266,7 @@ def we_mask(
     layers: Sequence[int] | None = None,
     start: str = "ge",
     me_layer: int | None = None,
-    positions: PositionsArg = (0,),
+    positions: PositionsArg | str = (0,),
     seed: int = 0,
     batch: Any = None,
 ) -> list[tuple[str, Any]]:
@@ -279,12 +279,21 @@ def we_mask(
         layers: explicit 0-based layers; default :func:`mask_layers` (``start`` from ``me_layer``).
         start: ``"ge"`` (layers ≥ ME, the paper) or ``"gt"`` (layers > ME).
         me_layer: the ME layer; measured on ``batch`` (default built-in prompts) when ``None``.
-        positions: absolute positions of the massive token(s): all prompts, or one list per prompt.
+        positions: absolute positions of the massive token(s): all prompts, or one list per prompt;
+            ``"massive"``: the massive positions detected in ``batch`` (required then) at the ME layer.
         seed: seed of the ``random`` variant.
+        batch: prompts for detecting the ME layer (default: built-in prompts) and, with
+            ``positions="massive"``, the massive positions — use the batch you will run.
 
     Returns:
         ``[(hook_name, fn), ...]`` for ``model.run_with_hooks`` / ``bridge.hooks(fwd_hooks=...)``.
     """
+    if isinstance(positions, str):
+        if positions != "massive":
+            raise ValueError(f"positions must be a list or 'massive', got {positions!r}")
+        if batch is None:
+            raise ValueError("positions='massive' detects them in the batch you run: pass batch=")
+        positions = massive_positions(model, batch)
     if layers is None:
         layers = mask_layers(model, start=start, me_layer=me_layer, batch=batch)
     spec = WeMask.build(model, layers, rate, variant, positions, seed)

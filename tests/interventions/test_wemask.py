@@ -214,3 +214,14 @@ def test_massive_positions_detected_on_planted(planted, planted_prompts):
     model, _ = planted
     pos = massive_positions(model, model.tokenize(planted_prompts))
     assert all(p == [0] for p in pos)
+
+
+def test_positions_massive_uses_detected_positions(planted, pbatch):
+    model, _ = planted
+    a = model.run_with_hooks(pbatch, we_mask(model, 1.0, positions="massive", batch=pbatch))
+    b = model.run_with_hooks(pbatch, we_mask(model, 1.0, positions=(0,), batch=pbatch))
+    assert torch.equal(a, b)  # the planted massive token sits at position 0 in every prompt
+    with pytest.raises(ValueError, match="pass batch"):
+        we_mask(model, 1.0, layers=LAYERS, positions="massive")
+    with pytest.raises(ValueError, match="'massive'"):
+        we_mask(model, 1.0, layers=LAYERS, positions="all")
