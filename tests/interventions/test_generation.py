@@ -78,3 +78,14 @@ def test_hf_generate_with_hooks_matches(plain_tiny, full_mask):
         tok.padding_side = old
     ours = generate(hf, PROMPTS, 6, [full_mask], use_cache=False, tokenizer=tok).new_tokens
     assert out[:, enc["input_ids"].shape[1] :].tolist() == ours
+
+
+def test_bundled_masked_generation_cache_equals_no_cache(plain_bundled):
+    hf, tok = plain_bundled
+    spec = WeMask.build(hf, range(11, len(hf.model.layers)), 0.1, "weight")  # ME layer 11 (measured)
+    prompts = ["The capital of France is", "Once upon a time"]
+    a = generate(hf, prompts, 6, [spec], tokenizer=tok, use_cache=True)
+    b = generate(hf, prompts, 6, [spec], tokenizer=tok, use_cache=False)
+    assert a.new_tokens == b.new_tokens
+    bug = generate(hf, prompts, 6, [spec], tokenizer=tok, use_cache=True, positions_from="index")
+    assert bug.new_tokens != a.new_tokens
