@@ -225,3 +225,19 @@ def test_bad_inputs(pair):
     with pytest.raises(ValueError, match="unknown patching site"):
         site_hook("bogus", 0)
     assert site_hook("mlp_out", 3) == names.ffn_out(3)
+
+
+def test_padded_prompts_fast_path_equals_full_forwards(planted):
+    """Right-padded prompts: the block-suffix runs reuse the corrupt run's 4-D mask correctly."""
+    model, plant = planted
+    clean = model.tokenize(["w1 w2 w3 w4 w5 w6", "w7 w8 w9", "w20 w21 w22 w23"])
+    assert clean.padded
+    t = clean.tokens.clone()
+    t[:, 0] = t[:, 1]
+    corrupt = Batch(t, clean.attention_mask.clone())
+    metrics = _metrics(plant)
+    fast = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=12)
+    full = patch_loop(model, clean, corrupt, "resid_pre", metrics)
+    assert fast.prefix_skipped and not full.prefix_skipped
+    for k in metrics:
+        torch.testing.assert_close(fast.values[k], full.values[k], rtol=1e-4, atol=1e-5)
