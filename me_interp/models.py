@@ -106,6 +106,11 @@ class LoadedModel:
 
     Use ``model.bridge`` for TransformerLens calls (``run_with_hooks``, ``run_with_cache``,
     ``hooks(...)``), ``model.hf`` for the underlying HF model, ``model.tokenize`` for prompts.
+
+    Note: booting the bridge replaces ``model.hf``'s submodules with TransformerBridge components.
+    Plain forwards through ``model.hf`` match HF, but HF KV-cache generation through it is not
+    reliable; for generation and training use a plain copy
+    (:func:`me_interp.interventions.hf_hooks.load_hf`).
     """
 
     def __init__(

@@ -31,7 +31,6 @@ from typing import Any
 
 import plotly.graph_objects as go
 import torch
-from jaxtyping import Float
 from plotly.subplots import make_subplots
 from tqdm.auto import tqdm
 
@@ -48,6 +47,7 @@ from me_interp.interventions.wemask import (
     massive_positions,
 )
 from me_interp.models import Batch, LoadedModel
+from me_interp.probes.geometry import effective_rank
 from me_interp.prompts import read_prompts
 
 NAME = "wemask"
@@ -115,19 +115,6 @@ class Config(CommonConfig):
             text = resources.files("me_interp.data").joinpath(TEXTS_FILE).read_text("utf-8")
             return [t for t in text.splitlines() if t.strip()]
         return read_prompts(self.texts)
-
-
-def effective_rank(x: Float[torch.Tensor, "n d"]) -> float:
-    """``exp(−Σ_i p_i log p_i)`` with ``p_i = σ_i / Σ_j σ_j`` the normalised singular values of ``x``.
-
-    Note: ``me_interp.probes.geometry`` (written in parallel) has its own; they should be merged.
-    """
-    s = torch.linalg.svdvals(x.double())
-    if float(s.sum()) == 0.0:
-        return 0.0
-    p = s / s.sum()
-    p = p[p > 0]
-    return float(torch.exp(-(p * p.log()).sum()))
 
 
 # ------------------------------------------------------------------------------------------

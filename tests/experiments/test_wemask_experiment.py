@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,15 +25,6 @@ def planted_result(planted, texts_file):
         prompts=texts_file, texts=texts_file, rates=(0.0, 0.5, 1.0), alphas=(0.5, 1.0), mc=True
     )
     return exp.run(cfg, model)
-
-
-def test_effective_rank_matches_numpy():
-    x = torch.randn(7, 5)
-    s = np.linalg.svd(x.double().numpy(), compute_uv=False)
-    p = s / s.sum()
-    assert exp.effective_rank(x) == pytest.approx(float(np.exp(-(p * np.log(p)).sum())), rel=1e-9)
-    assert exp.effective_rank(torch.ones(4, 3)) == pytest.approx(1.0)  # rank one
-    assert exp.effective_rank(torch.eye(4)) == pytest.approx(4.0)
 
 
 def test_result_layout_and_fixed_points(planted_result, planted):
