@@ -8,7 +8,9 @@ run (``probes.attention_stats``: mean over heads and real queries ``q ≥ 1``):
 * ``remove_ffn``  — the ME layer's FFN output of token ``p`` set to the other tokens' mean FFN output
   (the massive activation is never written);
 * ``remove_dims`` — token ``p``'s massive dims of the ME-layer output set to the other tokens' mean;
-* ``remove_all``  — token ``p``'s whole ME-layer output set to the other tokens' mean.
+* ``remove_all``  — token ``p``'s whole ME-layer output set to the other tokens' mean;
+* ``patch_other`` — control: token ``p``'s ME-layer output replaced by that of the next prompt
+  (still massive, from another input): the sink should survive.
 
 *Sink heads* are the heads of the layers after the ME layer whose unmodified mean attention to ``p``
 is at least ``--sink-threshold`` (0.3, the usual sink-rate threshold); the *sink rate* of a layer is the
@@ -34,7 +36,8 @@ from me_interp.patching import NormRatio, evaluate_metrics
 from me_interp.probes.attention import attention_stats
 
 NAME = "sink_causality"
-CONDITIONS: tuple[str, ...] = ("remove_ffn", "remove_dims", "remove_all")
+CONDITIONS: tuple[str, ...] = ("remove_ffn", "remove_dims", "remove_all", "patch_other")
+CONTROLS: tuple[str, ...] = ("patch_other",)
 CLAIM = (
     "The massive activation causes the downstream attention sink: removing it at the ME layer "
     "kills the sink on its token in the later layers"
@@ -63,6 +66,8 @@ class Config(CommonConfig):
                 raise ValueError(f"unknown condition {c!r}; choose from {', '.join(CONDITIONS)}")
         if self.primary not in self.conditions:
             raise ValueError(f"primary {self.primary!r} must be one of the conditions {self.conditions}")
+        if self.primary in CONTROLS:
+            raise ValueError(f"primary must be a removal condition, not the control {self.primary!r}")
         if not 0 < self.kill_fraction <= 1:
             raise ValueError("kill_fraction must be in (0, 1]")
         if not 0 < self.sink_threshold < 1:
@@ -174,6 +179,8 @@ def condition_hooks(model, batch, site: causal.MassiveSite, cond: str) -> list:
         return causal.remove_massive(model, batch, L, p, site.dims, site="resid_post")
     if cond == "remove_all":
         return causal.remove_massive(model, batch, L, p, None, site="resid_post")
+    if cond == "patch_other":
+        return causal.patch_across_prompts(model, batch, L, p)
     raise ValueError(f"unknown condition {cond!r}; choose from {', '.join(CONDITIONS)}")
 
 
@@ -212,6 +219,17 @@ def verdicts(result: Result) -> list[dict]:
         if c == "baseline":
             continue
         after = result.downstream(c)
+        if c in CONTROLS:
+            killed = result.holds(c)
+            out.append(
+                {
+                    "claim": "Control: replacing the massive token's ME-layer output by another "
+                    "prompt's (still massive) keeps the sink",
+                    "measured": f"sink heads' attention {base:.3f} -> {after:.3f}",
+                    "holds": None if killed is None else not killed,
+                }
+            )
+            continue
         out.append(
             {
                 "claim": f"{CLAIM} ({c})",

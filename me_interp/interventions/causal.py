@@ -12,6 +12,7 @@ massive dims, ``h̄ = mean_{t≠p} h_t`` over the other real tokens of the promp
 
 * :func:`set_values` — ``x[:, P, D] = v`` (the primitive).
 * :func:`remove_massive` — ``h_p[D] ← h̄[D]`` (``fill="others_mean"``) or ``0`` (``fill="zero"``).
+* :func:`patch_across_prompts` — ``h_{b,p} ← h_{b+1,p}`` (another prompt's massive token: a control).
 * :func:`ablate_dims` — Sun et al.'s mean-ablation ``h_p[D] ← mean_prompts h_p[D]`` or Owen et al.'s
   zero-ablation ``h_p[D] ← 0``.
 * :func:`transplant` — ``h_dst ← h_dst + c`` with ``c = P_D(h_src − h̄)`` (``mode="difference"``) or
@@ -231,6 +232,32 @@ def ablate_dims(
     return set_values(name, positions, vals, dims)
 
 
+def patch_across_prompts(
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    positions: Sequence[int],
+    site: str = "resid_post",
+    shift: int = 1,
+) -> HookList:
+    """``h_{b,p} ← h_{(b+shift) mod B, p}``: each prompt gets another prompt's activation at ``p``.
+
+    A control for removal: the massive token stays massive but comes from a different input.
+
+    Raises:
+        ValueError: fewer than 2 prompts, or ``shift`` a multiple of the number of prompts.
+    """
+    model.check_layer(layer)
+    positions = _check_positions(batch, positions)
+    B = len(batch)
+    if B < 2 or shift % B == 0:
+        raise ValueError(f"patching across prompts needs >= 2 prompts and a shift that moves them (B={B}, shift={shift})")
+    name = names.site(site, layer)
+    x = capture(model, batch, [name])[name].float().cpu()
+    src = torch.roll(x[:, positions], shifts=-shift, dims=0)  # row b <- row b+shift
+    return set_values(name, positions, src)
+
+
 @dataclass(frozen=True)
 class Transplant:
     """What :func:`transplant` moved: per prompt, the component added to ``dst`` and its norm."""
@@ -352,6 +379,7 @@ def flatten_ffn_norm_gain(
 
 __all__ = [
     "Transplant",
+    "patch_across_prompts",
     "ablate_dims",
     "cap_ffn_output",
     "capture",

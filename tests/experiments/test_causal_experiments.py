@@ -121,7 +121,10 @@ def test_sink_causality_planted(planted, prompt_file):
     assert all(layer > plant.layer for layer, _ in r.sink_heads())
     assert (plant.layer + 1, plant.sink_head) in r.sink_heads()
     # head 0 of the later layers loses its sink; before the ME layer nothing changes
-    for c in sink_causality.CONDITIONS:
+    # the control: every planted prompt starts with BOS, so the swapped-in state is the same one
+    assert r.holds("patch_other") is False
+    assert r.head_attention["patch_other"] == r.head_attention["baseline"]
+    for c in set(sink_causality.CONDITIONS) - set(sink_causality.CONTROLS):
         assert r.holds(c) is True
         for layer in range(plant.layer + 1):
             assert r.head_attention[c][layer] == pytest.approx(r.head_attention["baseline"][layer], abs=1e-6)
@@ -177,6 +180,8 @@ def test_config_errors():
         sink_causality.Config(conditions=("explode",))
     with pytest.raises(ValueError, match="primary"):
         sink_causality.Config(conditions=("remove_dims",))
+    with pytest.raises(ValueError, match="control"):
+        sink_causality.Config(primary="patch_other")
     with pytest.raises(ValueError, match="unknown condition"):
         component_ablation.Config(conditions=("cap",))
     with pytest.raises(ValueError, match="layer must be >= 0"):

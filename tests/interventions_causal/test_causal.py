@@ -221,3 +221,18 @@ def test_factories_reject_bad_layers_and_positions(setup):
         causal.remove_massive(model, batch, 1, [0], fill="one")
     with pytest.raises(ValueError, match="dims must not be empty"):
         causal.remove_massive(model, batch, 1, [0], dims=[])
+
+
+def test_patch_across_prompts(setup):
+    model, plant, batch = setup
+    name = names.resid_post(1)
+    before = _cap(model, batch, name)
+    after = _cap(model, batch, name, causal.patch_across_prompts(model, batch, 1, [2, 4]))
+    for b in range(len(batch)):
+        src = (b + 1) % len(batch)
+        assert torch.equal(after[b, [2, 4]], before[src, [2, 4]])
+    _assert_rest_identical(before, after, [2, 4])
+    with pytest.raises(ValueError, match=">= 2 prompts"):
+        causal.patch_across_prompts(model, model.tokenize(["w1 w2 w3"]), 1, [0])
+    with pytest.raises(ValueError, match="shift"):
+        causal.patch_across_prompts(model, batch, 1, [0], shift=3)
