@@ -70,7 +70,7 @@ class HFInterventions:
                 self._handles.append(
                     layer.register_forward_pre_hook(partial(self._record, L=L), with_kwargs=True)
                 )
-                for si, spec in enumerate(self.specs):
+                for spec in self.specs:
                     if L not in spec.layers:
                         continue
                     fn = partial(self._edit, L=L, spec=spec)

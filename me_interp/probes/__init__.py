@@ -52,4 +52,5 @@ __all__ = [
     "ratio_to_others",
     "scan_norms",
     "top_neurons",
+    "top_ratio",
 ]

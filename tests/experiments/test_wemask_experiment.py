@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from me_interp import io
 from me_interp.experiments import wemask as exp
