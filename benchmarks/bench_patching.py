@@ -53,7 +53,7 @@ def tl_sweep(model, clean, corrupt_hooks, site, metrics):
         for m in metrics.values():
             for n in m.hook_names():
                 bridge.add_hook(n, partial(rec, key=n), is_permanent=True)
-        fns = {k: (lambda m: lambda logits: m(store, mask))(m) for k, m in metrics.items()}
+        fns = {k: (lambda logits, m=m: m(store, mask)) for k, m in metrics.items()}
         res = TL_FUNCS[site](bridge, clean.tokens, cache, fns, reduce="none")
     finally:
         bridge.reset_hooks(including_permanent=True)
@@ -75,11 +75,18 @@ def main(argv=None) -> int:
     site = causal.locate_massive(model, full)
     clean = clean_batch(model, prompts, args.n_tokens, args.n_prompts)
     p, last = site.position, model.n_layers - 1
-    metrics = {"norm_ratio": NormRatio(last, p), "sink": SinkMass(tuple(range(site.layer + 1, model.n_layers)), p)}
-    hooks = causal.remove_massive(model, clean, site.layer, [p], None, site="ffn_out", per_prompt=False)
+    metrics = {
+        "norm_ratio": NormRatio(last, p),
+        "sink": SinkMass(tuple(range(site.layer + 1, model.n_layers)), p),
+    }
+    hooks = causal.remove_massive(
+        model, clean, site.layer, [p], None, site="ffn_out", per_prompt=False
+    )
     n_cells = model.n_layers * clean.tokens.shape[1]
-    print(f"model {model.name}; ME layer {site.layer}; site {args.site}; {len(clean)} prompts x "
-          f"{clean.tokens.shape[1]} tokens; {n_cells} cells; torch threads {torch.get_num_threads()}")
+    print(
+        f"model {model.name}; ME layer {site.layer}; site {args.site}; {len(clean)} prompts x "
+        f"{clean.tokens.shape[1]} tokens; {n_cells} cells; torch threads {torch.get_num_threads()}"
+    )
 
     timings, results = {}, {}
     t = time.perf_counter()
@@ -87,8 +94,17 @@ def main(argv=None) -> int:
     timings["transformer_lens.patching (one forward per cell)"] = time.perf_counter() - t
     for skip in (False, True):
         t = time.perf_counter()
-        sw = patch_sweep(model, clean, clean, args.site, metrics, batch_size=args.batch_size,
-                         corrupt_hooks=hooks, progress=False, skip_shared=skip)
+        sw = patch_sweep(
+            model,
+            clean,
+            clean,
+            args.site,
+            metrics,
+            batch_size=args.batch_size,
+            corrupt_hooks=hooks,
+            progress=False,
+            skip_shared=skip,
+        )
         label = f"me_interp.patching batched (batch {sw.batch_size}, skip_shared={skip}, {sw.n_forwards} forwards)"
         timings[label] = time.perf_counter() - t
         results[skip] = sw.values
@@ -96,12 +112,21 @@ def main(argv=None) -> int:
     for label, secs in timings.items():
         print(f"{secs:8.2f} s  x{base / secs:5.2f}  {label}")
     for skip in (False, True):
-        diff = max(float((results[skip][k] - results["tl"][k].float()).abs().max()) for k in metrics)
+        diff = max(
+            float((results[skip][k] - results["tl"][k].float()).abs().max()) for k in metrics
+        )
         rel = max(
-            float(((results[skip][k] - results["tl"][k].float()).abs() / results["tl"][k].float().abs().clamp_min(1e-6)).max())
+            float(
+                (
+                    (results[skip][k] - results["tl"][k].float()).abs()
+                    / results["tl"][k].float().abs().clamp_min(1e-6)
+                ).max()
+            )
             for k in metrics
         )
-        print(f"skip_shared={skip}: max |difference| to transformer_lens = {diff:.3g} (relative {rel:.3g})")
+        print(
+            f"skip_shared={skip}: max |difference| to transformer_lens = {diff:.3g} (relative {rel:.3g})"
+        )
     best = min(s for label, s in timings.items() if "me_interp" in label)
     print(f"speed ratio (transformer_lens / me_interp best): {base / best:.2f}x")
     return 0

@@ -42,7 +42,11 @@ def load_examples(path: str | None = None) -> list[dict]:
         else Path(path).read_text("utf-8")
     )
     data = json.loads(text)
-    if not isinstance(data, list) or not data or not all({"prompt", "response"} <= set(d) for d in data):
+    if (
+        not isinstance(data, list)
+        or not data
+        or not all({"prompt", "response"} <= set(d) for d in data)
+    ):
         raise ValueError("a fine-tuning file is a JSON list of {'prompt', 'response'} objects")
     return data
 
@@ -78,14 +82,18 @@ def measure_me_layer(model_name: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="omit for the bundled model; synthetic:planted, a dir, ...")
+    ap.add_argument(
+        "--model", default=None, help="omit for the bundled model; synthetic:planted, a dir, ..."
+    )
     ap.add_argument("--me-layer", type=int, default=None, help="ME layer (default: measured)")
     ap.add_argument("--start", choices=STARTS, default="ge")
     ap.add_argument("--rate", type=float, default=0.1)
     ap.add_argument("--variant", choices=VARIANTS, default="weight")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=5e-5)
-    ap.add_argument("--data", default=None, help="JSON list of {prompt, response}; default: shipped")
+    ap.add_argument(
+        "--data", default=None, help="JSON list of {prompt, response}; default: shipped"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/finetune_wemask")
     args = ap.parse_args(argv)
@@ -114,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             edits.append({L: handle.stats[L]["edited_tokens"] - before[L] for L in layers})
         hf.eval()
         with torch.no_grad():
-            trained_logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            trained_logits = hf(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits
             final_loss = float(hf(**batch).loss)
 
     out = Path(args.out)
@@ -123,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     tok.save_pretrained(model_dir)
     reloaded, _ = load_hf(str(model_dir))
     with torch.no_grad(), hf_interventions(reloaded, spec):
-        re_logits = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        re_logits = reloaded(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits
     real = batch["attention_mask"].bool()
     reload_diff = float((re_logits - trained_logits)[real].abs().max())
 
@@ -148,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     io.write_json(out / "finetune_metrics.json", metrics)
     print(f"loss per step: {[round(x, 4) for x in losses]} -> {final_loss:.4f}")
-    print(f"mask edits per step (tokens per layer): {edits[0]} ... (every step: {checks['mask_active_every_step']})")
+    print(
+        f"mask edits per step (tokens per layer): {edits[0]} ... (every step: {checks['mask_active_every_step']})"
+    )
     print(f"reload max |logit diff|: {reload_diff:.2e}; saved to {model_dir}")
     ok = all(checks.values())
     if not ok:

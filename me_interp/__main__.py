@@ -29,7 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(CommonConfig, args)
         apply_threads(cfg)
         state = run_battery(
-            cfg, chosen, progress=lambda line: print(line, file=sys.stderr, flush=True), fresh=args.fresh
+            cfg,
+            chosen,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+            fresh=args.fresh,
         )
     except (ValueError, TypeError, FileNotFoundError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)

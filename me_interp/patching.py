@@ -151,9 +151,7 @@ def _hook_layer(name: str) -> int:
     return int(parts[1])
 
 
-def normalized(
-    patched: torch.Tensor, clean: torch.Tensor, corrupt: torch.Tensor
-) -> torch.Tensor:
+def normalized(patched: torch.Tensor, clean: torch.Tensor, corrupt: torch.Tensor) -> torch.Tensor:
     """ARENA normalisation ``(patched − corrupt) / (clean − corrupt)`` (clean → 1, corrupt → 0).
 
     ``clean`` and ``corrupt`` are scalars (prompt means); NaN where they coincide.
@@ -193,9 +191,7 @@ class SweepResult:
 
     def normalized(self, metric: str) -> Float[torch.Tensor, "layer pos"]:
         """``(mean patched − mean corrupt) / (mean clean − mean corrupt)`` per cell."""
-        return normalized(
-            self.mean(metric), self.clean[metric].mean(), self.corrupt[metric].mean()
-        )
+        return normalized(self.mean(metric), self.clean[metric].mean(), self.corrupt[metric].mean())
 
     def cell(self, metric: str, layer: int, pos: int, normalise: bool = True) -> float:
         li, pi = self.layers.index(layer), self.positions.index(pos)
@@ -376,7 +372,9 @@ def patch_sweep(
             check: dict[str, torch.Tensor] = {}
             first0 = layers[cells[0][0]]
             mrec = [(n_, partial(_record, store=check, key=n_)) for n_ in mhooks]
-            _run_blocks(model, resid_in[first0], first0, last_needed, kwargs, [*corrupt_hooks, *mrec])
+            _run_blocks(
+                model, resid_in[first0], first0, last_needed, kwargs, [*corrupt_hooks, *mrec]
+            )
             ok = all(
                 torch.allclose(check[n_].float(), cstore_m[n_].float(), rtol=1e-4, atol=1e-5)
                 for n_ in mhooks
@@ -386,28 +384,30 @@ def patch_sweep(
             ok = False
         suffix = (kwargs, resid_in) if ok else None
     chunks = range(0, len(cells), per_fwd)
-    for start in tqdm(chunks, desc=f"patching {site}", disable=None if progress is None else not progress):
+    for start in tqdm(
+        chunks, desc=f"patching {site}", disable=None if progress is None else not progress
+    ):
         chunk = cells[start : start + per_fwd]
         n = len(chunk)
-        rows_batch = Batch(
-            corrupt.tokens.repeat(n, 1), corrupt.attention_mask.repeat(n, 1), None
-        )
+        rows_batch = Batch(corrupt.tokens.repeat(n, 1), corrupt.attention_mask.repeat(n, 1), None)
         patch_hooks = []
         for li in sorted({li for li, _ in chunk}):
             idx = [c for c, (cl, _) in enumerate(chunk) if cl == li]
             rows = torch.tensor([c * B + b for c in idx for b in range(B)])
             pos = torch.tensor([positions[chunk[c][1]] for c in idx for _ in range(B)])
             prompt = torch.arange(B).repeat(len(idx))
-            src = clean_acts[layers[li]][prompt.to(clean.tokens.device), pos.to(clean.tokens.device)]
-            patch_hooks.append(
-                (hook_of[layers[li]], partial(_patch, rows=rows, pos=pos, src=src))
-            )
+            src = clean_acts[layers[li]][
+                prompt.to(clean.tokens.device), pos.to(clean.tokens.device)
+            ]
+            patch_hooks.append((hook_of[layers[li]], partial(_patch, rows=rows, pos=pos, src=src)))
         acts: dict[str, torch.Tensor] = {}
         first = min(layers[li] for li, _ in chunk) if suffix is not None else 0
         for n_ in mhooks:  # read before the first patched layer: the corrupt run's, exactly
             if _hook_layer(n_) < first:
                 acts[n_] = cstore_m[n_].repeat(n, *([1] * (cstore_m[n_].dim() - 1)))
-        rec = [(n_, partial(_record, store=acts, key=n_)) for n_ in mhooks if _hook_layer(n_) >= first]
+        rec = [
+            (n_, partial(_record, store=acts, key=n_)) for n_ in mhooks if _hook_layer(n_) >= first
+        ]
         hooks = [*corrupt_hooks, *patch_hooks, *rec]
         if suffix is not None:
             kwargs, resid_in = suffix
@@ -459,8 +459,17 @@ def patch_loop(
 ) -> SweepResult:
     """The unbatched reference: one forward per ``(layer, pos)`` cell (for tests and benchmarks)."""
     return patch_sweep(
-        model, clean, corrupt, site, metrics, layers, positions, batch_size=1,
-        corrupt_hooks=corrupt_hooks, progress=False, skip_shared=False,
+        model,
+        clean,
+        corrupt,
+        site,
+        metrics,
+        layers,
+        positions,
+        batch_size=1,
+        corrupt_hooks=corrupt_hooks,
+        progress=False,
+        skip_shared=False,
     )
 
 

@@ -54,10 +54,14 @@ def layer_lines(
                 mode="lines+markers",
                 name=name,
                 customdata=[x + 1 for x in xs],
-                hovertemplate="layer %{x} (1-based %{customdata}): %{y:.4g}<extra>" + name + "</extra>",
+                hovertemplate="layer %{x} (1-based %{customdata}): %{y:.4g}<extra>"
+                + name
+                + "</extra>",
             )
         )
-    fig.update_layout(title=title, xaxis_title="layer (0-based)", yaxis_title=yaxis_title, template="plotly_white")
+    fig.update_layout(
+        title=title, xaxis_title="layer (0-based)", yaxis_title=yaxis_title, template="plotly_white"
+    )
     if log_y:
         fig.update_yaxes(type="log")
     return mark_layer(fig, me_layer)

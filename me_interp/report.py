@@ -82,7 +82,10 @@ def run_battery(
     state["settings"] = fp
     for i, name in enumerate(experiments):
         entry = state["experiments"].get(name, {})
-        done = entry.get("status") == "done" and (Path(entry.get("run_dir", "")) / io.RESULT_FILE).is_file()
+        done = (
+            entry.get("status") == "done"
+            and (Path(entry.get("run_dir", "")) / io.RESULT_FILE).is_file()
+        )
         if done:
             if progress:
                 progress(f"[{i + 1}/{len(experiments)}] {name}: already done, skipped")
@@ -96,7 +99,9 @@ def run_battery(
             model = model_for(cfg, model)
             result = module.run(cfg, model)
             figs = module.figures(result)
-            run_dir = io.write_run(common.out, name, cfg, result, io.environment(model.info()), figs)
+            run_dir = io.write_run(
+                common.out, name, cfg, result, io.environment(model.info()), figs
+            )
             entry = {
                 "status": "done",
                 "run_dir": str(run_dir),
@@ -116,10 +121,16 @@ def run_battery(
     return state
 
 
-_MARK = {True: ("holds", "#1a7f37"), False: ("does not hold", "#cf222e"), None: ("inconclusive", "#9a6700")}
+_MARK = {
+    True: ("holds", "#1a7f37"),
+    False: ("does not hold", "#cf222e"),
+    None: ("inconclusive", "#9a6700"),
+}
 
 
-def write_report(out: Path, state: dict[str, Any], experiments: Sequence[str] = EXPERIMENTS) -> Path:
+def write_report(
+    out: Path, state: dict[str, Any], experiments: Sequence[str] = EXPERIMENTS
+) -> Path:
     """Write ``<out>/report.html`` from the battery state."""
     out = Path(out)
     settings = state.get("settings", {})
@@ -131,12 +142,15 @@ def write_report(out: Path, state: dict[str, Any], experiments: Sequence[str] = 
             continue
         if entry["status"] != "done":
             err = html.escape(entry.get("error", ""))
-            rows.append(f"<tr><td>{name}</td><td colspan=4 style='color:#cf222e'>failed: {err}</td></tr>")
+            rows.append(
+                f"<tr><td>{name}</td><td colspan=4 style='color:#cf222e'>failed: {err}</td></tr>"
+            )
             continue
         run_dir = Path(entry["run_dir"])
         rel = Path(_relpath(run_dir, out))
         links = " ".join(
-            f"<a href='{html.escape(str(rel / (f + '.html')))}'>{html.escape(f)}</a>" for f in entry["figures"]
+            f"<a href='{html.escape(str(rel / (f + '.html')))}'>{html.escape(f)}</a>"
+            for f in entry["figures"]
         )
         result_link = f"<a href='{html.escape(str(rel / io.RESULT_FILE))}'>result.json</a>"
         verdicts = entry.get("verdicts") or [{"claim": "(no claim)", "measured": "", "holds": None}]
@@ -145,7 +159,11 @@ def write_report(out: Path, state: dict[str, Any], experiments: Sequence[str] = 
             first = j == 0
             rows.append(
                 "<tr>"
-                + (f"<td rowspan={len(verdicts)}><b>{name}</b><br><small>{result_link}</small></td>" if first else "")
+                + (
+                    f"<td rowspan={len(verdicts)}><b>{name}</b><br><small>{result_link}</small></td>"
+                    if first
+                    else ""
+                )
                 + f"<td>{html.escape(str(v.get('claim', '')))}</td>"
                 + f"<td>{html.escape(str(v.get('measured', '')))}</td>"
                 + f"<td style='color:{color};font-weight:600'>{text}</td>"
@@ -163,16 +181,16 @@ th {{ background: #f6f8fa; text-align: left; }}
 code {{ background: #f6f8fa; padding: 1px 4px; }}
 </style></head><body>
 <h1>me_interp report</h1>
-<p>Model: <code>{html.escape(str(settings.get('model') or 'bundled SmolLM2-135M-Instruct'))}</code>;
-prompts: <code>{html.escape(str(settings.get('prompts') or 'built-in'))}</code>;
-BOS: <code>{html.escape(str(settings.get('bos')))}</code>; dtype: <code>{html.escape(str(settings.get('dtype')))}</code>;
-seed: {settings.get('seed')}. Layers are 0-based (1-based in parentheses where given).
+<p>Model: <code>{html.escape(str(settings.get("model") or "bundled SmolLM2-135M-Instruct"))}</code>;
+prompts: <code>{html.escape(str(settings.get("prompts") or "built-in"))}</code>;
+BOS: <code>{html.escape(str(settings.get("bos")))}</code>; dtype: <code>{html.escape(str(settings.get("dtype")))}</code>;
+seed: {settings.get("seed")}. Layers are 0-based (1-based in parentheses where given).
 {done} of {len(experiments)} experiments finished.</p>
 <p>Each row states a claim of the paper (Massive Emergence layer, ICML 2026) or of its critics, the number
 measured here, and whether the claim holds <i>on this model with these prompts</i>. Follow the links for
 the interactive figures and the full <code>result.json</code>.</p>
 <table><tr><th>experiment</th><th>claim</th><th>measured</th><th>verdict</th><th>figures</th></tr>
-{''.join(rows)}
+{"".join(rows)}
 </table></body></html>
 """
     return io.atomic_write_text(out / REPORT_FILE, body)

@@ -65,7 +65,9 @@ def test_next_token_agreement_under_hooks(planted):
     assert none.kl == 0.0 and none.top1 == 1.0
     hooks = we_mask(model, 1.0, layers=[2, 3, 4])
     ag = evaluation.next_token_agreement(model, batch, hooks)
-    want = agreement(model.run_with_hooks(batch), model.run_with_hooks(batch, hooks), batch.attention_mask)
+    want = agreement(
+        model.run_with_hooks(batch), model.run_with_hooks(batch, hooks), batch.attention_mask
+    )
     assert ag == want and ag.kl > 0
 
 
@@ -81,7 +83,9 @@ def test_score_choices_matches_manual(planted):
             ctx = model.tokenize(it.context).tokens[0].tolist()
             cont = model.tokenizer(choice, add_special_tokens=False)["input_ids"]
             ids = torch.tensor([ctx + cont])
-            logp = torch.log_softmax(model.run_with_hooks(model.batch_from_ids(ids.tolist())).double(), -1)[0]
+            logp = torch.log_softmax(
+                model.run_with_hooks(model.batch_from_ids(ids.tolist())).double(), -1
+            )[0]
             want = sum(float(logp[len(ctx) + j - 1, t]) for j, t in enumerate(cont))
             assert res.loglik[i][c] == pytest.approx(want, rel=1e-4, abs=1e-4)
             assert res.n_tokens[i][c] == len(cont)

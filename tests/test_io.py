@@ -18,7 +18,9 @@ def test_to_jsonable_handles_tensors_dataclasses_and_nonfinite():
         x: torch.Tensor
         y: float
 
-    out = io.to_jsonable({"r": R(torch.tensor([1.0, 2.0]), math.inf), "n": float("nan"), "t": (1, 2)})
+    out = io.to_jsonable(
+        {"r": R(torch.tensor([1.0, 2.0]), math.inf), "n": float("nan"), "t": (1, 2)}
+    )
     assert out == {"r": {"x": [1.0, 2.0], "y": "inf"}, "n": "nan", "t": [1, 2]}
     json.dumps(out, allow_nan=False)
 

@@ -9,12 +9,16 @@ from me_interp.probes.massive import Criterion, locate_me_layer, massive_tokens
 from me_interp.probes.norms import NormScan, scan_norms
 
 
-def _scan(resid_norms: torch.Tensor, top: torch.Tensor, median: torch.Tensor, mask=None) -> NormScan:
+def _scan(
+    resid_norms: torch.Tensor, top: torch.Tensor, median: torch.Tensor, mask=None
+) -> NormScan:
     """A NormScan from per-layer resid norms [layer batch pos] and top-1 |a| [layer batch pos]."""
     L, B, T = resid_norms.shape
     mask = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
     pre = torch.cat([torch.ones(1, B, T), resid_norms[:-1]])
-    norms = torch.stack([pre, resid_norms, resid_norms])  # resid_pre, resid_mid (= pre: FFN made it), post
+    norms = torch.stack(
+        [pre, resid_norms, resid_norms]
+    )  # resid_pre, resid_mid (= pre: FFN made it), post
     norms[1] = pre
     return NormScan(
         sites=("resid_pre", "resid_mid", "resid_post"),
@@ -43,7 +47,10 @@ def _precursor_then_me():
 
 def test_events_include_a_vanishing_precursor():
     loc = locate_me_layer(_precursor_then_me())
-    assert [(e.layer, e.last_layer, e.persists_to_end) for e in loc.events] == [(1, 2, False), (4, 5, True)]
+    assert [(e.layer, e.last_layer, e.persists_to_end) for e in loc.events] == [
+        (1, 2, False),
+        (4, 5, True),
+    ]
     assert loc.me_layer == 4 and loc.me_layer_1based == 5
     assert loc.events[0].jump == pytest.approx(20.0) and loc.events[1].jump == pytest.approx(2000.0)
     assert loc.me_event.site == "ffn"
@@ -72,8 +79,13 @@ def test_norm_criterion_and_combinations():
 def test_min_prompt_fraction():
     scan = _precursor_then_me()
     scan.top_abs[1:3, 1] = 0.5  # precursor only in prompt 0
-    assert [e.layer for e in locate_me_layer(scan, Criterion(min_prompt_fraction=0.5)).events] == [1, 4]
-    assert [e.layer for e in locate_me_layer(scan, Criterion(min_prompt_fraction=1.0)).events] == [4]
+    assert [e.layer for e in locate_me_layer(scan, Criterion(min_prompt_fraction=0.5)).events] == [
+        1,
+        4,
+    ]
+    assert [e.layer for e in locate_me_layer(scan, Criterion(min_prompt_fraction=1.0)).events] == [
+        4
+    ]
 
 
 def test_detection_covers_all_positions():
@@ -112,7 +124,9 @@ def test_planted_me_layer_is_found_exactly(planted, planted_prompts):
 def test_unplanted_twin_has_no_me_layer(twin, planted_prompts):
     model, _ = twin
     for kind in ("sun", "norm", "either"):
-        loc = locate_me_layer(scan_norms(model, model.tokenize(planted_prompts)), Criterion(kind=kind))
+        loc = locate_me_layer(
+            scan_norms(model, model.tokenize(planted_prompts)), Criterion(kind=kind)
+        )
         assert loc.me_layer is None and loc.events == [] and loc.massive_dims == []
 
 
@@ -127,7 +141,9 @@ def test_planted_without_bos_has_no_massive_activation(planted, planted_prompts)
     from me_interp.models import LoadedModel
 
     model, _ = planted
-    no_bos = LoadedModel(model.bridge, model.hf, model.tokenizer, "p", "no", model.dtype, model.device)
+    no_bos = LoadedModel(
+        model.bridge, model.hf, model.tokenizer, "p", "no", model.dtype, model.device
+    )
     loc = locate_me_layer(scan_norms(no_bos, no_bos.tokenize(planted_prompts)))
     assert loc.me_layer is None
 
@@ -138,7 +154,9 @@ def test_one_token_prompt_is_rejected(planted):
     locate_me_layer(scan)
     from me_interp.models import LoadedModel
 
-    no_bos = LoadedModel(model.bridge, model.hf, model.tokenizer, "p", "no", model.dtype, model.device)
+    no_bos = LoadedModel(
+        model.bridge, model.hf, model.tokenizer, "p", "no", model.dtype, model.device
+    )
     scan = scan_norms(no_bos, no_bos.tokenize(["w1 w2 w3", "w4"]))
     with pytest.raises(ValueError, match="single token"):
         locate_me_layer(scan)

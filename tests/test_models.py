@@ -44,7 +44,13 @@ def test_bundled_bos_choices(bundled):
     yes = load_model(bundled, bos="yes")  # a LoadedModel is returned as is
     assert yes is bundled
     m_yes = models.LoadedModel(
-        bundled.bridge, bundled.hf, bundled.tokenizer, bundled.name, "yes", bundled.dtype, bundled.device
+        bundled.bridge,
+        bundled.hf,
+        bundled.tokenizer,
+        bundled.name,
+        "yes",
+        bundled.dtype,
+        bundled.device,
     )
     b = m_yes.tokenize(["Hello world"])
     assert m_yes.bos_prepended(b)
@@ -125,7 +131,15 @@ def test_unsupported_architecture():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     hf = GPT2LMHeadModel(
-        GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2)
+        GPT2Config(
+            vocab_size=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     )
     with pytest.raises(UnsupportedArchitectureError, match="RMSNorm"):
         load_model(hf, tokenizer=synthetic.word_tokenizer())

@@ -85,9 +85,15 @@ def test_padded_rows_equal_unpadded_runs(planted):
     for i, p in enumerate(prompts):
         alone = scan_norms(model, model.tokenize([p]))
         n = alone.mask.shape[1]
-        torch.testing.assert_close(batched.norms[:, :, i, :n], alone.norms[:, :, 0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(batched.median_abs[:, i], alone.median_abs[:, 0], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(batched.top_abs[:, i, :n], alone.top_abs[:, 0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            batched.norms[:, :, i, :n], alone.norms[:, :, 0], rtol=1e-5, atol=1e-5
+        )
+        torch.testing.assert_close(
+            batched.median_abs[:, i], alone.median_abs[:, 0], rtol=1e-6, atol=1e-6
+        )
+        torch.testing.assert_close(
+            batched.top_abs[:, i, :n], alone.top_abs[:, 0], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_top_values_and_median_match_direct_computation(planted, planted_prompts):
@@ -101,16 +107,18 @@ def test_top_values_and_median_match_direct_computation(planted, planted_prompts
 
     from functools import partial
 
-    model.run_with_hooks(batch, [(names.resid_post(i), partial(keep, layer=i)) for i in range(model.n_layers)])
+    model.run_with_hooks(
+        batch, [(names.resid_post(i), partial(keep, layer=i)) for i in range(model.n_layers)]
+    )
     scan = scan_norms(model, batch, top_k=4, keep_prompt=1)
     for layer, x in store.items():
         a = x.abs()
         for b in range(len(batch)):
             n = batch.lengths[b]
             vals = a[b, :n].flatten()
-            assert torch.isclose(scan.median_abs[layer, b], vals.median(), rtol=1e-6) or torch.isclose(
-                scan.median_abs[layer, b], vals.sort().values[(len(vals) - 1) // 2]
-            )
+            assert torch.isclose(
+                scan.median_abs[layer, b], vals.median(), rtol=1e-6
+            ) or torch.isclose(scan.median_abs[layer, b], vals.sort().values[(len(vals) - 1) // 2])
             torch.testing.assert_close(scan.top_abs[layer, b, :n, 0], a[b, :n].max(-1).values)
         torch.testing.assert_close(scan.kept_resid[layer], x[1, : batch.lengths[1]])
 

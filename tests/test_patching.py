@@ -120,7 +120,7 @@ def test_ffn_in_sweep_equals_one_forward_per_cell_loop(pair):
         clean_act = store["clean"]
         for p in range(clean.tokens.shape[1]):
 
-            def patch(x, hook, p=p):
+            def patch(x, hook, p=p, clean_act=clean_act):
                 x = x.clone()
                 x[:, p] = clean_act[:, p]
                 return x
@@ -142,7 +142,12 @@ def test_chunking_does_not_change_values(pair):
     d = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=3)
     # layer 0, positions 1..5: the same token embeddings in clean and corrupt -> skipped
     assert (a.n_forwards, b.n_forwards, c.n_forwards, d.n_forwards) == (30, 1, 30, 25)
-    assert (a.prefix_skipped, b.prefix_skipped, c.prefix_skipped, d.prefix_skipped) == (False, True, False, True)
+    assert (a.prefix_skipped, b.prefix_skipped, c.prefix_skipped, d.prefix_skipped) == (
+        False,
+        True,
+        False,
+        True,
+    )
     for k in metrics:
         torch.testing.assert_close(a.values[k], b.values[k], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(c.values[k], b.values[k], rtol=1e-5, atol=1e-6)
@@ -197,8 +202,11 @@ def test_patching_clean_into_clean_is_a_no_op(pair):
     """Negative test: a patch that copies the same values leaves every metric bit-identical."""
     model, plant, clean, _ = pair
     sw = patch_sweep(model, clean, clean, "attn_out", {"ratio": NormRatio(4, 0)}, layers=[0, 3])
-    base = evaluate_metrics(model, Batch(clean.tokens.repeat(10, 1), clean.attention_mask.repeat(10, 1)),
-                            {"ratio": NormRatio(4, 0)})["ratio"][:3]
+    base = evaluate_metrics(
+        model,
+        Batch(clean.tokens.repeat(10, 1), clean.attention_mask.repeat(10, 1)),
+        {"ratio": NormRatio(4, 0)},
+    )["ratio"][:3]
     for li in range(2):
         for p in range(6):
             torch.testing.assert_close(sw.values["ratio"][li, p], base, rtol=0, atol=0)

@@ -68,7 +68,9 @@ print([round(r, 1) for r in loc.site_ratios["resid_post"]])
 stats = attention_stats(model, batch)
 to_sink = stats.to_positions.mean(1)  # [layer, head], mean over prompts
 fig = go.Figure(
-    go.Heatmap(z=to_sink.T.tolist(), colorscale="Viridis", zmin=0, zmax=1, colorbar_title="attention")
+    go.Heatmap(
+        z=to_sink.T.tolist(), colorscale="Viridis", zmin=0, zmax=1, colorbar_title="attention"
+    )
 )
 fig.add_vline(x=ME, line_dash="dash", line_color="red")
 fig.update_layout(
@@ -82,7 +84,9 @@ fig
 sink_rate = (to_sink > 0.3).float().mean(-1)
 print("share of sink heads (attention to token 0 > 0.3) per layer:")
 print([round(x, 2) for x in sink_rate.tolist()])
-print(f"before the ME layer: {sink_rate[:ME].mean():.2f}; after it: {sink_rate[ME + 1 :].mean():.2f}")
+print(
+    f"before the ME layer: {sink_rate[:ME].mean():.2f}; after it: {sink_rate[ME + 1 :].mean():.2f}"
+)
 
 # %% [markdown]
 # ## 3. Attention patterns just before and just after the ME layer
@@ -105,14 +109,21 @@ from functools import partial
 
 show = [max(ME - 1, 0), layer_after]
 model.run_with_hooks(
-    model.tokenize(prompts[:1]), [(names.pattern(layer), partial(keep, layer=layer)) for layer in show]
+    model.tokenize(prompts[:1]),
+    [(names.pattern(layer), partial(keep, layer=layer)) for layer in show],
 )
 labels = [model.tokenizer.decode([t]) for t in model.tokenize(prompts[:1]).tokens[0]]
-fig = make_subplots(rows=1, cols=2, subplot_titles=[f"layer {layer}, head {head}" for layer in show])
+fig = make_subplots(
+    rows=1, cols=2, subplot_titles=[f"layer {layer}, head {head}" for layer in show]
+)
 for i, layer in enumerate(show):
-    fig.add_trace(go.Heatmap(z=patterns[layer].tolist(), x=labels, y=labels, coloraxis="coloraxis"), 1, i + 1)
+    fig.add_trace(
+        go.Heatmap(z=patterns[layer].tolist(), x=labels, y=labels, coloraxis="coloraxis"), 1, i + 1
+    )
 fig.update_yaxes(autorange="reversed")
-fig.update_layout(coloraxis={"colorscale": "Viridis"}, title="Attention pattern (query rows, key columns)")
+fig.update_layout(
+    coloraxis={"colorscale": "Viridis"}, title="Attention pattern (query rows, key columns)"
+)
 fig
 
 # %% [markdown]
@@ -129,10 +140,17 @@ variant = "weight"
 hooks = we_mask(model, rate, variant, me_layer=ME)
 masked = attention_stats(model, batch, fwd_hooks=hooks)
 
-fig = make_subplots(rows=1, cols=2, subplot_titles=["attention to the massive token", "attention entropy (nats)"])
-for label, s, color in (("unmodified", stats, "steelblue"), (f"WeMask {variant} r={rate}", masked, "firebrick")):
+fig = make_subplots(
+    rows=1, cols=2, subplot_titles=["attention to the massive token", "attention entropy (nats)"]
+)
+for label, s, color in (
+    ("unmodified", stats, "steelblue"),
+    (f"WeMask {variant} r={rate}", masked, "firebrick"),
+):
     fig.add_trace(go.Scatter(y=s.mean_to_positions(), name=label, line_color=color), 1, 1)
-    fig.add_trace(go.Scatter(y=s.mean_entropy(), name=label, line_color=color, showlegend=False), 1, 2)
+    fig.add_trace(
+        go.Scatter(y=s.mean_entropy(), name=label, line_color=color, showlegend=False), 1, 2
+    )
 for c in (1, 2):
     fig.add_vline(x=ME, line_dash="dash", line_color="gray", row=1, col=c)
     fig.update_xaxes(title_text="layer (0-based)", row=1, col=c)

@@ -39,7 +39,9 @@ def top_singular_part(W: Float[torch.Tensor, "out inp"], k: int) -> Float[torch.
     """
     rank = min(W.shape)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= rank:
-        raise ValueError(f"k must be an int in 1..{rank} (the matrix has {rank} singular directions), got {k}")
+        raise ValueError(
+            f"k must be an int in 1..{rank} (the matrix has {rank} singular directions), got {k}"
+        )
     U, S, Vh = torch.linalg.svd(W.detach().double(), full_matrices=False)
     return ((U[:, :k] * S[:k]) @ Vh[:k]).to(W.dtype)
 
@@ -68,7 +70,9 @@ def check_neurons(neurons: Sequence[int], d_mlp: int) -> list[int]:
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"neuron indices must be ints, got {n!r}")
         if not 0 <= n < d_mlp:
-            raise ValueError(f"neuron {n} is out of range: the FFN has {d_mlp} neurons (0..{d_mlp - 1})")
+            raise ValueError(
+                f"neuron {n} is out of range: the FFN has {d_mlp} neurons (0..{d_mlp - 1})"
+            )
         out.append(n)
     if not out:
         raise ValueError("give at least one neuron to ablate")

@@ -36,7 +36,9 @@ def check_permutation(perm: Sequence[int] | torch.Tensor, n: int) -> torch.Tenso
     """``perm`` as a long tensor if it is a permutation of ``0..n-1``, else raise ``ValueError``."""
     p = torch.as_tensor(perm if isinstance(perm, torch.Tensor) else list(perm)).long().flatten()
     if p.numel() != n or not torch.equal(p.sort().values, torch.arange(n)):
-        raise ValueError(f"perm must be a permutation of 0..{n - 1} (length {n}), got length {p.numel()}")
+        raise ValueError(
+            f"perm must be a permutation of 0..{n - 1} (length {n}), got length {p.numel()}"
+        )
     return p
 
 
@@ -92,7 +94,9 @@ def permuted_gain(
 
 
 @contextlib.contextmanager
-def flattened_gain(model: LoadedModel, layer: int, alpha: float, norm: str = "ffn") -> Iterator[None]:
+def flattened_gain(
+    model: LoadedModel, layer: int, alpha: float, norm: str = "ffn"
+) -> Iterator[None]:
     """Within the block, the RMSNorm gain of ``layer`` is ``mean(w) + alpha (w − mean(w))``.
 
     Raises:

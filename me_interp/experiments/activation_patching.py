@@ -83,7 +83,9 @@ class Config(CommonConfig):
             raise ValueError("removal_fraction must be in (0, 1) and restore_threshold in (0, 1]")
 
 
-def clean_batch(model: LoadedModel, prompts: Sequence[str], max_tokens: int, max_prompts: int) -> Batch:
+def clean_batch(
+    model: LoadedModel, prompts: Sequence[str], max_tokens: int, max_prompts: int
+) -> Batch:
     """The first ``max_tokens`` tokens of the first ``max_prompts`` prompts that have that many
     (all prompts truncated to the shortest length when none has), unpadded."""
     rows = [model.tokenize([p]).tokens[0].tolist() for p in prompts]
@@ -275,7 +277,10 @@ def verdicts(result: Result) -> list[dict]:
                 "measured": f"mean normalised ratio of resid_pre patches at position {s.position}, "
                 f"layers > {s.layer}: {mean_rp:.3f}; largest |normalised| attn_out/mlp_out patch "
                 f"after the ME layer: {max_other:.3f}",
-                "holds": bool(mean_rp >= result.restore_threshold and not max_other >= result.restore_threshold),
+                "holds": bool(
+                    mean_rp >= result.restore_threshold
+                    and not max_other >= result.restore_threshold
+                ),
             }
         )
     return out
@@ -300,7 +305,9 @@ def figures(result: Result) -> dict[str, Any]:
                     colorscale="RdBu",
                     reversescale=True,
                     showscale=i == 0,
-                    hovertemplate="layer %{x}<br>position %{y}<br>normalised %{z:.3f}<extra>" + s + "</extra>",
+                    hovertemplate="layer %{x}<br>position %{y}<br>normalised %{z:.3f}<extra>"
+                    + s
+                    + "</extra>",
                 ),
                 row=1,
                 col=i + 1,
@@ -325,7 +332,9 @@ def summary(result: Result) -> str:
             grid = sw.normalized(metric)
             flat = int(grid.nan_to_num(-1e9).argmax())
             li, pi = divmod(flat, grid.shape[1])
-            rows.append((name, metric, sw.layers[li], sw.positions[pi], float(grid[li, pi]), sw.n_forwards))
+            rows.append(
+                (name, metric, sw.layers[li], sw.positions[pi], float(grid[li, pi]), sw.n_forwards)
+            )
     return "\n".join(
         [
             f"model: {result.model}   ME layer {s.layer} (1-based {s.layer + 1}), position {s.position}; "

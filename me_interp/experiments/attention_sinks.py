@@ -149,7 +149,9 @@ def verdicts(result: Result) -> list[dict]:
     me = result.me_layer
     n = len(result.layers)
     if me is None or me == 0 or me >= n - 1:
-        where = "no ME layer detected" if me is None else f"ME layer {me} leaves no layer on one side"
+        where = (
+            "no ME layer detected" if me is None else f"ME layer {me} leaves no layer on one side"
+        )
         return [
             {
                 "claim": "The attention sink on the massive token appears downstream of the ME layer",
@@ -179,7 +181,10 @@ def verdicts(result: Result) -> list[dict]:
             "holds": bool(ea < (1 - MARGIN) * eb),
         }
     )
-    for key, who in (("effective_rank", "all tokens"), ("effective_rank_others", "without the massive token")):
+    for key, who in (
+        ("effective_rank", "all tokens"),
+        ("effective_rank_others", "without the massive token"),
+    ):
         er = result.series(key)
         rb, ra = _mean([er[i] for i in before]), _mean([er[i] for i in after])
         out.append(
@@ -214,7 +219,9 @@ def _head_heatmap(z: list[list[float]], title: str, cbar: str, me: int | None, *
 def figures(result: Result) -> dict[str, go.Figure]:
     me = result.me_layer
     lines = {
-        f"sink rate (share of heads with mean attention > {result.eps})": result.series("sink_rate"),
+        f"sink rate (share of heads with mean attention > {result.eps})": result.series(
+            "sink_rate"
+        ),
         "mean attention to the massive token": result.series("attn_to_massive"),
         "BOS metric: 2nd-half queries → position 0": result.series("bos_attention"),
     }

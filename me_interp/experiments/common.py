@@ -35,7 +35,6 @@ from me_interp.models import BOS_CHOICES, DTYPES, LoadedModel, ModelLoadError, l
 from me_interp.prompts import builtin_prompts, read_prompts
 
 
-
 @dataclass(frozen=True)
 class CommonConfig:
     """Fields shared by every experiment.

@@ -115,8 +115,10 @@ class Result:
         return self.measures[cond]["perplexity"] / self.measures["baseline"]["perplexity"]
 
     def to_dict(self) -> dict[str, Any]:
-        lead = "cap_ffn" if "cap_ffn" in self.measures else next(
-            c for c in self.measures if c != "baseline"
+        lead = (
+            "cap_ffn"
+            if "cap_ffn" in self.measures
+            else next(c for c in self.measures if c != "baseline")
         )
         base, after = self.measures["baseline"], self.measures[lead]
         return {
@@ -226,7 +228,10 @@ def figures(result: Result) -> dict[str, Any]:
     conds = list(result.measures)
     base = result.measures["baseline"]
     fig = go.Figure()
-    for key, label in (("me_ratio", "ME-layer norm ratio"), ("last_ratio", "last-layer norm ratio")):
+    for key, label in (
+        ("me_ratio", "ME-layer norm ratio"),
+        ("last_ratio", "last-layer norm ratio"),
+    ):
         fig.add_trace(go.Bar(x=conds, y=[result.measures[c][key] for c in conds], name=label))
     fig.update_layout(
         title=f"Massive-token norm ratio per condition — {result.model} (ME layer {result.site.layer})",
@@ -264,7 +269,9 @@ def summary(result: Result) -> str:
         [
             f"model: {result.model}   ME layer {s.layer} (1-based {s.layer + 1}), position "
             f"{s.position}, dims {list(s.dims)[:6]}",
-            fmt_table(["condition", "ME ratio", "last ratio", "sink", "perplexity", "removed"], rows),
+            fmt_table(
+                ["condition", "ME ratio", "last ratio", "sink", "perplexity", "removed"], rows
+            ),
         ]
     )
 

@@ -91,7 +91,9 @@ def neuron_scores(
     model.check_layer(layer)
     dims = list(dims)
     if not dims or not all(0 <= d < model.d_model for d in dims):
-        raise ValueError(f"dims must be a non-empty list of dims in 0..{model.d_model - 1}, got {dims}")
+        raise ValueError(
+            f"dims must be a non-empty list of dims in 0..{model.d_model - 1}, got {dims}"
+        )
     store: dict = {}
     model.run_with_hooks(batch, [(names.site("ffn_act", layer), partial(_record_act, store=store))])
     act = store["act"][torch.arange(len(batch)), positions.to(store["act"].device)]  # [batch d_mlp]
@@ -116,7 +118,11 @@ class Result:
     prompt_lengths: list[int]
 
     def kill_k(self, matrix: str) -> int | None:
-        ks = [r["k"] for r in self.rows if r["kind"] == "svd" and r["matrix"] == matrix and not r["survives"]]
+        ks = [
+            r["k"]
+            for r in self.rows
+            if r["kind"] == "svd" and r["matrix"] == matrix and not r["survives"]
+        ]
         return min(ks) if ks else None
 
     def neuron_rows(self) -> list[dict[str, Any]]:
@@ -152,12 +158,18 @@ class Result:
             },
             "intervened": {
                 "svd": {
-                    f"{r['matrix']}_k{r['k']}": {"survives": r["survives"], "ratio_at_layer": r["ratio_at_layer"]}
+                    f"{r['matrix']}_k{r['k']}": {
+                        "survives": r["survives"],
+                        "ratio_at_layer": r["ratio_at_layer"],
+                    }
                     for r in self.rows
                     if r["kind"] == "svd"
                 },
                 "neurons": {
-                    str(r["neurons"]): {"survives": r["survives"], "ratio_at_layer": r["ratio_at_layer"]}
+                    str(r["neurons"]): {
+                        "survives": r["survives"],
+                        "ratio_at_layer": r["ratio_at_layer"],
+                    }
                     for r in self.neuron_rows()
                 },
             },
@@ -191,7 +203,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     for mat in cfg.matrices:
         rank = min(ffn_matrix(s.model, m, mat).shape)
         if max(cfg.ks, default=0) > rank:
-            raise ValueError(f"k={max(cfg.ks)} exceeds the rank of W_{mat} ({rank} singular directions)")
+            raise ValueError(
+                f"k={max(cfg.ks)} exceeds the rank of W_{mat} ({rank} singular directions)"
+            )
     if cfg.n_neurons > s.model.d_mlp:
         raise ValueError(f"n_neurons={cfg.n_neurons} exceeds the FFN width d_mlp={s.model.d_mlp}")
     # without a massive activation (an explicit --layer on a model without one) score all dims
@@ -205,7 +219,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         conditions.append(("neurons", top))
     rows = []
     for kind, what in tqdm(conditions, desc=NAME, disable=None):
-        ctx = svd_ablated(s.model, m, what[0], what[1]) if kind == "svd" else neurons_ablated(s.model, m, what)
+        ctx = (
+            svd_ablated(s.model, m, what[0], what[1])
+            if kind == "svd"
+            else neurons_ablated(s.model, m, what)
+        )
         with ctx:
             after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
         rows.append(
@@ -228,7 +246,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         layer=m,
         baseline=s.baseline,
         rows=rows,
-        singular_values={mat: singular_values(s.model, m, mat)[: max(cfg.ks, default=1)] for mat in cfg.matrices},
+        singular_values={
+            mat: singular_values(s.model, m, mat)[: max(cfg.ks, default=1)] for mat in cfg.matrices
+        },
         neurons=top,
         neuron_scores=[float(scores[n]) for n in top],
         massive_dims=list(dims),
@@ -288,7 +308,10 @@ def verdicts(result: Result) -> list[dict[str, Any]]:
         {
             "claim": "Removing a few top singular directions of the ME layer's FFN removes the massive activation",
             "measured": "smallest k that removes it: "
-            + ", ".join(f"W_{m}: {k if k is not None else 'none tested'}" for m, k in head.get("kill_k", {}).items()),
+            + ", ".join(
+                f"W_{m}: {k if k is not None else 'none tested'}"
+                for m, k in head.get("kill_k", {}).items()
+            ),
             "holds": head["holds"] if head.get("kill_k") else None,
         }
     ]
@@ -326,7 +349,10 @@ def summary(result: Result) -> str:
             f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited ratio "
             f"{result.baseline.ratio_at(result.layer):.4g}   top neurons {result.neurons}",
             "",
-            fmt_table(["edit", "matrix", "k/neurons", "ME after", "survives", "ratio@ME", "ratio@last"], rows),
+            fmt_table(
+                ["edit", "matrix", "k/neurons", "ME after", "survives", "ratio@ME", "ratio@last"],
+                rows,
+            ),
             "",
             f"verdict: holds={head['holds']} (kill k {head.get('kill_k')}, top neurons kill "
             f"{head.get('top_neurons_kill')})",

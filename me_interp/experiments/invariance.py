@@ -121,7 +121,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
             "key_cos_across_inputs": kd[i],
             "key_cos_across_inputs_control": kc[i],
             "cos_next_layer": float(cal[i, i + 1]) if i + 1 < L else float("nan"),
-            "cos_to_me_layer": float(cal[i, loc.me_layer]) if loc.me_layer is not None else float("nan"),
+            "cos_to_me_layer": float(cal[i, loc.me_layer])
+            if loc.me_layer is not None
+            else float("nan"),
             "norm_cv": cv[i],
             "mean_norm": norms[i],
         }

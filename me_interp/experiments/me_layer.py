@@ -159,7 +159,11 @@ def figures(result: Result) -> dict[str, Any]:
     fig1 = plotting.site_norms_figure(
         {s: result.site_norms[s] for s in sites}, loc.me_layer, result.model
     )
-    what = "ME layer" if loc.me_layer is not None else "layer with the largest norm ratio (no ME layer)"
+    what = (
+        "ME layer"
+        if loc.me_layer is not None
+        else "layer with the largest norm ratio (no ME layer)"
+    )
     heat = plotting.token_dim_heatmap(
         result.heatmap_values,
         result.heatmap_tokens,

@@ -188,7 +188,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         nl = argmax([r["magnification"] for r in layers]) or 0
     table = top_neurons(model, fs, nl, cfg.top_neurons).to_dict()
     table["chosen_as"] = (
-        "given" if cfg.neuron_layer >= 0 else ("ME layer" if me is not None else "max magnification")
+        "given"
+        if cfg.neuron_layer >= 0
+        else ("ME layer" if me is not None else "max magnification")
     )
     dims = list(loc.massive_dims[:4])
     ranks = massive_dim_gain_ranks(model, dims, al.k) if dims else {"ffn": [], "attn": []}
@@ -395,7 +397,9 @@ def figures(result: Result) -> dict[str, go.Figure]:
                 name=f"massive dim {g['dim']} (rank {g['rank']})",
             )
         )
-    gfig.add_vline(x=result.k, line_dash="dot", line_color="gray", annotation_text=f"K = {result.k}")
+    gfig.add_vline(
+        x=result.k, line_dash="dot", line_color="gray", annotation_text=f"K = {result.k}"
+    )
     gfig.update_layout(
         title=f"Pre-FFN RMSNorm gains |w| of layer {gl} (1-based {gl + 1}) sorted, massive dims marked",
         xaxis_title="rank of |w| (1 = largest)",
@@ -447,9 +451,7 @@ def summary(result: Result) -> str:
         f"{v['measured']}"
         for v in result.verdicts
     )
-    return "\n\n".join(
-        [head, table, f"top neurons of layer {result.neuron_layer}:\n{ntab}", ver]
-    )
+    return "\n\n".join([head, table, f"top neurons of layer {result.neuron_layer}:\n{ntab}", ver])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -126,7 +126,10 @@ class Result:
                 "sink_downstream": b.sink_after(self.layer),
             },
             "intervened": {
-                f"{n}_{k}": {"survival": self.survival(n, k), "median_ratio_at_layer": self.median_ratio(n, k)}
+                f"{n}_{k}": {
+                    "survival": self.survival(n, k),
+                    "median_ratio_at_layer": self.median_ratio(n, k),
+                }
                 for n in ("ffn", "attn")
                 for k in kinds
                 if self.select(n, k)
@@ -172,7 +175,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         raise ValueError(f"top_k must be at most d_model/2 = {d // 2}, got {cfg.top_k}")
     n_edits = len(cfg.norms) * (cfg.n_random + 1 + len(cfg.alphas))
     rows = []
-    for norm, kind, param, ctx in tqdm(_edits(s.model, cfg, m), total=n_edits, desc=NAME, disable=None):
+    for norm, kind, param, ctx in tqdm(
+        _edits(s.model, cfg, m), total=n_edits, desc=NAME, disable=None
+    ):
         with ctx:
             after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
         rows.append(
@@ -203,7 +208,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 def figures(result: Result) -> dict[str, go.Figure]:
     norms = sorted({r["norm"] for r in result.rows}, key=["ffn", "attn"].index)
     titles = {"ffn": "pre-FFN gain (test)", "attn": "pre-attention gain (control)"}
-    fig = make_subplots(rows=1, cols=len(norms), subplot_titles=[titles[n] for n in norms], shared_yaxes=True)
+    fig = make_subplots(
+        rows=1, cols=len(norms), subplot_titles=[titles[n] for n in norms], shared_yaxes=True
+    )
     base = result.baseline.ratio_at(result.layer)
     for c, norm in enumerate(norms, start=1):
         rows = [r for r in result.rows if r["norm"] == norm]
@@ -289,7 +296,15 @@ def _fmt(x: Any) -> str:
 
 def summary(result: Result) -> str:
     rows = [
-        (r["norm"], r["kind"], r["param"], r["me_layer"], "yes" if r["survives"] else "no", r["ratio_at_layer"], r["ratio_last"])
+        (
+            r["norm"],
+            r["kind"],
+            r["param"],
+            r["me_layer"],
+            "yes" if r["survives"] else "no",
+            r["ratio_at_layer"],
+            r["ratio_last"],
+        )
         for r in result.rows
     ]
     head = result.headline()
@@ -298,7 +313,9 @@ def summary(result: Result) -> str:
             f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited ratio "
             f"{result.baseline.ratio_at(result.layer):.4g}",
             "",
-            fmt_table(["norm", "edit", "param", "ME after", "survives", "ratio@ME", "ratio@last"], rows),
+            fmt_table(
+                ["norm", "edit", "param", "ME after", "survives", "ratio@ME", "ratio@last"], rows
+            ),
             "",
             f"verdict: holds={head['holds']} (survival pre-FFN {head.get('survival_ffn_random')}, "
             f"pre-attention {head.get('survival_attn_random')})",

@@ -65,9 +65,13 @@ class Config(CommonConfig):
             if c not in CONDITIONS:
                 raise ValueError(f"unknown condition {c!r}; choose from {', '.join(CONDITIONS)}")
         if self.primary not in self.conditions:
-            raise ValueError(f"primary {self.primary!r} must be one of the conditions {self.conditions}")
+            raise ValueError(
+                f"primary {self.primary!r} must be one of the conditions {self.conditions}"
+            )
         if self.primary in CONTROLS:
-            raise ValueError(f"primary must be a removal condition, not the control {self.primary!r}")
+            raise ValueError(
+                f"primary must be a removal condition, not the control {self.primary!r}"
+            )
         if not 0 < self.kill_fraction <= 1:
             raise ValueError("kill_fraction must be in (0, 1]")
         if not 0 < self.sink_threshold < 1:
@@ -287,7 +291,16 @@ def summary(result: Result) -> str:
         [
             f"model: {result.model}   ME layer {s.layer} (1-based {s.layer + 1}), position {s.position}, "
             f"dims {list(s.dims)[:6]}",
-            fmt_table(["condition", "sink heads attn->p", "entropy after ME", "last ratio", "sink killed"], rows),
+            fmt_table(
+                [
+                    "condition",
+                    "sink heads attn->p",
+                    "entropy after ME",
+                    "last ratio",
+                    "sink killed",
+                ],
+                rows,
+            ),
         ]
     )
 

@@ -144,7 +144,11 @@ class Result:
         return {
             "claim": CLAIM,
             "baseline": {"sink_heads_to_old": b_old, "sink_heads_to_new": b_new},
-            "intervened": {"condition": "move", "sink_heads_to_old": m_old, "sink_heads_to_new": m_new},
+            "intervened": {
+                "condition": "move",
+                "sink_heads_to_old": m_old,
+                "sink_heads_to_new": m_new,
+            },
             "verdict": {
                 "holds": self.holds(),
                 "new_minus_old": m_new - m_old,
@@ -198,7 +202,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     metrics = {"old": NormRatio(site.layer, p), "new": NormRatio(site.layer, dst)}
     for cond, h in hooks.items():
         attention[cond] = attention_src_dst(model, batch, p, dst, later, h).tolist()
-        ratios[cond] = {k: float(v.mean()) for k, v in evaluate_metrics(model, batch, metrics, h).items()}
+        ratios[cond] = {
+            k: float(v.mean()) for k, v in evaluate_metrics(model, batch, metrics, h).items()
+        }
     return Result(
         model=model.name,
         bos=model.bos,
@@ -245,7 +251,10 @@ def figures(result: Result) -> dict[str, Any]:
         f"Attention to the old and new position after the transplant — {result.model}",
         "attention mass (mean over heads)",
     )
-    fig.update_xaxes(tickvals=list(range(len(result.later_layers))), ticktext=[str(x) for x in result.later_layers])
+    fig.update_xaxes(
+        tickvals=list(range(len(result.later_layers))),
+        ticktext=[str(x) for x in result.later_layers],
+    )
     return {"attention_old_new": fig}
 
 

@@ -145,7 +145,9 @@ def _source_layer(cfg: Config, source: LoadedModel, target_me: int | None) -> in
     if cfg.layer is not None:
         return source.check_layer(cfg.layer)
     batch = short_batch(source, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
-    me = locate_me_layer(scan_norms(source, batch, ("resid_pre", "resid_mid", "resid_post")), cfg.detection()).me_layer
+    me = locate_me_layer(
+        scan_norms(source, batch, ("resid_pre", "resid_mid", "resid_post")), cfg.detection()
+    ).me_layer
     if me is None:
         me = target_me
     if me is None:
@@ -190,7 +192,9 @@ def run(
     rows = []
     todo = [(part, t) for part in cfg.parts for t in targets]
     for part, t in tqdm(todo, desc=f"{NAME} (source layer {source_layer})", disable=None):
-        with patched_weights(target, source_layer, t, part, source_model=None if src is target else src):
+        with patched_weights(
+            target, source_layer, t, part, source_model=None if src is target else src
+        ):
             after = measure(target, s.batch, s.criterion, s.positions, cfg.sink)
         rows.append(
             {

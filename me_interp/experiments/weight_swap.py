@@ -131,7 +131,9 @@ def _measurement(model, batch, loc, positions, sink: bool) -> Measurement:
     )
 
 
-def short_batch(model: LoadedModel, prompts: Sequence[str], n_prompts: int, max_tokens: int) -> Batch:
+def short_batch(
+    model: LoadedModel, prompts: Sequence[str], n_prompts: int, max_tokens: int
+) -> Batch:
     """The first ``n_prompts`` prompts (0 = all), each cut to ``max_tokens`` tokens (0 = no cut)."""
     chosen = list(prompts)[: n_prompts or None]
     batch = model.tokenize(chosen)
@@ -154,7 +156,9 @@ class Setup:
     location: MELocation
 
 
-def prepare(cfg: WeightConfig, model: LoadedModel | None = None, require_layer: bool = True) -> Setup:
+def prepare(
+    cfg: WeightConfig, model: LoadedModel | None = None, require_layer: bool = True
+) -> Setup:
     """Load the model and prompts, measure the unedited model, resolve ``cfg.layer``.
 
     Raises:
@@ -267,7 +271,10 @@ class Result:
                 "sink_downstream": b.sink_after(self.layer),
             },
             "intervened": {
-                p: {**self.fractions(p), "me_layers": [r["me_layer"] for r in self.rows if r["part"] == p]}
+                p: {
+                    **self.fractions(p),
+                    "me_layers": [r["me_layer"] for r in self.rows if r["part"] == p],
+                }
                 for p in self.parts
             },
             "verdict": self.headline(),
@@ -306,7 +313,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     if cfg.partners:
         partners = check_layers(s.model, cfg.partners, "--partners")
         if m in partners:
-            raise ValueError(f"--partners contains the swapped layer {m}: cannot swap a layer with itself")
+            raise ValueError(
+                f"--partners contains the swapped layer {m}: cannot swap a layer with itself"
+            )
     else:
         partners = [p for p in range(s.model.n_layers) if p != m]
     rows = []
@@ -431,15 +440,14 @@ def summary(result: Result) -> str:
         "",
         fmt_table(
             ["part", "moved", "stayed", "vanished", "elsewhere"],
-            [
-                (p, *(f"{v:.0%}" for v in result.fractions(p).values()))
-                for p in result.parts
-            ],
+            [(p, *(f"{v:.0%}" for v in result.fractions(p).values())) for p in result.parts],
         ),
     ]
     head = result.headline()
     lines.append("")
-    lines.append(f"verdict: holds={head['holds']} ({head.get('part')}: moved {head.get('moved_fraction')})")
+    lines.append(
+        f"verdict: holds={head['holds']} ({head.get('part')}: moved {head.get('moved_fraction')})"
+    )
     return "\n".join(lines)
 
 

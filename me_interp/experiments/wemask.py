@@ -163,7 +163,9 @@ def _measure(
         a = store[L]  # [batch head q k]
         to0 = a[..., 0]
         h = -(a * a.clamp_min(1e-30).log()).sum(-1)
-        n_q = qm.sum(-1)  # [batch 1]: per prompt, mean over its real queries, then over prompts/heads
+        n_q = qm.sum(
+            -1
+        )  # [batch 1]: per prompt, mean over its real queries, then over prompts/heads
         sink.append(float(((to0 * qm).sum(-1) / n_q).mean()))
         ent.append(float(((h * qm).sum(-1) / n_q).mean()))
     out["sink"] = sum(sink) / len(sink)
@@ -190,9 +192,11 @@ class Result:
 
     def row(self, kind: str, variant: str, rate: float, alpha: float = 1.0) -> dict | None:
         for r in self.rows:
-            if (r["kind"], r["variant"]) == (kind, variant) and math.isclose(
-                r["rate"], rate
-            ) and math.isclose(r["alpha"], alpha):
+            if (
+                (r["kind"], r["variant"]) == (kind, variant)
+                and math.isclose(r["rate"], rate)
+                and math.isclose(r["alpha"], alpha)
+            ):
                 return r
         return None
 
@@ -264,7 +268,9 @@ class Result:
                     "measured": f"attention to position 0 in layers {self.layers[0]}..{self.layers[-1]}: "
                     f"{self.baseline['sink']:.3f} -> {full['sink']:.3f} at r=1.0",
                     "holds": bool(full["sink"] < 0.5 * self.baseline["sink"]),
-                    "value": full["sink"] / self.baseline["sink"] if self.baseline["sink"] else None,
+                    "value": full["sink"] / self.baseline["sink"]
+                    if self.baseline["sink"]
+                    else None,
                 }
             )
         return out
@@ -361,13 +367,19 @@ def figures(result: Result) -> dict[str, go.Figure]:
     metrics = [m for m in (*METRICS, "mc_accuracy") if m in result.baseline]
     cols = 3
     nrows = (len(metrics) + cols - 1) // cols
-    rate_fig = make_subplots(rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics])
+    rate_fig = make_subplots(
+        rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics]
+    )
     variants = sorted({r["variant"] for r in result.rows if r["kind"] == "wemask"})
     colors = dict(zip(VARIANTS, ("firebrick", "darkorange", "gray", "steelblue")))
     for i, m in enumerate(metrics):
         rr, cc = i // cols + 1, i % cols + 1
         for v in variants:
-            pts = sorted((r["rate"], r[m]) for r in result.rows if r["kind"] == "wemask" and r["variant"] == v)
+            pts = sorted(
+                (r["rate"], r[m])
+                for r in result.rows
+                if r["kind"] == "wemask" and r["variant"] == v
+            )
             rate_fig.add_trace(
                 go.Scatter(
                     x=[p[0] for p in pts],
@@ -390,8 +402,14 @@ def figures(result: Result) -> dict[str, go.Figure]:
         template="plotly_white",
         height=330 * nrows + 120,
     )
-    soft_fig = make_subplots(rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics])
-    kinds = [k for k in ("dim_projection", "direction_projection") if any(r["kind"] == k for r in result.rows)]
+    soft_fig = make_subplots(
+        rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics]
+    )
+    kinds = [
+        k
+        for k in ("dim_projection", "direction_projection")
+        if any(r["kind"] == k for r in result.rows)
+    ]
     for i, m in enumerate(metrics):
         rr, cc = i // cols + 1, i % cols + 1
         for k in kinds:

@@ -46,7 +46,9 @@ HookList = list[tuple[str, object]]
 # ------------------------------------------------------------------------------------------
 
 
-def _set(x: torch.Tensor, hook, *, pos: torch.Tensor, dims: torch.Tensor | None, values: torch.Tensor):
+def _set(
+    x: torch.Tensor, hook, *, pos: torch.Tensor, dims: torch.Tensor | None, values: torch.Tensor
+):
     x = x.clone()
     v = values.to(device=x.device, dtype=x.dtype)
     if dims is None:
@@ -61,7 +63,7 @@ def _set(x: torch.Tensor, hook, *, pos: torch.Tensor, dims: torch.Tensor | None,
 def set_values(
     hook_name: str,
     positions: Sequence[int],
-    values: Float[torch.Tensor, "..."],
+    values: Float[torch.Tensor, ...],
     dims: Sequence[int] | None = None,
 ) -> HookList:
     """``x[:, positions, dims] = values`` at ``hook_name``.
@@ -251,7 +253,9 @@ def patch_across_prompts(
     positions = _check_positions(batch, positions)
     B = len(batch)
     if B < 2 or shift % B == 0:
-        raise ValueError(f"patching across prompts needs >= 2 prompts and a shift that moves them (B={B}, shift={shift})")
+        raise ValueError(
+            f"patching across prompts needs >= 2 prompts and a shift that moves them (B={B}, shift={shift})"
+        )
     name = names.site(site, layer)
     x = capture(model, batch, [name])[name].float().cpu()
     src = torch.roll(x[:, positions], shifts=-shift, dims=0)  # row b <- row b+shift
@@ -453,7 +457,9 @@ def locate_massive(
         name = names.resid_post(layer)
         x = capture(model, batch, [name])[name].float().abs()[:, position]  # [B d]
         dims = tuple(Counter(x.argmax(-1).tolist()).most_common(1)[0][:1])
-    return MassiveSite(layer=layer, position=int(position), dims=dims, detected=loc.me_layer is not None)
+    return MassiveSite(
+        layer=layer, position=int(position), dims=dims, detected=loc.me_layer is not None
+    )
 
 
 __all__ += ["MassiveSite", "locate_massive"]

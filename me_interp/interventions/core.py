@@ -329,9 +329,7 @@ def tl_hooks(spec: Any) -> list[tuple[str, Any]]:
     hooks: list[tuple[str, Any]] = []
     for layer in spec.layers:
         if spec.needs_resid:
-            hooks.append(
-                (names.resid_pre(layer), partial(_stash_resid, store=store, layer=layer))
-            )
+            hooks.append((names.resid_pre(layer), partial(_stash_resid, store=store, layer=layer)))
         hooks.append(
             (
                 names.site(spec.site, layer),

@@ -33,7 +33,11 @@ class Generation:
     texts: list[str]
 
     def to_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "texts": self.texts}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "texts": self.texts,
+        }
 
 
 def _cache_kwarg(hf: Any) -> str:
@@ -81,7 +85,11 @@ def generate(
     """
     from me_interp.models import LoadedModel
 
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if len(prompts) == 0:
         raise ValueError("no prompts to generate from")
@@ -118,7 +126,12 @@ def generate(
             handle.register()
         with torch.no_grad():
             if use_cache:
-                out = hf(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
+                out = hf(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=_positions(mask),
+                    use_cache=True,
+                )
                 cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
                 for step in range(max_new_tokens):
                     nxt = out.logits[:, -1].argmax(-1)
@@ -138,7 +151,10 @@ def generate(
             else:
                 for _ in range(max_new_tokens):
                     out = hf(
-                        input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=False
+                        input_ids=ids,
+                        attention_mask=mask,
+                        position_ids=_positions(mask),
+                        use_cache=False,
                     )
                     nxt = out.logits[:, -1].argmax(-1)
                     new.append(nxt)

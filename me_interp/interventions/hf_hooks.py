@@ -44,7 +44,9 @@ class HFInterventions:
 
     def __init__(self, model: Any, specs: Sequence[Any], positions_from: str = "absolute") -> None:
         if positions_from not in POSITION_MODES:
-            raise ValueError(f"positions_from must be one of {POSITION_MODES}, got {positions_from!r}")
+            raise ValueError(
+                f"positions_from must be one of {POSITION_MODES}, got {positions_from!r}"
+            )
         if not specs:
             raise ValueError("give at least one intervention spec")
         self.model = model
@@ -145,9 +147,7 @@ class HFInterventions:
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
 
-def hf_interventions(
-    model: Any, *specs: Any, positions_from: str = "absolute"
-) -> HFInterventions:
+def hf_interventions(model: Any, *specs: Any, positions_from: str = "absolute") -> HFInterventions:
     """Hooks for ``specs`` on an HF model; use as ``with hf_interventions(hf, spec): ...`` or
     ``h = hf_interventions(hf, spec).register(); ...; h.remove()``."""
     return HFInterventions(model, specs, positions_from)

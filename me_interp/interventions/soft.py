@@ -106,7 +106,9 @@ class DirectionProjection:
                 raise ValueError(f"no direction given for layer {L}")
             v = torch.as_tensor(dirs[L]).detach().float().flatten()
             if v.shape[0] != d:
-                raise ValueError(f"direction for layer {L} has {v.shape[0]} dims, the model has {d}")
+                raise ValueError(
+                    f"direction for layer {L} has {v.shape[0]} dims, the model has {d}"
+                )
             if not torch.isfinite(v).all() or float(v.norm()) == 0.0:
                 raise ValueError(f"direction for layer {L} is zero or not finite")
             out[L] = v
@@ -175,7 +177,9 @@ def project_direction(
     positions: PositionsArg = (0,),
 ) -> list:
     """TransformerLens hooks of :class:`DirectionProjection`."""
-    return core.tl_hooks(DirectionProjection.build(model, alpha, directions, layers, site, positions))
+    return core.tl_hooks(
+        DirectionProjection.build(model, alpha, directions, layers, site, positions)
+    )
 
 
 __all__ = [

@@ -112,7 +112,9 @@ def find_me_layer(model: Any, batch: Any = None) -> int:
     from me_interp.probes import find_me_layer as _find
 
     if not isinstance(model, LoadedModel):
-        raise TypeError("detecting the ME layer needs a LoadedModel; pass me_layer= for an HF model")
+        raise TypeError(
+            "detecting the ME layer needs a LoadedModel; pass me_layer= for an HF model"
+        )
     if batch is None:
         from me_interp.prompts import builtin_prompts
 

@@ -12,9 +12,19 @@ Entry points (one forward pass each, hooks only at the sites they need):
 """
 
 from me_interp.probes.alignment import AlignmentScan, alignment_scan, massive_dim_gain_ranks
-from me_interp.probes.attention import AttentionProbe, AttentionStats, attention_probe, attention_stats
+from me_interp.probes.attention import (
+    AttentionProbe,
+    AttentionStats,
+    attention_probe,
+    attention_stats,
+)
 from me_interp.probes.ffn import FFNScan, ffn_scan, top_neurons
-from me_interp.probes.geometry import GeometryScan, effective_rank, geometry_scan, participation_ratio
+from me_interp.probes.geometry import (
+    GeometryScan,
+    effective_rank,
+    geometry_scan,
+    participation_ratio,
+)
 from me_interp.probes.invariance import InvarianceScan, invariance_scan
 from me_interp.probes.massive import (
     Criterion,

@@ -35,7 +35,12 @@ from me_interp.models import Batch, LoadedModel
 
 NORMS = ("ffn", "attn")
 ALIGN_SITES = ("ffn_in", "ffn_normalized", "attn_in", "attn_normalized")
-_SITE_NORM = {"ffn_in": "ffn", "ffn_normalized": "ffn", "attn_in": "attn", "attn_normalized": "attn"}
+_SITE_NORM = {
+    "ffn_in": "ffn",
+    "ffn_normalized": "ffn",
+    "attn_in": "attn",
+    "attn_normalized": "attn",
+}
 
 
 # ------------------------------------------------------------------------------------------

@@ -129,7 +129,10 @@ def ffn_scan(
     for layer in range(L):
         for s in STAGES:
             hooks.append(
-                (names.site(_STAGE_SITE[s], layer), partial(_record_stage, layer=layer, out=conc[s]))
+                (
+                    names.site(_STAGE_SITE[s], layer),
+                    partial(_record_stage, layer=layer, out=conc[s]),
+                )
             )
         hooks.append(
             (

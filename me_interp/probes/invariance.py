@@ -44,9 +44,7 @@ def pair_mask(first_tokens: Sequence[int], same: bool) -> Bool[torch.Tensor, "n 
     return upper & (eq if same else ~eq)
 
 
-def mean_pair_cosine(
-    x: Float[torch.Tensor, "n d"], pairs: Bool[torch.Tensor, "n n"]
-) -> float:
+def mean_pair_cosine(x: Float[torch.Tensor, "n d"], pairs: Bool[torch.Tensor, "n n"]) -> float:
     """Mean of ``cos(x_a, x_b)`` over the pairs marked in ``pairs`` (NaN if there are none)."""
     if not pairs.any():
         return float("nan")

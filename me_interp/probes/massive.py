@@ -214,7 +214,9 @@ def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation
     if me_layer is not None:
         ref_norm = torch.where(massive[me_layer], mask_norms[me_layer], torch.full((), -1.0))
         has_ref = massive[me_layer].any(-1)
-        reference = torch.where(has_ref, ref_norm.argmax(-1), torch.zeros_like(has_ref, dtype=torch.long))
+        reference = torch.where(
+            has_ref, ref_norm.argmax(-1), torch.zeros_like(has_ref, dtype=torch.long)
+        )
     else:
         reference = torch.zeros(mask.shape[0], dtype=torch.long)
     site_ratios = {
@@ -242,4 +244,6 @@ def find_me_layer(model, batch, criterion: Criterion | None = None, fwd_hooks=()
     from me_interp import names
     from me_interp.probes.norms import scan_norms
 
-    return locate_me_layer(scan_norms(model, batch, names.SITES, extra_hooks=list(fwd_hooks)), criterion)
+    return locate_me_layer(
+        scan_norms(model, batch, names.SITES, extra_hooks=list(fwd_hooks)), criterion
+    )

@@ -81,12 +81,16 @@ def test_parts_resolve_to_the_hf_modules(tiny_llama):
     model = tiny_llama
     hf_layer = model.hf.model.layers[1]
     ids = lambda ps: {id(p) for p in ps}  # noqa: E731
-    assert ids(core.part_parameters(model, 1, "attn_norm").values()) == ids(hf_layer.input_layernorm.parameters())
+    assert ids(core.part_parameters(model, 1, "attn_norm").values()) == ids(
+        hf_layer.input_layernorm.parameters()
+    )
     assert ids(core.part_parameters(model, 1, "ffn_norm").values()) == ids(
         hf_layer.post_attention_layernorm.parameters()
     )
     assert ids(core.part_parameters(model, 1, "ffn").values()) == ids(hf_layer.mlp.parameters())
-    assert ids(core.part_parameters(model, 1, "attn").values()) == ids(hf_layer.self_attn.parameters())
+    assert ids(core.part_parameters(model, 1, "attn").values()) == ids(
+        hf_layer.self_attn.parameters()
+    )
     assert ids(core.part_parameters(model, 1, "block").values()) == ids(hf_layer.parameters())
     # the four parts tile the block exactly
     parts = [core.part_parameters(model, 1, p) for p in ("attn_norm", "ffn_norm", "ffn", "attn")]
@@ -101,7 +105,9 @@ def test_qwen3_attn_part_includes_qk_norms(tiny_qwen3):
 
 def test_part_names_match_across_layers(tiny_llama):
     for part in edits.PARTS:
-        assert list(core.part_parameters(tiny_llama, 0, part)) == list(core.part_parameters(tiny_llama, 3, part))
+        assert list(core.part_parameters(tiny_llama, 0, part)) == list(
+            core.part_parameters(tiny_llama, 3, part)
+        )
 
 
 def test_unknown_part_and_bad_layer(tiny_llama):

@@ -61,7 +61,11 @@ def test_neuron_ablation_by_hand(tiny_llama, planted_prompts, snap, changed_ptrs
     before = snap(model)
     with edits.neurons_ablated(model, 2, neurons):
         io = _ffn_io(model, batch, 2)
-        assert changed_ptrs(model, before) == {w.gate.data_ptr(), w.up.data_ptr(), w.down.data_ptr()}
+        assert changed_ptrs(model, before) == {
+            w.gate.data_ptr(),
+            w.up.data_ptr(),
+            w.down.data_ptr(),
+        }
     assert (io["act"][..., neurons] == 0).all()
     keep = [n for n in range(gate.shape[0]) if n not in neurons]
     x = io["in"]
@@ -83,7 +87,9 @@ def test_planted_neuron_and_top_direction_carry_the_massive_activation(planted, 
     for matrix in edits.MATRICES:
         with edits.svd_ablated(model, plant.layer, matrix, 1):
             assert find_me_layer(model, batch).me_layer is None
-    with edits.svd_ablated(model, plant.layer + 1, "down", 1):  # another layer's top direction: no effect
+    with edits.svd_ablated(
+        model, plant.layer + 1, "down", 1
+    ):  # another layer's top direction: no effect
         assert find_me_layer(model, batch).me_layer == plant.layer
 
 

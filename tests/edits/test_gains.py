@@ -83,7 +83,9 @@ def test_planted_gain_edits_kill_the_massive_activation(planted, planted_prompts
     with edits.flattened_gain(model, plant.layer, 0.0):
         assert find_me_layer(model, batch).me_layer is None
     # the pre-attention norm is not part of the mechanism: the control keeps it
-    with edits.permuted_gain(model, plant.layer, edits.random_permutation(model.d_model, 0), norm="attn"):
+    with edits.permuted_gain(
+        model, plant.layer, edits.random_permutation(model.d_model, 0), norm="attn"
+    ):
         assert find_me_layer(model, batch).me_layer == plant.layer
 
 

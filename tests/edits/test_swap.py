@@ -69,7 +69,10 @@ def test_planted_swap_answers(planted, planted_prompts):
     for partner in (0, 4):
         with edits.swapped_layers(model, L, partner, "block"):
             assert find_me_layer(model, batch).me_layer == partner
-        for part in ("ffn", "ffn_norm"):  # each alone splits gain from neuron: no massive activation
+        for part in (
+            "ffn",
+            "ffn_norm",
+        ):  # each alone splits gain from neuron: no massive activation
             with edits.swapped_layers(model, L, partner, part):
                 assert find_me_layer(model, batch).me_layer is None
         for part in ("attn", "attn_norm"):  # every layer has the same sink head: nothing moves
@@ -102,7 +105,9 @@ def test_patch_positive_and_negative(tiny_llama, snap, changed_ptrs):
     assert changed_ptrs(model, before) == set()
 
 
-def test_patch_from_second_model_creates_the_planted_mechanism(planted, twin, planted_prompts, snap, changed):
+def test_patch_from_second_model_creates_the_planted_mechanism(
+    planted, twin, planted_prompts, snap, changed
+):
     model, plant = planted
     twin_model, _ = twin
     batch = twin_model.tokenize(planted_prompts)

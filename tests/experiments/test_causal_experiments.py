@@ -21,7 +21,9 @@ LEAD_KEYS = ["claim", "baseline", "intervened", "verdict"]
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "planted.txt"
-    path.write_text("w1 w2 w3 w4 w5 w6 w7\nw9 w10 w11 w12 w13 w14 w15\nw30 w31 w32 w33 w34 w35 w36\n")
+    path.write_text(
+        "w1 w2 w3 w4 w5 w6 w7\nw9 w10 w11 w12 w13 w14 w15\nw30 w31 w32 w33 w34 w35 w36\n"
+    )
     return str(path)
 
 
@@ -87,7 +89,9 @@ def test_transplant_moves_the_sink(planted, prompt_file):
     assert b_old > 0.9 and b_new < 0.05
     assert r.ratios["move"]["new"] > 100 and r.ratios["move"]["old"] < 1
     assert [v["holds"] for v in _check_verdicts(transplant, r)] == [True, True]
-    rd = transplant.run(_cfg(transplant, prompt_file, dst=2, mode="direction", component="full"), model)
+    rd = transplant.run(
+        _cfg(transplant, prompt_file, dst=2, mode="direction", component="full"), model
+    )
     assert rd.holds() is True
     assert set(transplant.figures(r)) == {"attention_old_new"}
 
@@ -107,7 +111,9 @@ def test_component_ablation_planted(planted, prompt_file):
         "mean_dims": False,
     }
     m = r.measures
-    assert m["scale_product"]["me_ratio"] == pytest.approx(0.1 * m["baseline"]["me_ratio"], rel=0.05)
+    assert m["scale_product"]["me_ratio"] == pytest.approx(
+        0.1 * m["baseline"]["me_ratio"], rel=0.05
+    )
     assert r.ppl_ratio("mean_dims") == pytest.approx(1.0, abs=0.01)
     _check_verdicts(component_ablation, r)
     assert set(component_ablation.figures(r)) == {"norm_ratios", "perplexity"}
@@ -127,11 +133,17 @@ def test_sink_causality_planted(planted, prompt_file):
     for c in set(sink_causality.CONDITIONS) - set(sink_causality.CONTROLS):
         assert r.holds(c) is True
         for layer in range(plant.layer + 1):
-            assert r.head_attention[c][layer] == pytest.approx(r.head_attention["baseline"][layer], abs=1e-6)
+            assert r.head_attention[c][layer] == pytest.approx(
+                r.head_attention["baseline"][layer], abs=1e-6
+            )
         assert r.head_attention[c][plant.layer + 1][plant.sink_head] < 0.5
     assert r.downstream_entropy("remove_ffn") > r.downstream_entropy("baseline")
     _check_verdicts(sink_causality, r)
-    assert set(sink_causality.figures(r)) == {"attention_to_massive", "sink_rate", "attention_entropy"}
+    assert set(sink_causality.figures(r)) == {
+        "attention_to_massive",
+        "sink_rate",
+        "attention_entropy",
+    }
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.NAME)

@@ -21,7 +21,16 @@ def test_run_on_planted(planted, word_prompts):
     model, plant = planted
     res = me_layer.run(me_layer.Config(prompts=word_prompts), model)
     d = res.to_dict()
-    for key in ("model", "bos", "me_layer", "me_layer_1based", "events", "massive_positions", "massive_dims", "layers"):
+    for key in (
+        "model",
+        "bos",
+        "me_layer",
+        "me_layer_1based",
+        "events",
+        "massive_positions",
+        "massive_dims",
+        "layers",
+    ):
         assert key in d
     assert d["me_layer"] == plant.layer and d["me_layer_1based"] == plant.layer + 1
     assert d["massive_dims"] == [plant.massive_dim] and d["me_site"] == "ffn"
@@ -40,7 +49,18 @@ def test_run_on_planted(planted, word_prompts):
 
 def test_cli_writes_a_complete_run(tmp_path, word_prompts, capsys):
     out = tmp_path / "runs"
-    rc = me_layer.main(["--model", "synthetic:planted", "--prompts", word_prompts, "--out", str(out), "--bos", "auto"])
+    rc = me_layer.main(
+        [
+            "--model",
+            "synthetic:planted",
+            "--prompts",
+            word_prompts,
+            "--out",
+            str(out),
+            "--bos",
+            "auto",
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "ME layer: 2 (0-based) = 3 (1-based)" in printed
@@ -59,7 +79,9 @@ def test_cli_writes_a_complete_run(tmp_path, word_prompts, capsys):
 
 
 def test_cli_on_twin_reports_no_me_layer(tmp_path, word_prompts, capsys):
-    rc = me_layer.main(["--model", "synthetic:twin", "--prompts", word_prompts, "--out", str(tmp_path)])
+    rc = me_layer.main(
+        ["--model", "synthetic:twin", "--prompts", word_prompts, "--out", str(tmp_path)]
+    )
     assert rc == 0
     assert "none found" in capsys.readouterr().out
     (run_dir,) = (tmp_path / "me_layer").iterdir()
@@ -76,15 +98,25 @@ def test_cli_on_twin_reports_no_me_layer(tmp_path, word_prompts, capsys):
 def test_cli_bad_prompts(tmp_path, capsys, content, message):
     p = tmp_path / "p.txt"
     p.write_text(content)
-    rc = me_layer.main(["--model", "synthetic:planted", "--prompts", str(p), "--bos", "no", "--out", str(tmp_path)])
+    rc = me_layer.main(
+        ["--model", "synthetic:planted", "--prompts", str(p), "--bos", "no", "--out", str(tmp_path)]
+    )
     assert rc == 2
     assert message in capsys.readouterr().err
 
 
 def test_cli_bad_arguments(tmp_path, capsys):
-    assert me_layer.main(["--model", "synthetic:planted", "--prompts", str(tmp_path / "missing.txt")]) == 2
+    assert (
+        me_layer.main(["--model", "synthetic:planted", "--prompts", str(tmp_path / "missing.txt")])
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
-    assert me_layer.main(["--model", "synthetic:planted", "--criterion", "loud", "--out", str(tmp_path)]) == 2
+    assert (
+        me_layer.main(
+            ["--model", "synthetic:planted", "--criterion", "loud", "--out", str(tmp_path)]
+        )
+        == 2
+    )
     assert "criterion" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         me_layer.main(["--bos", "sometimes"])

@@ -92,7 +92,9 @@ def test_unplanted_twin_has_nothing_to_test(twin, prompt_file):
 
 def test_position_zero_option_and_neuron_layer(planted, prompt_file):
     model, plant = planted
-    r = mechanism.run(mechanism.Config(prompts=prompt_file, position="zero", neuron_layer=0, k_abs=2), model)
+    r = mechanism.run(
+        mechanism.Config(prompts=prompt_file, position="zero", neuron_layer=0, k_abs=2), model
+    )
     assert r.k == 2 and r.neuron_layer == 0 and r.neurons["chosen_as"] == "given"
     assert r.reference_positions == [0] * r.n_prompts
     with pytest.raises(ValueError, match="out of range"):
@@ -229,4 +231,6 @@ def test_sink_figure_shows_each_massive_position(planted_results):
     two = dataclasses.replace(r, attn_to_each_position={0: [0.5] * n, 3: [0.1] * n})
     names = [t.name for t in attention_sinks.figures(two)["sink_rate"].data]
     assert "mean attention to massive position 3" in names
-    assert not any("massive position" in t.name for t in attention_sinks.figures(r)["sink_rate"].data)
+    assert not any(
+        "massive position" in t.name for t in attention_sinks.figures(r)["sink_rate"].data
+    )

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from me_interp import names
-from me_interp.experiments import ffn_svd_ablation, rmsnorm_permutation, weight_patching, weight_swap
+from me_interp.experiments import (
+    ffn_svd_ablation,
+    rmsnorm_permutation,
+    weight_patching,
+    weight_swap,
+)
 from me_interp.probes import Criterion
 
 FIRST_KEYS = ["claim", "baseline", "intervened", "verdict"]
@@ -111,7 +116,12 @@ def test_weight_swap_planted(planted, prompt_file):
         assert by[("ffn", p)]["me_layer"] is None  # neuron without the large gains: too weak
         assert by[("ffn_norm", p)]["me_layer"] is None  # large gains without the neuron: nothing
         assert by[("attn", p)]["me_layer"] == L  # attention plays no part in the creation
-    assert res.fractions("block") == {"moved": 1.0, "stayed": 0.0, "vanished": 0.0, "elsewhere": 0.0}
+    assert res.fractions("block") == {
+        "moved": 1.0,
+        "stayed": 0.0,
+        "vanished": 0.0,
+        "elsewhere": 0.0,
+    }
     # the sink follows the massive activation: after moving it to layer 4, layer 3 has no sink
     moved = by[("block", 4)]
     assert moved["sink"][3] < 0.5 < res.baseline.sink[3]
@@ -265,9 +275,13 @@ def test_weight_patching_within_planted(planted, prompt_file):
 def test_weight_patching_bad_inputs(planted, tiny_llama, prompt_file):
     model, plant = planted
     with pytest.raises(ValueError, match="onto itself"):
-        weight_patching.run(weight_patching.Config(prompts=prompt_file, targets=(plant.layer,)), model)
+        weight_patching.run(
+            weight_patching.Config(prompts=prompt_file, targets=(plant.layer,)), model
+        )
     with pytest.raises(ValueError, match="same shape"):
-        weight_patching.run(weight_patching.Config(prompts=prompt_file), model, source_model=tiny_llama)
+        weight_patching.run(
+            weight_patching.Config(prompts=prompt_file), model, source_model=tiny_llama
+        )
 
 
 # ---------------------------------------------------------------------------- command line
@@ -276,13 +290,25 @@ CLI = [
     (weight_swap, ["--parts", "block", "--partners", "0"]),
     (rmsnorm_permutation, ["--n-random", "1", "--alphas", "0", "--norms", "ffn"]),
     (ffn_svd_ablation, ["--ks", "1", "--n-neurons", "1", "--matrices", "down"]),
-    (weight_patching, ["--model", "synthetic:twin", "--source-model", "synthetic:planted", "--parts", "block"]),
+    (
+        weight_patching,
+        ["--model", "synthetic:twin", "--source-model", "synthetic:planted", "--parts", "block"],
+    ),
 ]
 
 
 @pytest.mark.parametrize("module,args", CLI, ids=[m.NAME for m, _ in CLI])
 def test_cli_smoke(module, args, prompt_file, tmp_path, capsys):
-    argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(tmp_path), "--device", "cpu"]
+    argv = [
+        "--model",
+        "synthetic:planted",
+        "--prompts",
+        prompt_file,
+        "--out",
+        str(tmp_path),
+        "--device",
+        "cpu",
+    ]
     rc = module.main(argv + args)  # a later --model overrides the first
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -294,7 +320,9 @@ def test_cli_smoke(module, args, prompt_file, tmp_path, capsys):
     assert list(run_dir.glob("*.html"))
 
 
-@pytest.mark.parametrize("module", [weight_swap, rmsnorm_permutation, ffn_svd_ablation, weight_patching])
+@pytest.mark.parametrize(
+    "module", [weight_swap, rmsnorm_permutation, ffn_svd_ablation, weight_patching]
+)
 def test_cli_help(module, capsys):
     with pytest.raises(SystemExit) as e:
         module.main(["--help"])
@@ -314,7 +342,16 @@ BAD = [
 
 @pytest.mark.parametrize("module,args,message", BAD, ids=[f"{m.NAME}:{a[0]}" for m, a, _ in BAD])
 def test_cli_bad_inputs(module, args, message, prompt_file, tmp_path, capsys):
-    argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(tmp_path), "--device", "cpu"]
+    argv = [
+        "--model",
+        "synthetic:planted",
+        "--prompts",
+        prompt_file,
+        "--out",
+        str(tmp_path),
+        "--device",
+        "cpu",
+    ]
     assert module.main(argv + args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err
@@ -336,5 +373,7 @@ def test_weight_swap_bundled(bundled):
     by = {(r["part"], r["partner"]): r for r in res.rows}
     assert by[("ffn", 12)]["me_layer"] == 12 and 20 < by[("ffn", 12)]["ratio_at_partner"] < 100
     assert by[("ffn", 20)]["me_layer"] is None and by[("ffn", 20)]["ratio_at_layer"] < 3
-    assert by[("ffn_norm", 20)]["me_layer"] == 11 and 60 < by[("ffn_norm", 20)]["ratio_at_layer"] < 200
+    assert (
+        by[("ffn_norm", 20)]["me_layer"] == 11 and 60 < by[("ffn_norm", 20)]["ratio_at_layer"] < 200
+    )
     assert 0.8 < res.baseline.sink_after(11) < 1.0

@@ -137,7 +137,12 @@ def test_massive_positions_option(planted, texts_file):
     )  # fmt: skip
     r = exp.run(cfg, model)
     assert r.positions == [[0], [0], [0]]  # the planted massive token is the BOS at position 0
-    first = exp.run(exp.Config(prompts=texts_file, texts=texts_file, rates=(1.0,), variants=("weight",), alphas=()), model)
+    first = exp.run(
+        exp.Config(
+            prompts=texts_file, texts=texts_file, rates=(1.0,), variants=("weight",), alphas=()
+        ),
+        model,
+    )
     assert r.rows[0]["perplexity"] == first.rows[0]["perplexity"]
     with pytest.raises(ValueError, match="positions must be"):
         exp.Config(positions="all")

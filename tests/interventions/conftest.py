@@ -33,7 +33,11 @@ def reference_forward(hf, tokens, attn_gain_override=None):
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = cfg.head_dim
     eps = cfg.rms_norm_eps
-    theta = cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") and cfg.rope_parameters else cfg.rope_theta
+    theta = (
+        cfg.rope_parameters["rope_theta"]
+        if hasattr(cfg, "rope_parameters") and cfg.rope_parameters
+        else cfg.rope_theta
+    )
     pos = torch.arange(T)
     with torch.no_grad():
         x = hf.model.embed_tokens.weight[tokens]
@@ -57,7 +61,9 @@ def reference_forward(hf, tokens, attn_gain_override=None):
             x = x + o @ at.o_proj.weight.T
             f_in = _rms(x, blk.post_attention_layernorm.weight, eps)
             mlp = blk.mlp
-            act = torch.nn.functional.silu(f_in @ mlp.gate_proj.weight.T) * (f_in @ mlp.up_proj.weight.T)
+            act = torch.nn.functional.silu(f_in @ mlp.gate_proj.weight.T) * (
+                f_in @ mlp.up_proj.weight.T
+            )
             x = x + act @ mlp.down_proj.weight.T
         x = _rms(x, hf.model.norm.weight, eps)
         return x @ hf.lm_head.weight.T

@@ -29,7 +29,9 @@ def test_released_index_positions_mask_generated_tokens_with_cache(plain_tiny, f
     """positions_from='index' reproduces the bug: cache and no-cache disagree."""
     hf, tok = plain_tiny
     a = generate(hf, PROMPTS, 8, [full_mask], use_cache=True, positions_from="index", tokenizer=tok)
-    b = generate(hf, PROMPTS, 8, [full_mask], use_cache=False, positions_from="index", tokenizer=tok)
+    b = generate(
+        hf, PROMPTS, 8, [full_mask], use_cache=False, positions_from="index", tokenizer=tok
+    )
     assert a.new_tokens != b.new_tokens
 
 
@@ -39,7 +41,11 @@ def test_decode_steps_never_edit_the_new_token(plain_tiny, full_mask):
     with torch.no_grad(), hf_interventions(hf, full_mask) as h:
         out = hf(ids, use_cache=True)
         prefill = dict(h.stats[0])
-        hf(ids[:, :1], past_key_values=out.past_key_values if hasattr(out, "past_key_values") else out.cache, use_cache=True)
+        hf(
+            ids[:, :1],
+            past_key_values=out.past_key_values if hasattr(out, "past_key_values") else out.cache,
+            use_cache=True,
+        )
         after = dict(h.stats[0])
     assert prefill == {"calls": 1, "edited_tokens": 1}
     assert after == {"calls": 2, "edited_tokens": 1}  # the decode step edited nothing
@@ -73,7 +79,9 @@ def test_hf_generate_with_hooks_matches(plain_tiny, full_mask):
     try:
         enc = tok(PROMPTS, return_tensors="pt", padding=True)
         with torch.no_grad(), hf_interventions(hf, full_mask):
-            out = hf.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+            out = hf.generate(
+                **enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id
+            )
     finally:
         tok.padding_side = old
     ours = generate(hf, PROMPTS, 6, [full_mask], use_cache=False, tokenizer=tok).new_tokens
@@ -82,7 +90,9 @@ def test_hf_generate_with_hooks_matches(plain_tiny, full_mask):
 
 def test_bundled_masked_generation_cache_equals_no_cache(plain_bundled):
     hf, tok = plain_bundled
-    spec = WeMask.build(hf, range(11, len(hf.model.layers)), 0.1, "weight")  # ME layer 11 (measured)
+    spec = WeMask.build(
+        hf, range(11, len(hf.model.layers)), 0.1, "weight"
+    )  # ME layer 11 (measured)
     prompts = ["The capital of France is", "Once upon a time"]
     a = generate(hf, prompts, 6, [spec], tokenizer=tok, use_cache=True)
     b = generate(hf, prompts, 6, [spec], tokenizer=tok, use_cache=False)

@@ -62,7 +62,9 @@ def test_hf_equals_tl_on_bundled(bundled, plain_bundled):
     for variant in ("weight", "magnitude"):
         spec = WeMask.build(bundled, layers, 0.1, variant)
         tl = bundled.run_with_hooks(batch, tl_hooks(spec))
-        torch.testing.assert_close(_hf_logits(hf, batch, spec)[real], tl[real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            _hf_logits(hf, batch, spec)[real], tl[real], atol=1e-5, rtol=1e-5
+        )
 
 
 def test_gradients_flow_and_masked_entries_get_none(plain_tiny):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -42,7 +41,9 @@ def test_alpha_zero_is_bit_identical(planted, pbatch):
     base = model.run_with_hooks(pbatch)
     v = torch.randn(model.d_model)
     for site in ("attn_in", "resid_post"):
-        assert torch.equal(base, model.run_with_hooks(pbatch, project_dims(model, 0.0, LAYERS, site=site)))
+        assert torch.equal(
+            base, model.run_with_hooks(pbatch, project_dims(model, 0.0, LAYERS, site=site))
+        )
         assert torch.equal(
             base, model.run_with_hooks(pbatch, project_direction(model, 0.0, v, LAYERS, site=site))
         )

@@ -130,7 +130,9 @@ def test_rate_one_equals_zeroing_the_whole_attention_input(planted, pbatch, vari
     assert not torch.equal(manual, model.run_with_hooks(pbatch))
 
 
-def test_weight_variant_equals_zeroed_gain_for_that_token(planted, plain_planted, pbatch, ref_forward):
+def test_weight_variant_equals_zeroed_gain_for_that_token(
+    planted, plain_planted, pbatch, ref_forward
+):
     """WeMask(weight) == the hand-written forward with the masked gain entries zeroed for token 0."""
     model, _ = planted
     hf, _, _ = plain_planted

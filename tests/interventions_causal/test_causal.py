@@ -13,7 +13,9 @@ from me_interp.interventions import causal
 @pytest.fixture(scope="module")
 def setup(planted):
     model, plant = planted
-    batch = model.tokenize(["w1 w2 w3 w4 w5 w6", "w9 w10 w11 w12 w13 w14", "w30 w31 w32 w33 w34 w35"])
+    batch = model.tokenize(
+        ["w1 w2 w3 w4 w5 w6", "w9 w10 w11 w12 w13 w14", "w30 w31 w32 w33 w34 w35"]
+    )
     return model, plant, batch
 
 
@@ -102,7 +104,9 @@ def test_remove_massive_shared_values_are_prompt_means(setup):
     model, plant, batch = setup
     name = names.ffn_out(plant.layer)
     before = _cap(model, batch, name)
-    hooks = causal.remove_massive(model, batch, plant.layer, [0], None, site="ffn_out", per_prompt=False)
+    hooks = causal.remove_massive(
+        model, batch, plant.layer, [0], None, site="ffn_out", per_prompt=False
+    )
     after = _cap(model, batch, name, hooks)
     expect = _others(before, 0).mean(0)
     for b in range(len(batch)):
@@ -187,7 +191,9 @@ def test_scale_and_normalize_ffn_product(setup):
     torch.testing.assert_close(scaled[:, 0], 0.25 * a[:, 0])
     _assert_rest_identical(a, scaled, [0])
     normed = _cap(model, batch, name, causal.normalize_ffn_product(model, batch, L, [0]))
-    torch.testing.assert_close(normed[:, 0].norm(dim=-1), a[:, 1:].norm(dim=-1).mean(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        normed[:, 0].norm(dim=-1), a[:, 1:].norm(dim=-1).mean(-1), rtol=1e-5, atol=1e-6
+    )
     _assert_rest_identical(a, normed, [0])
 
 
@@ -205,8 +211,13 @@ def test_flatten_ffn_norm_gain(setup):
     torch.testing.assert_close(before[:, 0].double(), hat[:, 0] * w, rtol=1e-5, atol=1e-5)
     _assert_rest_identical(before, after, [0])
     # the planted gain dims were what made the FFN fire: the massive activation is gone
-    out = _cap(model, batch, names.resid_post(L), causal.flatten_ffn_norm_gain(model, batch, L, [0]))
-    assert out[:, 0, plant.massive_dim].abs().max() < 0.1 * _cap(model, batch, names.resid_post(L))[:, 0, plant.massive_dim].abs().min()
+    out = _cap(
+        model, batch, names.resid_post(L), causal.flatten_ffn_norm_gain(model, batch, L, [0])
+    )
+    assert (
+        out[:, 0, plant.massive_dim].abs().max()
+        < 0.1 * _cap(model, batch, names.resid_post(L))[:, 0, plant.massive_dim].abs().min()
+    )
 
 
 def test_factories_reject_bad_layers_and_positions(setup):

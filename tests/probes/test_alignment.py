@@ -87,7 +87,10 @@ def test_metrics_match_numpy_on_random_tensors():
     np.testing.assert_allclose(gain_distribution(w).numpy(), g, rtol=1e-5)
     np_kls = np.array([[np_kl(p[b, t], g) for t in range(9)] for b in range(4)])
     np.testing.assert_allclose(
-        kl_to_gain(energy_distribution(h), gain_distribution(w)).numpy(), np_kls, rtol=1e-4, atol=1e-5
+        kl_to_gain(energy_distribution(h), gain_distribution(w)).numpy(),
+        np_kls,
+        rtol=1e-4,
+        atol=1e-5,
     )
 
 
@@ -175,7 +178,10 @@ def test_alignment_scan_matches_a_full_capture(tiny_nobos, word_prompts, capture
     )
     mask = batch.attention_mask.bool().numpy()
     for L in range(3):
-        for site, gain in (("ffn_in", model.ffn_norm_gain(L)), ("attn_normalized", model.attn_norm_gain(L))):
+        for site, gain in (
+            ("ffn_in", model.ffn_norm_gain(L)),
+            ("attn_normalized", model.attn_norm_gain(L)),
+        ):
             h = acts[f"{site}{L}"].double().numpy()
             w = gain.detach().double().numpy()
             dims = np.argsort(-np.abs(w), kind="stable")[:4]
@@ -184,7 +190,9 @@ def test_alignment_scan_matches_a_full_capture(tiny_nobos, word_prompts, capture
                 frac = e[..., dims].sum(-1) / e.sum(-1)
                 p = e / e.sum(-1, keepdims=True)
             g = w**2 / (w**2).sum()
-            kl = np.array([[np_kl(p[b, t], g) for t in range(h.shape[1])] for b in range(h.shape[0])])
+            kl = np.array(
+                [[np_kl(p[b, t], g) for t in range(h.shape[1])] for b in range(h.shape[0])]
+            )
             norm = np.sqrt(e.sum(-1))
             for b, r in enumerate(ref):
                 others = [t for t in range(h.shape[1]) if mask[b, t] and t != r]

@@ -20,7 +20,9 @@ from me_interp.probes.attention import (
 
 def test_entropy_fixed_points():
     for n in (1, 2, 7, 64):
-        assert attention_entropy(torch.full((n,), 1.0 / n)).item() == pytest.approx(math.log(n), abs=1e-5)
+        assert attention_entropy(torch.full((n,), 1.0 / n)).item() == pytest.approx(
+            math.log(n), abs=1e-5
+        )
     one_hot = torch.zeros(9)
     one_hot[3] = 1.0
     assert attention_entropy(one_hot).item() == pytest.approx(0.0, abs=1e-7)
@@ -63,14 +65,21 @@ def test_probe_matches_a_full_capture(tiny_nobos, word_prompts, capture):
             for h in range(model.n_heads):
                 to = np.mean([A[b, h, q, ref[b]] for q in queries])
                 assert ap.to_ref[L, b, h].item() == pytest.approx(to, rel=1e-5)
-                ent = np.mean([-(A[b, h, q, :n] * np.log(np.maximum(A[b, h, q, :n], 1e-30))).sum() for q in queries])
+                ent = np.mean(
+                    [
+                        -(A[b, h, q, :n] * np.log(np.maximum(A[b, h, q, :n], 1e-30))).sum()
+                        for q in queries
+                    ]
+                )
                 assert ap.entropy[L, b, h].item() == pytest.approx(ent, rel=1e-5, abs=1e-6)
                 bos = np.mean([A[b, h, q, 0] for q in second])
                 assert ap.bos[L, b, h].item() == pytest.approx(bos, rel=1e-5)
                 for p in (0, 1, 2, 3):
                     v = ap.to_each[p][L, b, h].item()
                     if p in mpos[b]:
-                        assert v == pytest.approx(np.mean([A[b, h, q, p] for q in queries]), rel=1e-5)
+                        assert v == pytest.approx(
+                            np.mean([A[b, h, q, p] for q in queries]), rel=1e-5
+                        )
                     else:
                         assert math.isnan(v)
     assert ap.sink_rate() == sink_rate(ap.to_ref, 0.2).tolist()

@@ -41,7 +41,9 @@ def test_same_token_twice_gives_zero_delta_c():
 
     h = torch.randn(20).expand(1, 5, 20)
     c = concentration(h)
-    assert delta_vs_others(c, torch.ones(1, 5, dtype=torch.bool), torch.tensor([2])).abs().max() < 1e-7
+    assert (
+        delta_vs_others(c, torch.ones(1, 5, dtype=torch.bool), torch.tensor([2])).abs().max() < 1e-7
+    )
 
 
 def test_neuron_contributions_sum_to_one_and_match_numpy():
@@ -61,9 +63,17 @@ def test_ffn_scan_matches_a_full_capture(tiny_nobos, word_prompts, capture):
     batch = model.tokenize(word_prompts)
     ref = [2, 0, 1, 5]
     scan = ffn_scan(model, batch, positions=ref)
-    sites = {"input": "ffn_in", "gate": "ffn_gate", "up": "ffn_up", "product": "ffn_act", "down": "ffn_out"}
+    sites = {
+        "input": "ffn_in",
+        "gate": "ffn_gate",
+        "up": "ffn_up",
+        "product": "ffn_act",
+        "down": "ffn_out",
+    }
     acts = capture(
-        model, batch, {f"{s}{L}": names.site(site, L) for s, site in sites.items() for L in range(3)}
+        model,
+        batch,
+        {f"{s}{L}": names.site(site, L) for s, site in sites.items() for L in range(3)},
     )
     mask = batch.attention_mask.bool().numpy()
     for L in range(3):
@@ -82,7 +92,9 @@ def test_ffn_scan_matches_a_full_capture(tiny_nobos, word_prompts, capture):
             want = np.linalg.norm(hout[b, r]) / np.linalg.norm(hin[b, r])
             assert scan.magnification()[L, b].item() == pytest.approx(want, rel=1e-4)
         act = acts[f"product{L}"]
-        assert torch.allclose(scan.act_at_ref[L], act[torch.arange(4), torch.tensor(ref)], atol=1e-6)
+        assert torch.allclose(
+            scan.act_at_ref[L], act[torch.arange(4), torch.tensor(ref)], atol=1e-6
+        )
         # the neuron decomposition reproduces the captured FFN output exactly
         recon = scan.act_at_ref[L] @ model.ffn_weights(L).down.detach().T
         assert torch.allclose(recon, scan.out_at_ref[L], atol=1e-4)

@@ -23,7 +23,14 @@ def test_cosine_helpers_match_numpy():
     u = xn / np.linalg.norm(xn, axis=1, keepdims=True)
     np.testing.assert_allclose(cosine_matrix(x).numpy(), u @ u.T, atol=1e-12)
     pairs = pair_mask([1, 2, 1, 3, 2], same=False)
-    want = np.mean([u[a] @ u[b] for a in range(5) for b in range(a + 1, 5) if [1, 2, 1, 3, 2][a] != [1, 2, 1, 3, 2][b]])
+    want = np.mean(
+        [
+            u[a] @ u[b]
+            for a in range(5)
+            for b in range(a + 1, 5)
+            if [1, 2, 1, 3, 2][a] != [1, 2, 1, 3, 2][b]
+        ]
+    )
     assert mean_pair_cosine(x, pairs) == pytest.approx(want)
     n = np.linalg.norm(xn, axis=1)
     assert norm_cv(x) == pytest.approx(n.std() / n.mean())
@@ -51,7 +58,10 @@ def test_scan_matches_a_full_capture(tiny_nobos, word_prompts, capture):
     acts = capture(
         model,
         batch,
-        {**{f"h{L}": names.resid_post(L) for L in range(3)}, **{f"a{L}": names.attn_in(L) for L in range(3)}},
+        {
+            **{f"h{L}": names.resid_post(L) for L in range(3)},
+            **{f"a{L}": names.attn_in(L) for L in range(3)},
+        },
     )
     idx, r = torch.arange(4), torch.tensor(ref)
     for L in range(3):
