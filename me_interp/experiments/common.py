@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 import random
 import sys
@@ -142,14 +143,39 @@ def _parse_bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
 
 
+def field_docs(config_cls: type) -> dict[str, str]:
+    """Field descriptions from the ``Attributes:`` sections of the config class docstrings (MRO)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(config_cls.__mro__):
+        text = inspect.getdoc(klass) or ""
+        if "Attributes:" not in text:
+            continue
+        current = None
+        for line in text.split("Attributes:", 1)[1].splitlines()[1:]:
+            if not line.strip():
+                continue
+            indent = len(line) - len(line.lstrip())
+            if indent == 0:
+                break
+            head, sep, rest = line.strip().partition(":")
+            if sep and head.isidentifier() and indent <= 4:
+                current = head
+                docs[current] = rest.strip()
+            elif current:
+                docs[current] += " " + line.strip()
+    return {k: v.replace("``", "") for k, v in docs.items()}
+
+
 def build_parser(config_cls: type, prog: str, description: str | None = None):
-    """An argparse parser with one ``--flag`` per config field (``_`` → ``-``)."""
+    """An argparse parser with one ``--flag`` per config field (``_`` → ``-``), documented from the
+    config's ``Attributes:`` docstring section."""
     p = argparse.ArgumentParser(
         prog=prog,
         description=(description or "").strip().split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     hints = typing.get_type_hints(config_cls)
+    docs = field_docs(config_cls)
     helps = {
         "model": "model: omit for the bundled SmolLM2-135M-Instruct; else an HF name or local dir",
         "prompts": "prompt file (one per line, or a JSON list); omit for the built-in prompts",
@@ -163,7 +189,8 @@ def build_parser(config_cls: type, prog: str, description: str | None = None):
     for f in dataclasses.fields(config_cls):
         flag = "--" + f.name.replace("_", "-")
         tp, seq = _base_type(hints[f.name])
-        kwargs: dict[str, Any] = {"default": f.default, "help": helps.get(f.name, f.name)}
+        text = helps.get(f.name) or docs.get(f.name) or f.name.replace("_", " ")
+        kwargs: dict[str, Any] = {"default": f.default, "help": text.replace("%", "%%")}
         if f.name == "bos":
             kwargs["choices"] = list(BOS_CHOICES)
         elif f.name == "dtype":
