@@ -49,7 +49,27 @@ CLAIM = (
 
 @dataclass(frozen=True)
 class Config(CommonConfig):
-    """Activation-patching settings."""
+    """Activation-patching settings.
+
+    Attributes:
+        sites: sites to patch, each swept over every (layer, position): ``resid_pre``, ``attn_in``,
+            ``attn_out``, ``ffn_in`` (pre-FFN RMSNorm output), ``ffn_out``, ``resid_mid``,
+            ``resid_post``, ``mlp_out`` (= the FFN output).
+        corruption: ``first_token`` (token 0 replaced by token 1), ``remove_ffn`` (the ME layer's FFN
+            output of the massive token set to the other tokens' mean) or ``auto`` (``first_token``
+            when it removes the massive activation, else ``remove_ffn``).
+        max_tokens: clean prompts are cut to their first ``max_tokens`` tokens; only prompts at least
+            that long are used (when none is, all are cut to the shortest prompt's length; >= 2).
+        max_prompts: how many of those prompts to use (>= 1).
+        metric_layer: layer (0-based) whose output gives the norm-ratio metric; ``None`` = the last
+            layer.
+        layer: the ME layer (0-based); ``None`` = detected on the prompts.
+        batch_size: patched forwards per batch of the sweep.
+        removal_fraction: ``auto`` picks ``first_token`` when it brings the massive token's ME-layer
+            norm / median of the others to at most this fraction of the clean value, in (0, 1).
+        restore_threshold: the verdict holds when patching the ME layer's FFN output restores at least
+            this normalised metric (clean = 1, corrupt = 0), in (0, 1].
+    """
 
     sites: tuple[str, ...] = ("resid_pre", "attn_out", "mlp_out", "ffn_in")
     corruption: Literal["auto", "first_token", "remove_ffn"] = "auto"

@@ -39,7 +39,8 @@ class Config(CommonConfig):
     """Attention-sink settings.
 
     Attributes:
-        criterion: massive-activation criterion for the ME-layer detection.
+        criterion: massive-activation criterion for the ME-layer detection (sun, norm, either,
+            both).
         position: ``detected`` massive token per prompt, or ``zero`` (position 0).
         eps: sink threshold ε of the sink rate (Gu et al.: 0.3).
     """

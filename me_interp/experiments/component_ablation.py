@@ -53,7 +53,22 @@ CLAIM = (
 
 @dataclass(frozen=True)
 class Config(CommonConfig):
-    """Component-ablation settings."""
+    """Component-ablation settings.
+
+    Attributes:
+        layer: the ME layer (0-based) to intervene on; ``None`` = detected.
+        position: the massive token ``p``; ``None`` = the detected massive position (commonest over
+            prompts).
+        conditions: the interventions to run, each separately (``flatten_gain``, ``cap_ffn``,
+            ``scale_product``, ``normalize_product``, ``zero_dims``, ``mean_dims``).
+        alpha: factor α of ``scale_product`` (the FFN intermediate product of ``p`` × α).
+        removed_fraction: a condition removes the massive activation when the ME-layer norm ratio
+            falls to at most this fraction of the unmodified one, in (0, 1).
+        ppl_tolerance: ``mean_dims`` verdict: perplexity counts as unchanged when
+            ``|ppl / ppl_baseline − 1|`` is at most this (> 0).
+        ppl_damage: ``zero_dims`` verdict: the model counts as hurt when perplexity grows by at least
+            this factor (> 1).
+    """
 
     layer: int | None = None
     position: int | None = None

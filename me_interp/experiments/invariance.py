@@ -36,7 +36,8 @@ class Config(CommonConfig):
     """Invariance settings.
 
     Attributes:
-        criterion: massive-activation criterion for the ME-layer detection.
+        criterion: massive-activation criterion for the ME-layer detection (sun, norm, either,
+            both).
         position: ``detected`` massive token per prompt, or ``zero`` (position 0).
         threshold: cosine above which a direction counts as invariant in the verdicts.
     """

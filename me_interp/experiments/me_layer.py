@@ -30,7 +30,21 @@ NAME = "me_layer"
 
 @dataclass(frozen=True)
 class Config(CommonConfig):
-    """ME-layer scan settings (see ``probes.massive`` for the criterion)."""
+    """ME-layer scan settings (see ``probes.massive`` for the criterion).
+
+    Attributes:
+        criterion: massive-activation criterion: ``sun`` (value thresholds), ``norm`` (token-norm
+            ratio), ``either`` or ``both``.
+        abs_threshold: ``sun`` criterion: a value is massive when ``|a|`` exceeds this absolute
+            threshold (and the relative one).
+        rel_threshold: ``sun`` criterion: ... and ``|a|`` is at least this many times the median
+            ``|a|`` of the layer output.
+        norm_ratio: ``norm`` criterion: a token is massive when its layer-output norm is at least this
+            many times the median norm of the other tokens.
+        min_prompt_fraction: a layer counts as massive when at least this fraction of the prompts has
+            a massive token there, in (0, 1].
+        top_k: how many of each token's largest ``|a|`` values the scan keeps per site (>= 1).
+    """
 
     criterion: str = "sun"
     abs_threshold: float = 100.0

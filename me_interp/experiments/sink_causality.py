@@ -46,7 +46,21 @@ CLAIM = (
 
 @dataclass(frozen=True)
 class Config(CommonConfig):
-    """Sink-causality settings."""
+    """Sink-causality settings.
+
+    Attributes:
+        layer: the ME layer (0-based) where the massive activation is removed; ``None`` = detected.
+        position: the massive token ``p``; ``None`` = the detected massive position (commonest over
+            prompts).
+        conditions: the interventions to run, each separately (``remove_ffn``, ``remove_dims``,
+            ``remove_all``, and the control ``patch_other``).
+        primary: the removal condition the headline verdict uses (one of ``conditions``, not the
+            control).
+        kill_fraction: the sink counts as killed when the sink heads' attention to ``p`` falls by at
+            least this fraction of its unmodified value, in (0, 1].
+        sink_threshold: a head after the ME layer is a sink head when its unmodified attention to
+            ``p`` is at least this, in (0, 1); also the threshold of the sink rate.
+    """
 
     layer: int | None = None
     position: int | None = None

@@ -42,7 +42,20 @@ CLAIM = (
 
 @dataclass(frozen=True)
 class Config(CommonConfig):
-    """Transplant settings (``dst`` None: the middle of the shortest prompt)."""
+    """Transplant settings.
+
+    Attributes:
+        layer: the ME layer (0-based) where the component is taken and written; ``None`` = detected.
+        position: the massive token ``p`` whose component is transplanted; ``None`` = the detected
+            massive position (commonest over prompts).
+        dst: the position that receives the component; ``None`` = the middle of the shortest prompt.
+            Must differ from ``p`` and leave a query after it.
+        mode: ``difference`` (each prompt's own component ``c_b``) or ``direction`` (the prompt-mean
+            unit direction at each prompt's norm ``‖c_b‖``).
+        component: ``massive_dims`` (only the massive dims of ``h_p − h̄``) or ``full`` (every dim).
+        sink_threshold: a head after the ME layer is a sink head when its unmodified attention to
+            ``p`` is at least this, in (0, 1).
+    """
 
     layer: int | None = None
     position: int | None = None

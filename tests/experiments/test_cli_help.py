@@ -1,0 +1,37 @@
+"""Every experiment flag has help text: each Config field is described in an ``Attributes:`` section."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+
+from me_interp.experiments.common import CommonConfig, field_docs
+from me_interp.report import EXPERIMENTS
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_config_field_is_documented(name):
+    config_cls = importlib.import_module(f"me_interp.experiments.{name}").Config
+    docs = field_docs(config_cls)
+    missing = [f.name for f in dataclasses.fields(config_cls) if not docs.get(f.name, "").strip()]
+    assert not missing, f"{name}.Config: no Attributes: entry for {missing}"
+
+
+def test_field_docs_reports_an_undocumented_field():
+    @dataclasses.dataclass(frozen=True)
+    class Partly(CommonConfig):
+        """Test settings.
+
+        Attributes:
+            documented: described here,
+                over two lines.
+        """
+
+        documented: int = 0
+        undocumented: int = 0
+
+    docs = field_docs(Partly)
+    assert docs["documented"] == "described here, over two lines."
+    assert "undocumented" not in docs
