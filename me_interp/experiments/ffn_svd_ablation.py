@@ -33,8 +33,14 @@ from tqdm.auto import tqdm
 
 from me_interp import names
 from me_interp.edits import MATRICES, ffn_matrix, neurons_ablated, singular_values, svd_ablated
+from me_interp.experiments._weights import (
+    Measurement,
+    WeightConfig,
+    edit_row,
+    measure,
+    prepare,
+)
 from me_interp.experiments.common import cli_main, fmt_table
-from me_interp.experiments.weight_swap import Measurement, WeightConfig, measure, prepare
 from me_interp.models import Batch, LoadedModel
 
 NAME = "ffn_svd_ablation"
@@ -150,12 +156,7 @@ class Result:
             "claim": "The ME layer's FFN creates the massive activation through a few directions: "
             "removing the top singular directions of W_down / W_up / W_gate, or the top neurons, "
             "removes it.",
-            "baseline": {
-                "me_layer": b.me_layer,
-                "ratio_at_layer": b.ratio_at(self.layer),
-                "ratio_last": b.top_ratio[-1],
-                "sink_downstream": b.sink_after(self.layer),
-            },
+            "baseline": b.at_layer(self.layer),
             "intervened": {
                 "svd": {
                     f"{r['matrix']}_k{r['k']}": {
@@ -227,18 +228,14 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         with ctx:
             after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
         rows.append(
-            {
-                "kind": kind,
-                "matrix": what[0] if kind == "svd" else None,
-                "k": what[1] if kind == "svd" else None,
-                "neurons": None if kind == "svd" else list(what),
-                "me_layer": after.me_layer,
-                "survives": after.has_massive[m],
-                "ratio_at_layer": after.ratio_at(m),
-                "ratio_last": after.top_ratio[-1],
-                "sink_downstream": after.sink_after(m),
-                "top_ratio": after.top_ratio,
-            }
+            edit_row(
+                after,
+                m,
+                kind=kind,
+                matrix=what[0] if kind == "svd" else None,
+                k=what[1] if kind == "svd" else None,
+                neurons=None if kind == "svd" else list(what),
+            )
         )
     return Result(
         model=s.model.name,

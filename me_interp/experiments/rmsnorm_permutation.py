@@ -38,8 +38,14 @@ from me_interp.edits import (
     top_dims,
     top_dims_permutation,
 )
+from me_interp.experiments._weights import (
+    Measurement,
+    WeightConfig,
+    edit_row,
+    measure,
+    prepare,
+)
 from me_interp.experiments.common import cli_main, fmt_table
-from me_interp.experiments.weight_swap import Measurement, WeightConfig, measure, prepare
 from me_interp.models import LoadedModel
 
 NAME = "rmsnorm_permutation"
@@ -119,12 +125,7 @@ class Result:
             "claim": "The massive activation needs the ME layer's pre-FFN RMSNorm gain as it is "
             "(aligned with the residual stream): permuting or flattening it removes the massive "
             "activation, while the same edits of the pre-attention gain do not.",
-            "baseline": {
-                "me_layer": b.me_layer,
-                "ratio_at_layer": b.ratio_at(self.layer),
-                "ratio_last": b.top_ratio[-1],
-                "sink_downstream": b.sink_after(self.layer),
-            },
+            "baseline": b.at_layer(self.layer),
             "intervened": {
                 f"{n}_{k}": {
                     "survival": self.survival(n, k),
@@ -180,19 +181,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     ):
         with ctx:
             after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
-        rows.append(
-            {
-                "norm": norm,
-                "kind": kind,
-                "param": param,
-                "me_layer": after.me_layer,
-                "survives": after.has_massive[m],
-                "ratio_at_layer": after.ratio_at(m),
-                "ratio_last": after.top_ratio[-1],
-                "sink_downstream": after.sink_after(m),
-                "top_ratio": after.top_ratio,
-            }
-        )
+        rows.append(edit_row(after, m, norm=norm, kind=kind, param=param))
     return Result(
         model=s.model.name,
         bos=s.model.bos,

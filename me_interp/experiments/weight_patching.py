@@ -27,18 +27,17 @@ import plotly.graph_objects as go
 from tqdm.auto import tqdm
 
 from me_interp.edits import PARTS, check_part, patched_weights
-from me_interp.experiments.common import cli_main, fmt_table
-from me_interp.experiments.weight_swap import (
+from me_interp.experiments._weights import (
     Measurement,
     WeightConfig,
     check_layers,
+    locate,
     measure,
     prepare,
     short_batch,
 )
+from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.models import LoadedModel, load_model
-from me_interp.probes.massive import locate_me_layer
-from me_interp.probes.norms import scan_norms
 
 NAME = "weight_patching"
 
@@ -145,9 +144,7 @@ def _source_layer(cfg: Config, source: LoadedModel, target_me: int | None) -> in
     if cfg.layer is not None:
         return source.check_layer(cfg.layer)
     batch = short_batch(source, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
-    me = locate_me_layer(
-        scan_norms(source, batch, ("resid_pre", "resid_mid", "resid_post")), cfg.detection()
-    ).me_layer
+    me = locate(source, batch, cfg.detection()).me_layer
     if me is None:
         me = target_me
     if me is None:

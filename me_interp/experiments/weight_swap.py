@@ -15,186 +15,34 @@ Defaults run on the bundled model: the detected ME layer against every other lay
     python -m me_interp.experiments.weight_swap
     python -m me_interp.experiments.weight_swap --parts block --partners 0 5 20 --model synthetic:planted
 
-This module also holds what the four weight experiments share (:class:`WeightConfig`,
-:func:`prepare`, :func:`measure`).
+What the four weight experiments share (:class:`WeightConfig`, :func:`prepare`, :func:`measure`) is
+in ``me_interp.experiments._weights``; it is re-exported here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import plotly.graph_objects as go
 from tqdm.auto import tqdm
 
 from me_interp.edits import PARTS, check_part, swapped_layers
-from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
-from me_interp.models import Batch, LoadedModel
-from me_interp.probes.attention import attention_stats
-from me_interp.probes.massive import Criterion, MELocation, locate_me_layer
-from me_interp.probes.norms import scan_norms
+from me_interp.experiments._weights import (
+    Measurement,
+    Setup,
+    WeightConfig,
+    check_layers,
+    measure,
+    prepare,
+    short_batch,
+)
+from me_interp.experiments.common import cli_main, fmt_table
+from me_interp.models import LoadedModel
 
 NAME = "weight_swap"
-SCAN_SITES = ("resid_pre", "resid_mid", "resid_post")
-
-
-# ------------------------------------------------------------------------------------------
-# shared by the weight experiments
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WeightConfig(CommonConfig):
-    """Fields shared by the weight experiments.
-
-    Attributes:
-        layer: the layer to edit (0-based); ``None`` = the ME layer detected on the unedited model.
-        n_prompts: how many prompts to use (the first ones of the set); ``0`` = all.
-        max_tokens: cut every prompt to its first ``max_tokens`` tokens (short prompts keep the many
-            forwards fast; ``0`` = no cut).
-        criterion: massive-activation criterion of ``probes.massive`` (sun, norm, either, both).
-        sink: also measure the attention sink (one more forward per condition).
-    """
-
-    layer: int | None = None
-    n_prompts: int = 4
-    max_tokens: int = 12
-    criterion: str = "sun"
-    sink: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.n_prompts < 0:
-            raise ValueError(f"n_prompts must be >= 0 (0 = all), got {self.n_prompts}")
-        if self.max_tokens != 0 and self.max_tokens < 2:
-            raise ValueError(f"max_tokens must be >= 2 (or 0 = no cut), got {self.max_tokens}")
-        self.detection()
-
-    def detection(self) -> Criterion:
-        return Criterion(kind=self.criterion)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """The massive activation and the sink in one (possibly edited) model; lists are per layer."""
-
-    me_layer: int | None
-    event_layers: list[int]
-    has_massive: list[bool]
-    top_ratio: list[float]
-    max_over_median: list[float]
-    sink: list[float] = field(default_factory=list)
-
-    def ratio_at(self, layer: int) -> float:
-        return self.top_ratio[layer]
-
-    def sink_after(self, layer: int | None) -> float:
-        """Mean sink mass over the layers after ``layer`` (NaN without sink data or later layers)."""
-        start = 0 if layer is None else layer + 1
-        vals = self.sink[start:]
-        return float(sum(vals) / len(vals)) if vals else math.nan
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def measure(
-    model: LoadedModel,
-    batch: Batch,
-    criterion: Criterion,
-    positions: Sequence[Sequence[int]] | None = None,
-    sink: bool = True,
-) -> Measurement:
-    """Locate the ME layer and (``sink=True``) the attention sink on ``positions`` in ``model`` as it is.
-
-    ``sink[l]`` = mean over prompts of the largest head's mean attention mass (queries ``q ≥ 1``) on the
-    positions ``positions[b]`` (default ``[0]``).
-    """
-    loc = locate_me_layer(scan_norms(model, batch, SCAN_SITES), criterion)
-    return _measurement(model, batch, loc, positions, sink)
-
-
-def _measurement(model, batch, loc, positions, sink: bool) -> Measurement:
-    sink_mass: list[float] = []
-    if sink:
-        stats = attention_stats(model, batch, positions)
-        sink_mass = stats.to_positions.amax(-1).mean(-1).tolist()  # [layer batch head] → [layer]
-    return Measurement(
-        me_layer=loc.me_layer,
-        event_layers=[e.layer for e in loc.events],
-        has_massive=loc.layer_has_massive,
-        top_ratio=loc.top_ratio,
-        max_over_median=loc.max_over_median,
-        sink=sink_mass,
-    )
-
-
-def short_batch(
-    model: LoadedModel, prompts: Sequence[str], n_prompts: int, max_tokens: int
-) -> Batch:
-    """The first ``n_prompts`` prompts (0 = all), each cut to ``max_tokens`` tokens (0 = no cut)."""
-    chosen = list(prompts)[: n_prompts or None]
-    batch = model.tokenize(chosen)
-    if not max_tokens:
-        return batch
-    rows = [batch.tokens[i, : min(n, max_tokens)].tolist() for i, n in enumerate(batch.lengths)]
-    return model.batch_from_ids(rows, prompts=tuple(chosen))
-
-
-@dataclass(frozen=True)
-class Setup:
-    """The model, the prompts, the unedited measurement and the layer to edit."""
-
-    model: LoadedModel
-    batch: Batch
-    criterion: Criterion
-    baseline: Measurement
-    layer: int | None
-    positions: list[list[int]]
-    location: MELocation
-
-
-def prepare(
-    cfg: WeightConfig, model: LoadedModel | None = None, require_layer: bool = True
-) -> Setup:
-    """Load the model and prompts, measure the unedited model, resolve ``cfg.layer``.
-
-    Raises:
-        ValueError: ``cfg.layer`` out of range, or ``cfg.layer=None``, ``require_layer`` and no ME
-            layer is found.
-    """
-    model = model_for(cfg, model)
-    batch = short_batch(model, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
-    crit = cfg.detection()
-    loc = locate_me_layer(scan_norms(model, batch, SCAN_SITES), crit)
-    if cfg.layer is None:
-        if loc.me_layer is None and require_layer:
-            raise ValueError(
-                f"no ME layer found in {model.name} with the {crit.kind!r} criterion: pass --layer"
-            )
-        layer = loc.me_layer
-    else:
-        layer = model.check_layer(cfg.layer)
-    positions = [list(p) if p else [r] for p, r in zip(_positions(loc), loc.reference_positions)]
-    baseline = _measurement(model, batch, loc, positions, cfg.sink)
-    return Setup(model, batch, crit, baseline, layer, positions, loc)
-
-
-def _positions(loc) -> list[list[int]]:
-    return loc.massive_positions or [[] for _ in loc.reference_positions]
-
-
-def check_layers(model: LoadedModel, layers: Sequence[int], what: str) -> list[int]:
-    """Validate layer indices (clear error naming ``what``)."""
-    out = []
-    for layer in layers:
-        try:
-            out.append(model.check_layer(layer))
-        except ValueError as e:
-            raise ValueError(f"{what}: {e}") from None
-    return out
 
 
 # ------------------------------------------------------------------------------------------
