@@ -1,0 +1,90 @@
+"""The battery (python -m me_interp): every experiment, the HTML report, resuming after a crash."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from me_interp import __main__ as cli
+from me_interp import report
+
+
+@pytest.fixture()
+def args(tmp_path):
+    p = tmp_path / "prompts.txt"
+    p.write_text("w1 w2 w3 w4 w5 w6 w7 w8\nw9 w8 w7 w6 w5 w4\nw20 w21 w22 w23 w24 w25 w26\n")
+    out = tmp_path / "out"
+    return ["--model", "synthetic:planted", "--prompts", str(p), "--out", str(out)], out
+
+
+def test_full_battery_on_planted_model(args, capsys):
+    argv, out = args
+    assert cli.main(argv) == 0
+    state = json.loads((out / report.STATE_FILE).read_text())
+    assert [state["experiments"][n]["status"] for n in report.EXPERIMENTS] == ["done"] * len(
+        report.EXPERIMENTS
+    )
+    html = (out / report.REPORT_FILE).read_text()
+    for name in report.EXPERIMENTS:
+        assert name in html
+        run_dir = out / name
+        assert len(list(run_dir.iterdir())) == 1
+    # every experiment states at least one claim with a verdict
+    for name, entry in state["experiments"].items():
+        assert entry["verdicts"], name
+        for v in entry["verdicts"]:
+            assert set(v) >= {"claim", "measured", "holds"} and v["holds"] in (True, False, None)
+    # the planted ME layer is what the report says
+    me = state["experiments"]["me_layer"]["verdicts"][0]
+    assert me["holds"] is True and "ME layer 2" in me["measured"]
+    printed = capsys.readouterr()
+    assert "report:" in printed.out and "[13/13] sink_causality" in printed.err
+
+
+def test_battery_resumes_after_a_crash(args, monkeypatch, capsys):
+    argv, out = args
+    from me_interp.experiments import mechanism
+
+    def crash(cfg, model=None):
+        raise RuntimeError("simulated crash")
+
+    only = ["--only", "me_layer", "mechanism", "invariance"]
+    monkeypatch.setattr(mechanism, "run", crash)
+    assert cli.main(argv + only) == 1
+    state = json.loads((out / report.STATE_FILE).read_text())
+    assert state["experiments"]["me_layer"]["status"] == "done"
+    assert state["experiments"]["mechanism"]["status"] == "failed"
+    assert "simulated crash" in state["experiments"]["mechanism"]["error"]
+    assert (
+        state["experiments"]["invariance"]["status"] == "done"
+    )  # a failure does not stop the battery
+    assert "failed: RuntimeError: simulated crash" in (out / report.REPORT_FILE).read_text()
+    first_me_run = state["experiments"]["me_layer"]["run_dir"]
+
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert cli.main(argv + only) == 0
+    err = capsys.readouterr().err
+    assert "me_layer: already done, skipped" in err and "invariance: already done, skipped" in err
+    assert "[2/3] mechanism ..." in err
+    state = json.loads((out / report.STATE_FILE).read_text())
+    assert state["experiments"]["mechanism"]["status"] == "done"
+    assert state["experiments"]["me_layer"]["run_dir"] == first_me_run
+    assert len(list((out / "me_layer").iterdir())) == 1
+
+    # other settings start over; --fresh re-runs
+    assert cli.main(argv + ["--only", "me_layer", "--seed", "1"]) == 0
+    assert len(list((out / "me_layer").iterdir())) == 2
+    assert cli.main(argv + ["--only", "me_layer", "--seed", "1", "--fresh"]) == 0
+    assert len(list((out / "me_layer").iterdir())) == 3
+
+
+def test_battery_bad_input(args, capsys):
+    argv, _ = args
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--only", "nonsense"])
+    assert cli.main(argv + ["--only", "me_layer", "--skip", "me_layer"]) == 2
+    assert "no experiments selected" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown experiments"):
+        report.run_battery(report.CommonConfig(), ["nope"])
