@@ -34,7 +34,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from me_interp import names
-from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
+from me_interp.experiments.common import CommonConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.models import Batch, LoadedModel
 from me_interp.patching import PATCH_SITES, NormRatio, SinkMass, SweepResult, patch_sweep
@@ -83,11 +83,7 @@ class Config(CommonConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.sites:
-            raise ValueError("give at least one site")
-        for s in self.sites:
-            if s not in PATCH_SITES:
-                raise ValueError(f"unknown site {s!r}; choose from {', '.join(PATCH_SITES)}")
+        check_choices(self.sites, PATCH_SITES, "site")
         if self.corruption not in CORRUPTIONS:
             raise ValueError(f"corruption must be one of {CORRUPTIONS}, got {self.corruption!r}")
         if self.max_tokens < 2:

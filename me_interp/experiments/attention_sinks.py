@@ -23,37 +23,34 @@ from typing import Any
 import plotly.graph_objects as go
 
 from me_interp import plotting
-from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
-from me_interp.experiments.mechanism import PositionChoice, detect
+from me_interp.experiments.common import (
+    INDEX_CONVENTION,
+    cli_main,
+    fmt_table,
+    fmt_verdicts,
+    model_for,
+)
+from me_interp.experiments.mechanism import DetectConfig, detect
 from me_interp.models import LoadedModel
 from me_interp.probes.attention import attention_probe
 from me_interp.probes.geometry import METRICS, geometry_scan
-from me_interp.probes.massive import Criterion
 
 NAME = "attention_sinks"
 MARGIN = 0.05  # a "lower after ME" verdict needs a relative drop of at least 5 %
 
 
 @dataclass(frozen=True)
-class Config(CommonConfig):
+class Config(DetectConfig):
     """Attention-sink settings.
 
     Attributes:
-        criterion: massive-activation criterion for the ME-layer detection (sun, norm, either,
-            both).
-        position: ``detected`` massive token per prompt, or ``zero`` (position 0).
         eps: sink threshold ε of the sink rate (Gu et al.: 0.3).
     """
 
-    criterion: str = "sun"
-    position: PositionChoice = "detected"
     eps: float = 0.3
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        Criterion(kind=self.criterion)  # type: ignore[arg-type]
-        if self.position not in ("detected", "zero"):
-            raise ValueError(f"position must be 'detected' or 'zero', got {self.position!r}")
         if not 0.0 <= self.eps < 1.0:
             raise ValueError(f"eps must be in [0, 1), got {self.eps}")
 
@@ -80,7 +77,7 @@ class Result:
             "model": self.model,
             "bos": self.bos,
             "bos_prepended": self.bos_prepended,
-            "index_convention": "0-based layers (blocks.L); *_1based = L + 1",
+            "index_convention": INDEX_CONVENTION,
             "me_layer": self.me_layer,
             "me_layer_1based": None if self.me_layer is None else self.me_layer + 1,
             "n_prompts": self.n_prompts,
@@ -305,11 +302,7 @@ def summary(result: Result) -> str:
         ["layer", "ME", "sink rate", "attn->m", "BOS", "entropy", "eff rank", "eff rank (others)"],
         rows,
     )
-    ver = "\n".join(
-        f"[{'holds' if v['holds'] else ('n/a' if v['holds'] is None else 'FAILS')}] {v['claim']}: "
-        f"{v['measured']}"
-        for v in result.verdicts
-    )
+    ver = fmt_verdicts(result.verdicts)
     return "\n\n".join([head, table, ver])
 
 

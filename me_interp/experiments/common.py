@@ -35,6 +35,8 @@ from me_interp import io
 from me_interp.models import BOS_CHOICES, DTYPES, LoadedModel, ModelLoadError, load_model
 from me_interp.prompts import builtin_prompts, read_prompts
 
+INDEX_CONVENTION = "0-based layers (blocks.L); *_1based = L + 1"
+
 
 @dataclass(frozen=True)
 class CommonConfig:
@@ -86,6 +88,35 @@ class CommonConfig:
 
     def load_prompts(self) -> list[str]:
         return builtin_prompts() if self.prompts is None else read_prompts(self.prompts)
+
+
+@dataclass(frozen=True)
+class SiteConfig(CommonConfig):
+    """Fields of the experiments that intervene on the massive token at the ME layer
+    (``interventions.causal.locate_massive``).
+
+    Attributes:
+        layer: the ME layer (0-based) to intervene on; ``None`` = detected.
+        position: the massive token ``p``; ``None`` = the detected massive position (commonest over
+            prompts).
+    """
+
+    layer: int | None = None
+    position: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer is not None and self.layer < 0:
+            raise ValueError(f"layer must be >= 0, got {self.layer}")
+
+
+def check_choices(values: Sequence[str], allowed: Sequence[str], what: str) -> None:
+    """Raise ``ValueError`` unless ``values`` is non-empty and every value is one of ``allowed``."""
+    if not values:
+        raise ValueError(f"give at least one {what}")
+    for v in values:
+        if v not in allowed:
+            raise ValueError(f"unknown {what} {v!r}; choose from {', '.join(allowed)}")
 
 
 def apply_threads(cfg: CommonConfig) -> None:
@@ -263,3 +294,12 @@ def fmt_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
     line = lambda r: "  ".join(str(v).rjust(w) for v, w in zip(r, widths))  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def fmt_verdicts(verdicts: Sequence[Mapping[str, Any]]) -> str:
+    """One line per verdict: ``[holds|FAILS|n/a] claim: measured``."""
+    return "\n".join(
+        f"[{'holds' if v['holds'] else ('n/a' if v['holds'] is None else 'FAILS')}] {v['claim']}: "
+        f"{v['measured']}"
+        for v in verdicts
+    )

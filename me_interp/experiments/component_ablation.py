@@ -31,7 +31,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from me_interp.evaluation import perplexity
-from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
+from me_interp.experiments.common import SiteConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.models import LoadedModel
 from me_interp.patching import NormRatio, SinkMass, evaluate_metrics
@@ -52,13 +52,10 @@ CLAIM = (
 
 
 @dataclass(frozen=True)
-class Config(CommonConfig):
+class Config(SiteConfig):
     """Component-ablation settings.
 
     Attributes:
-        layer: the ME layer (0-based) to intervene on; ``None`` = detected.
-        position: the massive token ``p``; ``None`` = the detected massive position (commonest over
-            prompts).
         conditions: the interventions to run, each separately (``flatten_gain``, ``cap_ffn``,
             ``scale_product``, ``normalize_product``, ``zero_dims``, ``mean_dims``).
         alpha: factor α of ``scale_product`` (the FFN intermediate product of ``p`` × α).
@@ -70,8 +67,6 @@ class Config(CommonConfig):
             this factor (> 1).
     """
 
-    layer: int | None = None
-    position: int | None = None
     conditions: tuple[str, ...] = CONDITIONS
     alpha: float = 0.1
     removed_fraction: float = 0.05
@@ -80,13 +75,7 @@ class Config(CommonConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layer is not None and self.layer < 0:
-            raise ValueError(f"layer must be >= 0, got {self.layer}")
-        if not self.conditions:
-            raise ValueError("give at least one condition")
-        for c in self.conditions:
-            if c not in CONDITIONS:
-                raise ValueError(f"unknown condition {c!r}; choose from {', '.join(CONDITIONS)}")
+        check_choices(self.conditions, CONDITIONS, "condition")
         if not 0 < self.removed_fraction < 1:
             raise ValueError("removed_fraction must be in (0, 1)")
         if self.ppl_tolerance <= 0 or self.ppl_damage <= 1:

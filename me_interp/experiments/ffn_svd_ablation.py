@@ -40,7 +40,7 @@ from me_interp.experiments._weights import (
     measure,
     prepare,
 )
-from me_interp.experiments.common import cli_main, fmt_table
+from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
 from me_interp.models import Batch, LoadedModel
 
 NAME = "ffn_svd_ablation"
@@ -177,7 +177,7 @@ class Result:
             "verdict": self.headline(),
             "model": self.model,
             "bos": self.bos,
-            "index_convention": "0-based layers (blocks.L); *_1based = L + 1",
+            "index_convention": INDEX_CONVENTION,
             "layer": self.layer,
             "layer_1based": self.layer + 1,
             "massive_dims": self.massive_dims,

@@ -22,35 +22,32 @@ from typing import Any
 import plotly.graph_objects as go
 
 from me_interp import plotting
-from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
-from me_interp.experiments.mechanism import PositionChoice, detect
+from me_interp.experiments.common import (
+    INDEX_CONVENTION,
+    cli_main,
+    fmt_table,
+    fmt_verdicts,
+    model_for,
+)
+from me_interp.experiments.mechanism import DetectConfig, detect
 from me_interp.models import LoadedModel
 from me_interp.probes.invariance import invariance_scan, same_first_token_control
-from me_interp.probes.massive import Criterion
 
 NAME = "invariance"
 
 
 @dataclass(frozen=True)
-class Config(CommonConfig):
+class Config(DetectConfig):
     """Invariance settings.
 
     Attributes:
-        criterion: massive-activation criterion for the ME-layer detection (sun, norm, either,
-            both).
-        position: ``detected`` massive token per prompt, or ``zero`` (position 0).
         threshold: cosine above which a direction counts as invariant in the verdicts.
     """
 
-    criterion: str = "sun"
-    position: PositionChoice = "detected"
     threshold: float = 0.9
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        Criterion(kind=self.criterion)  # type: ignore[arg-type]
-        if self.position not in ("detected", "zero"):
-            raise ValueError(f"position must be 'detected' or 'zero', got {self.position!r}")
         if not -1.0 < self.threshold < 1.0:
             raise ValueError("threshold must be a cosine in (-1, 1)")
 
@@ -79,7 +76,7 @@ class Result:
             "model": self.model,
             "bos": self.bos,
             "bos_prepended": self.bos_prepended,
-            "index_convention": "0-based layers (blocks.L); *_1based = L + 1",
+            "index_convention": INDEX_CONVENTION,
             "me_layer": self.me_layer,
             "me_layer_1based": None if self.me_layer is None else self.me_layer + 1,
             "n_prompts": self.n_prompts,
@@ -296,11 +293,7 @@ def summary(result: Result) -> str:
     table = fmt_table(
         ["layer", "ME", "cos inputs", "control", "min key cos", "cos next", "norm CV"], rows
     )
-    ver = "\n".join(
-        f"[{'holds' if v['holds'] else ('n/a' if v['holds'] is None else 'FAILS')}] {v['claim']}: "
-        f"{v['measured']}"
-        for v in result.verdicts
-    )
+    ver = fmt_verdicts(result.verdicts)
     return "\n\n".join([head, table, ver])
 
 

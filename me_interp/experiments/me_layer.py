@@ -20,7 +20,13 @@ from typing import Any
 import torch
 
 from me_interp import names, plotting
-from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
+from me_interp.experiments.common import (
+    INDEX_CONVENTION,
+    CommonConfig,
+    cli_main,
+    fmt_table,
+    model_for,
+)
 from me_interp.models import LoadedModel
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer
 from me_interp.probes.norms import NormScan, scan_norms
@@ -94,7 +100,7 @@ class Result:
             "model": self.model,
             "bos": self.bos,
             "bos_prepended": self.bos_prepended,
-            "index_convention": "0-based layers (blocks.L); *_1based = L + 1",
+            "index_convention": INDEX_CONVENTION,
             "me_layer": loc.me_layer,
             "me_layer_1based": loc.me_layer_1based,
             "me_site": loc.me_event.site if loc.me_event else None,

@@ -23,7 +23,14 @@ from typing import Any, Literal
 import plotly.graph_objects as go
 
 from me_interp import plotting
-from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
+from me_interp.experiments.common import (
+    INDEX_CONVENTION,
+    CommonConfig,
+    cli_main,
+    fmt_table,
+    fmt_verdicts,
+    model_for,
+)
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.alignment import (
     ALIGN_SITES,
@@ -43,6 +50,26 @@ STAGE_LABELS = {
     "product": "σ(gate)·up",
     "down": "after W_down (FFN output)",
 }
+
+
+@dataclass(frozen=True)
+class DetectConfig(CommonConfig):
+    """Fields of the experiments that detect the ME layer and the massive token themselves.
+
+    Attributes:
+        criterion: massive-activation criterion for the ME-layer detection (sun, norm, either,
+            both).
+        position: ``detected`` = the detected massive token of each prompt; ``zero`` = position 0.
+    """
+
+    criterion: str = "sun"
+    position: PositionChoice = "detected"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        Criterion(kind=self.criterion)  # type: ignore[arg-type]
+        if self.position not in ("detected", "zero"):
+            raise ValueError(f"position must be 'detected' or 'zero', got {self.position!r}")
 
 
 def detect(
@@ -69,20 +96,16 @@ def argmin(xs: Sequence[float]) -> int | None:
 
 
 @dataclass(frozen=True)
-class Config(CommonConfig):
+class Config(DetectConfig):
     """Mechanism settings.
 
     Attributes:
-        criterion: massive-activation criterion for the ME-layer detection (sun/norm/either/both).
-        position: ``detected`` = the detected massive token of each prompt; ``zero`` = position 0.
         k_frac: ``K`` of ``TopK(|w|, K)`` as a fraction of d_model (used when ``k_abs`` is 0).
         k_abs: ``K`` as an absolute number of dims (0: use ``k_frac``).
         top_neurons: rows of the neuron table.
         neuron_layer: layer of the neuron table (-1: the ME layer).
     """
 
-    criterion: str = "sun"
-    position: PositionChoice = "detected"
     k_frac: float = 0.01
     k_abs: int = 0
     top_neurons: int = 10
@@ -90,9 +113,6 @@ class Config(CommonConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        Criterion(kind=self.criterion)  # type: ignore[arg-type]
-        if self.position not in ("detected", "zero"):
-            raise ValueError(f"position must be 'detected' or 'zero', got {self.position!r}")
         if self.k_abs < 0:
             raise ValueError("k_abs must be >= 0")
         if self.k_abs == 0:
@@ -133,7 +153,7 @@ class Result:
             "model": self.model,
             "bos": self.bos,
             "bos_prepended": self.bos_prepended,
-            "index_convention": "0-based layers (blocks.L); *_1based = L + 1",
+            "index_convention": INDEX_CONVENTION,
             "me_layer": self.me_layer,
             "me_layer_1based": None if self.me_layer is None else self.me_layer + 1,
             "massive_dims": self.massive_dims,
@@ -446,11 +466,7 @@ def summary(result: Result) -> str:
         ["neuron", "share", "activation"],
         [(n["neuron"], n["share"], n["activation"]) for n in result.neurons["neurons"]],
     )
-    ver = "\n".join(
-        f"[{'holds' if v['holds'] else ('n/a' if v['holds'] is None else 'FAILS')}] {v['claim']}: "
-        f"{v['measured']}"
-        for v in result.verdicts
-    )
+    ver = fmt_verdicts(result.verdicts)
     return "\n\n".join([head, table, f"top neurons of layer {result.neuron_layer}:\n{ntab}", ver])
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from me_interp import plotting
-from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
+from me_interp.experiments.common import SiteConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.models import LoadedModel
 from me_interp.patching import NormRatio, evaluate_metrics
@@ -45,13 +45,10 @@ CLAIM = (
 
 
 @dataclass(frozen=True)
-class Config(CommonConfig):
+class Config(SiteConfig):
     """Sink-causality settings.
 
     Attributes:
-        layer: the ME layer (0-based) where the massive activation is removed; ``None`` = detected.
-        position: the massive token ``p``; ``None`` = the detected massive position (commonest over
-            prompts).
         conditions: the interventions to run, each separately (``remove_ffn``, ``remove_dims``,
             ``remove_all``, and the control ``patch_other``).
         primary: the removal condition the headline verdict uses (one of ``conditions``, not the
@@ -62,8 +59,6 @@ class Config(CommonConfig):
             ``p`` is at least this, in (0, 1); also the threshold of the sink rate.
     """
 
-    layer: int | None = None
-    position: int | None = None
     conditions: tuple[str, ...] = CONDITIONS
     primary: str = "remove_ffn"
     kill_fraction: float = 0.5
@@ -71,13 +66,7 @@ class Config(CommonConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layer is not None and self.layer < 0:
-            raise ValueError(f"layer must be >= 0, got {self.layer}")
-        if not self.conditions:
-            raise ValueError("give at least one condition")
-        for c in self.conditions:
-            if c not in CONDITIONS:
-                raise ValueError(f"unknown condition {c!r}; choose from {', '.join(CONDITIONS)}")
+        check_choices(self.conditions, CONDITIONS, "condition")
         if self.primary not in self.conditions:
             raise ValueError(
                 f"primary {self.primary!r} must be one of the conditions {self.conditions}"

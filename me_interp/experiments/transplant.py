@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 
 from me_interp import names, plotting
-from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
+from me_interp.experiments.common import SiteConfig, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.models import Batch, LoadedModel
 from me_interp.patching import NormRatio, evaluate_metrics
@@ -41,13 +41,10 @@ CLAIM = (
 
 
 @dataclass(frozen=True)
-class Config(CommonConfig):
+class Config(SiteConfig):
     """Transplant settings.
 
     Attributes:
-        layer: the ME layer (0-based) where the component is taken and written; ``None`` = detected.
-        position: the massive token ``p`` whose component is transplanted; ``None`` = the detected
-            massive position (commonest over prompts).
         dst: the position that receives the component; ``None`` = the middle of the shortest prompt.
             Must differ from ``p`` and leave a query after it.
         mode: ``difference`` (each prompt's own component ``c_b``) or ``direction`` (the prompt-mean
@@ -57,8 +54,6 @@ class Config(CommonConfig):
             ``p`` is at least this, in (0, 1).
     """
 
-    layer: int | None = None
-    position: int | None = None
     dst: int | None = None
     mode: Literal["difference", "direction"] = "difference"
     component: Literal["massive_dims", "full"] = "massive_dims"
@@ -66,8 +61,6 @@ class Config(CommonConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layer is not None and self.layer < 0:
-            raise ValueError(f"layer must be >= 0, got {self.layer}")
         if self.dst is not None and self.dst < 0:
             raise ValueError(f"dst must be >= 0, got {self.dst}")
         if self.mode not in ("difference", "direction"):

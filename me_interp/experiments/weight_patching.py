@@ -36,7 +36,7 @@ from me_interp.experiments._weights import (
     prepare,
     short_batch,
 )
-from me_interp.experiments.common import cli_main, fmt_table
+from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
 from me_interp.models import LoadedModel, load_model
 
 NAME = "weight_patching"
@@ -119,7 +119,7 @@ class Result:
             "model": self.model,
             "source_model": self.source_model,
             "bos": self.bos,
-            "index_convention": "0-based layers (blocks.L); *_1based = L + 1",
+            "index_convention": INDEX_CONVENTION,
             "source_layer": self.source_layer,
             "source_layer_1based": self.source_layer + 1,
             "targets": self.targets,

@@ -39,7 +39,7 @@ from me_interp.experiments._weights import (
     prepare,
     short_batch,
 )
-from me_interp.experiments.common import cli_main, fmt_table
+from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
 from me_interp.models import LoadedModel
 
 NAME = "weight_swap"
@@ -128,7 +128,7 @@ class Result:
             "verdict": self.headline(),
             "model": self.model,
             "bos": self.bos,
-            "index_convention": "0-based layers (blocks.L); *_1based = L + 1",
+            "index_convention": INDEX_CONVENTION,
             "layer": self.layer,
             "layer_1based": self.layer + 1,
             "partners": self.partners,

@@ -35,7 +35,13 @@ from plotly.subplots import make_subplots
 from tqdm.auto import tqdm
 
 from me_interp import evaluation, names
-from me_interp.experiments.common import CommonConfig, cli_main, fmt_table, model_for
+from me_interp.experiments.common import (
+    INDEX_CONVENTION,
+    CommonConfig,
+    cli_main,
+    fmt_table,
+    model_for,
+)
 from me_interp.interventions import core
 from me_interp.interventions.soft import DirectionProjection, dim_projection, estimate_direction
 from me_interp.interventions.wemask import (
@@ -299,7 +305,7 @@ class Result:
             "rank_layer": self.rank_layer,
             "n_texts": self.n_texts,
             "n_tokens": self.n_tokens,
-            "index_convention": "0-based layers (blocks.L); *_1based = L + 1",
+            "index_convention": INDEX_CONVENTION,
             "table": self.rows,
         }
 
