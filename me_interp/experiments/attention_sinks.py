@@ -24,13 +24,12 @@ import plotly.graph_objects as go
 
 from me_interp import plotting
 from me_interp.experiments.common import (
-    INDEX_CONVENTION,
     cli_main,
     fmt_table,
     fmt_verdicts,
     model_for,
 )
-from me_interp.experiments.mechanism import DetectConfig, detect
+from me_interp.experiments.mechanism import DetectConfig, LayerReport, detect
 from me_interp.models import LoadedModel
 from me_interp.probes.attention import attention_probe
 from me_interp.probes.geometry import METRICS, geometry_scan
@@ -56,30 +55,16 @@ class Config(DetectConfig):
 
 
 @dataclass
-class Result:
-    model: str
-    bos: str
-    bos_prepended: bool
-    n_prompts: int
-    me_layer: int | None
+class Result(LayerReport):
     eps: float
     reference_positions: list[int]
     massive_positions: list[list[int]]
-    layers: list[dict[str, Any]]
     attn_to_each_position: dict[int, list[float]]
     verdicts: list[dict] = field(default_factory=list)
 
-    def series(self, key: str) -> list:
-        return [row[key] for row in self.layers]
-
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model,
-            "bos": self.bos,
-            "bos_prepended": self.bos_prepended,
-            "index_convention": INDEX_CONVENTION,
-            "me_layer": self.me_layer,
-            "me_layer_1based": None if self.me_layer is None else self.me_layer + 1,
+            **self.header(),
             "n_prompts": self.n_prompts,
             "eps": self.eps,
             "reference_positions": self.reference_positions,

@@ -23,13 +23,12 @@ import plotly.graph_objects as go
 
 from me_interp import plotting
 from me_interp.experiments.common import (
-    INDEX_CONVENTION,
     cli_main,
     fmt_table,
     fmt_verdicts,
     model_for,
 )
-from me_interp.experiments.mechanism import DetectConfig, detect
+from me_interp.experiments.mechanism import DetectConfig, LayerReport, detect
 from me_interp.models import LoadedModel
 from me_interp.probes.invariance import invariance_scan, same_first_token_control
 
@@ -53,32 +52,18 @@ class Config(DetectConfig):
 
 
 @dataclass
-class Result:
-    model: str
-    bos: str
-    bos_prepended: bool
-    n_prompts: int
-    me_layer: int | None
+class Result(LayerReport):
     reference_positions: list[int]
     first_tokens: list[int]
     n_pairs_distinct: int
     n_pairs_same: int
     threshold: float
-    layers: list[dict[str, Any]]
     cos_across_layers: list[list[float]]
     verdicts: list[dict] = field(default_factory=list)
 
-    def series(self, key: str) -> list:
-        return [row[key] for row in self.layers]
-
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model,
-            "bos": self.bos,
-            "bos_prepended": self.bos_prepended,
-            "index_convention": INDEX_CONVENTION,
-            "me_layer": self.me_layer,
-            "me_layer_1based": None if self.me_layer is None else self.me_layer + 1,
+            **self.header(),
             "n_prompts": self.n_prompts,
             "reference_positions": self.reference_positions,
             "first_tokens": self.first_tokens,

@@ -127,28 +127,23 @@ class Config(DetectConfig):
 
 
 @dataclass
-class Result:
+class LayerReport:
+    """What the per-layer reports (mechanism, invariance, attention_sinks) share: the run, the
+    detected ME layer, and one dict of measures per layer."""
+
     model: str
     bos: str
     bos_prepended: bool
     n_prompts: int
     me_layer: int | None
-    massive_dims: list[int]
-    massive_positions: list[list[int]]
-    reference_positions: list[int]
-    k: int
-    d_model: int
     layers: list[dict[str, Any]]
-    neurons: dict[str, Any]
-    neuron_layer: int
-    gain_ranks: dict[str, list[list[dict]]]
-    ffn_gain_at_me: list[float]
-    verdicts: list[dict] = field(default_factory=list)
 
-    def series(self, key: str, sub: str | None = None) -> list[float]:
+    def series(self, key: str, sub: str | None = None) -> list:
+        """``layers[i][key]`` (or ``layers[i][key][sub]``) for every layer."""
         return [row[key][sub] if sub else row[key] for row in self.layers]
 
-    def to_dict(self) -> dict[str, Any]:
+    def header(self) -> dict[str, Any]:
+        """The first keys of ``result.json``."""
         return {
             "model": self.model,
             "bos": self.bos,
@@ -156,6 +151,25 @@ class Result:
             "index_convention": INDEX_CONVENTION,
             "me_layer": self.me_layer,
             "me_layer_1based": None if self.me_layer is None else self.me_layer + 1,
+        }
+
+
+@dataclass
+class Result(LayerReport):
+    massive_dims: list[int]
+    massive_positions: list[list[int]]
+    reference_positions: list[int]
+    k: int
+    d_model: int
+    neurons: dict[str, Any]
+    neuron_layer: int
+    gain_ranks: dict[str, list[list[dict]]]
+    ffn_gain_at_me: list[float]
+    verdicts: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.header(),
             "massive_dims": self.massive_dims,
             "massive_positions": self.massive_positions,
             "reference_positions": self.reference_positions,
