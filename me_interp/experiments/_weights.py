@@ -4,7 +4,8 @@
 weights of one layer (a context manager of ``me_interp.edits`` that restores them) and locate the
 massive activation again on short prompts. :func:`prepare` loads the model and prompts, measures the
 unedited model and resolves the layer to edit; :func:`measure` measures the model as it is (inside an
-edit); :func:`edit_row` is the per-edit row of the experiments that edit the ME layer itself.
+edit); :func:`edit_row` and :func:`edit_cells` are the per-edit result row and summary cells of the
+experiments that edit the ME layer itself.
 """
 
 from __future__ import annotations
@@ -101,6 +102,19 @@ def edit_row(after: Measurement, layer: int, **what: Any) -> dict[str, Any]:
         "sink_downstream": m["sink_downstream"],
         "top_ratio": after.top_ratio,
     }
+
+
+EDIT_COLUMNS = ("ME after", "survives", "ratio@ME", "ratio@last")
+
+
+def edit_cells(row: dict[str, Any]) -> tuple[Any, ...]:
+    """The summary-table cells (:data:`EDIT_COLUMNS`) of an :func:`edit_row` row."""
+    return (
+        row["me_layer"],
+        "yes" if row["survives"] else "no",
+        row["ratio_at_layer"],
+        row["ratio_last"],
+    )
 
 
 def measure(

@@ -34,8 +34,10 @@ from tqdm.auto import tqdm
 from me_interp import names
 from me_interp.edits import MATRICES, ffn_matrix, neurons_ablated, singular_values, svd_ablated
 from me_interp.experiments._weights import (
+    EDIT_COLUMNS,
     Measurement,
     WeightConfig,
+    edit_cells,
     edit_row,
     measure,
     prepare,
@@ -333,10 +335,7 @@ def summary(result: Result) -> str:
             r["kind"],
             r["matrix"] or "-",
             r["k"] if r["k"] is not None else str(r["neurons"]),
-            r["me_layer"],
-            "yes" if r["survives"] else "no",
-            r["ratio_at_layer"],
-            r["ratio_last"],
+            *edit_cells(r),
         )
         for r in result.rows
     ]
@@ -346,10 +345,7 @@ def summary(result: Result) -> str:
             f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited ratio "
             f"{result.baseline.ratio_at(result.layer):.4g}   top neurons {result.neurons}",
             "",
-            fmt_table(
-                ["edit", "matrix", "k/neurons", "ME after", "survives", "ratio@ME", "ratio@last"],
-                rows,
-            ),
+            fmt_table(["edit", "matrix", "k/neurons", *EDIT_COLUMNS], rows),
             "",
             f"verdict: holds={head['holds']} (kill k {head.get('kill_k')}, top neurons kill "
             f"{head.get('top_neurons_kill')})",

@@ -39,8 +39,10 @@ from me_interp.edits import (
     top_dims_permutation,
 )
 from me_interp.experiments._weights import (
+    EDIT_COLUMNS,
     Measurement,
     WeightConfig,
+    edit_cells,
     edit_row,
     measure,
     prepare,
@@ -284,27 +286,14 @@ def _fmt(x: Any) -> str:
 
 
 def summary(result: Result) -> str:
-    rows = [
-        (
-            r["norm"],
-            r["kind"],
-            r["param"],
-            r["me_layer"],
-            "yes" if r["survives"] else "no",
-            r["ratio_at_layer"],
-            r["ratio_last"],
-        )
-        for r in result.rows
-    ]
+    rows = [(r["norm"], r["kind"], r["param"], *edit_cells(r)) for r in result.rows]
     head = result.headline()
     return "\n".join(
         [
             f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited ratio "
             f"{result.baseline.ratio_at(result.layer):.4g}",
             "",
-            fmt_table(
-                ["norm", "edit", "param", "ME after", "survives", "ratio@ME", "ratio@last"], rows
-            ),
+            fmt_table(["norm", "edit", "param", *EDIT_COLUMNS], rows),
             "",
             f"verdict: holds={head['holds']} (survival pre-FFN {head.get('survival_ffn_random')}, "
             f"pre-attention {head.get('survival_attn_random')})",
