@@ -25,7 +25,6 @@ import plotly.graph_objects as go
 from me_interp import plotting
 from me_interp.experiments.common import (
     cli_main,
-    fmt_table,
     fmt_verdicts,
     model_for,
 )
@@ -265,27 +264,20 @@ def figures(result: Result) -> dict[str, go.Figure]:
 
 
 def summary(result: Result) -> str:
-    me = result.me_layer
     head = (
         f"model: {result.model}   bos: {result.bos}   prompts: {result.n_prompts}   eps: {result.eps}"
-        "   ME layer: " + ("none" if me is None else f"{me} (1-based {me + 1})")
+        "   ME layer: " + result.me_text()
     )
-    rows = [
-        (
-            r["layer"],
-            "*" if r["layer"] == me else "",
+    table = result.layer_table(
+        ["sink rate", "attn->m", "BOS", "entropy", "eff rank", "eff rank (others)"],
+        lambda r: (
             r["sink_rate"],
             r["attn_to_massive"],
             r["bos_attention"],
             r["attn_entropy"],
             r["effective_rank"],
             r["effective_rank_others"],
-        )
-        for r in result.layers
-    ]
-    table = fmt_table(
-        ["layer", "ME", "sink rate", "attn->m", "BOS", "entropy", "eff rank", "eff rank (others)"],
-        rows,
+        ),
     )
     ver = fmt_verdicts(result.verdicts)
     return "\n\n".join([head, table, ver])

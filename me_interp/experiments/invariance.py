@@ -24,7 +24,6 @@ import plotly.graph_objects as go
 from me_interp import plotting
 from me_interp.experiments.common import (
     cli_main,
-    fmt_table,
     fmt_verdicts,
     model_for,
 )
@@ -257,26 +256,20 @@ def figures(result: Result) -> dict[str, go.Figure]:
 
 
 def summary(result: Result) -> str:
-    me = result.me_layer
     head = (
         f"model: {result.model}   bos: {result.bos}   prompts: {result.n_prompts}   "
         f"pairs with different first tokens: {result.n_pairs_distinct}   ME layer: "
-        + ("none" if me is None else f"{me} (1-based {me + 1})")
+        + result.me_text()
     )
-    rows = [
-        (
-            r["layer"],
-            "*" if r["layer"] == me else "",
+    table = result.layer_table(
+        ["cos inputs", "control", "min key cos", "cos next", "norm CV"],
+        lambda r: (
             r["cos_across_inputs"],
             r["cos_across_inputs_control"],
             min(r["key_cos_across_inputs"]),
             r["cos_next_layer"],
             r["norm_cv"],
-        )
-        for r in result.layers
-    ]
-    table = fmt_table(
-        ["layer", "ME", "cos inputs", "control", "min key cos", "cos next", "norm CV"], rows
+        ),
     )
     ver = fmt_verdicts(result.verdicts)
     return "\n\n".join([head, table, ver])

@@ -16,7 +16,7 @@ the massive token of each prompt are detected (``probes.massive``), never given.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -141,6 +141,18 @@ class LayerReport:
     def series(self, key: str, sub: str | None = None) -> list:
         """``layers[i][key]`` (or ``layers[i][key][sub]``) for every layer."""
         return [row[key][sub] if sub else row[key] for row in self.layers]
+
+    def me_text(self) -> str:
+        """``"L (1-based L+1)"``, or ``"none"`` without an ME layer."""
+        me = self.me_layer
+        return "none" if me is None else f"{me} (1-based {me + 1})"
+
+    def layer_table(self, columns: Sequence[str], cells: Callable[[dict[str, Any]], tuple]) -> str:
+        """A table with one row per layer: the layer, ``*`` at the ME layer, then ``cells(row)``."""
+        rows = [
+            (r["layer"], "*" if r["layer"] == self.me_layer else "", *cells(r)) for r in self.layers
+        ]
+        return fmt_table(["layer", "ME", *columns], rows)
 
     def header(self) -> dict[str, Any]:
         """The first keys of ``result.json``."""
@@ -452,17 +464,13 @@ def figures(result: Result) -> dict[str, go.Figure]:
 
 
 def summary(result: Result) -> str:
-    me = result.me_layer
     head = (
         f"model: {result.model}   bos: {result.bos}   prompts: {result.n_prompts}   "
-        f"ME layer: {me if me is not None else 'none'}"
-        + (f" (1-based {me + 1})" if me is not None else "")
-        + f"   K = {result.k}"
+        f"ME layer: {result.me_text()}   K = {result.k}"
     )
-    rows = [
-        (
-            r["layer"],
-            "*" if r["layer"] == me else "",
+    table = result.layer_table(
+        ["dFrac", "dKL", "dC gate", "dC up", "dC prod", "dC down", "magnif"],
+        lambda r: (
             r["delta_frac"],
             r["delta_kl"],
             r["delta_c"]["gate"],
@@ -470,11 +478,7 @@ def summary(result: Result) -> str:
             r["delta_c"]["product"],
             r["delta_c"]["down"],
             r["magnification"],
-        )
-        for r in result.layers
-    ]
-    table = fmt_table(
-        ["layer", "ME", "dFrac", "dKL", "dC gate", "dC up", "dC prod", "dC down", "magnif"], rows
+        ),
     )
     ntab = fmt_table(
         ["neuron", "share", "activation"],
