@@ -1,0 +1,75 @@
+"""The helpers the experiment modules share: choice checks, verdict lines, the shared config bases."""
+
+from __future__ import annotations
+
+import pytest
+
+from me_interp.experiments import common
+from me_interp.experiments._weights import EDIT_COLUMNS, Measurement, edit_cells, edit_row
+from me_interp.experiments.mechanism import DetectConfig
+
+
+def test_check_choices_accepts_known_values():
+    common.check_choices(("a", "b"), ("a", "b", "c"), "thing")
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [((), "give at least one thing"), (("a", "z"), "unknown thing 'z'; choose from a, b")],
+)
+def test_check_choices_rejects(values, message):
+    with pytest.raises(ValueError, match=message):
+        common.check_choices(values, ("a", "b"), "thing")
+
+
+def test_fmt_verdicts_marks_each_outcome():
+    lines = common.fmt_verdicts(
+        [
+            {"claim": "c1", "measured": "m1", "holds": True},
+            {"claim": "c2", "measured": "m2", "holds": False},
+            {"claim": "c3", "measured": "m3", "holds": None},
+        ]
+    )
+    assert lines.splitlines() == ["[holds] c1: m1", "[FAILS] c2: m2", "[n/a] c3: m3"]
+
+
+def test_site_config_validates_the_layer():
+    assert common.SiteConfig(layer=0, position=3).position == 3
+    with pytest.raises(ValueError, match="layer must be >= 0"):
+        common.SiteConfig(layer=-1)
+
+
+def test_detect_config_validates_the_criterion():
+    assert DetectConfig(criterion="norm", position="zero").position == "zero"
+    with pytest.raises(ValueError, match="criterion"):
+        DetectConfig(criterion="loud")
+
+
+def test_edit_row_and_cells():
+    m = Measurement(
+        me_layer=1,
+        event_layers=[1],
+        has_massive=[False, True, True],
+        top_ratio=[1.0, 50.0, 40.0],
+        max_over_median=[1.0, 2.0, 3.0],
+        sink=[0.1, 0.2, 0.6],
+    )
+    row = edit_row(m, 1, kind="k", param=2)
+    assert row == {
+        "kind": "k",
+        "param": 2,
+        "me_layer": 1,
+        "survives": True,
+        "ratio_at_layer": 50.0,
+        "ratio_last": 40.0,
+        "sink_downstream": pytest.approx(0.6),
+        "top_ratio": [1.0, 50.0, 40.0],
+    }
+    assert m.at_layer(0) == {
+        "me_layer": 1,
+        "ratio_at_layer": 1.0,
+        "ratio_last": 40.0,
+        "sink_downstream": pytest.approx(0.4),
+    }
+    assert len(edit_cells(row)) == len(EDIT_COLUMNS)
+    assert edit_cells(row) == (1, "yes", 50.0, 40.0)
