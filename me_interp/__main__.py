@@ -4,7 +4,9 @@
     python -m me_interp --only me_layer mechanism --out runs/quick
     python -m me_interp --model Qwen/Qwen3-4B --device cuda --dtype bfloat16
 
-An interrupted battery resumes: re-run the same command and finished experiments are skipped
+On a model without a massive activation the mechanism experiments answer "not applicable" (with the
+reason) and the battery still exits 0; it exits 1 only when an experiment crashed. An interrupted
+battery resumes: re-run the same command and finished experiments are skipped
 (``--fresh`` re-runs everything).
 """
 
@@ -13,9 +15,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from me_interp.claims import Claim
 from me_interp.experiments.common import CommonConfig, apply_threads, build_parser, config_from_args
 from me_interp.models import ModelLoadError
-from me_interp.report import EXPERIMENTS, REPORT_FILE, run_battery
+from me_interp.report import EXPERIMENTS, FINISHED, NOT_APPLICABLE, REPORT_FILE, run_battery
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,12 +40,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    failed = [n for n in chosen if state["experiments"].get(n, {}).get("status") != "done"]
+    failed = [n for n in chosen if state["experiments"].get(n, {}).get("status") not in FINISHED]
     for n in chosen:
         e = state["experiments"].get(n, {})
-        for v in e.get("verdicts", []):
-            mark = {True: "holds", False: "does NOT hold", None: "inconclusive"}[v.get("holds")]
-            print(f"{n:22s} {mark:14s} {v['claim']}: {v['measured']}")
+        if e.get("status") == NOT_APPLICABLE:
+            print(f"{n:22s} not applicable: {e['why']}")
+            continue
+        for d in e.get("claims", []):
+            c = Claim.from_dict(d)
+            print(f"{n:22s} {'(sanity check) ' if c.kind == 'sanity' else ''}{c.line()}")
         if e.get("status") == "failed":
             print(f"{n:22s} FAILED         {e['error']}")
     print(f"report: {cfg.out}/{REPORT_FILE}")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -178,6 +178,11 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Estimate:
+        """Inverse of :meth:`to_dict`, also for JSON (where non-finite floats are strings)."""
+        return cls(**{k: _float(v) for k, v in d.items()})
 
     def text(self) -> str:
         v = _num(self.value)
@@ -326,7 +331,7 @@ class Claim:
         kw = {k: v for k, v in d.items() if k in known}
         est = kw.get("estimate")
         if isinstance(est, Mapping):
-            kw["estimate"] = Estimate(**{k: _float(v) for k, v in est.items()})
+            kw["estimate"] = Estimate.from_dict(est)
         return cls(**kw)
 
     def line(self) -> str:
@@ -368,7 +373,7 @@ class Spec:
     section: str
     statement: str
     statistic: str
-    op: Literal[">=", ">", "<=", "<"]
+    op: str
     threshold: str
     control: str = ""
     kind: str = "claim"

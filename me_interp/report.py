@@ -7,7 +7,9 @@ and links to the figures. Re-running with the same settings skips experiments th
 (their ``result.json`` exists), so an interrupted battery resumes where it stopped.
 
 Every experiment module provides ``NAME``, ``Config`` (a :class:`CommonConfig`), ``run(cfg, model)``,
-``figures(result)`` and ``verdicts(result) -> [{"claim", "measured", "holds"}]``.
+``figures(result)``, ``SPECS`` and ``verdicts(result) -> list[claims.Claim]``. An experiment whose
+claims presuppose a massive activation that the model lacks is recorded as "not applicable" (with the
+reason), not as a failure.
 """
 
 from __future__ import annotations
@@ -19,8 +21,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from me_interp import claims as claims_mod
 from me_interp import io
-from me_interp.experiments.common import CommonConfig, model_for, seed_everything
+from me_interp.experiments.common import (
+    CommonConfig,
+    execute,
+    model_for,
+    seed_everything,
+    write_outcome,
+)
 
 EXPERIMENTS: tuple[str, ...] = (
     "me_layer",
@@ -37,6 +46,9 @@ EXPERIMENTS: tuple[str, ...] = (
     "component_ablation",
     "sink_causality",
 )
+NOT_APPLICABLE = claims_mod.NOT_APPLICABLE
+FINISHED = ("done", NOT_APPLICABLE)
+"""Battery statuses of an experiment that ran to the end (and is skipped on resume)."""
 STATE_FILE = "battery.json"
 REPORT_FILE = "report.html"
 COMMON_KEYS = ("model", "prompts", "bos", "dtype", "device", "seed", "out", "threads")
@@ -83,7 +95,7 @@ def run_battery(
     for i, name in enumerate(experiments):
         entry = state["experiments"].get(name, {})
         done = (
-            entry.get("status") == "done"
+            entry.get("status") in FINISHED
             and (Path(entry.get("run_dir", "")) / io.RESULT_FILE).is_file()
         )
         if done:
@@ -97,17 +109,16 @@ def run_battery(
             cfg = module.Config(**common.to_dict())
             seed_everything(cfg.seed)
             model = model_for(cfg, model)
-            result = module.run(cfg, model)
-            figs = module.figures(result)
-            run_dir = io.write_run(
-                common.out, name, cfg, result, io.environment(model.info()), figs
-            )
+            outcome = execute(module, cfg, model)
+            run_dir = write_outcome(name, cfg, model, outcome)
             entry = {
-                "status": "done",
+                "status": "done" if outcome.not_applicable is None else NOT_APPLICABLE,
                 "run_dir": str(run_dir),
-                "figures": sorted(figs),
-                "verdicts": io.to_jsonable(module.verdicts(result)),
+                "figures": sorted(outcome.figures),
+                "claims": io.to_jsonable(outcome.claims),
             }
+            if outcome.not_applicable is not None:
+                entry["why"] = outcome.not_applicable
         except Exception as e:  # one failing experiment must not stop the battery
             entry = {
                 "status": "failed",
@@ -121,63 +132,93 @@ def run_battery(
     return state
 
 
-_MARK = {
-    True: ("holds", "#1a7f37"),
-    False: ("does not hold", "#cf222e"),
-    None: ("inconclusive", "#9a6700"),
+_COLOR = {
+    claims_mod.HOLDS: "#1a7f37",
+    claims_mod.FAILS: "#cf222e",
+    claims_mod.INCONCLUSIVE: "#9a6700",
+    claims_mod.NOT_APPLICABLE: "#57606a",
 }
+
+
+def _claim_rows(cs: Sequence[dict[str, Any]]) -> list[str]:
+    rows = []
+    for d in cs:
+        c = claims_mod.Claim.from_dict(d)
+        measured = html.escape(c.estimate.text()) if c.estimate else "&mdash;"
+        sanity = c.kind == "sanity"
+        label = f"{c.verdict} <small>(sanity check)</small>" if sanity else c.verdict
+        why = f"<br><i>{html.escape(c.why)}</i>" if c.why else ""
+        details = f"<br><small>{html.escape(c.details)}</small>" if c.details else ""
+        rows.append(
+            f"<tr{' class=sanity' if sanity else ''}>"
+            f"<td style='color:{_COLOR[c.verdict]};font-weight:600'>{label}</td>"
+            f"<td><code>{html.escape(c.id)}</code><br><small>{html.escape(c.section)}</small></td>"
+            f"<td>{html.escape(c.statement)}{why}</td>"
+            f"<td>{html.escape(c.statistic)}: <b>{measured}</b>{details}</td>"
+            f"<td><small>{html.escape(c.rule)}</small></td>"
+            f"<td><small>{html.escape(c.control)}</small></td></tr>"
+        )
+    return rows
 
 
 def write_report(
     out: Path, state: dict[str, Any], experiments: Sequence[str] = EXPERIMENTS
 ) -> Path:
-    """Write ``<out>/report.html`` from the battery state."""
+    """Write ``<out>/report.html`` from the battery state: a summary of the verdicts, then per
+    experiment every claim with its estimate, interval, n, rule and control."""
     out = Path(out)
     settings = state.get("settings", {})
-    rows = []
+    sections = []
+    all_claims: list[dict[str, Any]] = []
     for name in experiments:
         entry = state["experiments"].get(name)
+        head = f"<h2 id='{name}'>{name}</h2>"
         if entry is None:
-            rows.append(f"<tr><td>{name}</td><td colspan=4><i>not run yet</i></td></tr>")
+            sections.append(f"{head}<p><i>not run yet</i></p>")
             continue
-        if entry["status"] != "done":
+        if entry["status"] not in FINISHED:
             err = html.escape(entry.get("error", ""))
-            rows.append(
-                f"<tr><td>{name}</td><td colspan=4 style='color:#cf222e'>failed: {err}</td></tr>"
-            )
+            sections.append(f"{head}<p style='color:#cf222e'>failed: {err}</p>")
             continue
-        run_dir = Path(entry["run_dir"])
-        rel = Path(_relpath(run_dir, out))
-        links = " ".join(
+        cs = entry.get("claims") or []
+        all_claims.extend(cs)
+        rel = Path(_relpath(Path(entry["run_dir"]), out))
+        links = " &middot; ".join(
             f"<a href='{html.escape(str(rel / (f + '.html')))}'>{html.escape(f)}</a>"
             for f in entry["figures"]
         )
         result_link = f"<a href='{html.escape(str(rel / io.RESULT_FILE))}'>result.json</a>"
-        verdicts = entry.get("verdicts") or [{"claim": "(no claim)", "measured": "", "holds": None}]
-        for j, v in enumerate(verdicts):
-            text, color = _MARK[v.get("holds")]
-            first = j == 0
-            rows.append(
-                "<tr>"
-                + (
-                    f"<td rowspan={len(verdicts)}><b>{name}</b><br><small>{result_link}</small></td>"
-                    if first
-                    else ""
-                )
-                + f"<td>{html.escape(str(v.get('claim', '')))}</td>"
-                + f"<td>{html.escape(str(v.get('measured', '')))}</td>"
-                + f"<td style='color:{color};font-weight:600'>{text}</td>"
-                + (f"<td rowspan={len(verdicts)}>{links}</td>" if first else "")
-                + "</tr>"
-            )
-    done = sum(1 for e in state["experiments"].values() if e.get("status") == "done")
+        na = (
+            f"<p><b>not applicable</b>: {html.escape(entry['why'])}</p>"
+            if entry["status"] == NOT_APPLICABLE
+            else ""
+        )
+        table = (
+            "<table><tr><th>verdict</th><th>claim</th><th>statement</th><th>statistic: estimate "
+            "[95% CI] (n)</th><th>rule</th><th>control</th></tr>"
+            + "".join(_claim_rows(cs))
+            + "</table>"
+            if cs
+            else ""
+        )
+        sections.append(
+            f"{head}<p>{result_link} {('&middot; ' + links) if links else ''}</p>{na}{table}"
+        )
+    n = claims_mod.counts(all_claims)
+    n_sanity = sum(1 for c in all_claims if c.get("kind") == "sanity")
+    summary = "".join(
+        f"<td style='color:{_COLOR[v]};font-weight:600'>{v}: {n[v]}</td>"
+        for v in claims_mod.VERDICTS
+    )
+    finished = sum(1 for e in state["experiments"].values() if e.get("status") in FINISHED)
     body = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>me_interp report</title>
 <style>
-body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 1200px; }}
-table {{ border-collapse: collapse; width: 100%; }}
+body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 1300px; }}
+table {{ border-collapse: collapse; width: 100%; margin-bottom: 1em; }}
 td, th {{ border: 1px solid #d0d7de; padding: 6px 8px; vertical-align: top; font-size: 14px; }}
 th {{ background: #f6f8fa; text-align: left; }}
+tr.sanity td {{ background: #f6f8fa; color: #57606a; }}
 code {{ background: #f6f8fa; padding: 1px 4px; }}
 </style></head><body>
 <h1>me_interp report</h1>
@@ -185,13 +226,17 @@ code {{ background: #f6f8fa; padding: 1px 4px; }}
 prompts: <code>{html.escape(str(settings.get("prompts") or "built-in"))}</code>;
 BOS: <code>{html.escape(str(settings.get("bos")))}</code>; dtype: <code>{html.escape(str(settings.get("dtype")))}</code>;
 seed: {settings.get("seed")}. Layers are 0-based (1-based in parentheses where given).
-{done} of {len(experiments)} experiments finished.</p>
-<p>Each row states a claim of the paper (Massive Emergence layer, ICML 2026) or of its critics, the number
-measured here, and whether the claim holds <i>on this model with these prompts</i>. Follow the links for
-the interactive figures and the full <code>result.json</code>.</p>
-<table><tr><th>experiment</th><th>claim</th><th>measured</th><th>verdict</th><th>figures</th></tr>
-{"".join(rows)}
-</table></body></html>
+{finished} of {len(experiments)} experiments finished.</p>
+<table><tr><th colspan=4>claims of the paper and its critics on this model
+({sum(n.values())} claims; {n_sanity} sanity checks not counted)</th></tr><tr>{summary}</tr></table>
+<p>Each claim is decided by one rule: it <b>holds</b> when the whole 95% interval of its statistic
+(a seeded percentile bootstrap over prompts, partner layers or seeds) lies on the claimed side of the
+threshold, <b>fails</b> when none of it does, and is <b>inconclusive</b> when the interval straddles the
+threshold. <b>Not applicable</b>: the claim presupposes something this model lacks (the reason is
+given). Sanity checks (grey) are true by construction and are not evidence. Thresholds:
+<code>me_interp.claims.THRESHOLDS</code> (docs/claims.md).</p>
+{"".join(sections)}
+</body></html>
 """
     return io.atomic_write_text(out / REPORT_FILE, body)
 
@@ -200,3 +245,56 @@ def _relpath(path: Path, start: Path) -> str:
     import os
 
     return os.path.relpath(path, start)
+
+
+def claims_markdown(experiments: Sequence[str] = EXPERIMENTS) -> str:
+    """``docs/claims.md``: the threshold table and every claim each experiment can state.
+
+    Regenerate with ``python -c "from me_interp.report import claims_markdown as m; print(m(), end='')"
+    > docs/claims.md`` (a test checks the file is current).
+    """
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = [
+        "# Claims, rules and thresholds",
+        "",
+        "Generated from `me_interp.claims.THRESHOLDS` and each experiment's `SPECS` by",
+        "`me_interp.report.claims_markdown()`; do not edit by hand.",
+        "",
+        "Every claim is decided by one rule: it **holds** when the whole "
+        f"{claims_mod.LEVEL:.0%} interval of its statistic",
+        "lies on the claimed side of its threshold, **fails** when none of it does, and is "
+        "**inconclusive** when the",
+        "interval straddles the threshold. Intervals are seeded percentile bootstraps "
+        f"({claims_mod.N_BOOTSTRAP} resamples) over",
+        "per-unit statistics (prompts, texts, partner layers), or over at least "
+        f"{claims_mod.MIN_SEEDS} seeds for random controls.",
+        "**Not applicable**: the claim presupposes something the model lacks (e.g. a massive "
+        "activation). Claims of kind",
+        "*sanity* hold by construction; they are reported, never counted as evidence.",
+        "",
+        "## Thresholds",
+        "",
+        "| name | value | meaning |",
+        "| --- | --- | --- |",
+    ]
+    for name, t in claims_mod.THRESHOLDS.items():
+        lines.append(f"| `{name}` | {t.value:g} | {cell(t.doc)} |")
+    lines += ["", "## Claims by experiment", ""]
+    for name in experiments:
+        module = importlib.import_module(f"me_interp.experiments.{name}")
+        lines += [
+            f"### {name}",
+            "",
+            "| id | section | kind | statement | statistic | rule | control |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for s in module.SPECS:
+            lines.append(
+                f"| `{s.id}` | {cell(s.section)} | {s.kind} | {cell(s.statement)} | "
+                f"{cell(s.statistic)} | {s.op} `{s.threshold}` ({s.value:g}) | {cell(s.control)} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from me_interp import __main__ as cli
-from me_interp import report
+from me_interp import claims, report
 
 
 @pytest.fixture()
@@ -30,14 +30,16 @@ def test_full_battery_on_planted_model(args, capsys):
         assert name in html
         run_dir = out / name
         assert len(list(run_dir.iterdir())) == 1
-    # every experiment states at least one claim with a verdict
+    # every experiment states at least one claim, in the one claim format
     for name, entry in state["experiments"].items():
-        assert entry["verdicts"], name
-        for v in entry["verdicts"]:
-            assert set(v) >= {"claim", "measured", "holds"} and v["holds"] in (True, False, None)
+        assert entry["claims"], name
+        for c in entry["claims"]:
+            assert c["verdict"] in claims.VERDICTS and c["id"].startswith(name + "."), c["id"]
+            assert {"statement", "statistic", "rule", "control", "estimate", "line"} <= set(c)
     # the planted ME layer is what the report says
-    me = state["experiments"]["me_layer"]["verdicts"][0]
-    assert me["holds"] is True and "ME layer 2" in me["measured"]
+    me = state["experiments"]["me_layer"]["claims"][0]
+    assert me["verdict"] == claims.HOLDS and "ME layer 2" in me["line"]
+    assert "holds:" in html and "95% CI" in html
     printed = capsys.readouterr()
     assert "report:" in printed.out and "[13/13] sink_causality" in printed.err
 

@@ -7,8 +7,13 @@ Every experiment module defines::
     def run(cfg: Config, model=None) -> Result        # pure: no printing, no files
     def figures(result: Result) -> dict[str, go.Figure]
     def summary(result: Result) -> str                # the short table main() prints
+    SPECS: tuple[claims.Spec, ...]                    # every claim the experiment can state
+    def verdicts(result: Result) -> list[claims.Claim]
     def main(argv=None) -> int:
         return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+
+``run`` raises :class:`claims.NotApplicable` when the model lacks what the experiment's claims
+presuppose (no massive activation): :func:`execute` then answers "not applicable" for every spec.
 
 and so shares one command-line shape: ``--model`` (default: bundled), ``--prompts`` (file), ``--bos``,
 ``--dtype``, ``--device``, ``--seed``, ``--out``, ``--help``, plus its own fields.
@@ -26,12 +31,13 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from me_interp import io
+from me_interp import claims, io
 from me_interp.models import BOS_CHOICES, DTYPES, LoadedModel, ModelLoadError, load_model
 from me_interp.prompts import builtin_prompts, read_prompts
 
@@ -249,6 +255,48 @@ def config_from_args(config_cls: type, args: argparse.Namespace):
     return config_cls(**values)
 
 
+@dataclass
+class Outcome:
+    """What one experiment produced: its result (``None`` when not applicable), its claims and its
+    figures; ``not_applicable`` holds the reason when the experiment did not apply."""
+
+    result: Any
+    claims: list[claims.Claim]
+    figures: dict[str, Any]
+    not_applicable: str | None = None
+
+    def result_json(self) -> Any:
+        """What ``result.json`` holds: the result's fields plus ``claims`` (every claim as a dict)."""
+        body = (
+            {"not_applicable": self.not_applicable}
+            if self.result is None
+            else io.to_jsonable(self.result)
+        )
+        if not isinstance(body, dict):
+            body = {"result": body}
+        return {**body, "claims": io.to_jsonable(self.claims)}
+
+
+def execute(module: types.ModuleType, cfg: CommonConfig, model: LoadedModel) -> Outcome:
+    """Run experiment ``module`` (see the module docstring) with ``cfg`` on ``model``.
+
+    A :class:`claims.NotApplicable` raised by ``run`` becomes "not applicable" for every claim of
+    ``module.SPECS``, with its message as the reason.
+    """
+    try:
+        result = module.run(cfg, model)
+    except claims.NotApplicable as e:
+        return Outcome(None, claims.not_applicable(module.SPECS, str(e)), {}, str(e))
+    return Outcome(result, list(module.verdicts(result)), dict(module.figures(result)))
+
+
+def write_outcome(name: str, cfg: CommonConfig, model: LoadedModel, outcome: Outcome) -> Path:
+    """Write ``<cfg.out>/<name>/<run_id>/`` for ``outcome``; returns the run directory."""
+    return io.write_run(
+        cfg.out, name, cfg, outcome.result_json(), io.environment(model.info()), outcome.figures
+    )
+
+
 def cli_main(
     name: str,
     config_cls: type,
@@ -258,10 +306,14 @@ def cli_main(
     argv: Sequence[str] | None = None,
     description: str | None = None,
 ) -> int:
-    """Parse ``argv``, run the experiment, write ``<out>/<name>/<run_id>/``, print a summary.
+    """Parse ``argv``, run the experiment, write ``<out>/<name>/<run_id>/``, print a summary and one
+    line per claim.
 
-    Returns 0 on success, 2 on bad input (with a one-line ``error:`` message on stderr).
+    The experiment module is the one that defines ``run`` (its ``SPECS`` and ``verdicts`` are used).
+    Returns 0 on success, also when the experiment is not applicable to the model (it says why), and 2
+    on bad input (with a one-line ``error:`` message on stderr).
     """
+    module = sys.modules[run.__module__]
     parser = build_parser(config_cls, f"python -m me_interp.experiments.{name}", description)
     args = parser.parse_args(argv)
     try:
@@ -269,15 +321,16 @@ def cli_main(
         apply_threads(cfg)
         seed_everything(cfg.seed)
         model = model_for(cfg)
-        result = run(cfg, model)
-        figs = figures(result) if figures else {}
-        env = io.environment(model.info())
-        run_dir = io.write_run(cfg.out, name, cfg, result, env, figs)
+        outcome = execute(module, cfg, model)
+        run_dir = write_outcome(name, cfg, model, outcome)
     except (ValueError, TypeError, FileNotFoundError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if summary:
-        print(summary(result))
+    if outcome.not_applicable is not None:
+        print(f"not applicable to {model.name}: {outcome.not_applicable}")
+    elif summary:
+        print(summary(outcome.result))
+    print(fmt_verdicts(outcome.claims))
     print(f"results: {run_dir}")
     return 0
 
@@ -296,10 +349,6 @@ def fmt_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, cells)])
 
 
-def fmt_verdicts(verdicts: Sequence[Mapping[str, Any]]) -> str:
-    """One line per verdict: ``[holds|FAILS|n/a] claim: measured``."""
-    return "\n".join(
-        f"[{'holds' if v['holds'] else ('n/a' if v['holds'] is None else 'FAILS')}] {v['claim']}: "
-        f"{v['measured']}"
-        for v in verdicts
-    )
+def fmt_verdicts(verdicts: Sequence[claims.Claim]) -> str:
+    """One citable line per claim (:meth:`claims.Claim.line`); sanity checks are marked as such."""
+    return "\n".join(("(sanity check) " if c.kind == "sanity" else "") + c.line() for c in verdicts)

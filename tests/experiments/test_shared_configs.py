@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from me_interp import claims
 from me_interp.experiments import common
 from me_interp.experiments._weights import EDIT_COLUMNS, Measurement, edit_cells, edit_row
 from me_interp.experiments.mechanism import DetectConfig
@@ -22,15 +23,13 @@ def test_check_choices_rejects(values, message):
         common.check_choices(values, ("a", "b"), "thing")
 
 
-def test_fmt_verdicts_marks_each_outcome():
-    lines = common.fmt_verdicts(
-        [
-            {"claim": "c1", "measured": "m1", "holds": True},
-            {"claim": "c2", "measured": "m2", "holds": False},
-            {"claim": "c3", "measured": "m3", "holds": None},
-        ]
-    )
-    assert lines.splitlines() == ["[holds] c1: m1", "[FAILS] c2: m2", "[n/a] c3: m3"]
+def test_fmt_verdicts_one_line_per_claim_sanity_marked():
+    spec = claims.Spec("x.a", "§1", "A holds", "fraction", ">=", "moved_fraction", "twin")
+    sanity = claims.Spec("x.b", "§1", "B by construction", "cell", ">=", "restore", kind="sanity")
+    cs = [spec.judge(claims.bootstrap([1.0, 1.0, 1.0])), sanity.judge(claims.exact(1.0, 3, "prompts"))]
+    lines = common.fmt_verdicts(cs).splitlines()
+    assert lines[0].startswith("[holds] x.a (§1): A holds — fraction = 1 [1, 1]")
+    assert lines[1].startswith("(sanity check) [holds] x.b")
 
 
 def test_site_config_validates_the_layer():
