@@ -94,26 +94,40 @@ THRESHOLDS: dict[str, Threshold] = {
     "restore": Threshold(
         0.5,
         "activation patching: a patch 'restores' the clean behaviour when the normalised metric "
-        "(clean = 1, corrupt = 0) reaches this",
+        "(clean = 1, corrupt = 0) reaches this; transplant: the fraction of the sink heads' "
+        "unmodified attention to p that reaches the new position",
     ),
     "removed": Threshold(
         0.1,
-        "an intervention 'removes' the massive activation when the norm ratio after it is at most "
-        "this fraction of the unedited ratio",
+        "an intervention 'removes' the massive activation when the excess norm ratio (R - 1, "
+        "R = the massive token's norm over the other tokens' mean norm; 1 = an ordinary token) left "
+        "after it is at most this fraction of the unedited excess",
     ),
     "moved_fraction": Threshold(
         0.5,
-        "weight swaps / patches: the emergence 'moves' when it does so for at least this fraction "
-        "of the partner layers",
+        "weight swaps / patches: the emergence moves / is copied / leaves the ME layer for at least "
+        "this fraction of the partner / target layers; also the fraction of earlier inputs for "
+        "which the ME layer's pre-FFN norm + FFN make a large output (weight_input_cross)",
+    ),
+    "cross_large": Threshold(
+        10.0,
+        "weights x input cross: a cell C[X, Y] (the massive token's FFN output of layer X's pre-FFN "
+        "norm + FFN on layer Y's input, over the other tokens' median FFN output at X) is large when "
+        "it is at least this many times an ordinary FFN output (and at least 'removed' x C[m, m])",
     ),
     "cross_share": Threshold(
         0.5,
-        "weights x input cross: the share of the cross matrix's large cells (>= 10 x its median) "
-        "that lie in the ME layer's row must reach this for 'the weights alone decide'",
+        "weights x input cross: the share of the large cells (see 'cross_large') among "
+        "pre-emergence inputs (Y <= m, the cell (m, m) left out) that lie in the ME layer's row "
+        "must reach this for 'only the ME layer's weights make it'",
     ),
     "ppl_unchanged": Threshold(
         0.05,
         "perplexity is 'unchanged' when |ratio - 1| stays below this",
+    ),
+    "mc_unchanged": Threshold(
+        0.05,
+        "multiple-choice accuracy is 'unchanged' when |accuracy ratio - 1| stays below this",
     ),
     "ppl_damage": Threshold(
         2.0,
@@ -123,11 +137,6 @@ THRESHOLDS: dict[str, Threshold] = {
         0.3,
         "a head is a sink head when its mean attention to the massive token (queries after it) "
         "reaches this",
-    ),
-    "wemask_beats_random": Threshold(
-        0.0,
-        "WeMask at rate r beats the random-dims control when (random ppl - WeMask ppl) / base ppl "
-        "is above this",
     ),
 }
 
@@ -467,7 +476,7 @@ def check_specs(specs: Iterable[Spec]) -> None:
         seen.add(s.id)
 
 
-def null_z(values: Sequence[float], layer: int) -> float:
+def null_z(values: Sequence[float] | np.ndarray, layer: int) -> float:
     """How far the value at ``layer`` lies above the other layers': ``(x_L - mean_{l≠L} x_l) /
     std_{l≠L} x_l`` (``inf`` when the others are constant and ``x_L`` above them).
 

@@ -4,8 +4,17 @@
   text (padding excluded), the same token count with and without hooks;
 * next-token agreement with the unmodified model: ``mean_t KL(p_ref,t ‖ p_int,t)`` and top-1 agreement;
 * multiple-choice scoring by log-likelihood, ``Σ_{t∈choice} log p(x_t | x_{<t})`` (the lm-eval-harness
-  ``acc`` rule, and a per-token-normalised variant), on a small shipped item set
+  ``acc`` rule, and a per-token-normalised variant), on the shipped item set
   (``me_interp/data/mc_items.json``) or any file of the same shape. Real benchmarks: ``docs/wemask.md``.
+
+Claims about these numbers need intervals over *texts* and *items*, so every metric is also available
+per unit: :func:`text_nll` and :func:`text_agreement` give per-text sums (perplexity and KL pool them
+as ``exp(Σ_b nll_b / Σ_b n_b)`` and ``Σ_b kl_b / Σ_b n_b``), :attr:`MCResult.correct` per-item
+outcomes. :func:`text_metrics` measures one forward of a batch of texts per text (NLL, KL and top-1
+against a :class:`Reference`, attention to position 0 and its entropy, effective rank) and
+:func:`pooled_metrics` pools them. :class:`Reference` keeps the unmodified model's distributions, so
+the KL of each intervened run costs one product (:func:`agreement_to`). :func:`length_batches` splits
+texts into batches of similar length, so that a long text does not pad every other one.
 """
 
 from __future__ import annotations
@@ -14,24 +23,40 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from importlib import resources
+from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 
+from me_interp import names
 from me_interp.models import Batch, LoadedModel
+from me_interp.probes.geometry import effective_rank
+
+
+def logits_nll(
+    logits: Float[torch.Tensor, "batch pos vocab"],
+    tokens: Int[torch.Tensor, "batch pos"],
+    mask: Int[torch.Tensor, "batch pos"] | Bool[torch.Tensor, "batch pos"],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position next-token NLL ``[batch, pos-1]`` of ``tokens`` under ``logits`` and its validity
+    mask (both the predicting and the predicted token are real), on the CPU."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    target = tokens[:, 1:].to(logp.device)
+    nll = -logp.gather(-1, target[..., None])[..., 0]
+    m = mask.bool()
+    valid = m[:, 1:] & m[:, :-1]
+    return nll.cpu(), valid.cpu()
 
 
 def token_nll(
     model: LoadedModel, batch: Batch, fwd_hooks: Sequence = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position next-token NLL ``[batch, pos-1]`` and its validity mask."""
-    logits = model.run_with_hooks(batch, fwd_hooks).float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
-    target = batch.tokens[:, 1:]
-    nll = -logp.gather(-1, target[..., None])[..., 0]
-    valid = batch.attention_mask[:, 1:].bool() & batch.attention_mask[:, :-1].bool()
-    return nll.cpu(), valid.cpu()
+    logits = model.run_with_hooks(batch, fwd_hooks)
+    return logits_nll(logits, batch.tokens, batch.attention_mask)
 
 
 def perplexity(model: LoadedModel, texts: Sequence[str] | Batch, fwd_hooks: Sequence = ()) -> float:
@@ -41,6 +66,84 @@ def perplexity(model: LoadedModel, texts: Sequence[str] | Batch, fwd_hooks: Sequ
     if not valid.any():
         raise ValueError("perplexity needs texts with at least 2 tokens")
     return math.exp(float(nll[valid].mean()))
+
+
+@dataclass(frozen=True)
+class TextNLL:
+    """Per-text next-token NLL sums: text ``b`` contributes ``nll[b] = Σ_t −log p(x_{t+1} | x_{≤t})``
+    over its ``n[b]`` real predictions."""
+
+    nll: list[float]
+    n: list[int]
+
+    @property
+    def perplexity(self) -> float:
+        """The pooled perplexity ``exp(Σ_b nll_b / Σ_b n_b)`` (what :func:`perplexity` computes)."""
+        return pooled_perplexity(self.nll, self.n)
+
+
+def text_nll(
+    logits: Float[torch.Tensor, "batch pos vocab"],
+    tokens: Int[torch.Tensor, "batch pos"],
+    mask: Int[torch.Tensor, "batch pos"] | Bool[torch.Tensor, "batch pos"],
+    *,
+    normalized: bool = False,
+) -> TextNLL:
+    """Per-text NLL sums and prediction counts of ``tokens`` under ``logits`` (padding excluded).
+
+    ``normalized=True``: ``logits`` are already log-probabilities (``log_softmax``), so one
+    normalisation serves both this and :func:`agreement_to`.
+    """
+    if normalized:
+        target = tokens[:, 1:].to(logits.device)
+        nll = -logits[:, :-1].gather(-1, target[..., None])[..., 0].cpu()
+        m = mask.bool().cpu()
+        valid = m[:, 1:] & m[:, :-1]
+    else:
+        nll, valid = logits_nll(logits, tokens, mask)
+    nll = torch.where(valid, nll.double(), torch.zeros((), dtype=torch.float64))
+    return TextNLL(nll=nll.sum(-1).tolist(), n=[int(v) for v in valid.sum(-1)])
+
+
+def pooled_perplexity(nll: Sequence[int | float], n: Sequence[int | float]) -> float:
+    """``exp(Σ_b nll_b / Σ_b n_b)``: the perplexity of a set of texts from per-text sums.
+
+    Raises:
+        ValueError: no prediction at all (``Σ n = 0``).
+    """
+    total = sum(n)
+    if total <= 0:
+        raise ValueError("perplexity needs texts with at least 2 tokens")
+    return math.exp(sum(nll) / total)
+
+
+def length_batches(
+    model: LoadedModel, texts: Sequence[str], max_tokens: int = 1024
+) -> list[tuple[list[int], Batch]]:
+    """``texts`` tokenised (with the model's BOS choice) and grouped by length into batches of at most
+    ``max_tokens`` padded tokens (a longer text gets a batch of its own).
+
+    Returns:
+        ``[(indices, batch), ...]``: ``batch`` row ``i`` is ``texts[indices[i]]``; every text appears
+        once. Rows of similar length share a batch, so little compute goes to padding.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    full = model.tokenize(list(texts))
+    lengths = full.lengths
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    out = []
+    for g in groups:
+        rows = [full.tokens[i, : lengths[i]].tolist() for i in g]
+        prompts = None if full.prompts is None else tuple(full.prompts[i] for i in g)
+        out.append((g, model.batch_from_ids(rows, prompts=prompts)))
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -91,6 +194,76 @@ def agreement(
     )
 
 
+@dataclass(frozen=True)
+class TextAgreement:
+    """Per-text sums behind :class:`Agreement`: text ``b`` has ``n[b]`` real positions, ``kl[b] =
+    Σ_t KL(p_ref,t ‖ p_int,t)`` and ``top1[b]`` positions whose argmax agrees."""
+
+    kl: list[float]
+    top1: list[int]
+    n: list[int]
+
+    def pooled(self) -> tuple[float, float]:
+        """``(Σ kl / Σ n, Σ top1 / Σ n)``: the mean KL and top-1 agreement over every position."""
+        total = sum(self.n)
+        if total <= 0:
+            raise ValueError("no real positions to compare")
+        return sum(self.kl) / total, sum(self.top1) / total
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The unmodified model's next-token distributions on one batch, kept to compare intervened runs
+    with: ``probs = p_ref`` ``[batch pos vocab]``, ``neg_entropy = Σ_v p_ref log p_ref`` and the
+    ``argmax`` ``[batch pos]``. Then ``KL(p_ref ‖ q) = neg_entropy − Σ_v p_ref log q`` costs one
+    product per run (:func:`agreement_to`)."""
+
+    probs: Float[torch.Tensor, "batch pos vocab"]
+    neg_entropy: Float[torch.Tensor, "batch pos"]
+    argmax: Int[torch.Tensor, "batch pos"]
+
+    @classmethod
+    def of(cls, logits: Float[torch.Tensor, "batch pos vocab"], *, normalized: bool = False):
+        """From logits (``normalized=True``: from log-probabilities)."""
+        lp = logits.float() if normalized else torch.log_softmax(logits.float(), -1)
+        p = lp.exp()
+        return cls(probs=p, neg_entropy=(p * lp).sum(-1), argmax=lp.argmax(-1))
+
+
+def agreement_to(
+    ref: Reference,
+    logp: Float[torch.Tensor, "batch pos vocab"],
+    mask: Int[torch.Tensor, "batch pos"] | Bool[torch.Tensor, "batch pos"],
+) -> TextAgreement:
+    """Per-text KL(p_ref ‖ q) sums and top-1 agreement counts of the log-probabilities ``logp`` (of
+    the intervened run) against ``ref``, over each text's real positions."""
+    if ref.probs.shape != logp.shape:
+        raise ValueError(f"logit shapes differ: {tuple(ref.probs.shape)} vs {tuple(logp.shape)}")
+    lq = logp.float().to(ref.probs.device)
+    valid = mask.bool().to(lq.device)
+    kl = (ref.neg_entropy - (ref.probs * lq).sum(-1)).double()  # [batch pos]
+    same = ref.argmax == lq.argmax(-1)
+    zero = torch.zeros((), dtype=torch.float64, device=kl.device)
+    return TextAgreement(
+        kl=torch.where(valid, kl, zero).sum(-1).cpu().tolist(),
+        top1=[int(v) for v in (same & valid).sum(-1).cpu()],
+        n=[int(v) for v in valid.sum(-1).cpu()],
+    )
+
+
+def text_agreement(
+    ref_logits: Float[torch.Tensor, "batch pos vocab"],
+    logits: Float[torch.Tensor, "batch pos vocab"],
+    mask: Int[torch.Tensor, "batch pos"] | Bool[torch.Tensor, "batch pos"],
+) -> TextAgreement:
+    """Per-text KL(p_ref ‖ p) sums and top-1 agreement counts over each text's real positions (the
+    per-unit form of :func:`agreement`; pooled, they give the same numbers)."""
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"logit shapes differ: {tuple(ref_logits.shape)} vs {tuple(logits.shape)}")
+    lq = torch.log_softmax(logits.float().to(ref_logits.device), -1)
+    return agreement_to(Reference.of(ref_logits), lq, mask)
+
+
 def next_token_agreement(
     model: LoadedModel,
     texts: Sequence[str] | Batch,
@@ -104,6 +277,111 @@ def next_token_agreement(
     batch = texts if isinstance(texts, Batch) else model.tokenize(list(texts))
     ref = model.run_with_hooks(batch) if ref_logits is None else ref_logits
     return agreement(ref, model.run_with_hooks(batch, fwd_hooks), batch.attention_mask)
+
+
+# ------------------------------------------------------------------------------------------
+# per-text metrics of one forward (the mask-rate study)
+# ------------------------------------------------------------------------------------------
+
+TEXT_STATS = ("nll", "n_pred", "kl", "top1", "n_pos", "sink", "entropy", "eff_rank")
+"""Per-text statistics of :func:`text_metrics` (sums for nll / kl / top1 with their counts, means
+otherwise)."""
+POOLED_METRICS = ("perplexity", "kl", "top1", "sink", "entropy", "eff_rank")
+"""What :func:`pooled_metrics` makes of them."""
+
+
+def _record_pattern(a: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
+    store[layer] = a.detach().float().cpu()
+    return a
+
+
+def _record_resid(x: torch.Tensor, hook: Any, *, store: dict) -> torch.Tensor:
+    store["resid"] = x.detach().float().cpu()
+    return x
+
+
+def _eff_rank(x: torch.Tensor) -> float:
+    try:
+        return effective_rank(x)
+    except ValueError:  # an all-zero block of states
+        return math.nan
+
+
+def text_metrics(
+    model: LoadedModel,
+    batch: Batch,
+    hooks: Sequence,
+    layers: Sequence[int],
+    rank_layer: int,
+    ref: Reference | None,
+) -> tuple[dict[str, list[float]], Reference | None]:
+    """Per-text statistics (:data:`TEXT_STATS`) of one forward of ``batch`` under ``hooks``.
+
+    Per text ``b``: the next-token NLL sum ``nll`` over its ``n_pred`` predictions; the KL sum ``kl``
+    and agreeing-argmax count ``top1`` over its ``n_pos`` positions against ``ref``; ``sink`` and
+    ``entropy``: per head the mean over real queries ``q ≥ 1`` of the attention to position 0 and of
+    ``−Σ_k A log A``, then the mean over heads and ``layers``; ``eff_rank``: the effective rank of its
+    token states ``t ≥ 1`` at ``rank_layer`` (NaN with fewer than 2 of them).
+
+    ``ref`` (the unmodified model's distributions on the same batch) gives KL and top-1 agreement;
+    without it (the baseline) KL is 0, top-1 agreement complete, and the batch's own
+    :class:`Reference` is returned for the later runs.
+    """
+    store: dict[Any, torch.Tensor] = {}
+    rec = [(names.pattern(L), partial(_record_pattern, store=store, layer=L)) for L in layers]
+    rec.append((names.resid_post(rank_layer), partial(_record_resid, store=store)))
+    logp = torch.log_softmax(model.run_with_hooks(batch, [*hooks, *rec]).float(), -1).cpu()
+    mask = batch.attention_mask.cpu()
+    nll = text_nll(logp, batch.tokens.cpu(), mask, normalized=True)
+    own = None
+    if ref is not None:
+        ag = agreement_to(ref, logp, mask)
+    else:
+        n_pos = [int(v) for v in mask.sum(-1)]
+        ag = TextAgreement(kl=[0.0] * len(n_pos), top1=n_pos, n=n_pos)
+        own = Reference.of(logp, normalized=True)
+    del logp
+    q = mask.bool().clone()
+    q[:, 0] = False  # queries t >= 1
+    qm = q[:, None, :].float()  # [batch 1 q]
+    n_q = qm.sum(-1).clamp_min(1.0)  # [batch 1]
+    sink = torch.zeros(len(batch), dtype=torch.float64)
+    ent = torch.zeros(len(batch), dtype=torch.float64)
+    for L in layers:
+        a = store[L]  # [batch head q k]
+        to0 = a[..., 0]
+        h = -(a * a.clamp_min(1e-30).log()).sum(-1)
+        sink += ((to0 * qm).sum(-1) / n_q).mean(-1).double()  # per text: mean over queries, heads
+        ent += ((h * qm).sum(-1) / n_q).mean(-1).double()
+    resid = store["resid"]
+    ranks = [_eff_rank(resid[b, 1:n]) if n > 2 else math.nan for b, n in enumerate(batch.lengths)]
+    stats = {
+        "nll": nll.nll,
+        "n_pred": [float(n) for n in nll.n],
+        "kl": ag.kl,
+        "top1": [float(t) for t in ag.top1],
+        "n_pos": [float(n) for n in ag.n],
+        "sink": (sink / len(layers)).tolist(),
+        "entropy": (ent / len(layers)).tolist(),
+        "eff_rank": ranks,
+    }
+    return stats, own
+
+
+def pooled_metrics(per_text: dict[str, Sequence[float]]) -> dict[str, float]:
+    """Pooled metrics (:data:`POOLED_METRICS`) from per-text statistics: perplexity
+    ``exp(Σ nll / Σ n)``, KL and top-1 over every position, the other metrics averaged over texts
+    (effective rank over the texts where it is defined)."""
+    n_pos = sum(per_text["n_pos"])
+    ranks = [r for r in per_text["eff_rank"] if r == r]
+    return {
+        "perplexity": pooled_perplexity(per_text["nll"], per_text["n_pred"]),
+        "kl": sum(per_text["kl"]) / n_pos,
+        "top1": sum(per_text["top1"]) / n_pos,
+        "sink": float(np.mean(per_text["sink"])),
+        "entropy": float(np.mean(per_text["entropy"])),
+        "eff_rank": float(np.mean(ranks)) if ranks else math.nan,
+    }
 
 
 # ------------------------------------------------------------------------------------------
@@ -133,7 +411,8 @@ class MCResult:
     """Log-likelihood scores of each choice and the accuracies they give.
 
     ``accuracy``: argmax of ``Σ log p(choice tokens | context)``; ``accuracy_norm``: argmax of the
-    per-token mean (lm-eval-harness's ``acc`` and a length-normalised variant).
+    per-token mean (lm-eval-harness's ``acc`` and a length-normalised variant). ``correct`` and
+    ``correct_norm`` are the per-item outcomes behind them (for intervals over items).
     """
 
     accuracy: float
@@ -142,9 +421,20 @@ class MCResult:
     n_tokens: list[list[int]]
     predictions: list[int]
     answers: list[int]
+    predictions_norm: list[int]
+
+    @property
+    def correct(self) -> list[bool]:
+        """Per item: whether the summed log-likelihood picks the right choice."""
+        return [p == a for p, a in zip(self.predictions, self.answers)]
+
+    @property
+    def correct_norm(self) -> list[bool]:
+        """Per item: whether the per-token mean log-likelihood picks the right choice."""
+        return [p == a for p, a in zip(self.predictions_norm, self.answers)]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "correct": self.correct, "correct_norm": self.correct_norm}
 
 
 def load_mc_items(path: str | None = None) -> list[MCItem]:
@@ -183,14 +473,17 @@ def score_choices(
             rows.append(ctx_ids + cont)
             spans.append((len(ctx_ids), len(ctx_ids) + len(cont)))
             owner.append(i)
-    scores: list[float] = []
-    for s in range(0, len(rows), batch_size):
-        batch = model.batch_from_ids(rows[s : s + batch_size])
-        logp = torch.log_softmax(model.run_with_hooks(batch, fwd_hooks).float(), -1).cpu()
-        toks = batch.tokens.cpu()
-        for j, (a, b) in enumerate(spans[s : s + batch_size]):
-            tgt = toks[j, a:b]
-            scores.append(float(logp[j, a - 1 : b - 1].gather(-1, tgt[:, None]).sum()))
+    scores = [0.0] * len(rows)
+    order = sorted(range(len(rows)), key=lambda r: (len(rows[r]), r))  # similar lengths per batch
+    for s in range(0, len(order), batch_size):
+        chunk = order[s : s + batch_size]
+        batch = model.batch_from_ids([rows[r] for r in chunk])
+        logits = model.run_with_hooks(batch, fwd_hooks)
+        for j, r in enumerate(chunk):
+            a, b = spans[r]
+            logp = torch.log_softmax(logits[j, a - 1 : b - 1].float(), -1).cpu()  # [choice vocab]
+            tgt = torch.as_tensor(rows[r][a:b])
+            scores[r] = float(logp.gather(-1, tgt[:, None]).sum())
     loglik: list[list[float]] = [[] for _ in items]
     ntok: list[list[int]] = [[] for _ in items]
     for sc, (a, b), i in zip(scores, spans, owner):
@@ -208,4 +501,5 @@ def score_choices(
         n_tokens=ntok,
         predictions=preds,
         answers=answers,
+        predictions_norm=preds_norm,
     )

@@ -20,9 +20,10 @@ chunk of ``batch_size`` rows is one forward instead of ``batch_size / B`` forwar
 ``transformer_lens.patching.generic_activation_patch`` on the same inputs (tests/test_patching.py).
 
 Corruption hooks (``corrupt_hooks``) run in the corrupt and in every patched forward, before the patch
-hooks, so patching the corrupted site itself from the clean run undoes the corruption. They must be
-row-wise (not depend on the batch size): :mod:`me_interp.interventions.causal` builds such hooks with
-``per_prompt=False``.
+hooks, so patching the corrupted site itself from the clean run undoes the corruption. They see
+batches of ``n·B`` rows (``n`` copies of the ``B`` corrupt prompts), so they must be row-wise or tile
+per-prompt values that way: the hooks of :mod:`me_interp.interventions.causal` do both
+(``per_prompt=False`` / ``True``).
 """
 
 from __future__ import annotations
@@ -130,11 +131,17 @@ def evaluate_metrics(
     batch: Batch,
     metrics: Mapping[str, PatchMetric],
     fwd_hooks: Sequence = (),
+    stop_at_layer: int | None = None,
 ) -> dict[str, Float[torch.Tensor, " batch"]]:
-    """One forward of ``batch`` with ``fwd_hooks``; every metric per prompt."""
+    """One forward of ``batch`` with ``fwd_hooks``; every metric per prompt.
+
+    ``stop_at_layer``: run only blocks ``0 .. stop_at_layer − 1`` (no unembedding); it must cover
+    every block a metric (and any recording hook in ``fwd_hooks``) reads.
+    """
     store: dict[str, torch.Tensor] = {}
     rec = [(n, partial(_record, store=store, key=n)) for n in _metric_hooks(metrics)]
-    model.run_with_hooks(batch, [*fwd_hooks, *rec])
+    kwargs = {} if stop_at_layer is None else {"stop_at_layer": int(stop_at_layer)}
+    model.run_with_hooks(batch, [*fwd_hooks, *rec], **kwargs)
     mask = batch.attention_mask.bool()
     return {k: m(store, mask).float() for k, m in metrics.items()}
 
@@ -172,7 +179,8 @@ class SweepResult:
     """Per-prompt metric values of a patching sweep over one site.
 
     ``values[metric]`` is ``[layer, pos, batch]`` in the order of ``layers`` and ``positions``;
-    ``clean`` / ``corrupt`` are the unpatched runs' ``[batch]`` values.
+    ``clean`` / ``corrupt`` are the unpatched runs' ``[batch]`` values. ``to_dict()`` keeps them all
+    (``per_prompt``), so intervals can be bootstrapped over prompts from a saved result.
     """
 
     site: str
@@ -198,6 +206,10 @@ class SweepResult:
         grid = self.normalized(metric) if normalise else self.mean(metric)
         return float(grid[li, pi])
 
+    def cell_values(self, metric: str, layer: int, pos: int) -> Float[torch.Tensor, " batch"]:
+        """Per-prompt metric values of the run with cell ``(layer, pos)`` patched."""
+        return self.values[metric][self.layers.index(layer), self.positions.index(pos)]
+
     def to_dict(self) -> dict:
         return {
             "site": self.site,
@@ -210,6 +222,11 @@ class SweepResult:
             "n_forwards": self.n_forwards,
             "batch_size": self.batch_size,
             "prefix_skipped": self.prefix_skipped,
+            "per_prompt": {
+                "clean": {k: v.tolist() for k, v in self.clean.items()},
+                "corrupt": {k: v.tolist() for k, v in self.corrupt.items()},
+                "patched": {k: v.tolist() for k, v in self.values.items()},
+            },
         }
 
 
@@ -332,20 +349,21 @@ def patch_sweep(
             raise ValueError(f"position {p} out of range for prompts of {T} tokens")
     hook_of = {layer: site_hook(site, layer) for layer in layers}
 
+    mhooks = _metric_hooks(metrics)
+    last_needed = max(_hook_layer(n) for n in mhooks)
+    stop = max(last_needed, *layers) + 1  # the unpatched runs need no unembedding
     # clean run: the site's activations at every patched layer, and the clean metrics
     store: dict[str, torch.Tensor] = {}
     rec = [(n, partial(_record, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
-    clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec])
+    clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec], stop)
     clean_acts = {layer: store[hook_of[layer]].clone() for layer in layers}  # [B T ...]
     # corrupt run: the metrics, and the site's activations (to find cells where clean == corrupt)
-    mhooks = _metric_hooks(metrics)
     cstore: dict[str, torch.Tensor] = {}
     cstore_m: dict[str, torch.Tensor] = {}
     rec = [(n, partial(_record, store=cstore, key=n)) for n in dict.fromkeys(hook_of.values())]
     rec += [(n, partial(_record, store=cstore_m, key=n)) for n in mhooks]
-    corrupt_vals = evaluate_metrics(model, corrupt, metrics, [*corrupt_hooks, *rec])
+    corrupt_vals = evaluate_metrics(model, corrupt, metrics, [*corrupt_hooks, *rec], stop)
 
-    last_needed = max(_hook_layer(n) for n in mhooks)
     out = {k: v[None, None].repeat(len(layers), len(positions), 1) for k, v in corrupt_vals.items()}
 
     def changes(li: int, pi: int) -> bool:

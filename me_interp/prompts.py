@@ -1,25 +1,69 @@
-"""Built-in prompts and prompt files.
+"""Built-in prompts, texts and prompt files, and the statistics of a prompt set.
 
-The built-in set has *different first tokens* on purpose: with causal attention the first token's state
-depends only on that token, so prompts sharing a first token make cross-input comparisons trivial
-(paper.md §4). A prompt file is plain text, one prompt per line (``\\n`` inside a line is a newline),
-or a JSON list of strings.
+The built-in prompt set (``me_interp/data/prompts.txt``; contents, measured statistics and licence in
+``docs/prompts.md``) holds original prompts of 16–256 tokens across prose, dialogue, code, math,
+markdown lists, tables/CSV/JSON and several languages besides English. Every prompt has a *different first token* on purpose: with causal
+attention the first token's state depends only on that token, so prompts sharing a first token make
+cross-input comparisons trivial (paper.md §4). A parallel file, ``prompts_genres.json``, tags each prompt
+with its genre. ``wemask_texts.txt`` holds the natural texts of the perplexity / KL evaluation.
+
+A prompt file is plain text, one prompt per line (``\\n`` inside a line is a newline), or a JSON list of
+strings.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from me_interp.models import LoadedModel
+
+PROMPTS_FILE = "prompts.txt"
+GENRES_FILE = "prompts_genres.json"
+TEXTS_FILE = "wemask_texts.txt"
+GENRES = ("prose", "dialogue", "code", "math", "markdown", "data", "non-english")
+"""Genre tags of the built-in prompts (``data``: tables, CSV, TSV, YAML and JSON)."""
 
 
 def _parse_lines(text: str) -> list[str]:
     return [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
 
 
+def _data_text(name: str) -> str:
+    return resources.files("me_interp.data").joinpath(name).read_text(encoding="utf-8")
+
+
 def builtin_prompts() -> list[str]:
-    """The toolkit's default prompts (varied first tokens and genres)."""
-    return _parse_lines(resources.files("me_interp.data").joinpath("prompts.txt").read_text())
+    """The toolkit's default prompts (different first tokens, varied genres and lengths)."""
+    return _parse_lines(_data_text(PROMPTS_FILE))
+
+
+def builtin_genres() -> list[str]:
+    """The genre of each built-in prompt, in the order of :func:`builtin_prompts` (one of ``GENRES``).
+
+    Raises:
+        ValueError: the genre file does not match the prompt file (one tag per prompt, known tags).
+    """
+    genres = json.loads(_data_text(GENRES_FILE))
+    n = len(builtin_prompts())
+    if not isinstance(genres, list) or len(genres) != n:
+        raise ValueError(f"{GENRES_FILE} must list one genre per built-in prompt ({n})")
+    unknown = sorted(set(genres) - set(GENRES))
+    if unknown:
+        raise ValueError(f"{GENRES_FILE}: unknown genres {unknown}; known: {GENRES}")
+    return genres
+
+
+def builtin_texts() -> list[str]:
+    """The shipped natural texts for perplexity / KL evaluation (one per line, ``\\n`` convention)."""
+    return _parse_lines(_data_text(TEXTS_FILE))
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -43,3 +87,64 @@ def read_prompts(path: str | Path) -> list[str]:
     if not prompts:
         raise ValueError(f"prompt file {path} holds no prompts")
     return prompts
+
+
+@dataclass(frozen=True)
+class PromptStats:
+    """Token statistics of a prompt set under one model's tokenizer and BOS choice.
+
+    Attributes:
+        n: number of prompts.
+        n_first_tokens: number of distinct first tokens (``n`` when every prompt starts differently).
+        min_tokens, median_tokens, mean_tokens, max_tokens: token lengths (BOS included if added).
+        total_tokens: the sum of the lengths (the real tokens one forward over the set processes).
+        padded_tokens: ``n × max_tokens``, the positions of one right-padded batch of the whole set.
+        lengths: the length of each prompt, in order.
+        genres: prompts per genre (only for the built-in set; empty otherwise).
+    """
+
+    n: int
+    n_first_tokens: int
+    min_tokens: int
+    median_tokens: float
+    mean_tokens: float
+    max_tokens: int
+    total_tokens: int
+    padded_tokens: int
+    lengths: list[int]
+    genres: dict[str, int]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def prompt_stats(model: LoadedModel, prompts: Sequence[str] | None = None) -> PromptStats:
+    """Token statistics of ``prompts`` (default: the built-in set) under ``model.tokenize``.
+
+    The first token is the one the experiments see at position 0: BOS when the model's BOS choice adds
+    one (then every prompt shares it), else the prompt's own first token.
+
+    Args:
+        model: the loaded model whose tokenizer and BOS choice define the tokens.
+        prompts: the prompt set; ``None``: the built-in set (then ``genres`` is filled in).
+
+    Raises:
+        ValueError: for an empty prompt list (from ``model.tokenize``).
+    """
+    builtin = prompts is None
+    prompts = builtin_prompts() if builtin else list(prompts)
+    batch = model.tokenize(prompts)
+    lengths = [int(n) for n in batch.lengths]
+    firsts = {int(t) for t in batch.tokens[:, 0].tolist()}
+    return PromptStats(
+        n=len(prompts),
+        n_first_tokens=len(firsts),
+        min_tokens=min(lengths),
+        median_tokens=float(statistics.median(lengths)),
+        mean_tokens=float(statistics.fmean(lengths)),
+        max_tokens=max(lengths),
+        total_tokens=sum(lengths),
+        padded_tokens=len(lengths) * max(lengths),
+        lengths=lengths,
+        genres=dict(Counter(builtin_genres())) if builtin else {},
+    )

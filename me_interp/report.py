@@ -42,6 +42,7 @@ EXPERIMENTS: tuple[str, ...] = (
     "ffn_svd_ablation",
     "weight_patching",
     "weight_swap",
+    "weight_input_cross",
     "transplant",
     "component_ablation",
     "sink_causality",
@@ -54,9 +55,20 @@ REPORT_FILE = "report.html"
 COMMON_KEYS = ("model", "prompts", "bos", "dtype", "device", "seed", "out", "threads")
 
 
-def _fingerprint(common: CommonConfig) -> dict[str, Any]:
+def _fingerprint(common: CommonConfig, model: Any) -> dict[str, Any]:
+    """What makes two batteries comparable: the shared settings, the device and dtype the model was
+    actually loaded with, and the code that ran (package version and git commit). A battery with
+    another fingerprint starts over instead of reusing finished runs."""
     d = common.to_dict()
-    return {k: d[k] for k in COMMON_KEYS if k not in ("out", "device", "threads")}
+    env = io.environment()
+    info = model.info()
+    return {
+        **{k: d[k] for k in COMMON_KEYS if k not in ("out", "device", "threads")},
+        "device_resolved": info["device"],
+        "dtype_resolved": info["dtype"],
+        "me_interp": env["me_interp"],
+        "git_commit": env["git_commit"],
+    }
 
 
 def _load_state(out: Path) -> dict[str, Any]:
@@ -88,7 +100,8 @@ def run_battery(
     out = Path(common.out)
     out.mkdir(parents=True, exist_ok=True)
     state = {"experiments": {}} if fresh else _load_state(out)
-    fp = _fingerprint(common)
+    model = model_for(common, model)
+    fp = _fingerprint(common, model)
     if state.get("settings") not in (None, fp):
         state = {"experiments": {}}  # other settings: start over, keep the old runs on disk
     state["settings"] = fp
@@ -108,7 +121,6 @@ def run_battery(
             module = importlib.import_module(f"me_interp.experiments.{name}")
             cfg = module.Config(**common.to_dict())
             seed_everything(cfg.seed)
-            model = model_for(cfg, model)
             outcome = execute(module, cfg, model)
             run_dir = write_outcome(name, cfg, model, outcome)
             entry = {
@@ -225,7 +237,9 @@ code {{ background: #f6f8fa; padding: 1px 4px; }}
 <p>Model: <code>{html.escape(str(settings.get("model") or "bundled SmolLM2-135M-Instruct"))}</code>;
 prompts: <code>{html.escape(str(settings.get("prompts") or "built-in"))}</code>;
 BOS: <code>{html.escape(str(settings.get("bos")))}</code>; dtype: <code>{html.escape(str(settings.get("dtype")))}</code>;
-seed: {settings.get("seed")}. Layers are 0-based (1-based in parentheses where given).
+seed: {settings.get("seed")}; ran on <code>{html.escape(str(settings.get("device_resolved")))}</code> in
+<code>{html.escape(str(settings.get("dtype_resolved")))}</code>; me_interp
+{html.escape(str(settings.get("me_interp")))}, commit <code>{html.escape(str(settings.get("git_commit")))}</code>. Layers are 0-based (1-based in parentheses where given).
 {finished} of {len(experiments)} experiments finished.</p>
 <table><tr><th colspan=4>claims of the paper and its critics on this model
 ({sum(n.values())} claims; {n_sanity} sanity checks not counted)</th></tr><tr>{summary}</tr></table>

@@ -165,6 +165,7 @@ def test_one_token_prompt_is_rejected(planted):
 # -- the bundled real model ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bundled_me_event(bundled):
     from me_interp.prompts import builtin_prompts
 
@@ -172,13 +173,55 @@ def test_bundled_me_event(bundled):
     me = loc.me_layer
     assert me is not None and 5 <= me <= 20  # measured: 11
     assert me == 11
+    assert [e.layer for e in loc.events] == [11]
     ev = loc.me_event
-    assert ev.site == "ffn"
-    assert 50 < ev.jump < 500  # measured: ~133
+    assert ev.site == "ffn" and ev.last_layer == 27
+    assert 50 < ev.jump < 500  # measured (82 built-in prompts): ~127
     assert 507 in loc.massive_dims[:2]
     assert all(0 in ps for ps in loc.massive_positions)
     assert 0.5 < loc.site_ratios["resid_post"][me - 1] < 3.0  # measured: ~1.0
-    assert 100 < loc.site_ratios["resid_post"][me] < 300  # measured: ~165
-    assert 300 < loc.site_ratios["ffn_out"][me] < 2000  # measured: ~675
-    assert 2000 < loc.max_over_median[me] < 50000  # measured: ~10000
-    assert loc.site_ratios["resid_post"][-1] < 30  # decays in the last layers (~8)
+    assert 100 < loc.site_ratios["resid_post"][me] < 300  # measured: ~167
+    assert 300 < loc.site_ratios["ffn_out"][me] < 2000  # measured: ~700
+    assert 2000 < loc.max_over_median[me] < 50000  # measured: ~12700
+    assert loc.site_ratios["resid_post"][-1] < 30  # decays in the last layers (~7)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def test_others_median_matches_a_loop_with_ties_and_single_tokens():
+    from me_interp.probes.massive import others_median
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        x = torch.rand(3, 4, 7, generator=gen)
+        if trial % 3 == 0:
+            x = (4 * x).round()  # ties
+        mask = torch.rand(4, 7, generator=gen) > 0.3
+        mask[:, 0] = True
+        if trial % 2:
+            mask[0, 1:] = False  # a single-token prompt: NaN
+        want = torch.full_like(x, float("nan"))
+        for t in range(7):
+            others = mask.clone()
+            others[:, t] = False
+            want[..., t] = x.masked_fill(~others, float("nan")).nanmedian(-1).values
+        got = others_median(x, mask)
+        real = mask.expand_as(x)
+        torch.testing.assert_close(got[real], want[real], equal_nan=True)
+
+
+def test_massive_reference_at_a_given_layer(planted):
+    from me_interp.models import LoadedModel
+    from me_interp.probes.massive import massive_reference
+
+    model, plant = planted
+    no_bos = LoadedModel(
+        model.bridge, model.hf, model.tokenizer, "p", "no", model.dtype, model.device
+    )
+    scan = scan_norms(no_bos, no_bos.tokenize(["w1 w2 <s> w3 w4", "w5 <s> w6 w7", "w8 w9 w10"]))
+    assert massive_reference(scan, None, plant.layer) == [2, 1, 0]  # none in prompt 2: position 0
+    assert massive_reference(scan, None, 0) == [0, 0, 0]  # nothing massive before the plant
+    assert locate_me_layer(scan).reference_positions == [2, 1, 0]
+    with pytest.raises(ValueError, match="out of range"):
+        massive_reference(scan, None, 9)

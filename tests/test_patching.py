@@ -249,3 +249,40 @@ def test_padded_prompts_fast_path_equals_full_forwards(planted):
     assert fast.prefix_skipped and not full.prefix_skipped
     for k in metrics:
         torch.testing.assert_close(fast.values[k], full.values[k], rtol=1e-4, atol=1e-5)
+
+
+def test_per_prompt_corruption_hooks_tile_and_equal_transformer_lens(pair):
+    """Per-prompt corruption values (causal.remove_massive, per_prompt=True) tile over the n*B
+    rows of a chunk: the sweep equals TL's one-forward-per-cell patching with the same hooks."""
+    model, plant, clean, _ = pair
+    hooks = causal.remove_massive(model, clean, plant.layer, [0], None, site="resid_pre")
+    metrics = _metrics(plant)
+    ours = patch_sweep(model, clean, clean, "mlp_out", metrics, corrupt_hooks=hooks, batch_size=9)
+    ref = _tl_sweep(
+        model, clean, clean, tl_patching.get_act_patch_mlp_out, metrics, "ratio", permanent=hooks
+    )
+    torch.testing.assert_close(ours.values["ratio"], ref.float(), rtol=1e-4, atol=1e-5)
+    # the corruption removed the massive activation upstream; the ME layer's FFN output restores it
+    assert ours.corrupt["ratio"].mean() < 2 < 100 < ours.clean["ratio"].mean()
+    assert ours.cell("ratio", plant.layer, 0) > 0.99
+    loop = patch_loop(model, clean, clean, "mlp_out", metrics, corrupt_hooks=hooks)
+    torch.testing.assert_close(ours.values["sink"], loop.values["sink"], rtol=1e-4, atol=1e-5)
+
+
+def test_per_prompt_values_in_to_dict(pair):
+    model, plant, clean, corrupt = pair
+    sw = patch_sweep(model, clean, corrupt, "attn_out", _metrics(plant), layers=[1, 3])
+    d = sw.to_dict()["per_prompt"]
+    assert d["clean"]["ratio"] == sw.clean["ratio"].tolist()
+    assert d["corrupt"]["sink"] == sw.corrupt["sink"].tolist()
+    assert np.asarray(d["patched"]["ratio"]).shape == (2, clean.tokens.shape[1], len(clean))
+    assert torch.equal(sw.cell_values("ratio", 3, 2), sw.values["ratio"][1, 2])
+
+
+def test_evaluate_metrics_stop_at_layer_is_exact(pair):
+    model, plant, clean, _ = pair
+    metrics = {"ratio": NormRatio(plant.layer, 0), "sink": SinkMass((plant.layer,), 0)}
+    full = evaluate_metrics(model, clean, metrics)
+    early = evaluate_metrics(model, clean, metrics, stop_at_layer=plant.layer + 1)
+    for k in metrics:
+        assert torch.equal(full[k], early[k])

@@ -7,13 +7,13 @@ import json
 import pytest
 
 from me_interp import __main__ as cli
-from me_interp import claims, report
+from me_interp import claims, report, synthetic
 
 
 @pytest.fixture()
 def args(tmp_path):
     p = tmp_path / "prompts.txt"
-    p.write_text("w1 w2 w3 w4 w5 w6 w7 w8\nw9 w8 w7 w6 w5 w4\nw20 w21 w22 w23 w24 w25 w26\n")
+    p.write_text("\n".join(synthetic.planted_prompts(4, 12)) + "\n")
     out = tmp_path / "out"
     return ["--model", "synthetic:planted", "--prompts", str(p), "--out", str(out)], out
 
@@ -41,7 +41,10 @@ def test_full_battery_on_planted_model(args, capsys):
     assert me["verdict"] == claims.HOLDS and "ME layer 2" in me["line"]
     assert "holds:" in html and "95% CI" in html
     printed = capsys.readouterr()
-    assert "report:" in printed.out and "[13/13] sink_causality" in printed.err
+    assert (
+        "report:" in printed.out
+        and f"[{len(report.EXPERIMENTS)}/{len(report.EXPERIMENTS)}] sink_causality" in printed.err
+    )
 
 
 def test_battery_resumes_after_a_crash(args, monkeypatch, capsys):
@@ -90,3 +93,21 @@ def test_battery_bad_input(args, capsys):
     assert "no experiments selected" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown experiments"):
         report.run_battery(report.CommonConfig(), ["nope"])
+
+
+def test_battery_starts_over_when_the_code_or_resolved_dtype_changes(args, monkeypatch):
+    argv, out = args
+    only = ["--only", "me_layer"]
+    assert cli.main(argv + only) == 0
+    state = json.loads((out / report.STATE_FILE).read_text())
+    assert state["settings"]["dtype_resolved"] == "float32"
+    assert state["settings"]["device_resolved"] == "cpu"
+    assert cli.main(argv + only) == 0
+    assert len(list((out / "me_layer").iterdir())) == 1  # same code, same settings: reused
+    from me_interp import io
+
+    monkeypatch.setattr(io, "_git_commit", lambda: "another-commit")
+    assert cli.main(argv + only) == 0
+    assert len(list((out / "me_layer").iterdir())) == 2  # results of other code are not reused
+    html = (out / report.REPORT_FILE).read_text()
+    assert "another-commit" in html and "float32" in html

@@ -9,10 +9,19 @@ Every edit is built on :func:`edited_parameters` (save clones, write, restore in
     with svd_ablated(model, layer, matrix, k): ...
     with neurons_ablated(model, layer, neurons): ...
 
-Parts: ``attn_norm``, ``ffn_norm``, ``ffn``, ``attn``, ``block`` (:data:`PARTS`).
+Parts (:data:`PARTS`): the single parts ``attn_norm``, ``ffn_norm``, ``ffn``, ``attn``; ``block``;
+and the composites ``ffn_path`` (``ffn_norm`` + ``ffn``) and ``attn_path`` (``attn_norm`` + ``attn``).
 """
 
-from me_interp.edits.core import PARTS, check_part, edited_parameters, part_module, part_parameters
+from me_interp.edits.core import (
+    COMPOSITE_PARTS,
+    PARTS,
+    SINGLE_PARTS,
+    check_part,
+    edited_parameters,
+    part_module,
+    part_parameters,
+)
 from me_interp.edits.ffn import (
     MATRICES,
     check_neurons,
@@ -35,9 +44,11 @@ from me_interp.edits.gains import (
 from me_interp.edits.swap import patched_weights, swapped_layers
 
 __all__ = [
+    "COMPOSITE_PARTS",
     "MATRICES",
     "NORMS",
     "PARTS",
+    "SINGLE_PARTS",
     "check_neurons",
     "check_part",
     "check_permutation",

@@ -13,7 +13,16 @@ architecture-specific module name appears here:
 * ``"ffn_norm"`` — the pre-FFN RMSNorm (its gain ``w``);
 * ``"ffn"`` — the gated FFN (``W_gate``, ``W_up``, ``W_down`` and any biases);
 * ``"attn"`` — the attention module (Q/K/V/O and, in Qwen3, ``q_norm``/``k_norm``);
-* ``"block"`` — every parameter of the decoder layer.
+* ``"block"`` — every parameter of the decoder layer;
+
+and two *composite* parts, which move a norm together with the sub-layer it feeds (the paper's
+RMSNorm–FFN pair, paper.md §2.3):
+
+* ``"ffn_path"`` = ``ffn_norm`` + ``ffn``: ``x' ↦ FFN(RMSNorm_ffn(x'))`` travels whole;
+* ``"attn_path"`` = ``attn_norm`` + ``attn``: ``x ↦ Attn(RMSNorm_attn(x))`` travels whole.
+
+A composite's parameter names carry the single part as a prefix (``ffn_norm.weight``,
+``ffn.gate_proj.weight``, …), so they are unique and the same in every layer.
 """
 
 from __future__ import annotations
@@ -25,7 +34,14 @@ import torch
 
 from me_interp.models import LoadedModel
 
-PARTS: tuple[str, ...] = ("attn_norm", "ffn_norm", "ffn", "attn", "block")
+SINGLE_PARTS: tuple[str, ...] = ("attn_norm", "ffn_norm", "ffn", "attn")
+"""The parts that are one module each and tile the decoder layer."""
+COMPOSITE_PARTS: dict[str, tuple[str, ...]] = {
+    "ffn_path": ("ffn_norm", "ffn"),
+    "attn_path": ("attn_norm", "attn"),
+}
+"""Composite part → the single parts it is made of."""
+PARTS: tuple[str, ...] = (*SINGLE_PARTS, "block", *COMPOSITE_PARTS)
 
 
 def check_part(part: str) -> str:
@@ -36,9 +52,15 @@ def check_part(part: str) -> str:
 
 
 def part_module(model: LoadedModel, layer: int, part: str) -> torch.nn.Module:
-    """The HF module holding ``part`` of decoder layer ``layer``."""
+    """The HF module holding ``part`` of decoder layer ``layer``.
+
+    For a composite part, a ``ModuleDict`` ``{single part: module}`` that only *refers* to the
+    layer's modules (it does not re-parent them), so its parameter names are ``<single part>.<name>``.
+    """
     check_part(part)
     model.check_layer(layer)
+    if part in COMPOSITE_PARTS:
+        return torch.nn.ModuleDict({p: part_module(model, layer, p) for p in COMPOSITE_PARTS[part]})
     if part == "attn_norm":
         return model.attn_norm_module(layer)
     if part == "ffn_norm":

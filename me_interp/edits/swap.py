@@ -5,8 +5,11 @@
 * :func:`patched_weights` copies ``part`` of ``source_layer`` (of ``source_model``, default the same
   model) over ``part`` of ``target_layer``: ``θ_target^part ← θ_source^part``.
 
-Both are context managers built on :func:`me_interp.edits.core.edited_parameters`, so the weights are
-restored on exit, also after an exception.
+``part`` is any of :data:`me_interp.edits.core.PARTS`, including the composites ``ffn_path``
+(pre-FFN RMSNorm + FFN) and ``attn_path`` (pre-attention RMSNorm + attention), which move a norm and the
+sub-layer it feeds together. Both are context managers built on
+:func:`me_interp.edits.core.edited_parameters`, so the weights are restored bit-identically on exit,
+also after an exception.
 """
 
 from __future__ import annotations

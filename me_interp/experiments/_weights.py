@@ -1,11 +1,15 @@
-"""What the four weight experiments share: config fields, the unedited setup, and one measurement.
+"""What the weight experiments share: config fields, the unedited setup, and one measurement.
 
 ``weight_swap``, ``weight_patching``, ``rmsnorm_permutation`` and ``ffn_svd_ablation`` each edit the
 weights of one layer (a context manager of ``me_interp.edits`` that restores them) and locate the
-massive activation again on short prompts. :func:`prepare` loads the model and prompts, measures the
-unedited model and resolves the layer to edit; :func:`measure` measures the model as it is (inside an
-edit); :func:`edit_row` and :func:`edit_cells` are the per-edit result row and summary cells of the
-experiments that edit the ME layer itself.
+massive activation again. :func:`prepare` loads the model and prompts, measures the unedited model and
+resolves the layer to edit (raising :class:`me_interp.claims.NotApplicable` when the model has no
+massive activation and no layer was given); :func:`measure` measures the model as it is (inside an
+edit) in **one** forward pass; :func:`edit_row` and :func:`edit_cells` are the per-edit result row and
+summary cells of the experiments that edit the ME layer itself.
+
+Every edit needs a forward, so these experiments subsample: ``n_prompts`` prompts spread evenly over
+the set (:func:`spread`), each cut to ``max_tokens`` tokens. The result reports how many were used.
 """
 
 from __future__ import annotations
@@ -13,15 +17,54 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
+import torch
+
+from me_interp import names
+from me_interp.claims import NotApplicable
+from me_interp.edits import PARTS
 from me_interp.experiments.common import CommonConfig, model_for
 from me_interp.models import Batch, LoadedModel
-from me_interp.probes.attention import attention_stats
+from me_interp.probes.batching import Chunk, record
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer
-from me_interp.probes.norms import scan_norms
+from me_interp.probes.norms import NormRecorder, scan_norms, top_ratio
 
 SCAN_SITES = ("resid_pre", "resid_mid", "resid_post")
+PART_ORDER: tuple[str, ...] = (
+    "ffn_path",
+    "ffn_norm",
+    "ffn",
+    "attn_path",
+    "attn_norm",
+    "attn",
+    "block",
+)
+"""Every part of ``me_interp.edits.PARTS``, in the order of the swap / patch claims (headline first)."""
+PART_WHAT: dict[str, str] = {
+    "ffn_path": "pre-FFN RMSNorm and FFN together (the paper's RMSNorm–FFN pair)",
+    "ffn_norm": "pre-FFN RMSNorm gain alone",
+    "ffn": "FFN alone (without its norm gain)",
+    "attn_path": "pre-attention RMSNorm and attention together",
+    "attn_norm": "pre-attention RMSNorm gain alone",
+    "attn": "attention alone",
+    "block": "whole block (attention included)",
+}
+"""What each part is, in the words of a claim."""
+PART_SECTION: dict[str, str] = {
+    "ffn_path": "§2.1, §2.3",
+    "ffn_norm": "§2.2, §2.3",
+    "ffn": "§2.3",
+    "attn_path": "§2.6",
+    "attn_norm": "§2.6",
+    "attn": "§2.6",
+    "block": "§2.1",
+}
+"""The paper.md section each part's swap / patch claim tests."""
+if set(PART_ORDER) != set(PARTS):  # pragma: no cover - a new part must get a claim
+    raise ImportError(f"PART_ORDER {PART_ORDER} does not list every part of {PARTS}")
+Item = TypeVar("Item")
 
 
 @dataclass(frozen=True)
@@ -29,17 +72,19 @@ class WeightConfig(CommonConfig):
     """Fields shared by the weight experiments.
 
     Attributes:
-        layer: the layer to edit (0-based); ``None`` = the ME layer detected on the unedited model.
-        n_prompts: how many prompts to use (the first ones of the set); ``0`` = all.
-        max_tokens: cut every prompt to its first ``max_tokens`` tokens (short prompts keep the many
-            forwards fast; ``0`` = no cut).
+        layer: the layer to edit (0-based); ``None`` = the ME layer detected on the unedited model
+            (a model without one is then "not applicable").
+        n_prompts: how many prompts to use, spread evenly over the prompt set (every edit costs a
+            forward pass, so the default subsamples; ``0`` = all). The result reports the number.
+        max_tokens: cut every prompt to its first ``max_tokens`` tokens (the massive token is among
+            the first; ``0`` = no cut).
         criterion: massive-activation criterion of ``probes.massive`` (sun, norm, either, both).
-        sink: also measure the attention sink (one more forward per condition).
+        sink: also measure the attention sink (in the same forward pass).
     """
 
     layer: int | None = None
-    n_prompts: int = 4
-    max_tokens: int = 12
+    n_prompts: int = 8
+    max_tokens: int = 16
     criterion: str = "sun"
     sink: bool = True
 
@@ -57,7 +102,19 @@ class WeightConfig(CommonConfig):
 
 @dataclass(frozen=True)
 class Measurement:
-    """The massive activation and the sink in one (possibly edited) model; lists are per layer."""
+    """The massive activation and the sink in one (possibly edited) model; lists are per layer.
+
+    Attributes:
+        me_layer: the ME layer located in this model (``None``: no layer output is massive).
+        event_layers: the first layer of every emergence event.
+        has_massive: per layer, whether its output has a massive activation.
+        top_ratio: per layer, the median over prompts of ``R_{l,b} = max_t ‖h_{l,b,t}‖ /
+            mean_{t≠argmax} ‖h_{l,b,t}‖``.
+        max_over_median: per layer, median over prompts of ``max|a| / median|a|``.
+        sink: per layer, mean over prompts of the largest head's attention mass (queries ``q ≥ 1``)
+            on the reference positions (empty without ``sink``).
+        prompt_ratio: ``[layer][prompt]`` the per-prompt ``R_{l,b}`` behind ``top_ratio``.
+    """
 
     me_layer: int | None
     event_layers: list[int]
@@ -65,9 +122,14 @@ class Measurement:
     top_ratio: list[float]
     max_over_median: list[float]
     sink: list[float] = field(default_factory=list)
+    prompt_ratio: list[list[float]] = field(default_factory=list)
 
     def ratio_at(self, layer: int) -> float:
         return self.top_ratio[layer]
+
+    def prompt_ratio_at(self, layer: int) -> list[float]:
+        """Per prompt: ``R_{layer,b}``."""
+        return self.prompt_ratio[layer]
 
     def sink_after(self, layer: int | None) -> float:
         """Mean sink mass over the layers after ``layer`` (NaN without sink data or later layers)."""
@@ -89,11 +151,15 @@ class Measurement:
         }
 
 
-def edit_row(after: Measurement, layer: int, **what: Any) -> dict[str, Any]:
+def edit_row(
+    after: Measurement, layer: int, *, per_prompt: bool = False, **what: Any
+) -> dict[str, Any]:
     """One row of an experiment that edits ``layer`` itself: ``what`` (the edit), then whether
-    ``layer``'s output is still massive and :meth:`Measurement.at_layer` of ``after``."""
+    ``layer``'s output is still massive and :meth:`Measurement.at_layer` of ``after``; with
+    ``per_prompt``, also the per-prompt ratios at ``layer`` and at the last layer (the units of an
+    interval over prompts)."""
     m = after.at_layer(layer)
-    return {
+    row = {
         **what,
         "me_layer": m["me_layer"],
         "survives": after.has_massive[layer],
@@ -102,6 +168,10 @@ def edit_row(after: Measurement, layer: int, **what: Any) -> dict[str, Any]:
         "sink_downstream": m["sink_downstream"],
         "top_ratio": after.top_ratio,
     }
+    if per_prompt:
+        row["ratio_at_layer_per_prompt"] = after.prompt_ratio_at(layer)
+        row["ratio_last_per_prompt"] = after.prompt_ratio[-1]
+    return row
 
 
 EDIT_COLUMNS = ("ME after", "survives", "ratio@ME", "ratio@last")
@@ -117,6 +187,55 @@ def edit_cells(row: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
+# ------------------------------------------------------------------------------------------
+# measuring
+# ------------------------------------------------------------------------------------------
+
+
+class SinkRecorder:
+    """Records ``out[l, b, h] = mean_{q≥1} Σ_{p∈P_b} A_{l,b,h}[q, p]``: the attention mass every head
+    puts on the reference positions ``P_b`` (as ``probes.attention_stats``), chunk by chunk
+    (``probes.batching``), so that it shares the forward pass of the norm scan."""
+
+    def __init__(
+        self, model: LoadedModel, batch: Batch, positions: Sequence[Sequence[int]]
+    ) -> None:
+        B, T = batch.tokens.shape
+        if len(positions) != B:
+            raise ValueError(f"positions has {len(positions)} rows for {B} prompts")
+        if min(batch.lengths) < 2:
+            raise ValueError("attention statistics need prompts with at least 2 tokens")
+        self.key_mask = torch.zeros(B, T)
+        for b, ps in enumerate(positions):
+            for p in ps:
+                if not 0 <= p < batch.lengths[b]:
+                    raise ValueError(
+                        f"position {p} is outside prompt {b} (length {batch.lengths[b]})"
+                    )
+                self.key_mask[b, p] = 1.0
+        self.model = model
+        self.out = torch.zeros(model.n_layers, B, model.n_heads)
+
+    def hooks(self, chunk: Chunk) -> list:
+        dev = self.model.device
+        key_mask = self.key_mask[chunk.rows, : chunk.width].to(dev)
+        qmask = chunk.batch.attention_mask.bool().clone()
+        qmask[:, 0] = False
+        rec = partial(self._record, rows=chunk.rows, key_mask=key_mask, qmask=qmask.to(dev))
+        return [(names.pattern(layer), partial(rec, layer=layer)) for layer in range(len(self.out))]
+
+    def _record(self, pattern, hook, *, layer, rows, key_mask, qmask):
+        a = pattern.detach().float()  # [n head q k]
+        to_pos = (a * key_mask[:, None, None, :]).sum(-1)  # [n head q]
+        qm = qmask[:, None, :].to(a.dtype)  # [n 1 q]
+        self.out[layer, rows] = ((to_pos * qm).sum(-1) / qm.sum(-1)).cpu()  # [n head]
+        return pattern
+
+    def per_layer(self) -> list[float]:
+        """Per layer: mean over prompts of the largest head's mass."""
+        return self.out.amax(-1).mean(-1).tolist()  # [layer batch head] → [layer]
+
+
 def measure(
     model: LoadedModel,
     batch: Batch,
@@ -124,12 +243,32 @@ def measure(
     positions: Sequence[Sequence[int]] | None = None,
     sink: bool = True,
 ) -> Measurement:
-    """Locate the ME layer and (``sink=True``) the attention sink on ``positions`` in ``model`` as it is.
+    """Locate the ME layer and (``sink=True``) the attention sink on ``positions`` in ``model`` as it
+    is, in one forward pass (length-sorted chunks, no unembedding: ``probes.batching``).
 
     ``sink[l]`` = mean over prompts of the largest head's mean attention mass (queries ``q ≥ 1``) on the
     positions ``positions[b]`` (default ``[0]``).
     """
-    return _measurement(model, batch, locate(model, batch, criterion), positions, sink)
+    return _measure(model, batch, criterion, positions, sink)[0]
+
+
+def _measure(model, batch, criterion, positions, sink: bool) -> tuple[Measurement, MELocation]:
+    per = [[0] for _ in range(len(batch))] if positions is None else [list(p) for p in positions]
+    norms = NormRecorder(model, batch, SCAN_SITES)
+    sinks = SinkRecorder(model, batch, per) if sink else None
+    record(model, batch, [norms] if sinks is None else [norms, sinks])
+    scan = norms.result()
+    loc = locate_me_layer(scan, criterion)
+    m = Measurement(
+        me_layer=loc.me_layer,
+        event_layers=[e.layer for e in loc.events],
+        has_massive=loc.layer_has_massive,
+        top_ratio=loc.top_ratio,
+        max_over_median=loc.max_over_median,
+        sink=[] if sinks is None else sinks.per_layer(),
+        prompt_ratio=top_ratio(scan.site_norms("resid_post"), scan.mask).tolist(),  # [layer][b]
+    )
+    return m, loc
 
 
 def locate(model: LoadedModel, batch: Batch, criterion: Criterion) -> MELocation:
@@ -137,26 +276,27 @@ def locate(model: LoadedModel, batch: Batch, criterion: Criterion) -> MELocation
     return locate_me_layer(scan_norms(model, batch, SCAN_SITES), criterion)
 
 
-def _measurement(model, batch, loc, positions, sink: bool) -> Measurement:
-    sink_mass: list[float] = []
-    if sink:
-        stats = attention_stats(model, batch, positions)
-        sink_mass = stats.to_positions.amax(-1).mean(-1).tolist()  # [layer batch head] → [layer]
-    return Measurement(
-        me_layer=loc.me_layer,
-        event_layers=[e.layer for e in loc.events],
-        has_massive=loc.layer_has_massive,
-        top_ratio=loc.top_ratio,
-        max_over_median=loc.max_over_median,
-        sink=sink_mass,
-    )
+def spread(items: Sequence[Item], n: int) -> list[Item]:
+    """``n`` items spread evenly over ``items`` (first and last included; ``0`` or ``n ≥ len`` = all),
+    in their order. A deterministic subsample that covers the whole set (every genre of a prompt
+    file, every depth of a layer list)."""
+    items = list(items)
+    if n < 0:
+        raise ValueError(f"n must be >= 0 (0 = all), got {n}")
+    if n == 0 or n >= len(items):
+        return items
+    if n == 1:
+        return items[:1]
+    step = (len(items) - 1) / (n - 1)
+    return [items[round(i * step)] for i in range(n)]
 
 
 def short_batch(
     model: LoadedModel, prompts: Sequence[str], n_prompts: int, max_tokens: int
 ) -> Batch:
-    """The first ``n_prompts`` prompts (0 = all), each cut to ``max_tokens`` tokens (0 = no cut)."""
-    chosen = list(prompts)[: n_prompts or None]
+    """``n_prompts`` prompts spread evenly over ``prompts`` (:func:`spread`; 0 = all), each cut to
+    ``max_tokens`` tokens (0 = no cut)."""
+    chosen = spread(prompts, n_prompts)
     batch = model.tokenize(chosen)
     if not max_tokens:
         return batch
@@ -166,7 +306,11 @@ def short_batch(
 
 @dataclass(frozen=True)
 class Setup:
-    """The model, the prompts, the unedited measurement and the layer to edit."""
+    """The model, the prompts, the unedited measurement and the layer to edit.
+
+    Attributes:
+        layer_given: whether the layer came from ``cfg.layer`` (else it is the detected ME layer).
+    """
 
     model: LoadedModel
     batch: Batch
@@ -175,6 +319,17 @@ class Setup:
     layer: int | None
     positions: list[list[int]]
     location: MELocation
+    layer_given: bool = False
+
+
+def no_massive_activation(
+    model: LoadedModel, crit: Criterion, n_prompts: int, hint: str = "to edit a layer anyway"
+) -> NotApplicable:
+    """The "not applicable" of a model without a massive activation (and no layer given)."""
+    return NotApplicable(
+        f"no massive activation on this model: no layer output of {model.name} meets the "
+        f"{crit.kind!r} criterion on {n_prompts} prompts (pass --layer {hint})"
+    )
 
 
 def prepare(
@@ -183,24 +338,24 @@ def prepare(
     """Load the model and prompts, measure the unedited model, resolve ``cfg.layer``.
 
     Raises:
-        ValueError: ``cfg.layer`` out of range, or ``cfg.layer=None``, ``require_layer`` and no ME
-            layer is found.
+        NotApplicable: ``cfg.layer=None``, ``require_layer`` and the model has no ME layer.
+        ValueError: ``cfg.layer`` out of range.
     """
     model = model_for(cfg, model)
     batch = short_batch(model, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
     crit = cfg.detection()
+    if cfg.layer is not None:
+        model.check_layer(cfg.layer)
     loc = locate(model, batch, crit)
     if cfg.layer is None:
         if loc.me_layer is None and require_layer:
-            raise ValueError(
-                f"no ME layer found in {model.name} with the {crit.kind!r} criterion: pass --layer"
-            )
+            raise no_massive_activation(model, crit, len(batch))
         layer = loc.me_layer
     else:
-        layer = model.check_layer(cfg.layer)
+        layer = cfg.layer
     positions = [list(p) if p else [r] for p, r in zip(_positions(loc), loc.reference_positions)]
-    baseline = _measurement(model, batch, loc, positions, cfg.sink)
-    return Setup(model, batch, crit, baseline, layer, positions, loc)
+    baseline, _ = _measure(model, batch, crit, positions, cfg.sink)
+    return Setup(model, batch, crit, baseline, layer, positions, loc, cfg.layer is not None)
 
 
 def _positions(loc) -> list[list[int]]:

@@ -1,24 +1,39 @@
-"""Activation patching of the massive activation: which (site, layer, position) carries it downstream?
+"""Activation patching of the massive activation: what writes it, what carries it, what it causes.
 
-Clean run: the prompts (first ``--max-tokens`` tokens of the first ``--max-prompts`` prompts long
-enough). Corrupt run, chosen by ``--corruption``:
+Clean run: the prompts (``--max-prompts`` of them spread over the prompt list, each cut to its first
+``--max-tokens`` tokens). Corrupt run, chosen by ``--corruption`` so that the massive activation
+*never forms* in it:
 
 * ``first_token`` — token 0 replaced by token 1 (the prompt without its first token, the next token
   doubled to keep the length). On a model whose sink token is BOS (the planted model) this removes
-  the massive activation;
-* ``remove_ffn`` — same tokens, but the ME layer's FFN output of the massive token is set to the other
-  tokens' mean FFN output (``interventions.causal.remove_massive``, prompt-mean values, so the hook is
-  row-wise). On SmolLM2 the massive activation appears at position 0 whatever the first token is, so
-  this is the corruption that removes it;
-* ``auto`` — ``first_token`` when it brings the massive token's ME-layer norm over the median norm
-  of the other tokens under ``--removal-fraction`` of the clean value (measured), else
-  ``remove_ffn``. (On SmolLM2 doubling the first token makes position 1 massive as well.)
+  the massive activation; nothing inside the model is overwritten;
+* ``remove_input`` — same tokens, but the massive token's residual stream *entering* the ME layer
+  (the output of the layer before) is set to the other tokens' mean (``interventions.causal.
+  remove_massive`` at ``resid_pre``, per prompt). The ME layer then never sees the direction it
+  amplifies. (On SmolLM2 the massive activation appears at position 0 whatever the first token is, so
+  this is the corruption that removes it there.)
+* ``remove_ffn`` — the ME layer's FFN output of the massive token set to the other tokens' mean:
+  the cell the claims are about is then the one the corruption overwrote, so ``ffn_writes`` is not
+  applicable and that cell is only the sanity check;
+* ``auto`` — ``first_token`` when it removes the massive activation (the ``removed`` rule of
+  :data:`me_interp.claims.THRESHOLDS` on the point estimate), else ``remove_input``.
 
-For each site (``resid_pre``, ``attn_out``, ``mlp_out``, ``ffn_in`` = the pre-FFN RMSNorm output) every
-``(layer, position)`` is patched from the clean run, batched (``me_interp.patching.patch_sweep``), and
-two metrics are read: the massive token's norm ratio at the output of ``--metric-layer`` (default: the
-last layer) and its attention sink (mean attention to it over the layers after the ME layer), both
-normalised so that clean = 1 and corrupt = 0.
+For each site (``resid_pre``, ``attn_out``, ``mlp_out``; any of ``patching.PATCH_SITES``) every layer
+(``resid_pre``: up to the layer after the ME layer — later, patching the massive token's whole state
+restores it trivially) is patched at the massive position ``p`` from the clean run (every layer and
+position with ``--all-positions``), batched (``me_interp.patching.patch_sweep``), and two metrics are read per
+prompt: the massive token's norm ratio ``‖h_p‖ / mean_{t≠p}‖h_t‖`` at the output of
+``--metric-layer`` (default: the last layer) and its attention sink (mean attention to ``p`` over the
+heads, queries ``q > p`` and the layers after the ME layer). A patch's *restore* is ARENA's
+``(m_patched − m_corrupt) / (m_clean − m_corrupt)`` on prompt means (clean = 1, corrupt = 0),
+bootstrapped over prompts.
+
+Claims (:data:`SPECS`): the corruption removed the activation (precondition, a sanity check);
+patching back the cell the corruption overwrote restores the clean run (sanity: true by
+construction); the ME layer's FFN output alone restores the massive token downstream
+(``ffn_writes``); the massive token's state after the ME layer restores the downstream sink
+(``state_causes_sink``); no later attention or FFN output restores it (``not_rewritten``). None is
+decided by a cell the corruption overwrote.
 
     python -m me_interp.experiments.activation_patching
     python -m me_interp.experiments.activation_patching --model synthetic:planted --prompts p.txt
@@ -30,21 +45,85 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import plotly.graph_objects as go
+import torch
 from plotly.subplots import make_subplots
 
-from me_interp import names
+from me_interp import claims, names, plotting
 from me_interp.experiments.common import CommonConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.models import Batch, LoadedModel
 from me_interp.patching import PATCH_SITES, NormRatio, SinkMass, SweepResult, patch_sweep
 
 NAME = "activation_patching"
-CORRUPTIONS = ("auto", "first_token", "remove_ffn")
-CLAIM = (
-    "The massive activation is written by the ME layer's FFN at the massive token and carried "
-    "downstream by the residual stream: patching that FFN output from the clean run restores it"
+CORRUPTIONS = ("auto", "first_token", "remove_input", "remove_ffn")
+FFN_SITES = ("mlp_out", "ffn_out")
+RESTORE = "normalised {metric} (clean = 1, corrupt = 0; ratio of prompt means)"
+
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        "activation_patching.removal",
+        "§3 (activation patching)",
+        "Precondition: the corruption removes the massive activation at the ME layer, so there is "
+        "something for a patch to restore",
+        "(R − 1) of the massive token at the ME-layer output, corrupt over clean "
+        "(R = ‖h_p‖ / median_{t≠p}‖h_t‖; ratio of prompt means)",
+        "<=",
+        "removed",
+        control="the clean run",
+        kind="sanity",
+    ),
+    claims.Spec(
+        "activation_patching.undo",
+        "§3 (activation patching)",
+        "Patching back the very cell the corruption overwrote restores the clean run (true by "
+        "construction: the fixed point of the metric)",
+        RESTORE.format(metric="last-layer norm ratio") + " of that patch",
+        ">=",
+        "restore",
+        control="the corrupt run (0)",
+        kind="sanity",
+    ),
+    claims.Spec(
+        "activation_patching.ffn_writes",
+        "§2.1, §3",
+        "The ME layer's FFN writes the massive activation: its output at the massive token, patched "
+        "alone from the clean run into a run where the activation never formed, restores the "
+        "massive token downstream",
+        RESTORE.format(metric="norm ratio at the metric layer")
+        + " of the mlp_out patch at (ME layer, p)",
+        ">=",
+        "restore",
+        control="the corrupt run (0); the mlp_out patches of the other layers (figure)",
+    ),
+    claims.Spec(
+        "activation_patching.state_causes_sink",
+        "§2.6",
+        "The massive token's state after the ME layer causes the downstream attention sink: patched "
+        "from the clean run into the corrupt run (the other tokens keep their corrupt states), it "
+        "restores the sink of the later layers",
+        RESTORE.format(metric="sink (attention to p, layers after the ME layer)")
+        + " of the resid_pre patch at (ME layer + 1, p)",
+        ">=",
+        "restore",
+        control="the corrupt run (0): the same prompts without the massive activation",
+    ),
+    claims.Spec(
+        "activation_patching.not_rewritten",
+        "§2.1",
+        "After the ME layer the massive activation is carried by the residual stream, not rewritten "
+        "by later sub-layers: no single later attention or FFN output at the massive token restores it",
+        "largest "
+        + RESTORE.format(metric="norm ratio at the metric layer")
+        + " over the attn_out and mlp_out patches at p in the layers after the ME layer",
+        "<",
+        "restore",
+        control="the ME layer's own FFN patch (ffn_writes)",
+    ),
 )
+claims.check_specs(SPECS)
+SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
 
 
 @dataclass(frozen=True)
@@ -52,34 +131,36 @@ class Config(CommonConfig):
     """Activation-patching settings.
 
     Attributes:
-        sites: sites to patch, each swept over every (layer, position): ``resid_pre``, ``attn_in``,
+        sites: sites to patch, each swept over every layer: ``resid_pre``, ``attn_in``,
             ``attn_out``, ``ffn_in`` (pre-FFN RMSNorm output), ``ffn_out``, ``resid_mid``,
-            ``resid_post``, ``mlp_out`` (= the FFN output).
-        corruption: ``first_token`` (token 0 replaced by token 1), ``remove_ffn`` (the ME layer's FFN
-            output of the massive token set to the other tokens' mean) or ``auto`` (``first_token``
-            when it removes the massive activation, else ``remove_ffn``).
-        max_tokens: clean prompts are cut to their first ``max_tokens`` tokens; only prompts at least
-            that long are used (when none is, all are cut to the shortest prompt's length; >= 2).
-        max_prompts: how many of those prompts to use (>= 1).
+            ``resid_post``, ``mlp_out`` (= the FFN output). The claims need ``resid_pre``,
+            ``attn_out`` and ``mlp_out``; a claim whose site is not swept is not applicable.
+        corruption: ``first_token`` (token 0 replaced by token 1), ``remove_input`` (the massive
+            token's residual input to the ME layer set to the other tokens' mean), ``remove_ffn``
+            (the ME layer's FFN output of the massive token set to the other tokens' mean) or
+            ``auto`` (``first_token`` when it removes the massive activation, else
+            ``remove_input``).
+        max_tokens: prompts are cut to their first ``max_tokens`` tokens (>= 2).
+        max_prompts: how many prompts to use, spread evenly over the prompt list (``None``: all).
+            Every patched cell costs a forward of this many prompts from its layer on; 16 keeps the
+            bundled model's run under a minute on two CPU cores.
+        all_positions: sweep every position and every layer of every site (heat maps) instead of
+            the massive position (and ``resid_pre`` only up to the layer after the ME layer); costs
+            ``max_tokens`` times more.
         metric_layer: layer (0-based) whose output gives the norm-ratio metric; ``None`` = the last
             layer.
         layer: the ME layer (0-based); ``None`` = detected on the prompts.
-        batch_size: patched forwards per batch of the sweep.
-        removal_fraction: ``auto`` picks ``first_token`` when it brings the massive token's ME-layer
-            norm / median of the others to at most this fraction of the clean value, in (0, 1).
-        restore_threshold: the verdict holds when patching the ME layer's FFN output restores at least
-            this normalised metric (clean = 1, corrupt = 0), in (0, 1].
+        batch_size: rows (patched prompts) per forward of the sweep.
     """
 
-    sites: tuple[str, ...] = ("resid_pre", "attn_out", "mlp_out", "ffn_in")
-    corruption: Literal["auto", "first_token", "remove_ffn"] = "auto"
-    max_tokens: int = 8
-    max_prompts: int = 4
+    sites: tuple[str, ...] = ("resid_pre", "attn_out", "mlp_out")
+    corruption: Literal["auto", "first_token", "remove_input", "remove_ffn"] = "auto"
+    max_tokens: int = 32
+    max_prompts: int | None = 16
+    all_positions: bool = False
     metric_layer: int | None = None
     layer: int | None = None
     batch_size: int = 64
-    removal_fraction: float = 0.1
-    restore_threshold: float = 0.5
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,53 +169,43 @@ class Config(CommonConfig):
             raise ValueError(f"corruption must be one of {CORRUPTIONS}, got {self.corruption!r}")
         if self.max_tokens < 2:
             raise ValueError("max_tokens must be >= 2")
-        if self.max_prompts < 1:
-            raise ValueError("max_prompts must be >= 1")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError("max_prompts must be >= 1 (or None for all)")
         if self.batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         for f in ("metric_layer", "layer"):
             if getattr(self, f) is not None and getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0")
-        if not 0 < self.removal_fraction < 1 or not 0 < self.restore_threshold <= 1:
-            raise ValueError("removal_fraction must be in (0, 1) and restore_threshold in (0, 1]")
 
 
-def clean_batch(
-    model: LoadedModel, prompts: Sequence[str], max_tokens: int, max_prompts: int
-) -> Batch:
-    """The first ``max_tokens`` tokens of the first ``max_prompts`` prompts that have that many
-    (all prompts truncated to the shortest length when none has), unpadded."""
-    rows = [model.tokenize([p]).tokens[0].tolist() for p in prompts]
-    long = [r for r in rows if len(r) >= max_tokens]
-    if long:
-        rows = [r[:max_tokens] for r in long[:max_prompts]]
-    else:
-        n = min(len(r) for r in rows)
-        if n < 2:
-            raise ValueError("patching needs prompts of at least 2 tokens")
-        rows = [r[:n] for r in rows[:max_prompts]]
-    return model.batch_from_ids(rows)
-
-
-def first_token_corrupt(model: LoadedModel, clean: Batch) -> Batch:
+def first_token_corrupt(clean: Batch) -> Batch:
     """Token 0 replaced by token 1 of each prompt (same length)."""
     t = clean.tokens.clone()
     t[:, 0] = t[:, 1]
     return Batch(t, clean.attention_mask.clone(), None)
 
 
-def median_ratio(model: LoadedModel, batch: Batch, layer: int, position: int) -> float:
-    """Prompt mean of ``‖h_p‖ / median_{t≠p} ‖h_t‖`` at the output of ``layer``.
+def median_ratios(
+    model: LoadedModel, batch: Batch, layer: int, position: int, fwd_hooks: Sequence = ()
+) -> torch.Tensor:
+    """Per prompt ``‖h_p‖ / median_{t≠p} ‖h_t‖`` at the output of ``layer`` (under ``fwd_hooks``).
 
     The median, not the mean, of the others: a corruption that makes a *second* token massive
     (SmolLM2 does this when token 0 is doubled) must not count as removing the massive activation.
     """
     name = names.resid_post(layer)
-    n = causal.capture(model, batch, [name])[name].float().norm(dim=-1).cpu()  # [batch pos]
+    n = causal.capture(model, batch, [name], fwd_hooks)[name].float().norm(dim=-1).cpu()
     keep = batch.attention_mask.bool().cpu().clone()
     keep[:, position] = False
     others = n.masked_fill(~keep, float("nan")).nanmedian(-1).values
-    return float((n[:, position] / others).mean())
+    return n[:, position] / others
+
+
+def _restore_stat(a: np.ndarray) -> float:
+    """Columns ``[clean, corrupt, patched_1 … patched_k]`` → the largest restore over the cells."""
+    m = a.mean(0)
+    denom = m[0] - m[1]
+    return float(np.max((m[2:] - m[1]) / denom)) if denom != 0 else float("nan")
 
 
 @dataclass
@@ -142,88 +213,149 @@ class Result:
     model: str
     bos: str
     site: causal.MassiveSite
+    prompts: causal.PromptBatch
     corruption: str
     corruption_note: str
+    undo_cell: tuple[str, int, int]  # (site, layer, position) the corruption overwrote
+    n_layers: int
     metric_layer: int
-    restore_threshold: float
+    me_ratio_clean: list[float]
+    me_ratio_corrupt: list[float]
     sweeps: dict[str, SweepResult]
     tokens: list[str]
+    seed: int = 0
 
-    def _me_cell(self, metric: str) -> float | None:
-        sw = self.sweeps.get("mlp_out") or self.sweeps.get("ffn_out")
-        if sw is None or self.site.layer not in sw.layers or self.site.position not in sw.positions:
-            return None
-        return sw.cell(metric, self.site.layer, self.site.position)
+    def _sweep(self, site: str) -> SweepResult | None:
+        if site in FFN_SITES:
+            return next((self.sweeps[s] for s in FFN_SITES if s in self.sweeps), None)
+        return self.sweeps.get(site)
 
-    def holds(self) -> bool | None:
-        v = self._me_cell("norm_ratio")
-        return None if v is None or v != v else bool(v >= self.restore_threshold)
+    def cell_rows(self, cells: Sequence[tuple[str, int, int]], metric: str) -> np.ndarray | None:
+        """Per prompt ``[clean, corrupt, patched at each (site, layer, position) cell]``; ``None``
+        when a cell was not swept or the metric was not read."""
+        cols: list[torch.Tensor] = []
+        for site, layer, pos in cells:
+            sw = self._sweep(site)
+            if sw is None or metric not in sw.values or layer not in sw.layers:
+                return None
+            if pos not in sw.positions:
+                return None
+            if not cols:
+                cols = [sw.clean[metric], sw.corrupt[metric]]
+            cols.append(sw.cell_values(metric, layer, pos))
+        return torch.stack(cols, 1).double().numpy() if cols else None
+
+    def restore(self, cell: tuple[str, int, int], metric: str) -> float:
+        """Point estimate of the normalised restore of one cell (NaN when not swept)."""
+        rows = self.cell_rows([cell], metric)
+        return float("nan") if rows is None else _restore_stat(rows)
+
+    def claim_cells(self) -> dict[str, tuple[str, int, int]]:
+        """The cell each single-cell claim is decided by (``undo``: the overwritten one)."""
+        L, p = self.site.layer, self.site.position
+        return {
+            "undo": self.undo_cell,
+            "ffn_writes": ("mlp_out", L, p),
+            "state_causes_sink": ("resid_pre", L + 1, p),
+        }
+
+    def removal_fraction(self) -> float:
+        return causal.excess_fraction(
+            float(np.mean(self.me_ratio_corrupt)), float(np.mean(self.me_ratio_clean))
+        )
+
+    def later_cells(self) -> list[tuple[str, int, int]]:
+        """The attn_out and mlp_out cells at ``p`` of every layer after the ME layer."""
+        p = self.site.position
+        return [
+            (s, layer, p)
+            for layer in range(self.site.layer + 1, self.n_layers)
+            for s in ("attn_out", "mlp_out")
+        ]
 
     def to_dict(self) -> dict[str, Any]:
-        any_sw = next(iter(self.sweeps.values()))
-        sw_me = self.sweeps.get("mlp_out") or self.sweeps.get("ffn_out")
-        intervened = {"patch": f"mlp_out at layer {self.site.layer}, position {self.site.position}"}
-        if sw_me is not None and self._me_cell("norm_ratio") is not None:
-            for k in sw_me.values:
-                intervened[k] = sw_me.cell(k, self.site.layer, self.site.position, normalise=False)
-                intervened[f"{k}_normalized"] = sw_me.cell(k, self.site.layer, self.site.position)
+        cells = self.claim_cells()
+        restore = {
+            k: {"cell": list(c), **{m: self.restore(c, m) for m in ("norm_ratio", "sink")}}
+            for k, c in cells.items()
+        }
+        per_prompt: dict[str, Any] = {
+            "me_ratio_clean": self.me_ratio_clean,
+            "me_ratio_corrupt": self.me_ratio_corrupt,
+        }
+        for k, c in cells.items():
+            for m in ("norm_ratio", "sink"):
+                rows = self.cell_rows([c], m)
+                if rows is not None:
+                    per_prompt[f"{k}.{m}"] = {
+                        "clean": rows[:, 0].tolist(),
+                        "corrupt": rows[:, 1].tolist(),
+                        "patched": rows[:, 2].tolist(),
+                    }
         return {
-            "claim": CLAIM,
-            "baseline": {
-                "corrupt": {k: float(v.mean()) for k, v in any_sw.corrupt.items()},
-                "clean": {k: float(v.mean()) for k, v in any_sw.clean.items()},
-            },
-            "intervened": intervened,
-            "verdict": {
-                "holds": self.holds(),
-                "normalized_norm_ratio": self._me_cell("norm_ratio"),
-                "rule": f"normalised norm ratio >= {self.restore_threshold:g}",
-            },
             "model": self.model,
             "bos": self.bos,
             "massive_site": self.site.to_dict(),
+            "prompts": self.prompts.to_dict(),
             "corruption": self.corruption,
             "corruption_note": self.corruption_note,
+            "removal_fraction": self.removal_fraction(),
             "metric_layer": self.metric_layer,
+            "restore": restore,
+            "per_prompt": per_prompt,
             "tokens_prompt0": self.tokens,
             "sweeps": {s: sw.to_dict() for s, sw in self.sweeps.items()},
         }
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Build the clean/corrupt pair and sweep every site. No printing, no files."""
+    """Build the clean/corrupt pair and sweep every site. No printing, no files.
+
+    Raises:
+        claims.NotApplicable: no massive activation on this model and no ``layer`` given.
+    """
     model = model_for(cfg, model)
-    prompts = cfg.load_prompts()
-    full = model.tokenize(prompts)
-    site = causal.locate_massive(model, full, cfg.layer, None)
-    clean = clean_batch(model, prompts, cfg.max_tokens, cfg.max_prompts)
-    T = clean.tokens.shape[1]
-    p = site.position
-    if not p < T - 1:
-        raise ValueError(f"the massive position {p} is not inside the first {T - 1} tokens")
+    pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
+    site = causal.locate_massive(model, pb.batch, cfg.layer, None)
+    p, L = site.position, site.layer
+    pb = pb.at_least(p + 2)  # a query after the massive token
+    clean = pb.batch
     last = model.n_layers - 1
     metric_layer = last if cfg.metric_layer is None else model.check_layer(cfg.metric_layer)
     metrics: dict[str, Any] = {"norm_ratio": NormRatio(metric_layer, p)}
-    if site.layer < last:
-        metrics["sink"] = SinkMass(tuple(range(site.layer + 1, model.n_layers)), p)
+    if L < last:
+        metrics["sink"] = SinkMass(tuple(range(L + 1, model.n_layers)), p)
 
-    clean_me = median_ratio(model, clean, site.layer, p)
-    corruption, corrupt_hooks, note = cfg.corruption, [], ""
+    clean_me = median_ratios(model, clean, L, p)
+    corruption, corrupt, hooks, note = cfg.corruption, clean, [], ""
+    removed = claims.threshold("removed")
     if corruption in ("auto", "first_token"):
-        corrupt = first_token_corrupt(model, clean)
-        ft_me = median_ratio(model, corrupt, site.layer, p)
+        corrupt = first_token_corrupt(clean)
+        corrupt_me = median_ratios(model, corrupt, L, p)
+        frac = causal.excess_fraction(float(corrupt_me.mean()), float(clean_me.mean()))
         note = (
-            f"first-token replacement: ME-layer norm / median of others {clean_me:.4g} (clean) "
-            f"-> {ft_me:.4g}"
+            f"first-token replacement: ME-layer (R - 1) corrupt / clean = {frac:.3g} "
+            f"(R = norm / median of the others: {float(clean_me.mean()):.4g} -> "
+            f"{float(corrupt_me.mean()):.4g})"
         )
         if corruption == "auto":
-            corruption = "first_token" if ft_me <= cfg.removal_fraction * clean_me else "remove_ffn"
+            corruption = "first_token" if frac <= removed else "remove_input"
             note += f"; auto chose {corruption}"
-    if corruption == "remove_ffn":
+    if corruption in ("remove_input", "remove_ffn"):
         corrupt = clean
-        corrupt_hooks = causal.remove_massive(
-            model, clean, site.layer, [p], None, site="ffn_out", per_prompt=False
-        )
+        where = "resid_pre" if corruption == "remove_input" else "ffn_out"
+        hooks = causal.remove_massive(model, clean, L, [p], None, site=where)
+        corrupt_me = median_ratios(model, clean, L, p, hooks)
+    undo = {
+        "first_token": ("resid_pre", 0, 0),
+        "remove_input": ("resid_pre", L, p),
+        "remove_ffn": ("mlp_out", L, p),
+    }[corruption]
+    T = clean.tokens.shape[1]
+    positions = list(range(T)) if cfg.all_positions else sorted({p, undo[2]})
+    # after the ME layer, patching the massive token's whole residual state restores it trivially
+    # (for p = 0 by causal attention): resid_pre is swept up to the layer after the ME layer
+    short = list(range(min(L + 2, model.n_layers)))
     sweeps = {
         s: patch_sweep(
             model,
@@ -231,113 +363,161 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
             corrupt,
             s,
             metrics,
+            layers=short if s == "resid_pre" and not cfg.all_positions else None,
+            positions=positions,
             batch_size=cfg.batch_size,
-            corrupt_hooks=corrupt_hooks,
+            corrupt_hooks=hooks,
         )
         for s in cfg.sites
     }
-    tokens = [model.tokenizer.decode([int(t)]) for t in clean.tokens[0]]
+    tokens = [model.tokenizer.decode([int(t)]) for t in clean.tokens[0, : clean.lengths[0]]]
     return Result(
         model=model.name,
         bos=model.bos,
         site=site,
+        prompts=pb,
         corruption=corruption,
         corruption_note=note,
+        undo_cell=undo,
+        n_layers=model.n_layers,
         metric_layer=metric_layer,
-        restore_threshold=cfg.restore_threshold,
+        me_ratio_clean=clean_me.tolist(),
+        me_ratio_corrupt=corrupt_me.tolist(),
         sweeps=sweeps,
         tokens=tokens,
+        seed=cfg.seed,
     )
 
 
-def verdicts(result: Result) -> list[dict]:
-    s = result.site
-    out = []
-    v = result._me_cell("norm_ratio")
-    out.append(
-        {
-            "claim": CLAIM,
-            "measured": f"corruption {result.corruption}; patching mlp_out at layer {s.layer}, position "
-            f"{s.position}: normalised norm ratio at layer {result.metric_layer} = "
-            + ("n/a" if v is None else f"{v:.3f}"),
-            "holds": result.holds(),
-        }
+def verdicts(result: Result) -> list[claims.Claim]:
+    """One claim per :data:`SPECS` entry (see the module docstring)."""
+    s, r = result.site, result
+    if not s.massive:
+        return claims.not_applicable(SPECS, s.why_not())
+    L, p, n = s.layer, s.position, len(r.me_ratio_clean)
+    ctx = (
+        f"corruption {r.corruption}; ME layer {L} (1-based {L + 1}), position {p}; metric layer "
+        f"{r.metric_layer}; n = {n} prompts of <= {r.prompts.max_tokens} tokens"
     )
-    sink = result._me_cell("sink")
-    if sink is not None:
-        out.append(
-            {
-                "claim": "The downstream attention sink follows the massive activation: patching the "
-                "ME-layer FFN output at the massive token restores the sink",
-                "measured": f"normalised sink = {sink:.3f}",
-                "holds": None if sink != sink else bool(sink >= result.restore_threshold),
-            }
+    rows = np.stack([r.me_ratio_corrupt, r.me_ratio_clean], 1)
+    removal = SPEC["removal"].judge(
+        claims.bootstrap(rows, causal.excess_stat, seed=r.seed),
+        details=f"{ctx}; R clean {np.mean(r.me_ratio_clean):.4g}, corrupt "
+        f"{np.mean(r.me_ratio_corrupt):.4g}",
+    )
+
+    def judge(key: str, cells: list[tuple[str, int, int]], metric: str) -> claims.Claim:
+        rows = r.cell_rows(cells, metric)
+        if rows is None:
+            shown = ", ".join(f"{c} at layer {x}" for c, x, _ in cells[:3])
+            return SPEC[key].not_applicable(
+                f"the cells it needs ({shown}{', …' if len(cells) > 3 else ''}; metric {metric}) "
+                "were not swept (see --sites)"
+            )
+        m = rows.mean(0)
+        extra = f"{metric} clean {m[0]:.4g}, corrupt {m[1]:.4g}"
+        if len(cells) > 1 and m[0] != m[1]:
+            site_, layer_, _ = cells[int(np.argmax((m[2:] - m[1]) / (m[0] - m[1])))]
+            extra += f"; largest at {site_} of layer {layer_}"
+        est = claims.bootstrap(rows, _restore_stat, seed=r.seed)
+        return SPEC[key].judge(est, details=f"{ctx}; {extra}")
+
+    cells = r.claim_cells()
+    evidence = [judge("undo", [cells["undo"]], "norm_ratio")]
+    if r.corruption == "remove_ffn":
+        evidence.append(
+            SPEC["ffn_writes"].not_applicable(
+                "the remove_ffn corruption overwrote this very cell: its restore is the 'undo' "
+                "sanity check (use --corruption remove_input or first_token)"
+            )
         )
-    rp = result.sweeps.get("resid_pre")
-    later = [x for x in (rp.layers if rp else []) if x > s.layer]
-    if rp is not None and later and s.position in rp.positions:
-        vals = [rp.cell("norm_ratio", x, s.position) for x in later]
-        others = [
-            float(sw.normalized("norm_ratio")[sw.layers.index(x)].abs().max())
-            for name, sw in result.sweeps.items()
-            if name in ("attn_out", "mlp_out", "ffn_out")
-            for x in sw.layers
-            if x > s.layer
-        ]
-        mean_rp = sum(vals) / len(vals)
-        max_other = max(others) if others else float("nan")
-        out.append(
-            {
-                "claim": "After the ME layer the massive activation is carried by the residual stream "
-                "at its token, not rewritten by later sub-layers",
-                "measured": f"mean normalised ratio of resid_pre patches at position {s.position}, "
-                f"layers > {s.layer}: {mean_rp:.3f}; largest |normalised| attn_out/mlp_out patch "
-                f"after the ME layer: {max_other:.3f}",
-                "holds": bool(
-                    mean_rp >= result.restore_threshold
-                    and not max_other >= result.restore_threshold
-                ),
-            }
+    elif r.metric_layer < L:
+        evidence.append(
+            SPEC["ffn_writes"].not_applicable(
+                f"the metric layer {r.metric_layer} is before the ME layer {L}: the patch cannot "
+                "change it"
+            )
         )
-    return out
+    else:
+        evidence.append(judge("ffn_writes", [cells["ffn_writes"]], "norm_ratio"))
+    if L + 1 >= r.n_layers:
+        why = f"the ME layer {L} is the last layer: no later layer, no downstream sink"
+        evidence += [SPEC[k].not_applicable(why) for k in ("state_causes_sink", "not_rewritten")]
+    else:
+        evidence.append(judge("state_causes_sink", [cells["state_causes_sink"]], "sink"))
+        if r.metric_layer <= L:
+            evidence.append(
+                SPEC["not_rewritten"].not_applicable(
+                    f"the metric layer {r.metric_layer} is not after the ME layer {L}: later "
+                    "sub-layers cannot change it (the claim would hold by construction)"
+                )
+            )
+        else:
+            evidence.append(judge("not_rewritten", r.later_cells(), "norm_ratio"))
+    if removal.verdict != claims.HOLDS:
+        why = (
+            f"the corruption ({r.corruption}) did not remove the massive activation "
+            f"(removal: {removal.estimate.text() if removal.estimate else 'n/a'}): there is "
+            "nothing for a patch to restore"
+        )
+        evidence = [SPEC[c.id.split(".", 1)[1]].not_applicable(why) for c in evidence]
+    return [removal, *evidence]
 
 
 def figures(result: Result) -> dict[str, Any]:
-    figs = {}
-    labels = [f"{i}: {t!r}" for i, t in enumerate(result.tokens)]
+    figs: dict[str, Any] = {}
+    p, L = result.site.position, result.site.layer
     metric_names = next(iter(result.sweeps.values())).metric_names
     for metric in metric_names:
-        sites = list(result.sweeps)
-        fig = make_subplots(rows=1, cols=len(sites), subplot_titles=sites, shared_yaxes=True)
-        for i, s in enumerate(sites):
-            sw = result.sweeps[s]
-            fig.add_trace(
-                go.Heatmap(
-                    z=sw.normalized(metric).T.tolist(),
-                    x=sw.layers,
-                    y=[labels[p] for p in sw.positions],
-                    zmin=-1,
-                    zmax=1,
-                    colorscale="RdBu",
-                    reversescale=True,
-                    showscale=i == 0,
-                    hovertemplate="layer %{x}<br>position %{y}<br>normalised %{z:.3f}<extra>"
-                    + s
-                    + "</extra>",
-                ),
-                row=1,
-                col=i + 1,
-            )
-            fig.update_xaxes(title_text="layer (0-based)", row=1, col=i + 1)
-        fig.update_yaxes(autorange="reversed")
-        fig.update_layout(
-            title=f"Activation patching, metric {metric} (clean = 1, corrupt = 0) — {result.model}"
-            f"<br><sup>corruption: {result.corruption}; ME layer {result.site.layer}</sup>",
-            template="plotly_white",
-            height=max(350, 30 * len(labels) + 200),
+        series = {}
+        for s, sw in result.sweeps.items():
+            grid = sw.normalized(metric)  # [layer pos]
+            series[s] = grid[:, sw.positions.index(p)].tolist()
+        fig = plotting.layer_lines(
+            series,
+            f"Activation patching at position {p}, metric {metric} (clean = 1, corrupt = 0) — "
+            f"{result.model}<br><sup>corruption: {result.corruption}</sup>",
+            "normalised restore",
+            L,
         )
         figs[f"patching_{metric}"] = fig
+        if any(len(sw.positions) > 2 for sw in result.sweeps.values()):
+            figs[f"patching_{metric}_positions"] = _heatmaps(result, metric)
     return figs
+
+
+def _heatmaps(result: Result, metric: str) -> go.Figure:
+    labels = [f"{i}: {t!r}" for i, t in enumerate(result.tokens)]
+    sites = list(result.sweeps)
+    fig = make_subplots(rows=1, cols=len(sites), subplot_titles=sites, shared_yaxes=True)
+    for i, s in enumerate(sites):
+        sw = result.sweeps[s]
+        fig.add_trace(
+            go.Heatmap(
+                z=sw.normalized(metric).T.tolist(),
+                x=sw.layers,
+                y=[labels[q] if q < len(labels) else str(q) for q in sw.positions],
+                zmin=-1,
+                zmax=1,
+                colorscale="RdBu",
+                reversescale=True,
+                showscale=i == 0,
+                hovertemplate="layer %{x}<br>position %{y}<br>normalised %{z:.3f}<extra>"
+                + s
+                + "</extra>",
+            ),
+            row=1,
+            col=i + 1,
+        )
+        fig.update_xaxes(title_text="layer (0-based)", row=1, col=i + 1)
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(
+        title=f"Activation patching, metric {metric} (clean = 1, corrupt = 0) — {result.model}"
+        f"<br><sup>corruption: {result.corruption}; ME layer {result.site.layer}</sup>",
+        template="plotly_white",
+        height=max(350, 30 * len(labels) + 200),
+    )
+    return fig
 
 
 def summary(result: Result) -> str:
@@ -345,18 +525,15 @@ def summary(result: Result) -> str:
     rows = []
     for name, sw in result.sweeps.items():
         for metric in sw.metric_names:
-            grid = sw.normalized(metric)
-            flat = int(grid.nan_to_num(-1e9).argmax())
-            li, pi = divmod(flat, grid.shape[1])
-            rows.append(
-                (name, metric, sw.layers[li], sw.positions[pi], float(grid[li, pi]), sw.n_forwards)
-            )
+            grid = sw.normalized(metric)[:, sw.positions.index(s.position)]
+            li = int(grid.nan_to_num(-1e9).argmax())
+            rows.append((name, metric, sw.layers[li], float(grid[li]), sw.n_forwards))
     return "\n".join(
         [
-            f"model: {result.model}   ME layer {s.layer} (1-based {s.layer + 1}), position {s.position}; "
-            f"corruption {result.corruption} ({result.corruption_note})",
-            f"verdict (mlp_out at the ME layer restores the massive activation): {result.holds()}",
-            fmt_table(["site", "metric", "best layer", "best pos", "normalised", "forwards"], rows),
+            f"model: {result.model}   ME layer {s.layer} (1-based {s.layer + 1}), position "
+            f"{s.position}; {len(result.me_ratio_clean)} prompts; corruption {result.corruption} "
+            f"({result.corruption_note or 'chosen'})",
+            fmt_table(["site", "metric", "best layer", "restore", "forwards"], rows),
         ]
     )
 

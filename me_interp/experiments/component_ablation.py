@@ -1,22 +1,26 @@
 """Component ablation at the ME layer: RMSNorm-only, FFN-only and residual-stream interventions.
 
 Which part of the ME layer makes the massive activation, and does the model need it? Each condition
-touches only the massive token ``p`` at the ME layer (both measured by the ME-layer probe) and is
-measured by the norm ratio ``‖h_p‖ / mean_{t≠p}‖h_t‖`` at the ME-layer output and at the last layer,
-the attention of the layers after the ME layer to ``p`` (mean over heads and queries ``q > p``) and the
-perplexity of the prompts (``evaluation.perplexity``):
+touches only the massive token ``p`` at the ME layer (both measured by the ME-layer probe); one
+forward per condition measures, per prompt, the norm ratio ``R = ‖h_p‖ / mean_{t≠p}‖h_t‖`` at the
+ME-layer output and at the last layer, the attention of the layers after the ME layer to ``p`` (mean
+over heads and queries ``q > p``) and the next-token NLL of every real token (perplexity):
 
 * ``flatten_gain``      — RMSNorm-only: the pre-FFN norm output of ``p`` is ``ĥ_p ⊙ mean(w)``;
 * ``cap_ffn``           — FFN-only: ``‖FFN_p‖`` capped at the median FFN-output norm of the others;
-* ``scale_product``     — FFN-only: the intermediate product ``act(W_gate x) ⊙ W_up x`` of ``p`` × α;
+* ``scale_product``     — FFN-only: the intermediate product ``act(W_gate x) ⊙ W_up x`` of ``p`` × α
+  (a dose, measured and shown; no claim);
 * ``normalize_product`` — FFN-only: that product rescaled to the other tokens' mean norm;
 * ``zero_dims``         — residual: the massive dims of ``p`` at the ME-layer output set to 0
   (Owen et al.: ruins some models, not others);
 * ``mean_dims``         — residual: those dims set to their mean over the prompts (Sun et al.:
   perplexity unchanged).
 
-A condition *removes* the massive activation when the ME-layer norm ratio falls to at most
-``--removed-fraction`` (0.05) of the unmodified one. ``result.json`` leads with the FFN claim (``cap_ffn``).
+The claims (:data:`SPECS`) are judged where the edit did not write: on the **last layer's** norm
+ratio (``removes``: the massive token's excess ``R − 1`` falls to at most the ``removed`` fraction of
+the unedited one) and on **perplexity** (the ``ppl_damage`` and ``ppl_unchanged`` rules), bootstrapped
+over prompts. That capping the FFN output lowers the ratio at the capped site itself is true by
+construction and is only a sanity check.
 
     python -m me_interp.experiments.component_ablation
     python -m me_interp.experiments.component_ablation --alpha 0.5 --conditions cap_ffn zero_dims
@@ -26,15 +30,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import numpy as np
 import plotly.graph_objects as go
+import torch
 
-from me_interp.evaluation import perplexity
+from me_interp import claims, names
+from me_interp.evaluation import token_nll
 from me_interp.experiments.common import SiteConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
-from me_interp.models import LoadedModel
-from me_interp.patching import NormRatio, SinkMass, evaluate_metrics
+from me_interp.models import Batch, LoadedModel
+from me_interp.patching import NormRatio, SinkMass
 
 NAME = "component_ablation"
 CONDITIONS: tuple[str, ...] = (
@@ -45,10 +53,97 @@ CONDITIONS: tuple[str, ...] = (
     "zero_dims",
     "mean_dims",
 )
-CLAIM = (
-    "The ME layer's FFN creates the massive activation: capping the massive token's FFN output at "
-    "the median of the other tokens' removes it"
+_LAST = (
+    "(R − 1) of the massive token at the last layer, edited over unedited "
+    "(R = ‖h_p‖ / mean_{t≠p}‖h_t‖; ratio of prompt means; 0 = as ordinary as the other tokens)"
 )
+_PPL = "perplexity of the prompts, edited over unedited (token-weighted over the resampled prompts)"
+
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        "component_ablation.cap_site",
+        "§2.1",
+        "Capping the massive token's FFN output at the ME layer removes its norm ratio at that "
+        "layer (true by construction: the capped site itself)",
+        _LAST.replace("at the last layer", "at the ME-layer output"),
+        "<=",
+        "removed",
+        control="the unedited run",
+        kind="sanity",
+    ),
+    claims.Spec(
+        "component_ablation.cap_ffn",
+        "§2.1, §3 (FFN-only intervention)",
+        "The ME layer's FFN creates the massive activation: capping the massive token's FFN output "
+        "there at the other tokens' median norm leaves no massive token at the last layer",
+        _LAST,
+        "<=",
+        "removed",
+        control="mean_dims (the same token edited without removing the activation)",
+    ),
+    claims.Spec(
+        "component_ablation.normalize_product",
+        "§2.3, §3 (FFN-only intervention)",
+        "The FFN's intermediate product carries it: rescaling the massive token's "
+        "act(W_gate x) ⊙ W_up x to the other tokens' mean norm leaves no massive token at the last "
+        "layer",
+        _LAST,
+        "<=",
+        "removed",
+        control="mean_dims",
+    ),
+    claims.Spec(
+        "component_ablation.flatten_gain",
+        "§2.2, §3 (RMSNorm-only intervention)",
+        "RMSNorm alignment is necessary: flattening the pre-FFN RMSNorm gain for the massive token "
+        "(ĥ_p ⊙ mean(w)) leaves no massive token at the last layer",
+        _LAST,
+        "<=",
+        "removed",
+        control="cap_ffn (the FFN-only removal)",
+    ),
+    claims.Spec(
+        "component_ablation.cap_ffn_hurts",
+        "§2.1; Owen et al. 2025",
+        "The model needs the massive activation: capping the ME layer's FFN output at the massive "
+        "token raises perplexity by the 'ppl_damage' factor or more",
+        _PPL,
+        ">=",
+        "ppl_damage",
+        control="mean_dims (an edit of the same token that keeps the activation)",
+    ),
+    claims.Spec(
+        "component_ablation.mean_dims_harmless",
+        "§4; Sun et al. 2024",
+        "Setting the massive activations to their mean over the prompts leaves perplexity unchanged",
+        "|" + _PPL + " − 1|",
+        "<",
+        "ppl_unchanged",
+        control="zero_dims (the same dims set to 0)",
+    ),
+    claims.Spec(
+        "component_ablation.zero_dims_hurts",
+        "§4; Owen et al. 2025 (true for some models only)",
+        "Zeroing the massive activations hurts the model: perplexity rises by the 'ppl_damage' "
+        "factor or more",
+        _PPL,
+        ">=",
+        "ppl_damage",
+        control="mean_dims",
+    ),
+)
+claims.check_specs(SPECS)
+SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+#: condition each claim is about
+CLAIM_CONDITION = {
+    "cap_site": "cap_ffn",
+    "cap_ffn": "cap_ffn",
+    "normalize_product": "normalize_product",
+    "flatten_gain": "flatten_gain",
+    "cap_ffn_hurts": "cap_ffn",
+    "mean_dims_harmless": "mean_dims",
+    "zero_dims_hurts": "zero_dims",
+}
 
 
 @dataclass(frozen=True)
@@ -57,47 +152,78 @@ class Config(SiteConfig):
 
     Attributes:
         conditions: the interventions to run, each separately (``flatten_gain``, ``cap_ffn``,
-            ``scale_product``, ``normalize_product``, ``zero_dims``, ``mean_dims``).
+            ``scale_product``, ``normalize_product``, ``zero_dims``, ``mean_dims``); a claim whose
+            condition is not run is not applicable.
         alpha: factor α of ``scale_product`` (the FFN intermediate product of ``p`` × α).
-        removed_fraction: a condition removes the massive activation when the ME-layer norm ratio
-            falls to at most this fraction of the unmodified one, in (0, 1).
-        ppl_tolerance: ``mean_dims`` verdict: perplexity counts as unchanged when
-            ``|ppl / ppl_baseline − 1|`` is at most this (> 0).
-        ppl_damage: ``zero_dims`` verdict: the model counts as hurt when perplexity grows by at least
-            this factor (> 1).
+        max_tokens: prompts are cut to their first ``max_tokens`` tokens (>= 2); perplexity is
+            over the tokens kept.
+        max_prompts: how many prompts to use, spread evenly over the prompt list (``None``: all).
+            One full forward (with logits) per condition; 32 keeps the bundled model's run around
+            30 s on two CPU cores.
     """
 
     conditions: tuple[str, ...] = CONDITIONS
     alpha: float = 0.1
-    removed_fraction: float = 0.05
-    ppl_tolerance: float = 0.1
-    ppl_damage: float = 2.0
+    max_tokens: int = 32
+    max_prompts: int | None = 32
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choices(self.conditions, CONDITIONS, "condition")
-        if not 0 < self.removed_fraction < 1:
-            raise ValueError("removed_fraction must be in (0, 1)")
-        if self.ppl_tolerance <= 0 or self.ppl_damage <= 1:
-            raise ValueError("ppl_tolerance must be > 0 and ppl_damage > 1")
+        if self.max_tokens < 2:
+            raise ValueError("max_tokens must be >= 2")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError("max_prompts must be >= 1 (or None for all)")
 
 
-def condition_hooks(model, batch, site: causal.MassiveSite, cond: str, alpha: float) -> list:
-    """The hooks of one condition (see module docstring)."""
+def condition_hooks(model, batch, site: causal.MassiveSite, cond: str, alpha: float, acts=None):
+    """The hooks of one condition (see module docstring); ``acts`` from :func:`causal.capture`."""
     L, p = site.layer, [site.position]
     if cond == "flatten_gain":
-        return causal.flatten_ffn_norm_gain(model, batch, L, p)
+        return causal.flatten_ffn_norm_gain(model, batch, L, p, acts=acts)
     if cond == "cap_ffn":
-        return causal.cap_ffn_output(model, batch, L, p)
+        return causal.cap_ffn_output(model, batch, L, p, acts=acts)
     if cond == "scale_product":
-        return causal.scale_ffn_product(model, batch, L, p, alpha)
+        return causal.scale_ffn_product(model, batch, L, p, alpha, acts=acts)
     if cond == "normalize_product":
-        return causal.normalize_ffn_product(model, batch, L, p)
+        return causal.normalize_ffn_product(model, batch, L, p, acts=acts)
     if cond == "zero_dims":
         return causal.ablate_dims(model, batch, L, p, site.dims, "zero")
     if cond == "mean_dims":
-        return causal.ablate_dims(model, batch, L, p, site.dims, "mean")
+        return causal.ablate_dims(model, batch, L, p, site.dims, "mean", acts=acts)
     raise ValueError(f"unknown condition {cond!r}; choose from {', '.join(CONDITIONS)}")
+
+
+def _capture_names(layer: int) -> list[str]:
+    """The unedited activations every condition's factory reads (one shared capture)."""
+    return [
+        names.site("ffn_normalized", layer),
+        names.ffn_out(layer),
+        names.site("ffn_act", layer),
+        names.resid_post(layer),
+    ]
+
+
+def _record(x, hook, *, store, key):
+    store[key] = x.detach()
+    return x
+
+
+def measure(
+    model: LoadedModel, batch: Batch, metrics: dict[str, Any], fwd_hooks: Sequence = ()
+) -> dict[str, torch.Tensor]:
+    """One forward: every metric per prompt, and the per-prompt NLL sum and token count."""
+    store: dict[str, torch.Tensor] = {}
+    rec = [
+        (n, partial(_record, store=store, key=n))
+        for n in dict.fromkeys(n for m in metrics.values() for n in m.hook_names())
+    ]
+    nll, valid = token_nll(model, batch, [*fwd_hooks, *rec])
+    mask = batch.attention_mask.bool()
+    out = {k: m(store, mask).float().cpu() for k, m in metrics.items()}
+    out["nll_sum"] = (nll.double() * valid).sum(-1)
+    out["n_tokens"] = valid.sum(-1).double()
+    return out
 
 
 @dataclass
@@ -105,138 +231,161 @@ class Result:
     model: str
     bos: str
     site: causal.MassiveSite
+    prompts: causal.PromptBatch
+    n_layers: int
     alpha: float
-    removed_fraction: float
-    ppl_tolerance: float
-    ppl_damage: float
-    measures: dict[str, dict[str, float]]  # condition (incl. "baseline") -> measure -> value
+    per_prompt: dict[str, dict[str, torch.Tensor]]  # condition (incl. "baseline") -> measure
+    same_prefix: bool  # every prompt has the same tokens up to p: mean_dims is then the identity
+    seed: int = 0
 
-    def removed(self, cond: str) -> bool:
-        base = self.measures["baseline"]["me_ratio"]
-        return bool(self.measures[cond]["me_ratio"] <= self.removed_fraction * base)
+    def mean(self, cond: str, key: str) -> float:
+        return float(self.per_prompt[cond][key].mean())
+
+    def perplexity(self, cond: str) -> float:
+        m = self.per_prompt[cond]
+        return float(torch.exp(m["nll_sum"].sum() / m["n_tokens"].sum()))
 
     def ppl_ratio(self, cond: str) -> float:
-        return self.measures[cond]["perplexity"] / self.measures["baseline"]["perplexity"]
+        return self.perplexity(cond) / self.perplexity("baseline")
+
+    def excess(self, cond: str, key: str) -> float:
+        """``excess_fraction`` of the prompt-mean ratio ``key`` (``me_ratio`` or ``last_ratio``)."""
+        return causal.excess_fraction(self.mean(cond, key), self.mean("baseline", key))
 
     def to_dict(self) -> dict[str, Any]:
-        lead = (
-            "cap_ffn"
-            if "cap_ffn" in self.measures
-            else next(c for c in self.measures if c != "baseline")
-        )
-        base, after = self.measures["baseline"], self.measures[lead]
+        conds = list(self.per_prompt)
         return {
-            "claim": CLAIM if lead == "cap_ffn" else f"{lead} removes the massive activation",
-            "baseline": base,
-            "intervened": {"condition": lead, **after},
-            "verdict": {
-                "holds": self.removed(lead),
-                "me_ratio_fraction": after["me_ratio"] / base["me_ratio"],
-                "rule": f"ME-layer norm ratio after / before <= {self.removed_fraction:g}",
-            },
             "model": self.model,
             "bos": self.bos,
             "massive_site": self.site.to_dict(),
+            "prompts": self.prompts.to_dict(),
             "alpha": self.alpha,
+            "same_prefix": self.same_prefix,
             "conditions": {
                 c: {
-                    **m,
-                    "me_ratio_fraction": m["me_ratio"] / base["me_ratio"],
+                    "me_ratio": self.mean(c, "me_ratio"),
+                    "last_ratio": self.mean(c, "last_ratio"),
+                    **({"sink": self.mean(c, "sink")} if "sink" in self.per_prompt[c] else {}),
+                    "perplexity": self.perplexity(c),
+                    "me_excess_fraction": self.excess(c, "me_ratio"),
+                    "last_excess_fraction": self.excess(c, "last_ratio"),
                     "perplexity_ratio": self.ppl_ratio(c),
-                    "removed": self.removed(c),
                 }
-                for c, m in self.measures.items()
+                for c in conds
+            },
+            "per_prompt": {
+                c: {k: v.tolist() for k, v in m.items()} for c, m in self.per_prompt.items()
             },
         }
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Measure every condition. No printing, no files."""
+    """Measure every condition. No printing, no files.
+
+    Raises:
+        claims.NotApplicable: no massive activation on this model and no ``layer`` given.
+    """
     model = model_for(cfg, model)
-    batch = model.tokenize(cfg.load_prompts())
-    site = causal.locate_massive(model, batch, cfg.layer, cfg.position)
-    p, last = site.position, model.n_layers - 1
-    metrics: dict[str, Any] = {
-        "me_ratio": NormRatio(site.layer, p),
-        "last_ratio": NormRatio(last, p),
-    }
-    if site.layer < last:
-        metrics["sink"] = SinkMass(tuple(range(site.layer + 1, model.n_layers)), p)
-    measures = {}
-    for cond in ("baseline", *cfg.conditions):
-        hooks = [] if cond == "baseline" else condition_hooks(model, batch, site, cond, cfg.alpha)
-        vals = evaluate_metrics(model, batch, metrics, hooks)
-        measures[cond] = {k: float(v.mean()) for k, v in vals.items()}
-        measures[cond]["perplexity"] = perplexity(model, batch, hooks)
+    pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
+    site = causal.locate_massive(model, pb.batch, cfg.layer, cfg.position)
+    p, L, last = site.position, site.layer, model.n_layers - 1
+    pb = pb.at_least(p + 2)  # a token after the massive one
+    batch = pb.batch
+    metrics: dict[str, Any] = {"me_ratio": NormRatio(L, p), "last_ratio": NormRatio(last, p)}
+    if L < last:
+        metrics["sink"] = SinkMass(tuple(range(L + 1, model.n_layers)), p)
+    acts = causal.capture(model, batch, _capture_names(L))
+    per_prompt = {"baseline": measure(model, batch, metrics)}
+    for cond in cfg.conditions:
+        hooks = condition_hooks(model, batch, site, cond, cfg.alpha, acts)
+        per_prompt[cond] = measure(model, batch, metrics, hooks)
     return Result(
         model=model.name,
         bos=model.bos,
         site=site,
+        prompts=pb,
+        n_layers=model.n_layers,
         alpha=cfg.alpha,
-        removed_fraction=cfg.removed_fraction,
-        ppl_tolerance=cfg.ppl_tolerance,
-        ppl_damage=cfg.ppl_damage,
-        measures=measures,
+        per_prompt=per_prompt,
+        same_prefix=bool((batch.tokens[:, : p + 1] == batch.tokens[:1, : p + 1]).all()),
+        seed=cfg.seed,
     )
 
 
-def verdicts(result: Result) -> list[dict]:
-    m = result.measures
-    base = m["baseline"]
+def _ppl_stat(a: np.ndarray) -> float:
+    """Columns ``[nll sum after, nll sum before, tokens]`` → perplexity ratio."""
+    s = a.sum(0)
+    return float(np.exp((s[0] - s[1]) / s[2]))
+
+
+def _ppl_change_stat(a: np.ndarray) -> float:
+    return abs(_ppl_stat(a) - 1)
+
+
+def verdicts(result: Result) -> list[claims.Claim]:
+    """One claim per :data:`SPECS` entry."""
+    s, r = result.site, result
+    if not s.massive:
+        return claims.not_applicable(SPECS, s.why_not())
+    base = r.per_prompt["baseline"]
+    n = len(base["me_ratio"])
     out = []
-
-    def ratio_text(c: str) -> str:
-        return (
-            f"ME-layer norm ratio {base['me_ratio']:.3g} -> {m[c]['me_ratio']:.3g}; "
-            f"perplexity {base['perplexity']:.3g} -> {m[c]['perplexity']:.3g}"
+    for key, spec in SPEC.items():
+        cond = CLAIM_CONDITION[key]
+        if cond not in r.per_prompt:
+            out.append(spec.not_applicable(f"the condition {cond} was not run (--conditions)"))
+            continue
+        if key == "mean_dims_harmless" and r.same_prefix:
+            out.append(
+                spec.not_applicable(
+                    f"every prompt has the same tokens up to position {s.position}, so the massive "
+                    "token's state is the same in every prompt and its mean is each prompt's own "
+                    "value: the edit is the identity (use prompts with different first tokens)"
+                )
+            )
+            continue
+        m = r.per_prompt[cond]
+        ctx = (
+            f"{cond} at ME layer {s.layer} (1-based {s.layer + 1}), position {s.position}; "
+            f"n = {n} prompts of <= {r.prompts.max_tokens} tokens"
         )
-
-    claims = {
-        "cap_ffn": CLAIM,
-        "normalize_product": "Normalising the massive token's FFN intermediate product removes the "
-        "massive activation (the FFN product carries it)",
-        "scale_product": f"Scaling the massive token's FFN intermediate product by {result.alpha:g} "
-        "removes the massive activation",
-        "flatten_gain": "RMSNorm alignment is necessary: flattening the pre-FFN RMSNorm gain for the "
-        "massive token removes the massive activation",
-    }
-    for c, claim in claims.items():
-        if c in m:
-            out.append({"claim": claim, "measured": ratio_text(c), "holds": result.removed(c)})
-    if "mean_dims" in m:
-        r = result.ppl_ratio("mean_dims")
-        out.append(
-            {
-                "claim": "Setting the massive activations to their mean leaves perplexity unchanged "
-                "(Sun et al.)",
-                "measured": f"perplexity x{r:.3f} ({base['perplexity']:.3g} -> "
-                f"{m['mean_dims']['perplexity']:.3g})",
-                "holds": bool(abs(r - 1) <= result.ppl_tolerance),
-            }
-        )
-    if "zero_dims" in m:
-        r = result.ppl_ratio("zero_dims")
-        out.append(
-            {
-                "claim": "Zeroing the massive activations hurts the model (perplexity up "
-                f"x{result.ppl_damage:g} or more; Owen et al.: true for some models only)",
-                "measured": f"perplexity x{r:.3g} ({base['perplexity']:.3g} -> "
-                f"{m['zero_dims']['perplexity']:.3g})",
-                "holds": bool(r >= result.ppl_damage),
-            }
-        )
+        if spec.threshold == "removed":
+            ratio = "me_ratio" if key == "cap_site" else "last_ratio"
+            if ratio == "last_ratio" and s.layer == r.n_layers - 1:
+                out.append(
+                    spec.not_applicable(
+                        "the ME layer is the last layer: its ratio is the edited site itself"
+                    )
+                )
+                continue
+            rows = torch.stack([m[ratio], base[ratio]], 1).double().numpy()
+            est = claims.bootstrap(rows, causal.excess_stat, seed=r.seed)
+            details = (
+                f"{ctx}; {'ME-layer' if ratio == 'me_ratio' else 'last-layer'} R "
+                f"{r.mean('baseline', ratio):.4g} -> {r.mean(cond, ratio):.4g} (ME-layer R "
+                f"{r.mean('baseline', 'me_ratio'):.4g} -> {r.mean(cond, 'me_ratio'):.4g})"
+            )
+        else:
+            rows = torch.stack([m["nll_sum"], base["nll_sum"], base["n_tokens"]], 1).numpy()
+            stat = _ppl_change_stat if spec.op == "<" else _ppl_stat
+            est = claims.bootstrap(rows, stat, seed=r.seed)
+            details = (
+                f"{ctx}; perplexity {r.perplexity('baseline'):.4g} -> {r.perplexity(cond):.4g} "
+                f"(x{r.ppl_ratio(cond):.3g}); last-layer R {r.mean('baseline', 'last_ratio'):.4g} "
+                f"-> {r.mean(cond, 'last_ratio'):.4g}"
+            )
+        out.append(spec.judge(est, details=details))
     return out
 
 
 def figures(result: Result) -> dict[str, Any]:
-    conds = list(result.measures)
-    base = result.measures["baseline"]
+    conds = list(result.per_prompt)
     fig = go.Figure()
     for key, label in (
         ("me_ratio", "ME-layer norm ratio"),
         ("last_ratio", "last-layer norm ratio"),
     ):
-        fig.add_trace(go.Bar(x=conds, y=[result.measures[c][key] for c in conds], name=label))
+        fig.add_trace(go.Bar(x=conds, y=[result.mean(c, key) for c in conds], name=label))
     fig.update_layout(
         title=f"Massive-token norm ratio per condition — {result.model} (ME layer {result.site.layer})",
         yaxis_type="log",
@@ -244,9 +393,7 @@ def figures(result: Result) -> dict[str, Any]:
         barmode="group",
         template="plotly_white",
     )
-    ppl = go.Figure(
-        go.Bar(x=conds, y=[result.measures[c]["perplexity"] / base["perplexity"] for c in conds])
-    )
+    ppl = go.Figure(go.Bar(x=conds, y=[result.ppl_ratio(c) for c in conds]))
     ppl.update_layout(
         title="Perplexity relative to the unmodified model",
         yaxis_type="log",
@@ -261,20 +408,21 @@ def summary(result: Result) -> str:
     rows = [
         (
             c,
-            m["me_ratio"],
-            m["last_ratio"],
-            m.get("sink", float("nan")),
-            m["perplexity"],
-            "-" if c == "baseline" else str(result.removed(c)),
+            result.mean(c, "me_ratio"),
+            result.mean(c, "last_ratio"),
+            result.mean(c, "sink") if "sink" in m else float("nan"),
+            result.perplexity(c),
+            "-" if c == "baseline" else result.excess(c, "last_ratio"),
         )
-        for c, m in result.measures.items()
+        for c, m in result.per_prompt.items()
     ]
     return "\n".join(
         [
             f"model: {result.model}   ME layer {s.layer} (1-based {s.layer + 1}), position "
-            f"{s.position}, dims {list(s.dims)[:6]}",
+            f"{s.position}, dims {list(s.dims)[:6]}; {len(result.prompts.indices)} prompts",
             fmt_table(
-                ["condition", "ME ratio", "last ratio", "sink", "perplexity", "removed"], rows
+                ["condition", "ME ratio", "last ratio", "sink", "perplexity", "last excess left"],
+                rows,
             ),
         ]
     )

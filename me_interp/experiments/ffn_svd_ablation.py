@@ -1,19 +1,27 @@
 """FFN singular-direction and neuron ablation at the ME layer: which directions make the massive activation?
 
-With ``W = U diag(s) Vᵀ`` (``s`` descending), ``svd_ablated`` sets ``W ← W − Σ_{i<k} s_i u_i v_iᵀ``
-for ``W`` one of ``W_down``, ``W_up``, ``W_gate`` of the ME layer ``m`` (``me_interp.edits.ffn``), for
-each ``k`` of a sweep. Separately, the FFN neurons that write most into the massive dims are found by a
-probe and ablated (gate row, up row and down column zeroed), one at a time and all together.
+With ``W = U diag(s) Vᵀ`` (``s`` descending), removing a set ``S`` of singular directions sets
+``W ← W − Σ_{i∈S} s_i u_i v_iᵀ`` for ``W`` one of ``W_down``, ``W_up``, ``W_gate`` of the ME layer
+``m`` (the same edit as ``me_interp.edits.svd_ablated`` for ``S = {0..k−1}``; the SVD of each matrix
+is computed once). Edits:
+
+* ``svd``: the top ``k`` directions, for every ``k`` of the sweep ``ks`` and for ``claim_k``;
+* ``svd_random``: the control, ``claim_k`` directions drawn (seeded) from the *other* ones
+  (ranks ``claim_k..rank−1``), ``n_random`` seeds;
+* ``neurons``: the FFN neurons that write most into the massive dims, each alone and the top
+  ``n_neurons`` together (gate row, up row and down column zeroed, ``edits.neurons_ablated``);
+* ``neurons_random``: the control, ``n_neurons`` neurons drawn (seeded) from the others.
 
 Neuron score (the probe): at the massive token ``t_b`` of each prompt ``b`` (the unedited ME layer's
 massive position), ``score_n = mean_b ‖ act_n(b, t_b) · W_down[D, n] ‖₂`` with
 ``act = σ(W_gate x) ⊙ W_up x`` (``mlp.hook_post``) and ``D`` the massive dims: how much neuron ``n``
 writes into the massive dims.
 
-After each edit: does the massive activation *survive* (layer ``m``'s output still meets the massive
-criterion), the new ME layer, the massive ratio ``R_l`` (max token / mean others) at ``m`` and at the
-last layer, and the downstream attention sink. ``kill_k`` of a matrix is the smallest ``k`` after which
-the massive activation no longer survives.
+The statistic of every claim is the excess the edit leaves, ``c = (R̄_m(edited) − 1) /
+(R̄_m(unedited) − 1)`` with ``R̄_m`` the mean over prompts of ``R_{m,b} = max_t ‖h_{m,b,t}‖ /
+mean_{t≠argmax} ‖h_{m,b,t}‖`` of layer ``m``'s output (as in ``rmsnorm_permutation``); an edit
+*removes* the massive activation when ``c`` is at most the table's ``removed`` fraction.
+Deterministic edits are bootstrapped over prompts, the random controls over their seeds.
 
     python -m me_interp.experiments.ffn_svd_ablation
     python -m me_interp.experiments.ffn_svd_ablation --ks 1 2 4 --matrices down --n-neurons 5
@@ -21,18 +29,20 @@ the massive activation no longer survives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import plotly.graph_objects as go
 import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from me_interp import names
-from me_interp.edits import MATRICES, ffn_matrix, neurons_ablated, singular_values, svd_ablated
+from me_interp import claims, names
+from me_interp.edits import MATRICES, edited_parameters, ffn_matrix, neurons_ablated
 from me_interp.experiments._weights import (
     EDIT_COLUMNS,
     Measurement,
@@ -40,12 +50,16 @@ from me_interp.experiments._weights import (
     edit_cells,
     edit_row,
     measure,
+    no_massive_activation,
     prepare,
 )
 from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
+from me_interp.interventions.causal import excess_fraction, excess_stat
 from me_interp.models import Batch, LoadedModel
 
 NAME = "ffn_svd_ablation"
+KINDS = ("svd", "svd_random", "neurons", "neurons_random")
+"""The edits (module docstring), in table order."""
 
 
 @dataclass(frozen=True)
@@ -54,29 +68,37 @@ class Config(WeightConfig):
 
     Attributes:
         matrices: which FFN matrices to ablate (down, up, gate).
-        ks: how many top singular directions to remove (each value separately).
-        n_neurons: how many of the top-scoring neurons to ablate (each alone, then all together).
-        few: the verdict's "a few directions": the claim holds when some matrix loses the massive
-            activation at ``k <= few``.
+        ks: the sweep: how many top singular directions to remove (each value separately).
+        claim_k: how many top singular directions the claims remove (the paper's "a few"; run even
+            when not in ``ks``); the random control removes as many of the others (at most half the
+            rank).
+        n_neurons: how many of the top-scoring neurons to ablate (each alone, then all together);
+            the random control ablates as many others.
+        n_random: seeds (``seed, seed+1, …``) of each random control (the claims need at least 5).
     """
 
     matrices: tuple[str, ...] = ("down", "up", "gate")
     ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    claim_k: int = 8
     n_neurons: int = 3
-    few: int = 8
+    n_random: int = 5
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for mat in self.matrices:
             if mat not in MATRICES:
                 raise ValueError(f"unknown FFN matrix {mat!r}; choose from {MATRICES}")
-        for k in self.ks:
+        for k in (*self.ks, self.claim_k):
             if k < 1:
-                raise ValueError(f"every k must be >= 1, got {k}")
+                raise ValueError(f"every k (ks, claim_k) must be >= 1, got {k}")
         if not self.matrices and not self.n_neurons:
             raise ValueError("nothing to ablate: give matrices or n_neurons > 0")
-        if self.n_neurons < 0 or self.few < 1:
-            raise ValueError("n_neurons must be >= 0 and few >= 1")
+        if self.n_neurons < 0 or self.n_random < 0:
+            raise ValueError("n_neurons and n_random must be >= 0")
+
+    def sweep(self) -> list[int]:
+        """The ``k`` values run: ``ks`` and ``claim_k``, sorted."""
+        return sorted({*self.ks, self.claim_k})
 
 
 def _record_act(act: torch.Tensor, hook, *, store: dict) -> torch.Tensor:
@@ -93,6 +115,8 @@ def neuron_scores(
 ) -> torch.Tensor:
     """``score_n = mean_b ‖act_n(b, t_b) · W_down[D, n]‖₂`` (module docstring), shape ``[d_mlp]``.
 
+    One forward, stopped after ``layer``.
+
     Raises:
         ValueError: no massive dims, or a dim out of range.
     """
@@ -103,195 +127,453 @@ def neuron_scores(
             f"dims must be a non-empty list of dims in 0..{model.d_model - 1}, got {dims}"
         )
     store: dict = {}
-    model.run_with_hooks(batch, [(names.site("ffn_act", layer), partial(_record_act, store=store))])
+    hook = (names.site("ffn_act", layer), partial(_record_act, store=store))
+    model.run_with_hooks(batch, [hook], stop_at_layer=layer + 1)
     act = store["act"][torch.arange(len(batch)), positions.to(store["act"].device)]  # [batch d_mlp]
     W = ffn_matrix(model, layer, "down").detach().float()[dims].to(act.device)  # [D d_mlp]
     writes = act[:, None, :] * W[None]  # [batch D d_mlp]
     return writes.norm(dim=1).mean(0).cpu()
 
 
+@dataclass(frozen=True)
+class SVD:
+    """``W = U diag(s) Vᵀ`` of one FFN matrix (float64), computed once per run."""
+
+    U: torch.Tensor
+    S: torch.Tensor
+    Vh: torch.Tensor
+
+    @classmethod
+    def of(cls, W: torch.Tensor) -> SVD:
+        U, S, Vh = torch.linalg.svd(W.detach().double(), full_matrices=False)
+        return cls(U, S, Vh)
+
+    @property
+    def rank(self) -> int:
+        return int(self.S.numel())
+
+    def part(self, directions: Sequence[int]) -> torch.Tensor:
+        """``Σ_{i∈directions} s_i u_i v_iᵀ`` (float64)."""
+        idx = torch.as_tensor(list(directions), dtype=torch.long)
+        return (self.U[:, idx] * self.S[idx]) @ self.Vh[idx]
+
+
+@contextlib.contextmanager
+def directions_removed(
+    W: torch.nn.Parameter, svd: SVD, directions: Sequence[int]
+) -> Iterator[None]:
+    """Within the block, ``W ← W − Σ_{i∈directions} s_i u_i v_iᵀ`` (``svd`` of ``W``); restored on
+    exit, also after an exception (``edits.edited_parameters``).
+
+    Raises:
+        ValueError: a direction outside ``0..rank−1``, or a repeated one.
+    """
+    d = list(directions)
+    if not d or min(d) < 0 or max(d) >= svd.rank or len(set(d)) != len(d):
+        raise ValueError(f"directions must be distinct ints in 0..{svd.rank - 1}, got {d}")
+    with edited_parameters({W: W.detach() - svd.part(d).to(W.dtype)}):
+        yield
+
+
+def random_others(n_total: int, exclude: Sequence[int], k: int, seed: int) -> list[int]:
+    """``k`` distinct indices of ``0..n_total−1`` outside ``exclude``, drawn with a seeded generator,
+    sorted."""
+    skip = set(exclude)
+    pool = torch.tensor([i for i in range(n_total) if i not in skip])
+    if k > len(pool):
+        raise ValueError(f"cannot draw {k} of the {len(pool)} indices left")
+    gen = torch.Generator().manual_seed(seed)
+    return sorted(pool[torch.randperm(len(pool), generator=gen)[:k]].tolist())
+
+
 @dataclass
 class Result:
+    """The ablations of the ME layer's FFN and what they did.
+
+    Each row of ``rows`` is an :func:`~me_interp.experiments._weights.edit_row` with ``kind``
+    (:data:`KINDS`), ``matrix``, ``k``, ``directions`` (the removed singular directions), ``neurons``,
+    ``seed`` (random controls), the per-prompt ratios and ``change``: the excess ``c`` the edit leaves
+    (module docstring).
+    """
+
     model: str
     bos: str
     layer: int
+    layer_given: bool
     baseline: Measurement
     rows: list[dict[str, Any]]
     singular_values: dict[str, list[float]]
     neurons: list[int]
     neuron_scores: list[float]
     massive_dims: list[int]
-    few: int
+    claim_k: int
+    seed: int
     n_prompts: int
     prompt_lengths: list[int]
 
-    def kill_k(self, matrix: str) -> int | None:
-        ks = [
-            r["k"]
-            for r in self.rows
-            if r["kind"] == "svd" and r["matrix"] == matrix and not r["survives"]
+    @property
+    def massive_at_layer(self) -> bool:
+        """Whether the unedited model's output at ``layer`` has a massive activation."""
+        return bool(self.baseline.has_massive[self.layer])
+
+    def select(self, kind: str, matrix: str | None = None) -> list[dict[str, Any]]:
+        return [
+            r for r in self.rows if r["kind"] == kind and (matrix is None or r["matrix"] == matrix)
         ]
+
+    def svd_row(self, matrix: str, k: int) -> dict[str, Any] | None:
+        return next((r for r in self.select("svd", matrix) if r["k"] == k), None)
+
+    def kill_k(self, matrix: str) -> int | None:
+        """The smallest swept ``k`` whose removal leaves no massive activation at the layer."""
+        ks = [r["k"] for r in self.select("svd", matrix) if not r["survives"]]
         return min(ks) if ks else None
 
     def neuron_rows(self) -> list[dict[str, Any]]:
-        return [r for r in self.rows if r["kind"] == "neurons"]
+        return self.select("neurons")
 
-    def headline(self) -> dict[str, Any]:
-        mats = sorted({r["matrix"] for r in self.rows if r["kind"] == "svd"}, key=MATRICES.index)
-        kills = {m: self.kill_k(m) for m in mats}
-        nrows = self.neuron_rows()
-        neurons_kill = any(not r["survives"] for r in nrows) if nrows else None
-        if not mats and neurons_kill is None:
-            return {"holds": None, "reason": "nothing was ablated"}
-        svd_holds = any(k is not None and k <= self.few for k in kills.values())
-        return {
-            "holds": bool(svd_holds or neurons_kill),
-            "kill_k": kills,
-            "top_neurons_kill": neurons_kill,
-            "rule": f"holds when removing at most {self.few} top singular directions of some FFN "
-            "matrix, or the top neurons, removes the massive activation at the ME layer",
-        }
+    def neurons_row(self, neurons: Sequence[int]) -> dict[str, Any] | None:
+        return next((r for r in self.neuron_rows() if r["neurons"] == list(neurons)), None)
 
     def to_dict(self) -> dict[str, Any]:
         b = self.baseline
         return {
-            "claim": "The ME layer's FFN creates the massive activation through a few directions: "
-            "removing the top singular directions of W_down / W_up / W_gate, or the top neurons, "
-            "removes it.",
-            "baseline": b.at_layer(self.layer),
-            "intervened": {
-                "svd": {
-                    f"{r['matrix']}_k{r['k']}": {
-                        "survives": r["survives"],
-                        "ratio_at_layer": r["ratio_at_layer"],
-                    }
-                    for r in self.rows
-                    if r["kind"] == "svd"
-                },
-                "neurons": {
-                    str(r["neurons"]): {
-                        "survives": r["survives"],
-                        "ratio_at_layer": r["ratio_at_layer"],
-                    }
-                    for r in self.neuron_rows()
-                },
-            },
-            "verdict": self.headline(),
             "model": self.model,
             "bos": self.bos,
             "index_convention": INDEX_CONVENTION,
             "layer": self.layer,
             "layer_1based": self.layer + 1,
+            "layer_given": self.layer_given,
+            "massive_at_layer": self.massive_at_layer,
+            "baseline": b.at_layer(self.layer),
+            "kill_k": {m: self.kill_k(m) for m in MATRICES if self.select("svd", m)},
+            "claim_k": self.claim_k,
             "massive_dims": self.massive_dims,
             "top_neurons": self.neurons,
             "top_neuron_scores": self.neuron_scores,
             "singular_values_top": self.singular_values,
+            "seed": self.seed,
             "n_prompts": self.n_prompts,
             "prompt_lengths": self.prompt_lengths,
+            "per_prompt": {
+                "ratio_unedited": b.prompt_ratio_at(self.layer),
+                "ratio_edited": {_label(r): r["ratio_at_layer_per_prompt"] for r in self.rows},
+            },
             "rows": self.rows,
             "baseline_detail": b.to_dict(),
         }
 
 
+def _label(row: dict[str, Any]) -> str:
+    if row["kind"] == "svd":
+        return f"W_{row['matrix']} top {row['k']}"
+    if row["kind"] == "svd_random":
+        return f"W_{row['matrix']} {row['k']} others, seed {row['seed']}"
+    if row["kind"] == "neurons":
+        return "neurons " + " + ".join(map(str, row["neurons"]))
+    return f"{len(row['neurons'])} other neurons, seed {row['seed']}"
+
+
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Ablate singular directions and top neurons of the ME layer's FFN and measure.
+    """Ablate singular directions and neurons of the ME layer's FFN and measure.
 
     Raises:
-        ValueError: a ``k`` above the rank of a matrix (checked before any forward), ``n_neurons``
-            above ``d_mlp``, a layer out of range, no ME layer found.
+        NotApplicable: no ``layer`` given and the model has no massive activation.
+        ValueError: a ``k`` above the rank of a matrix or ``claim_k`` above half of it (checked before
+            any forward), ``n_neurons`` above half of ``d_mlp``, a layer out of range.
     """
-    s = prepare(cfg, model)
+    s = prepare(cfg, model, require_layer=False)
+    if s.layer is None:
+        raise no_massive_activation(s.model, s.criterion, len(s.batch))
     m = s.layer
-    assert m is not None
     for mat in cfg.matrices:
         rank = min(ffn_matrix(s.model, m, mat).shape)
-        if max(cfg.ks, default=0) > rank:
+        if max(cfg.sweep()) > rank:
             raise ValueError(
-                f"k={max(cfg.ks)} exceeds the rank of W_{mat} ({rank} singular directions)"
+                f"k={max(cfg.sweep())} exceeds the rank of W_{mat} ({rank} singular directions)"
             )
-    if cfg.n_neurons > s.model.d_mlp:
-        raise ValueError(f"n_neurons={cfg.n_neurons} exceeds the FFN width d_mlp={s.model.d_mlp}")
+        if cfg.n_random and 2 * cfg.claim_k > rank:
+            raise ValueError(
+                f"claim_k={cfg.claim_k} leaves too few other directions of W_{mat} (rank {rank}) "
+                "for the random control: at most half the rank"
+            )
+    if cfg.n_neurons > s.model.d_mlp // 2:
+        raise ValueError(
+            f"n_neurons={cfg.n_neurons} exceeds half the FFN width d_mlp={s.model.d_mlp} (the "
+            "random control draws as many other neurons)"
+        )
     # without a massive activation (an explicit --layer on a model without one) score all dims
     dims = s.location.massive_dims or list(range(s.model.d_model))
     ref = torch.tensor([p[0] for p in s.positions])
     scores = neuron_scores(s.model, s.batch, m, ref, dims) if cfg.n_neurons else torch.zeros(0)
     top = scores.argsort(descending=True)[: cfg.n_neurons].tolist()
-    conditions: list[tuple[str, Any]] = [("svd", (mat, k)) for mat in cfg.matrices for k in cfg.ks]
-    conditions += [("neurons", [n]) for n in top]
-    if len(top) > 1:
-        conditions.append(("neurons", top))
-    rows = []
-    for kind, what in tqdm(conditions, desc=NAME, disable=None):
-        ctx = (
-            svd_ablated(s.model, m, what[0], what[1])
-            if kind == "svd"
-            else neurons_ablated(s.model, m, what)
-        )
-        with ctx:
-            after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
-        rows.append(
-            edit_row(
-                after,
-                m,
-                kind=kind,
-                matrix=what[0] if kind == "svd" else None,
-                k=what[1] if kind == "svd" else None,
-                neurons=None if kind == "svd" else list(what),
+    svds = {mat: SVD.of(ffn_matrix(s.model, m, mat)) for mat in cfg.matrices}
+
+    edits: list[tuple[dict[str, Any], Any]] = []
+    for mat in cfg.matrices:
+        W = ffn_matrix(s.model, m, mat)
+        for k in cfg.sweep():
+            what = {"kind": "svd", "matrix": mat, "k": k, "directions": list(range(k))}
+            edits.append((what, partial(directions_removed, W, svds[mat], range(k))))
+        for i in range(cfg.n_random):
+            d = random_others(svds[mat].rank, range(cfg.claim_k), cfg.claim_k, cfg.seed + i)
+            what = {"kind": "svd_random", "matrix": mat, "k": cfg.claim_k, "directions": d}
+            edits.append(
+                ({**what, "seed": cfg.seed + i}, partial(directions_removed, W, svds[mat], d))
             )
-        )
+    groups = [[n] for n in top] + ([top] if len(top) > 1 else [])
+    for g in groups:
+        edits.append(({"kind": "neurons", "neurons": g}, partial(neurons_ablated, s.model, m, g)))
+    for i in range(cfg.n_random if top else 0):
+        g = random_others(s.model.d_mlp, top, len(top), cfg.seed + i)
+        what = {"kind": "neurons_random", "neurons": g, "seed": cfg.seed + i}
+        edits.append((what, partial(neurons_ablated, s.model, m, g)))
+
+    before = np.asarray(s.baseline.prompt_ratio_at(m), dtype=np.float64)
+    rows = []
+    for what, ctx in tqdm(edits, desc=NAME, disable=None):
+        with ctx():
+            after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
+        full = {
+            "matrix": None,
+            "k": None,
+            "directions": None,
+            "neurons": None,
+            "seed": None,
+            **what,
+        }
+        row = edit_row(after, m, per_prompt=True, **full)
+        after_m = float(np.mean(row["ratio_at_layer_per_prompt"]))
+        rows.append({**row, "change": excess_fraction(after_m, float(before.mean()))})
     return Result(
         model=s.model.name,
         bos=s.model.bos,
         layer=m,
+        layer_given=s.layer_given,
         baseline=s.baseline,
         rows=rows,
-        singular_values={
-            mat: singular_values(s.model, m, mat)[: max(cfg.ks, default=1)] for mat in cfg.matrices
-        },
+        singular_values={mat: svds[mat].S[: max(cfg.sweep())].tolist() for mat in cfg.matrices},
         neurons=top,
         neuron_scores=[float(scores[n]) for n in top],
         massive_dims=list(dims),
-        few=cfg.few,
+        claim_k=cfg.claim_k,
+        seed=cfg.seed,
         n_prompts=len(s.batch),
         prompt_lengths=s.batch.lengths,
     )
+
+
+# ------------------------------------------------------------------------------------------
+# claims
+# ------------------------------------------------------------------------------------------
+
+_STAT = (
+    "c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean over "
+    "prompts)"
+)
+
+
+def _svd_specs(mat: str) -> tuple[claims.Spec, claims.Spec]:
+    return (
+        claims.Spec(
+            f"ffn_svd_ablation.svd_{mat}_removes",
+            "§2 claim 3 (the FFN creates it); §3 singular-direction ablation",
+            f"Removing the top singular directions (k = claim_k) of the ME layer's W_{mat} removes "
+            "the massive activation",
+            _STAT,
+            "<=",
+            "removed",
+            f"as many other singular directions of W_{mat} "
+            f"(ffn_svd_ablation.svd_{mat}_random_keeps)",
+        ),
+        claims.Spec(
+            f"ffn_svd_ablation.svd_{mat}_random_keeps",
+            "§3 singular-direction ablation (control: other directions)",
+            f"Removing as many singular directions of W_{mat} drawn from the others (not the top "
+            "k) does not remove the massive activation",
+            f"{_STAT}, mean over the random draws (seeds)",
+            ">",
+            "removed",
+            f"the top-k directions (ffn_svd_ablation.svd_{mat}_removes)",
+        ),
+    )
+
+
+_PAIRS = {mat: _svd_specs(mat) for mat in MATRICES}
+SPECS: tuple[claims.Spec, ...] = (
+    *(_PAIRS[mat][0] for mat in MATRICES),
+    *(_PAIRS[mat][1] for mat in MATRICES),
+    claims.Spec(
+        "ffn_svd_ablation.top_neuron_removes",
+        "§2 claim 3 (a few FFN neurons)",
+        "Ablating the single FFN neuron of the ME layer that writes most into the massive dims removes "
+        "the massive activation",
+        _STAT,
+        "<=",
+        "removed",
+        "as many other neurons (ffn_svd_ablation.random_neurons_keep)",
+    ),
+    claims.Spec(
+        "ffn_svd_ablation.top_neurons_remove",
+        "§2 claim 3 (a few FFN neurons)",
+        "Ablating the top FFN neurons of the ME layer (by their writes into the massive dims) together "
+        "removes the massive activation",
+        _STAT,
+        "<=",
+        "removed",
+        "as many other neurons (ffn_svd_ablation.random_neurons_keep)",
+    ),
+    claims.Spec(
+        "ffn_svd_ablation.random_neurons_keep",
+        "§2 claim 3 (control: other neurons)",
+        "Ablating as many FFN neurons of the ME layer drawn from the others does not remove the "
+        "massive activation",
+        f"{_STAT}, mean over the random draws (seeds)",
+        ">",
+        "removed",
+        "the top neurons (ffn_svd_ablation.top_neurons_remove)",
+    ),
+)
+claims.check_specs(SPECS)
+_SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+
+
+def _fmt(x: Any) -> str:
+    return "n/a" if x is None or x != x else f"{x:.4g}"
+
+
+def verdicts(result: Result) -> list[claims.Claim]:
+    """Every claim of :data:`SPECS` on this result (see the module docstring)."""
+    m = result.layer
+    if not result.massive_at_layer:
+        return claims.not_applicable(
+            SPECS,
+            f"no massive activation at layer {m} of the unedited model (the layer was given, not "
+            "detected): there is nothing for the ablations to remove",
+        )
+    r_m = float(np.mean(result.baseline.prompt_ratio_at(m)))
+    where = f"layer {m} (1-based {m + 1}); unedited R_m = {_fmt(r_m)} (mean over {result.n_prompts} prompts)"
+    out: list[claims.Claim] = []
+
+    def na(name: str, what: str) -> None:
+        out.append(_SPEC[name].not_applicable(f"not measured in this run: {what}"))
+
+    def deterministic(name: str, row: dict[str, Any] | None, what: str, extra: str) -> None:
+        if row is None:
+            na(name, what)
+            return
+        pairs = np.column_stack(
+            [row["ratio_at_layer_per_prompt"], result.baseline.prompt_ratio_at(m)]
+        )
+        est = claims.bootstrap(pairs, excess_stat, unit="prompts", seed=result.seed)
+        out.append(
+            _SPEC[name].judge(
+                est,
+                details=f"{where}; {_label(row)}: R_m after {_fmt(row['ratio_at_layer'])}, "
+                f"survives {'yes' if row['survives'] else 'no'}; {extra}",
+            )
+        )
+
+    def seeded(name: str, rows: list[dict[str, Any]], what: str, extra: str) -> None:
+        if not rows:
+            na(name, what)
+        elif len(rows) < claims.MIN_SEEDS:
+            na(name, f"{len(rows)} seeds, a random control needs at least {claims.MIN_SEEDS}")
+        else:
+            est = claims.over_seeds([r["change"] for r in rows], seed=result.seed)
+            out.append(
+                _SPEC[name].judge(
+                    est,
+                    details=f"{where}; survives {sum(r['survives'] for r in rows)}/{len(rows)}; "
+                    f"{extra}",
+                )
+            )
+
+    k = result.claim_k
+    for mat in MATRICES:
+        sv = result.singular_values.get(mat, [])
+        extra = f"top singular values {_fmt_list(sv[:3])}; smallest killing k {result.kill_k(mat)}"
+        deterministic(f"svd_{mat}_removes", result.svd_row(mat, k), f"W_{mat} not ablated", extra)
+    for mat in MATRICES:
+        top = result.svd_row(mat, k)
+        extra = f"top-{k} removal: c {_fmt(top['change']) if top else 'not run'}"
+        seeded(f"svd_{mat}_random_keeps", result.select("svd_random", mat), f"W_{mat}", extra)
+    scores = dict(zip(result.neurons, result.neuron_scores))
+    about = (
+        f"top neurons {result.neurons} (scores {_fmt_list(result.neuron_scores)}) by writes into "
+        f"dims {result.massive_dims[:4]}"
+    )
+    first = result.neurons_row(result.neurons[:1]) if result.neurons else None
+    deterministic("top_neuron_removes", first, "no neuron ablated (--n-neurons 0)", about)
+    together = result.neurons_row(result.neurons) if len(result.neurons) > 1 else first
+    deterministic("top_neurons_remove", together, "no neuron ablated (--n-neurons 0)", about)
+    rand = result.select("neurons_random")
+    seeded(
+        "random_neurons_keep",
+        rand,
+        "no neuron ablated (--n-neurons 0)",
+        f"{len(result.neurons)} neurons per draw; top score {_fmt(max(scores.values(), default=None))}",
+    )
+    return out
+
+
+def _fmt_list(xs) -> str:
+    return "[" + ", ".join(f"{x:.4g}" for x in xs) + "]"
+
+
+# ------------------------------------------------------------------------------------------
+# figures and summary
+# ------------------------------------------------------------------------------------------
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
     base = result.baseline.ratio_at(result.layer)
     fig = go.Figure()
     for mat in MATRICES:
-        rows = [r for r in result.rows if r["kind"] == "svd" and r["matrix"] == mat]
+        rows = result.select("svd", mat)
         if rows:
             fig.add_trace(
                 go.Scatter(
                     x=[r["k"] for r in rows],
                     y=[r["ratio_at_layer"] for r in rows],
                     mode="lines+markers",
-                    name=f"W_{mat}",
+                    name=f"W_{mat}: top k",
                     hovertemplate="k=%{x}: ratio %{y:.4g}<extra>W_" + mat + "</extra>",
+                )
+            )
+        rand = result.select("svd_random", mat)
+        if rand:
+            fig.add_trace(
+                go.Scatter(
+                    x=[r["k"] for r in rand],
+                    y=[r["ratio_at_layer"] for r in rand],
+                    mode="markers",
+                    marker={"symbol": "circle-open"},
+                    name=f"W_{mat}: k others (seeds)",
                 )
             )
     fig.add_hline(y=base, line_dash="dash", line_color="gray", annotation_text="unedited")
     fig.update_layout(
-        title=f"Massive ratio at layer {result.layer} after removing the top-k singular directions — {result.model}",
+        title=f"Massive ratio at layer {result.layer} after removing singular directions — "
+        f"{result.model}",
         xaxis_title="k (directions removed)",
         xaxis_type="log",
         yaxis_title="max token / mean others at the ME layer",
         yaxis_type="log",
         template="plotly_white",
     )
-    nrows = result.neuron_rows()
+    nrows = result.neuron_rows() + result.select("neurons_random")
     neu = go.Figure(
         go.Bar(
-            x=[" + ".join(map(str, r["neurons"])) for r in nrows],
+            x=[_label(r) for r in nrows],
             y=[r["ratio_at_layer"] for r in nrows],
             marker_color=["seagreen" if r["survives"] else "firebrick" for r in nrows],
         )
     )
     neu.add_hline(y=base, line_dash="dash", line_color="gray")
     neu.update_layout(
-        title=f"Ablating the top neurons of layer {result.layer} (by writes into dims {result.massive_dims[:4]})"
+        title=f"Ablating FFN neurons of layer {result.layer} (top by writes into dims "
+        f"{result.massive_dims[:4]}, then random others)"
         "<br><sup>green: still massive; red: gone; dashed: unedited</sup>",
         xaxis_title="ablated neurons",
         yaxis_title="ratio at the ME layer",
@@ -301,54 +583,17 @@ def figures(result: Result) -> dict[str, go.Figure]:
     return {"svd_sweep": fig, "neuron_ablation": neu}
 
 
-def verdicts(result: Result) -> list[dict[str, Any]]:
-    head = result.headline()
-    out = [
-        {
-            "claim": "Removing a few top singular directions of the ME layer's FFN removes the massive activation",
-            "measured": "smallest k that removes it: "
-            + ", ".join(
-                f"W_{m}: {k if k is not None else 'none tested'}"
-                for m, k in head.get("kill_k", {}).items()
-            ),
-            "holds": head["holds"] if head.get("kill_k") else None,
-        }
-    ]
-    nrows = result.neuron_rows()
-    if nrows:
-        out.append(
-            {
-                "claim": "The top FFN neurons of the ME layer (found by the probe) create the massive activation",
-                "measured": "; ".join(
-                    f"ablate {r['neurons']}: ratio {r['ratio_at_layer']:.4g} ({'survives' if r['survives'] else 'gone'})"
-                    for r in nrows
-                ),
-                "holds": head.get("top_neurons_kill"),
-            }
-        )
-    return out
-
-
 def summary(result: Result) -> str:
     rows = [
-        (
-            r["kind"],
-            r["matrix"] or "-",
-            r["k"] if r["k"] is not None else str(r["neurons"]),
-            *edit_cells(r),
-        )
-        for r in result.rows
+        (r["kind"], r["matrix"] or "-", _label(r), *edit_cells(r), r["change"]) for r in result.rows
     ]
-    head = result.headline()
     return "\n".join(
         [
-            f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited ratio "
-            f"{result.baseline.ratio_at(result.layer):.4g}   top neurons {result.neurons}",
+            f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited "
+            f"ratio {result.baseline.ratio_at(result.layer):.4g}   {result.n_prompts} prompts   top "
+            f"neurons {result.neurons}",
             "",
-            fmt_table(["edit", "matrix", "k/neurons", *EDIT_COLUMNS], rows),
-            "",
-            f"verdict: holds={head['holds']} (kill k {head.get('kill_k')}, top neurons kill "
-            f"{head.get('top_neurons_kill')})",
+            fmt_table(["edit", "matrix", "what", *EDIT_COLUMNS, "c"], rows),
         ]
     )
 

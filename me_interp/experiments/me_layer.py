@@ -1,11 +1,18 @@
 """ME-layer report: where are massive activations born, in which dims and positions, by which sub-layer?
 
-Runs the prompts once, records token norms at every site of every layer (``probes.norms``), detects
-massive activations over all positions (``probes.massive``) and localises the ME layer and every
-emergence event (0-based and 1-based). Writes ``result.json`` with ``model``, ``bos``, ``me_layer``,
-``me_layer_1based``, ``events``, ``massive_positions``, ``massive_dims`` and per-layer
-``resid_norm_ratio``, ``ffn_out_norm_ratio``, ``max_over_median``; and two figures: the Figure-1 view
-(massive-token norm vs the others at each site) and a token × dimension view of the ME layer's output.
+Runs the prompts once (``probes.batching``: length-sorted chunks, no logits), records token norms at
+every site of every layer (``probes.norms``), detects massive activations over all positions
+(``probes.massive``) and localises the ME layer and every emergence event (0-based and 1-based).
+Writes ``result.json`` with ``model``, ``bos``, ``me_layer``, ``me_layer_1based``, ``events``,
+``massive_positions``, ``massive_dims``, per-layer ``resid_norm_ratio``, ``ffn_out_norm_ratio``,
+``max_over_median``, the per-prompt ratios behind the claims (``per_prompt``) and the claims
+(``claims``, see :data:`SPECS`); and three figures: the Figure-1 view (massive-token norm vs the others
+at each site), a token × dimension view of the ME layer's output, and the two ratios per layer.
+
+Claims (paper.md §2.1; thresholds from ``claims.THRESHOLDS``, intervals bootstrapped over prompts):
+``me_layer.sudden_birth`` (the existence claim: it *fails* on a model without a massive activation),
+``me_layer.one_layer`` (against the null of every other layer), ``me_layer.ffn_creates`` and
+``me_layer.carried`` (not applicable without an ME layer).
 
     python -m me_interp.experiments.me_layer                # bundled model, built-in prompts
     python -m me_interp.experiments.me_layer --model Qwen/Qwen3-4B --device cuda --criterion either
@@ -17,9 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from me_interp import names, plotting
+from me_interp import claims, names, plotting
 from me_interp.experiments.common import (
     INDEX_CONVENTION,
     CommonConfig,
@@ -28,10 +36,59 @@ from me_interp.experiments.common import (
     model_for,
 )
 from me_interp.models import LoadedModel
-from me_interp.probes.massive import Criterion, MELocation, locate_me_layer
-from me_interp.probes.norms import NormScan, scan_norms
+from me_interp.probes.massive import Criterion, MELocation, locate_me_layer, massive_tokens
+from me_interp.probes.norms import NormScan, ratio_to_others, scan_norms, top_ratio
 
 NAME = "me_layer"
+
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        "me_layer.sudden_birth",
+        "§2.1",
+        "Massive activations are born suddenly, in one layer (the ME layer)",
+        statistic="median over prompts of the birth jump R_L / R_{L-1} at the ME layer L, with "
+        "R = max_t ‖h_t‖ / mean_{t≠argmax} ‖h_t‖ of the layer output, counted 0 for a prompt with no "
+        "massive token at L (without an ME layer, L is the layer with the largest median jump)",
+        op=">=",
+        threshold="jump",
+        control="a model without a massive activation (the unplanted twin, a random model): no prompt "
+        "has a massive token, the statistic is 0 and the claim fails",
+    ),
+    claims.Spec(
+        "me_layer.one_layer",
+        "§2.1",
+        "The birth is confined to the ME layer: its jump stands out from every other layer's "
+        "(judged against the null of the other layers, since the ME layer is chosen as the largest "
+        "jump)",
+        statistic="z of the ME layer's mean log jump log(R_L / R_{L-1}) against the other layers' "
+        "(claims.null_z), bootstrapped over prompts",
+        op=">=",
+        threshold="null_z",
+        control="the jumps of every other layer, including precursor events",
+    ),
+    claims.Spec(
+        "me_layer.ffn_creates",
+        "§2.1",
+        "The ME layer's FFN, not its attention, creates the massive activation",
+        statistic="median over prompts of the FFN's factor R_post / R_mid at the ME layer",
+        op=">=",
+        threshold="jump",
+        control="the attention's factor R_mid / R_pre at the same layer (in the details)",
+    ),
+    claims.Spec(
+        "me_layer.carried",
+        "§2.1",
+        "The residual stream then carries the massive activation to the last layer",
+        statistic="mean over the prompts with a massive token at the ME layer L of "
+        "min_{l ≥ L} ρ_l / ρ_L, with ρ = the massive token's layer-output norm over the mean of the "
+        "others'",
+        op=">=",
+        threshold="carried_fraction",
+        control="layers where the model removes the massive activation (the event ends) pull the "
+        "minimum down",
+    ),
+)
+SUDDEN, ONE_LAYER, FFN_CREATES, CARRIED = SPECS
 
 
 @dataclass(frozen=True)
@@ -77,6 +134,14 @@ class Config(CommonConfig):
 
 @dataclass
 class Result:
+    """What :func:`run` measured.
+
+    ``per_prompt`` holds ``[prompt][layer]`` arrays behind the claims: ``r_pre``, ``r_mid``,
+    ``r_post`` (the position-agnostic norm ratio ``R`` at the block input, after attention and at the
+    layer output), ``ref_ratio`` (the reference token's layer-output norm over the mean of the
+    others') and ``massive`` (whether the prompt has a massive token at that layer's output).
+    """
+
     model: str
     bos: str
     bos_prepended: bool
@@ -87,10 +152,28 @@ class Result:
     heatmap_values: list[list[float]]
     heatmap_layer: int
     prompt_lengths: list[int] = field(default_factory=list)
+    per_prompt: dict[str, list[list[float]]] = field(default_factory=dict)
+    seed: int = 0
 
     @property
     def me_layer(self) -> int | None:
         return self.location.me_layer
+
+    def array(self, key: str) -> np.ndarray:
+        """``per_prompt[key]`` as a ``[prompt, layer]`` float array."""
+        return np.asarray(self.per_prompt[key], dtype=np.float64)
+
+    def log_jumps(self) -> np.ndarray:
+        """``[prompt, layer]`` ``log(R_l / R_{l-1})`` of the layer output (``R_{-1}`` = block 0 input)."""
+        post = self.array("r_post")
+        before = np.concatenate([self.array("r_pre")[:, :1], post[:, :-1]], axis=1)
+        return np.log(post / before)
+
+    def judged_layer(self) -> int:
+        """The ME layer, or (without one) the layer with the largest median jump."""
+        if self.me_layer is not None:
+            return self.me_layer
+        return int(np.argmax(np.median(self.log_jumps(), axis=0)))
 
     def to_dict(self) -> dict[str, Any]:
         loc = self.location
@@ -104,6 +187,7 @@ class Result:
             "me_layer": loc.me_layer,
             "me_layer_1based": loc.me_layer_1based,
             "me_site": loc.me_event.site if loc.me_event else None,
+            "judged_layer": self.judged_layer(),
             "events": [e.to_dict() for e in loc.events],
             "massive_positions": loc.massive_positions,
             "massive_dims": loc.massive_dims,
@@ -128,6 +212,7 @@ class Result:
                 for i in range(n)
             ],
             "site_norms": self.site_norms,
+            "per_prompt": self.per_prompt,
         }
 
 
@@ -150,16 +235,30 @@ def _site_norms(scan: NormScan, reference: Sequence[int]) -> dict[str, dict[str,
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Scan the prompts and localise the ME layer. No printing, no files."""
+    """Scan the prompts and localise the ME layer. No printing, no files.
+
+    A model without a massive activation is a result (``me_layer`` None; the existence claim fails),
+    not an error.
+    """
     model = model_for(cfg, model)
     prompts = cfg.load_prompts()
     batch = model.tokenize(prompts)
-    scan = scan_norms(model, batch, names.SITES, top_k=cfg.top_k, keep_prompt=0)
-    loc = locate_me_layer(scan, cfg.detection())
+    scan = scan_norms(model, batch, names.SITES, top_k=cfg.top_k, keep_prompt=0)  # chunked
+    crit = cfg.detection()
+    loc = locate_me_layer(scan, crit)
+    ref = torch.as_tensor(loc.reference_positions)
+    per_prompt = {
+        f"r_{s}": top_ratio(scan.site_norms(f"resid_{s}"), scan.mask).T.tolist()
+        for s in ("pre", "mid", "post")
+    }
+    per_prompt["ref_ratio"] = ratio_to_others(
+        scan.site_norms("resid_post"), scan.mask, ref
+    ).T.tolist()
+    per_prompt["massive"] = massive_tokens(scan, crit).any(-1).T.float().tolist()
     layer = loc.me_layer if loc.me_layer is not None else int(torch.tensor(loc.top_ratio).argmax())
     n0 = batch.lengths[0]
     tokens = [model.tokenizer.decode([int(t)]) for t in batch.tokens[0, :n0]]
-    return Result(
+    result = Result(
         model=model.name,
         bos=model.bos,
         bos_prepended=model.bos_prepended(batch),
@@ -170,7 +269,10 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         heatmap_values=scan.kept_resid[layer].tolist(),
         heatmap_layer=layer,
         prompt_lengths=batch.lengths,
+        per_prompt=per_prompt,
+        seed=cfg.seed,
     )
+    return result
 
 
 def figures(result: Result) -> dict[str, Any]:
@@ -238,39 +340,92 @@ def summary(result: Result) -> str:
     return "\n".join(lines)
 
 
-def verdicts(result: Result) -> list[dict[str, Any]]:
-    """Claim 1 of the paper (sudden emergence at one layer, by the FFN, carried by the residual)."""
+def no_massive_why(loc: MELocation, n_prompts: int) -> str:
+    """Why the mechanism claims are not applicable on a model without a massive activation."""
+    c = loc.criterion
+    rule = {
+        "sun": f"some |a| > {c.abs_threshold:g} and ≥ {c.rel_threshold:g} × the median |a|",
+        "norm": f"a token norm ≥ {c.norm_ratio:g} × the median of the others",
+        "either": "the value or the norm criterion",
+        "both": "the value and the norm criterion",
+    }[c.kind]
+    return (
+        f"no massive activation on this model: no layer output has a massive token ({c.kind} "
+        f"criterion: {rule}) in at least {c.min_prompt_fraction:.0%} of the {n_prompts} prompts"
+    )
+
+
+def _where(result: Result) -> str:
     loc = result.location
     ev = loc.me_event
     if ev is None:
-        return [
-            {
-                "claim": "Massive activations appear suddenly at one layer (the ME layer)",
-                "measured": "no layer output meets the massive criterion",
-                "holds": False,
-            }
-        ]
-    n = len(loc.top_ratio)
-    carried = ev.last_layer - ev.layer + 1
-    return [
-        {
-            "claim": "Massive activations appear suddenly at one layer (the ME layer)",
-            "measured": f"ME layer {ev.layer} (1-based {ev.layer + 1}): norm ratio jumps x{ev.jump:.3g} "
-            f"in one layer; {len(loc.events)} emergence event(s)",
-            "holds": ev.jump >= 10,
-        },
-        {
-            "claim": "The ME layer's FFN (not its attention) creates the massive activation",
-            "measured": f"log-ratio gain FFN {ev.ffn_log_gain:.3g} vs attention {ev.attn_log_gain:.3g}",
-            "holds": ev.site == "ffn",
-        },
-        {
-            "claim": "The residual stream then carries it to the last layer",
-            "measured": f"massive at {carried} of the {n - ev.layer} layers from the ME layer on "
-            f"(to layer {ev.last_layer}); last-layer ratio {loc.top_ratio[-1]:.3g}",
-            "holds": ev.persists_to_end,
-        },
+        L = result.judged_layer()
+        jump = float(np.median(np.exp(result.log_jumps()[:, L])))
+        return (
+            f"{no_massive_why(loc, result.n_prompts)}; judged at the largest jump, layer {L} "
+            f"(median R_L / R_(L-1) = {jump:.3g} without the massive-token condition)"
+        )
+    return (
+        f"ME layer {ev.layer} (1-based {ev.layer + 1}); {len(loc.events)} emergence event(s) at "
+        f"layers {[e.layer for e in loc.events]}; massive dims {loc.massive_dims[:4]}"
+    )
+
+
+def verdicts(result: Result) -> list[claims.Claim]:
+    """Claim 1 of the paper (sudden emergence at one layer, by the FFN, carried by the residual
+    stream) on this model, with intervals bootstrapped over prompts."""
+    L = result.judged_layer()
+    seed = result.seed
+    jumps = np.exp(result.log_jumps())  # [prompt layer]
+    massive = result.array("massive") > 0
+    birth = np.where(massive[:, L], jumps[:, L], 0.0)
+    out = [
+        SUDDEN.judge(
+            claims.bootstrap(birth, np.median, seed=seed),
+            details=f"{_where(result)}; {int(massive[:, L].sum())} of {len(birth)} prompts have a "
+            f"massive token at layer {L}",
+        )
     ]
+    me = result.me_layer
+    if me is None:
+        why = no_massive_why(result.location, result.n_prompts)
+        return out + [s.not_applicable(why) for s in (ONE_LAYER, FFN_CREATES, CARRIED)]
+    logj = result.log_jumps()
+    z = claims.bootstrap(logj, lambda a: claims.null_z(a.mean(0).tolist(), me), seed=seed)
+    means = logj.mean(0)
+    others = np.delete(means, me)
+    out.append(
+        ONE_LAYER.judge(
+            z,
+            details=f"{_where(result)}; mean log jump {means[me]:.3g} at the ME layer, other layers "
+            f"{others.mean():.3g} ± {others.std(ddof=1):.3g} (largest other: layer "
+            f"{int(np.argmax(np.where(np.arange(len(means)) == me, -np.inf, means)))})",
+        )
+    )
+    r_pre, r_mid, r_post = (result.array(k)[:, me] for k in ("r_pre", "r_mid", "r_post"))
+    out.append(
+        FFN_CREATES.judge(
+            claims.bootstrap(r_post / r_mid, np.median, seed=seed),
+            details=f"{_where(result)}; attention factor R_mid / R_pre at the ME layer: median "
+            f"{np.median(r_mid / r_pre):.3g}; detected site: {result.location.me_event.site}",
+        )
+    )
+    n_layers = jumps.shape[1]
+    if me == n_layers - 1:
+        out.append(CARRIED.not_applicable("the ME layer is the last layer: nothing carries it on"))
+        return out
+    rho = result.array("ref_ratio")[massive[:, me]]  # prompts with a massive token at ME
+    frac = (rho[:, me:] / rho[:, me : me + 1]).min(axis=1)
+    ev = result.location.me_event
+    out.append(
+        CARRIED.judge(
+            claims.bootstrap(frac, seed=seed, unit="prompts with a massive token at the ME layer"),
+            details=f"{_where(result)}; the event lasts to layer {ev.last_layer} "
+            f"({'to the end' if ev.persists_to_end else 'ends before the last layer'}); median ratio "
+            f"at the ME layer {np.median(rho[:, me]):.3g}, at the last layer {np.median(rho[:, -1]):.3g}",
+        )
+    )
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,7 +5,16 @@ Tests paper.md §2 claims 2 and 3 on one model: per layer, ``ΔFrac`` and ``ΔKL
 (``probes.alignment``); ``ΔC`` after the gate, up, gated-product and down projections and the FFN
 magnification of the massive token (``probes.ffn``); the top FFN neurons of the ME layer by their share of
 the massive token's FFN output; and where the massive dims rank in the gains ``|w|``. The ME layer and
-the massive token of each prompt are detected (``probes.massive``), never given.
+the massive token of each prompt are detected (``probes.massive``), never given (unless ``--layer``).
+
+Cost: one forward over every prompt records the norms (detection), the alignment and the FFN
+statistics of every token together (``probes.batching``); a second forward over the prefixes
+``x[: m + 1]`` reads the massive token's neuron activations once ``m`` is known.
+
+Claims (:data:`SPECS`; thresholds from ``claims.THRESHOLDS``; intervals bootstrapped over prompts).
+Those that the ME-layer detection nearly implies ("peaks at the ME layer") are judged against the null
+of every other layer (``claims.null_z``), never by an argmax. On a model without a massive activation
+``run`` raises ``claims.NotApplicable``.
 
     python -m me_interp.experiments.mechanism                      # bundled model, built-in prompts
     python -m me_interp.experiments.mechanism --k-frac 0.05 --neuron-layer 11
@@ -15,31 +24,47 @@ the massive token of each prompt are detected (``probes.massive``), never given.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import plotly.graph_objects as go
+import torch
 
-from me_interp import plotting
+from me_interp import claims, names, plotting
 from me_interp.experiments.common import (
     INDEX_CONVENTION,
     CommonConfig,
     cli_main,
     fmt_table,
-    fmt_verdicts,
     model_for,
 )
-from me_interp.models import Batch, LoadedModel
+from me_interp.experiments.me_layer import no_massive_why
+from me_interp.models import LoadedModel
 from me_interp.probes.alignment import (
     ALIGN_SITES,
-    alignment_scan,
+    AlignmentRecorder,
     massive_dim_gain_ranks,
     resolve_k,
 )
-from me_interp.probes.ffn import PROJECTIONS, STAGES, ffn_scan, top_neurons
-from me_interp.probes.massive import Criterion, MELocation, find_me_layer
+from me_interp.probes.batching import record
+from me_interp.probes.ffn import (
+    STAGES,
+    FFNAtRecorder,
+    FFNRecorder,
+    make_scan,
+    neuron_contributions,
+    top_neurons,
+)
+from me_interp.probes.massive import (
+    Criterion,
+    MELocation,
+    locate_me_layer,
+    massive_reference,
+    massive_tokens,
+)
+from me_interp.probes.norms import NormRecorder, NormScan
 
 NAME = "mechanism"
 PositionChoice = Literal["detected", "zero"]
@@ -50,6 +75,13 @@ STAGE_LABELS = {
     "product": "σ(gate)·up",
     "down": "after W_down (FFN output)",
 }
+N_TOP = 3
+"""The "few" neurons of ``mechanism.few_neurons`` (the top-3 of ``THRESHOLDS['concentration_share']``)."""
+
+
+# ------------------------------------------------------------------------------------------
+# what the per-layer reports (mechanism, invariance, attention_sinks) share
+# ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -60,39 +92,224 @@ class DetectConfig(CommonConfig):
         criterion: massive-activation criterion for the ME-layer detection (sun, norm, either,
             both).
         position: ``detected`` = the detected massive token of each prompt; ``zero`` = position 0.
+        layer: the ME layer to test (0-based); ``None`` = detected. On a model without a massive
+            activation the claims are not applicable unless a layer is given.
     """
 
     criterion: str = "sun"
     position: PositionChoice = "detected"
+    layer: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         Criterion(kind=self.criterion)  # type: ignore[arg-type]
         if self.position not in ("detected", "zero"):
             raise ValueError(f"position must be 'detected' or 'zero', got {self.position!r}")
+        if self.layer is not None and self.layer < 0:
+            raise ValueError(f"layer must be >= 0, got {self.layer}")
+
+    def detection(self) -> Criterion:
+        return Criterion(kind=self.criterion)  # type: ignore[arg-type]
 
 
-def detect(
-    model: LoadedModel, batch: Batch, criterion: str, position: str
-) -> tuple[MELocation, list[int] | None]:
-    """Locate the ME layer; the massive token per prompt is the detected one or position 0."""
-    loc = find_me_layer(model, batch, Criterion(kind=criterion))  # type: ignore[arg-type]
-    ref = list(loc.reference_positions) if position == "detected" else None
-    return loc, ref
+@dataclass(frozen=True)
+class Detection:
+    """The ME layer an experiment tests and the massive token of each prompt.
+
+    Attributes:
+        location: the full detection (``probes.massive``).
+        me_layer: the tested layer: ``--layer`` if given, else the detected ME layer.
+        given: whether ``me_layer`` was given rather than detected.
+        reference: the massive token of each prompt (its largest-norm massive token at ``me_layer``,
+            position 0 where none; all 0 with ``--position zero``).
+        massive_positions: every massive position of each prompt at ``me_layer``.
+    """
+
+    location: MELocation
+    me_layer: int
+    given: bool
+    reference: list[int]
+    massive_positions: list[list[int]]
 
 
-def _finite(xs: Sequence[float]) -> list[tuple[int, float]]:
-    return [(i, x) for i, x in enumerate(xs) if isinstance(x, float) and math.isfinite(x)]
+def detect(cfg: DetectConfig, model: LoadedModel, scan: NormScan) -> Detection:
+    """The ME layer and massive tokens of a norm scan (see :class:`Detection`).
+
+    Raises:
+        claims.NotApplicable: no massive activation and no ``cfg.layer``.
+    """
+    crit = cfg.detection()
+    loc = locate_me_layer(scan, crit)
+    B = scan.mask.shape[0]
+    if cfg.layer is not None:
+        me = model.check_layer(cfg.layer)
+        ref = massive_reference(scan, crit, me)
+        mt = massive_tokens(scan, crit)[me]
+        mpos = [torch.nonzero(row).flatten().tolist() for row in mt]
+    elif loc.me_layer is None:
+        raise claims.NotApplicable(
+            no_massive_why(loc, B) + "; pass --layer to measure a chosen layer anyway"
+        )
+    else:
+        me, ref, mpos = loc.me_layer, list(loc.reference_positions), loc.massive_positions
+    if cfg.position == "zero":
+        ref = [0] * B
+    return Detection(loc, me, cfg.layer is not None, [int(r) for r in ref], mpos)
 
 
-def argmax(xs: Sequence[float]) -> int | None:
-    f = _finite(xs)
-    return max(f, key=lambda t: t[1])[0] if f else None
+@dataclass
+class LayerReport:
+    """What the per-layer reports (mechanism, invariance, attention_sinks) share: the run, the
+    tested ME layer (given or detected), and one dict of measures per layer."""
+
+    model: str
+    bos: str
+    bos_prepended: bool
+    n_prompts: int
+    me_layer: int | None
+    detected_me_layer: int | None
+    layers: list[dict[str, Any]]
+
+    def series(self, key: str, sub: str | None = None) -> list:
+        """``layers[i][key]`` (or ``layers[i][key][sub]``) for every layer."""
+        return [row[key][sub] if sub else row[key] for row in self.layers]
+
+    def me_text(self) -> str:
+        """``"L (1-based L+1)"`` (``given`` when not the detected one), or ``"none"``."""
+        me = self.me_layer
+        if me is None:
+            return "none"
+        given = (
+            "" if me == self.detected_me_layer else f", given; detected {self.detected_me_layer}"
+        )
+        return f"{me} (1-based {me + 1}{given})"
+
+    def layer_table(self, columns: Sequence[str], cells: Callable[[dict[str, Any]], tuple]) -> str:
+        """A table with one row per layer: the layer, ``*`` at the ME layer, then ``cells(row)``."""
+        rows = [
+            (r["layer"], "*" if r["layer"] == self.me_layer else "", *cells(r)) for r in self.layers
+        ]
+        return fmt_table(["layer", "ME", *columns], rows)
+
+    def header(self) -> dict[str, Any]:
+        """The first keys of ``result.json``."""
+        return {
+            "model": self.model,
+            "bos": self.bos,
+            "bos_prepended": self.bos_prepended,
+            "index_convention": INDEX_CONVENTION,
+            "me_layer": self.me_layer,
+            "me_layer_1based": None if self.me_layer is None else self.me_layer + 1,
+            "detected_me_layer": self.detected_me_layer,
+        }
 
 
-def argmin(xs: Sequence[float]) -> int | None:
-    f = _finite(xs)
-    return min(f, key=lambda t: t[1])[0] if f else None
+def as_array(per_prompt: dict[str, Any], key: str) -> np.ndarray:
+    """``per_prompt[key]`` as a float array (``[prompt]`` or ``[prompt, layer]``)."""
+    return np.asarray(per_prompt[key], dtype=np.float64)
+
+
+def peak_z(values: np.ndarray, layer: int, seed: int, unit: str = "prompts") -> claims.Estimate:
+    """How far ``layer`` stands out from every other layer: ``claims.null_z`` of the per-layer means of
+    ``values[prompt, layer]``, bootstrapped over prompts. Layers that are not finite for every prompt
+    are left out of the null (a NaN estimate when ``layer`` itself is not finite)."""
+    ok = np.isfinite(values).all(axis=0)
+    if not ok[layer]:
+        nan = float("nan")
+        return claims.Estimate(nan, nan, nan, values.shape[0], unit)
+    keep = np.flatnonzero(ok)
+    at = int(np.flatnonzero(keep == layer)[0])
+    return claims.bootstrap(
+        values[:, keep], lambda a: claims.null_z(a.mean(0).tolist(), at), unit=unit, seed=seed
+    )
+
+
+def relative_drop(
+    reference: np.ndarray, value: np.ndarray, seed: int, unit: str = "prompts"
+) -> claims.Estimate:
+    """``1 − mean(value) / mean(reference)`` over paired per-prompt values, bootstrapped over
+    prompts: how far ``value`` lies below ``reference``, as a fraction of it."""
+    rows = np.stack([reference, value], axis=1)
+    return claims.bootstrap(
+        rows, lambda a: 1.0 - a[:, 1].mean() / a[:, 0].mean(), unit=unit, seed=seed
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# the mechanism experiment
+# ------------------------------------------------------------------------------------------
+
+
+def _peak_spec(short: str, section: str, what: str, statistic: str) -> claims.Spec:
+    return claims.Spec(
+        f"mechanism.{short}",
+        section,
+        f"{what} peaks at the ME layer (judged against the null of every other layer: the ME layer "
+        "is where the FFN makes the norm jump, so an argmax would be nearly implied)",
+        statistic=f"z of the ME layer's {statistic} against the other layers' (claims.null_z of the "
+        "per-layer means), bootstrapped over prompts",
+        op=">=",
+        threshold="null_z",
+        control="the same statistic at every other layer",
+    )
+
+
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        "mechanism.frac_aligned",
+        "§2.2",
+        "At the ME layer the pre-FFN RMSNorm puts more of the massive token's energy on the top-|w| "
+        "dims than the other tokens' (ΔFrac > 0, by a margin)",
+        statistic="1 − mean Frac_others / mean Frac_massive at the ME layer (pre-FFN RMSNorm output "
+        "after the gain, K = TopK(|w|))",
+        op=">=",
+        threshold="relative_drop",
+        control="the other tokens of the same prompts at the same layer",
+    ),
+    _peak_spec("frac_peak", "§2.2", "ΔFrac", "mean ΔFrac"),
+    claims.Spec(
+        "mechanism.kl_aligned",
+        "§2.2",
+        "At the ME layer the massive token's energy distribution is closer to the gain distribution "
+        "than the other tokens' (ΔKL < 0, by a margin)",
+        statistic="1 − mean KL(p_massive‖g) / mean KL(p_others‖g) at the ME layer",
+        op=">=",
+        threshold="relative_drop",
+        control="the other tokens of the same prompts at the same layer",
+    ),
+    _peak_spec("kl_peak", "§2.2", "−ΔKL (the alignment to the gains)", "mean −ΔKL"),
+    _peak_spec("dc_gate_peak", "§2.3", "ΔC after W_gate", "mean ΔC after W_gate"),
+    _peak_spec("dc_up_peak", "§2.3", "ΔC after W_up", "mean ΔC after W_up"),
+    _peak_spec("dc_down_peak", "§2.3", "ΔC after W_down (the FFN output)", "mean ΔC after W_down"),
+    _peak_spec(
+        "magnification_peak",
+        "§2.3",
+        "The FFN magnification ‖FFN(ĥ)‖ / ‖ĥ‖ of the massive token",
+        "mean log10 magnification",
+    ),
+    claims.Spec(
+        "mechanism.few_neurons",
+        "§2.3",
+        f"A few FFN neurons write the massive token's FFN output at the ME layer (the top {N_TOP})",
+        statistic=f"mean over prompts of the share of the top-{N_TOP} neurons (ranked by their mean "
+        "share) in the massive token's FFN output, s_n = a_n ⟨W_down[:, n], y⟩ / ‖y‖²",
+        op=">=",
+        threshold="concentration_share",
+        control="all other neurons of the layer (the shares sum to 1)",
+    ),
+)
+(
+    FRAC_ALIGNED,
+    FRAC_PEAK,
+    KL_ALIGNED,
+    KL_PEAK,
+    DC_GATE_PEAK,
+    DC_UP_PEAK,
+    DC_DOWN_PEAK,
+    MAGNIFICATION_PEAK,
+    FEW_NEURONS,
+) = SPECS
+_DC_PEAKS = {"gate": DC_GATE_PEAK, "up": DC_UP_PEAK, "down": DC_DOWN_PEAK}
 
 
 @dataclass(frozen=True)
@@ -127,47 +344,12 @@ class Config(DetectConfig):
 
 
 @dataclass
-class LayerReport:
-    """What the per-layer reports (mechanism, invariance, attention_sinks) share: the run, the
-    detected ME layer, and one dict of measures per layer."""
-
-    model: str
-    bos: str
-    bos_prepended: bool
-    n_prompts: int
-    me_layer: int | None
-    layers: list[dict[str, Any]]
-
-    def series(self, key: str, sub: str | None = None) -> list:
-        """``layers[i][key]`` (or ``layers[i][key][sub]``) for every layer."""
-        return [row[key][sub] if sub else row[key] for row in self.layers]
-
-    def me_text(self) -> str:
-        """``"L (1-based L+1)"``, or ``"none"`` without an ME layer."""
-        me = self.me_layer
-        return "none" if me is None else f"{me} (1-based {me + 1})"
-
-    def layer_table(self, columns: Sequence[str], cells: Callable[[dict[str, Any]], tuple]) -> str:
-        """A table with one row per layer: the layer, ``*`` at the ME layer, then ``cells(row)``."""
-        rows = [
-            (r["layer"], "*" if r["layer"] == self.me_layer else "", *cells(r)) for r in self.layers
-        ]
-        return fmt_table(["layer", "ME", *columns], rows)
-
-    def header(self) -> dict[str, Any]:
-        """The first keys of ``result.json``."""
-        return {
-            "model": self.model,
-            "bos": self.bos,
-            "bos_prepended": self.bos_prepended,
-            "index_convention": INDEX_CONVENTION,
-            "me_layer": self.me_layer,
-            "me_layer_1based": None if self.me_layer is None else self.me_layer + 1,
-        }
-
-
-@dataclass
 class Result(LayerReport):
+    """What :func:`run` measured. ``per_prompt`` holds the ``[prompt][layer]`` statistics behind the
+    claims (``delta_frac``, ``frac_massive``, ``frac_others``, ``delta_kl``, ``kl_massive``,
+    ``kl_others``, ``delta_c_<stage>``, ``magnification``, ``magnification_others``) and, per
+    prompt, ``top_neuron_share`` (the share of the top-:data:`N_TOP` neurons of the neuron layer)."""
+
     massive_dims: list[int]
     massive_positions: list[list[int]]
     reference_positions: list[int]
@@ -177,7 +359,8 @@ class Result(LayerReport):
     neuron_layer: int
     gain_ranks: dict[str, list[list[dict]]]
     ffn_gain_at_me: list[float]
-    verdicts: list[dict] = field(default_factory=list)
+    per_prompt: dict[str, list] = field(default_factory=dict)
+    seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -188,10 +371,10 @@ class Result(LayerReport):
             "n_prompts": self.n_prompts,
             "k": self.k,
             "d_model": self.d_model,
-            "verdicts": self.verdicts,
             "layers": self.layers,
             "neurons": self.neurons,
             "gain_ranks": self.gain_ranks,
+            "per_prompt": self.per_prompt,
         }
 
 
@@ -200,19 +383,41 @@ def _mean(x) -> float:
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Measure alignment and concentration at every layer. No printing, no files."""
+    """Measure alignment and concentration at every layer. No printing, no files.
+
+    Raises:
+        claims.NotApplicable: the model has no massive activation and ``cfg.layer`` is not given.
+    """
     model = model_for(cfg, model)
     batch = model.tokenize(cfg.load_prompts())
-    loc, ref = detect(model, batch, cfg.criterion, cfg.position)
-    al = alignment_scan(model, batch, k=cfg.k(), positions=ref, sites=ALIGN_SITES)
-    fs = ffn_scan(model, batch, positions=ref)
-    mag = fs.magnification()
-    mag_o = fs.magnification_others()
+    norms = NormRecorder(model, batch, names.SITES)
+    align = AlignmentRecorder(model, batch, k=cfg.k(), sites=ALIGN_SITES)
+    ffn = FFNRecorder(model, batch)
+    record(model, batch, [norms, align, ffn])
+    det = detect(cfg, model, norms.result())
+    me, ref = det.me_layer, det.reference
+    nl = model.check_layer(cfg.neuron_layer) if cfg.neuron_layer >= 0 else me
+    at = FFNAtRecorder(model, batch, ref, last_layer=max(me, nl))
+    record(model, batch, [at], upto=[r + 1 for r in ref], last_layer=max(me, nl))
+    al = align.result(ref)
+    fs = make_scan(ffn, at)
+    mag, mag_o = fs.magnification(), fs.magnification_others()
+    per: dict[str, torch.Tensor] = {
+        "delta_frac": al.delta_frac("ffn_in"),
+        "frac_massive": al.massive("frac", "ffn_in"),
+        "frac_others": al.others("frac", "ffn_in"),
+        "delta_kl": al.delta_kl("ffn_in"),
+        "kl_massive": al.massive("kl", "ffn_in"),
+        "kl_others": al.others("kl", "ffn_in"),
+        **{f"delta_c_{s}": fs.delta_c(s) for s in STAGES},
+        "magnification": mag,
+        "magnification_others": mag_o,
+    }
     layers = []
     for L in range(model.n_layers):
         row: dict[str, Any] = {"layer": L, "layer_1based": L + 1}
-        row["delta_frac"] = _mean(al.delta_frac("ffn_in")[L])
-        row["delta_kl"] = _mean(al.delta_kl("ffn_in")[L])
+        row["delta_frac"] = _mean(per["delta_frac"][L])
+        row["delta_kl"] = _mean(per["delta_kl"][L])
         for s in ALIGN_SITES:
             row[f"delta_frac_{s}"] = _mean(al.delta_frac(s)[L])
             row[f"delta_kl_{s}"] = _mean(al.delta_kl(s)[L])
@@ -225,142 +430,96 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         row["magnification"] = _mean(mag[L])
         row["magnification_others"] = _mean(mag_o[L])
         layers.append(row)
-    me = loc.me_layer
-    if cfg.neuron_layer >= 0:
-        nl = model.check_layer(cfg.neuron_layer)
-    elif me is not None:
-        nl = me
-    else:
-        nl = argmax([r["magnification"] for r in layers]) or 0
     table = top_neurons(model, fs, nl, cfg.top_neurons).to_dict()
-    table["chosen_as"] = (
-        "given"
-        if cfg.neuron_layer >= 0
-        else ("ME layer" if me is not None else "max magnification")
-    )
+    table["chosen_as"] = "given" if cfg.neuron_layer >= 0 else "ME layer"
+    shares = neuron_contributions(fs.act_at_ref[nl], model.ffn_weights(nl).down)
+    top = [n["neuron"] for n in table["neurons"][:N_TOP]]
+    loc = det.location
     dims = list(loc.massive_dims[:4])
     ranks = massive_dim_gain_ranks(model, dims, al.k) if dims else {"ffn": [], "attn": []}
-    gain_at = me if me is not None else nl
     result = Result(
         model=model.name,
         bos=model.bos,
         bos_prepended=model.bos_prepended(batch),
         n_prompts=len(batch),
         me_layer=me,
+        detected_me_layer=loc.me_layer,
         massive_dims=list(loc.massive_dims),
-        massive_positions=loc.massive_positions,
-        reference_positions=[int(r) for r in al.reference],
+        massive_positions=det.massive_positions,
+        reference_positions=ref,
         k=al.k,
         d_model=model.d_model,
         layers=layers,
         neurons=table,
         neuron_layer=nl,
         gain_ranks={n: [[g.to_dict() for g in row] for row in v] for n, v in ranks.items()},
-        ffn_gain_at_me=model.ffn_norm_gain(gain_at).detach().float().cpu().tolist(),
+        ffn_gain_at_me=model.ffn_norm_gain(me).detach().float().cpu().tolist(),
+        per_prompt={
+            **{k: v.T.tolist() for k, v in per.items()},
+            "top_neuron_share": shares[:, top].sum(-1).tolist(),
+        },
+        seed=cfg.seed,
     )
-    result.verdicts = verdicts(result)
     return result
 
 
-def verdicts(result: Result) -> list[dict]:
-    """The paper's claims 2 and 3 on this model: claim, measured numbers, holds (None: no ME layer)."""
-    me = result.me_layer
-    out: list[dict] = []
-    dfrac, dkl = result.series("delta_frac"), result.series("delta_kl")
-    mag = result.series("magnification")
-    if me is None:
-        return [
-            {
-                "claim": "RMSNorm alignment and FFN concentration at the ME layer",
-                "measured": "no ME layer detected: nothing to test",
-                "holds": None,
-            }
-        ]
-    fmt = lambda i: "none" if i is None else str(i)  # noqa: E731
-    out.append(
-        {
-            "claim": "At the ME layer the pre-FFN RMSNorm puts more of the massive token's energy on "
-            "the top-|w| dims than the other tokens (ΔFrac > 0)",
-            "measured": f"ΔFrac = {dfrac[me]:.3g} at ME layer {me} (K = {result.k}); "
-            f"largest ΔFrac at layer {fmt(argmax(dfrac))} ({max(x for _, x in _finite(dfrac)):.3g})",
-            "holds": dfrac[me] > 0,
-        }
-    )
-    out.append(
-        {
-            "claim": "ΔFrac is largest at the ME layer",
-            "measured": f"argmax ΔFrac = layer {fmt(argmax(dfrac))}, ME layer {me}",
-            "holds": argmax(dfrac) == me,
-        }
-    )
-    out.append(
-        {
-            "claim": "At the ME layer the massive token's energy distribution is closer to the gain "
-            "distribution than the other tokens' (ΔKL < 0)",
-            "measured": f"ΔKL = {dkl[me]:.3g} nats at ME layer {me}; most negative at layer "
-            f"{fmt(argmin(dkl))} ({min(x for _, x in _finite(dkl)):.3g})",
-            "holds": dkl[me] < 0,
-        }
-    )
-    out.append(
-        {
-            "claim": "ΔKL is most negative at the ME layer",
-            "measured": f"argmin ΔKL = layer {fmt(argmin(dkl))}, ME layer {me}",
-            "holds": argmin(dkl) == me,
-        }
-    )
-    peaks = {p: argmax(result.series("delta_c", p)) for p in PROJECTIONS}
-    out.append(
-        {
-            "claim": "ΔC (concentration of the massive token vs the others) is largest at the ME layer "
-            "after the gate, up and down projections",
-            "measured": ", ".join(
-                f"{p}: ΔC={result.layers[me]['delta_c'][p]:.3g} at ME, peak at layer {fmt(peaks[p])}"
-                for p in PROJECTIONS
-            ),
-            "holds": all(peaks[p] == me for p in ("gate", "up", "down")),
-        }
-    )
-    out.append(
-        {
-            "claim": "The FFN magnification ‖FFN out‖/‖FFN in‖ of the massive token peaks at the ME layer",
-            "measured": f"{mag[me]:.4g} at ME layer {me} (other tokens {result.layers[me]['magnification_others']:.3g}); "
-            f"peak at layer {fmt(argmax(mag))} ({max(x for _, x in _finite(mag)):.4g})",
-            "holds": argmax(mag) == me,
-        }
-    )
-    ranks = result.gain_ranks.get("ffn") or []
-    if ranks:
-        at = ranks[me]
-        out.append(
-            {
-                "claim": "The massive dims themselves carry large pre-FFN RMSNorm gains |w| at the ME "
-                "layer (among TopK(|w|, K)); a literal reading of claim 2 — the paper's alignment concerns "
-                "the FFN's input dims, so a failure here shows where the gain is not, and does not "
-                "refute ΔFrac/ΔKL",
-                "measured": "; ".join(
-                    f"dim {g['dim']}: |w| = {g['abs_gain']:.3g}, rank {g['rank']} of {g['d']} "
-                    f"({g['ratio_to_median']:.3g} × median)"
-                    for g in at
-                ),
-                "holds": any(g["in_top_k"] for g in at),
-            }
+def verdicts(result: Result) -> list[claims.Claim]:
+    """The paper's claims 2 and 3 on this model, with intervals bootstrapped over prompts."""
+    me, seed, pp = result.me_layer, result.seed, result.per_prompt
+    at = f"ME layer {result.me_text()}"
+    fm, fo = as_array(pp, "frac_massive")[:, me], as_array(pp, "frac_others")[:, me]
+    out = [
+        FRAC_ALIGNED.judge(
+            relative_drop(fm, fo, seed),
+            details=f"{at}; K = {result.k} of {result.d_model} dims; mean Frac massive "
+            f"{fm.mean():.3g}, others {fo.mean():.3g} (ΔFrac {(fm - fo).mean():.3g})",
         )
-    shares = [n["share"] for n in result.neurons["neurons"]]
-    top3 = sum(shares[:3])
+    ]
+    dfrac = as_array(pp, "delta_frac")
+    out.append(FRAC_PEAK.judge(peak_z(dfrac, me, seed), details=_peak_details(at, dfrac, me)))
+    km, ko = as_array(pp, "kl_massive")[:, me], as_array(pp, "kl_others")[:, me]
     out.append(
-        {
-            "claim": "A few FFN neurons write the massive token's FFN output at the ME layer "
-            "(top 3 explain > 90 %)",
-            "measured": f"layer {result.neuron_layer}: top neurons "
-            + ", ".join(
-                f"{n['neuron']} ({100 * n['share']:.1f} %)" for n in result.neurons["neurons"][:3]
-            )
-            + f"; top-3 share {100 * top3:.1f} %",
-            "holds": top3 > 0.9,
-        }
+        KL_ALIGNED.judge(
+            relative_drop(ko, km, seed),
+            details=f"{at}; mean KL massive {km.mean():.3g} nats, others {ko.mean():.3g} "
+            f"(ΔKL {(km - ko).mean():.3g})",
+        )
+    )
+    neg_dkl = -as_array(pp, "delta_kl")
+    out.append(KL_PEAK.judge(peak_z(neg_dkl, me, seed), details=_peak_details(at, neg_dkl, me)))
+    for stage, spec in _DC_PEAKS.items():
+        dc = as_array(pp, f"delta_c_{stage}")
+        out.append(spec.judge(peak_z(dc, me, seed), details=_peak_details(at, dc, me)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logmag = np.log10(as_array(pp, "magnification"))
+    out.append(
+        MAGNIFICATION_PEAK.judge(
+            peak_z(logmag, me, seed),
+            details=_peak_details(at, logmag, me)
+            + f"; magnification at ME {10 ** np.nanmean(logmag[:, me]):.4g} (geometric mean), "
+            f"other tokens {np.nanmean(as_array(pp, 'magnification_others')[:, me]):.3g}",
+        )
+    )
+    share = as_array(pp, "top_neuron_share")
+    top = result.neurons["neurons"][:N_TOP]
+    out.append(
+        FEW_NEURONS.judge(
+            claims.bootstrap(share, seed=seed),
+            details=f"neuron layer {result.neuron_layer} ({result.neurons['chosen_as']}); top "
+            "neurons " + ", ".join(f"{n['neuron']} ({100 * n['share']:.1f} %)" for n in top),
+        )
     )
     return out
+
+
+def _peak_details(at: str, values: np.ndarray, me: int) -> str:
+    means = np.nanmean(values, axis=0)
+    others = np.delete(means, me)
+    best = int(np.nanargmax(np.where(np.isfinite(means), means, np.nan)))
+    return (
+        f"{at}; per-layer mean {means[me]:.3g} at ME vs {np.nanmean(others):.3g} ± "
+        f"{np.nanstd(others, ddof=1):.3g} at the other layers; largest at layer {best}"
+    )
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
@@ -484,8 +643,7 @@ def summary(result: Result) -> str:
         ["neuron", "share", "activation"],
         [(n["neuron"], n["share"], n["activation"]) for n in result.neurons["neurons"]],
     )
-    ver = fmt_verdicts(result.verdicts)
-    return "\n\n".join([head, table, f"top neurons of layer {result.neuron_layer}:\n{ntab}", ver])
+    return "\n\n".join([head, table, f"top neurons of layer {result.neuron_layer}:\n{ntab}"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

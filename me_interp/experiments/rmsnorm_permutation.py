@@ -3,16 +3,26 @@
 ``RMSNorm(h) = h / sqrt(mean(h²) + eps) ⊙ w``. The paper (§2 claim 2) says the pre-FFN gain ``w`` of
 the ME layer puts token 0's energy on the dims with large ``|w|`` — an *alignment* of ``w`` with the
 residual stream. This experiment edits ``w`` of the ME layer ``m`` (``me_interp.edits.gains``) and
-locates the massive activation again:
+measures the massive activation again (``experiments._weights.measure``):
 
 * ``random``: ``w ← w[π]`` for ``n_random`` seeded uniform permutations (same values, other dims);
-* ``top``: a permutation moving only the ``top_k`` largest-``|w|`` dims, each to a random other dim;
+* ``top``: a permutation moving only the ``top_k`` largest-``|w|`` dims, each to a random other dim
+  (``n_random`` seeds);
+* ``other``: the control of ``top``: ``top_k`` transpositions among the dims *outside* the top
+  ``top_k`` (as many dims move, none of the large gains; ``n_random`` seeds);
 * ``flatten``: ``w ← mean(w) + α (w − mean(w))`` for each ``α`` in ``alphas`` (``α = 0``: constant gain).
 
 Each edit is made on the pre-FFN norm (``ffn``, the test) and on the pre-attention norm (``attn``, the
-control). The massive activation *survives* an edit when layer ``m``'s output still meets the massive
-criterion. Measured per edit: the new ME layer, the massive ratio ``R_l`` (max token / mean of the
-others) at ``m`` and at the last layer, and the downstream attention sink.
+control). The statistic of every claim is the *excess left* by the edit,
+
+    c = (R̄_m(edited) − 1) / (R̄_m(unedited) − 1),   R̄_m = mean_b R_{m,b},
+    R_{l,b} = max_t ‖h_{l,b,t}‖ / mean_{t≠argmax} ‖h_{l,b,t}‖
+
+of layer ``m``'s output (an ordinary token has ``R ≈ 1``, so ``c = 1`` is untouched and ``c = 0`` an
+ordinary token; ``interventions.causal.excess_fraction``). An edit *removes* the massive activation
+when ``c`` is at most the table's ``removed`` fraction. Deterministic edits (flattening) are
+bootstrapped over prompts (both means resampled together); random ones (permutations) over their
+seeds (each seed's ``c``).
 
     python -m me_interp.experiments.rmsnorm_permutation
     python -m me_interp.experiments.rmsnorm_permutation --n-random 10 --top-k 4 --alphas 0 0.5
@@ -20,15 +30,20 @@ others) at ``m`` and at the last layer, and the downstream attention sink.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import plotly.graph_objects as go
+import torch
+from jaxtyping import Float
 from plotly.subplots import make_subplots
 from tqdm.auto import tqdm
 
+from me_interp import claims
 from me_interp.edits import (
     NORMS,
     flattened_gain,
@@ -45,12 +60,18 @@ from me_interp.experiments._weights import (
     edit_cells,
     edit_row,
     measure,
+    no_massive_activation,
     prepare,
 )
 from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
+from me_interp.interventions.causal import excess_fraction, excess_stat
 from me_interp.models import LoadedModel
 
 NAME = "rmsnorm_permutation"
+KINDS = ("random", "top", "other", "flatten")
+"""The edits of a gain (module docstring), in table order."""
+SEEDED = ("random", "top", "other")
+"""The edits drawn at random, one per seed."""
 
 
 @dataclass(frozen=True)
@@ -58,15 +79,17 @@ class Config(WeightConfig):
     """RMSNorm-permutation settings.
 
     Attributes:
-        n_random: how many seeded random permutations (seeds ``seed, seed+1, …``).
-        top_k: how many of the largest-``|w|`` dims the ``top`` permutation moves.
-        alphas: flattening strengths ``α`` (1 = unchanged, 0 = constant gain).
+        n_random: seeds (``seed, seed+1, …``) of each random edit (``random``, ``top``, ``other``);
+            the claims on them need at least 5.
+        top_k: how many of the largest-``|w|`` dims the ``top`` permutation moves (and how many
+            transpositions the ``other`` control makes); at most ``d_model // 3``.
+        alphas: flattening strengths ``α`` (1 = unchanged, 0 = constant gain; the claim is at 0).
         norms: which norms to edit: ``ffn`` (pre-FFN, the test) and/or ``attn`` (control).
     """
 
     n_random: int = 5
     top_k: int = 8
-    alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
+    alphas: tuple[float, ...] = (0.0, 0.5)
     norms: tuple[str, ...] = ("ffn", "attn")
 
     def __post_init__(self) -> None:
@@ -80,18 +103,56 @@ class Config(WeightConfig):
         for n in self.norms:
             if n not in NORMS:
                 raise ValueError(f"unknown norm {n!r}; choose from {NORMS}")
+        for a in self.alphas:
+            if not math.isfinite(a):
+                raise ValueError(f"every alpha must be finite, got {a}")
+
+
+def other_dims_permutation(w: Float[torch.Tensor, " d"], k: int, seed: int) -> torch.Tensor:
+    """The control of :func:`~me_interp.edits.top_dims_permutation`: ``k`` transpositions among the
+    dims *outside* the ``k`` largest-``|w|`` ones (``2k`` dims move, as there; no large gain does).
+
+    Raises:
+        ValueError: ``k`` not in ``1..d//3`` (``2k`` other dims must exist beside the top ``k``).
+    """
+    d = w.numel()
+    if not 1 <= k <= d // 3:
+        raise ValueError(f"top_k must be in 1..{d // 3} (a third of d_model={d}), got {k}")
+    top = set(top_dims(w, k))
+    rest = torch.tensor([i for i in range(d) if i not in top])
+    gen = torch.Generator().manual_seed(seed)
+    pick = rest[torch.randperm(len(rest), generator=gen)[: 2 * k]].tolist()
+    perm = torch.arange(d)
+    for i, j in zip(pick[0::2], pick[1::2]):
+        perm[i], perm[j] = j, i
+    return perm
 
 
 @dataclass
 class Result:
+    """The edits of the ME layer's gains and what they did.
+
+    Each row of ``rows`` is an :func:`~me_interp.experiments._weights.edit_row` (with the per-prompt
+    ratios) with ``norm``, ``kind`` (:data:`KINDS`) and ``param`` (the seed, or ``α`` for
+    ``flatten``), plus ``change``: the excess ``c`` the edit leaves (module docstring).
+    """
+
     model: str
     bos: str
     layer: int
+    layer_given: bool
     baseline: Measurement
     rows: list[dict[str, Any]]
     top_dims: dict[str, list[int]]
+    top_k: int
+    seed: int
     n_prompts: int
     prompt_lengths: list[int]
+
+    @property
+    def massive_at_layer(self) -> bool:
+        """Whether the unedited model's output at ``layer`` has a massive activation."""
+        return bool(self.baseline.has_massive[self.layer])
 
     def select(self, norm: str, kind: str) -> list[dict[str, Any]]:
         return [r for r in self.rows if r["norm"] == norm and r["kind"] == kind]
@@ -104,51 +165,53 @@ class Result:
         rows = self.select(norm, kind)
         return statistics.median(r["ratio_at_layer"] for r in rows) if rows else None
 
-    def headline(self) -> dict[str, Any]:
-        test = self.survival("ffn", "random")
-        control = self.survival("attn", "random")
-        if test is None:
-            return {"holds": None, "reason": "no random permutation of the pre-FFN gain was run"}
-        holds = test <= 0.5 and (control is None or control >= 0.5)
-        return {
-            "holds": holds,
-            "survival_ffn_random": test,
-            "survival_attn_random": control,
-            "ratio_ffn_random_median": self.median_ratio("ffn", "random"),
-            "ratio_baseline": self.baseline.ratio_at(self.layer),
-            "rule": "holds when the massive activation at the ME layer survives at most half of the "
-            "random permutations of the pre-FFN gain and at least half of those of the pre-attention gain",
-        }
+    def seed_changes(self, norm: str, kind: str) -> list[float]:
+        """Per seed of a random edit: the excess ``c`` it leaves."""
+        return [r["change"] for r in self.select(norm, kind)]
+
+    def flatten_row(self, norm: str, alpha: float) -> dict[str, Any] | None:
+        return next(
+            (r for r in self.select(norm, "flatten") if math.isclose(r["param"], alpha)), None
+        )
 
     def to_dict(self) -> dict[str, Any]:
         b = self.baseline
-        kinds = ("random", "top", "flatten")
         return {
-            "claim": "The massive activation needs the ME layer's pre-FFN RMSNorm gain as it is "
-            "(aligned with the residual stream): permuting or flattening it removes the massive "
-            "activation, while the same edits of the pre-attention gain do not.",
-            "baseline": b.at_layer(self.layer),
-            "intervened": {
-                f"{n}_{k}": {
-                    "survival": self.survival(n, k),
-                    "median_ratio_at_layer": self.median_ratio(n, k),
-                }
-                for n in ("ffn", "attn")
-                for k in kinds
-                if self.select(n, k)
-            },
-            "verdict": self.headline(),
             "model": self.model,
             "bos": self.bos,
             "index_convention": INDEX_CONVENTION,
             "layer": self.layer,
             "layer_1based": self.layer + 1,
+            "layer_given": self.layer_given,
+            "massive_at_layer": self.massive_at_layer,
+            "baseline": b.at_layer(self.layer),
+            "summary": {
+                f"{n}_{k}": {
+                    "survival": self.survival(n, k),
+                    "median_ratio_at_layer": self.median_ratio(n, k),
+                    "mean_change": float(np.mean([r["change"] for r in self.select(n, k)])),
+                }
+                for n in NORMS
+                for k in KINDS
+                if self.select(n, k)
+            },
             "top_dims": self.top_dims,
+            "top_k": self.top_k,
+            "seed": self.seed,
             "n_prompts": self.n_prompts,
             "prompt_lengths": self.prompt_lengths,
+            "per_prompt": {
+                "ratio_unedited": b.prompt_ratio_at(self.layer),
+                "ratio_edited": {_label(r): r["ratio_at_layer_per_prompt"] for r in self.rows},
+            },
             "rows": self.rows,
             "baseline_detail": b.to_dict(),
         }
+
+
+def _label(row: dict[str, Any]) -> str:
+    what = f"α={row['param']:g}" if row["kind"] == "flatten" else f"seed {row['param']}"
+    return f"{row['norm']} {row['kind']} {what}"
 
 
 def _edits(model: LoadedModel, cfg: Config, layer: int) -> Iterator[tuple[str, str, Any, Any]]:
@@ -158,8 +221,12 @@ def _edits(model: LoadedModel, cfg: Config, layer: int) -> Iterator[tuple[str, s
         for i in range(cfg.n_random):
             perm = random_permutation(w.numel(), cfg.seed + i)
             yield norm, "random", cfg.seed + i, permuted_gain(model, layer, perm, norm)
-        perm = top_dims_permutation(w, cfg.top_k, cfg.seed)
-        yield norm, "top", cfg.top_k, permuted_gain(model, layer, perm, norm)
+        for i in range(cfg.n_random):
+            perm = top_dims_permutation(w, cfg.top_k, cfg.seed + i)
+            yield norm, "top", cfg.seed + i, permuted_gain(model, layer, perm, norm)
+        for i in range(cfg.n_random):
+            perm = other_dims_permutation(w, cfg.top_k, cfg.seed + i)
+            yield norm, "other", cfg.seed + i, permuted_gain(model, layer, perm, norm)
         for a in cfg.alphas:
             yield norm, "flatten", float(a), flattened_gain(model, layer, a, norm)
 
@@ -168,36 +235,197 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """Permute / flatten the ME layer's RMSNorm gains and measure. No printing, no files.
 
     Raises:
-        ValueError: ``top_k`` above half of ``d_model``, a layer out of range, no ME layer found.
+        NotApplicable: no ``layer`` given and the model has no massive activation.
+        ValueError: ``top_k`` above a third of ``d_model``, a layer out of range.
     """
-    s = prepare(cfg, model)
+    s = prepare(cfg, model, require_layer=False)
+    if s.layer is None:
+        raise no_massive_activation(s.model, s.criterion, len(s.batch))
     m = s.layer
-    assert m is not None
     d = s.model.d_model
-    if cfg.top_k > d // 2:
-        raise ValueError(f"top_k must be at most d_model/2 = {d // 2}, got {cfg.top_k}")
-    n_edits = len(cfg.norms) * (cfg.n_random + 1 + len(cfg.alphas))
+    if cfg.top_k > d // 3:
+        raise ValueError(f"top_k must be at most d_model/3 = {d // 3}, got {cfg.top_k}")
+    before = np.asarray(s.baseline.prompt_ratio_at(m), dtype=np.float64)
+    n_edits = len(cfg.norms) * (3 * cfg.n_random + len(cfg.alphas))
     rows = []
     for norm, kind, param, ctx in tqdm(
         _edits(s.model, cfg, m), total=n_edits, desc=NAME, disable=None
     ):
         with ctx:
             after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
-        rows.append(edit_row(after, m, norm=norm, kind=kind, param=param))
+        row = edit_row(after, m, per_prompt=True, norm=norm, kind=kind, param=param)
+        after_m = float(np.mean(row["ratio_at_layer_per_prompt"]))
+        rows.append({**row, "change": excess_fraction(after_m, float(before.mean()))})
     return Result(
         model=s.model.name,
         bos=s.model.bos,
         layer=m,
+        layer_given=s.layer_given,
         baseline=s.baseline,
         rows=rows,
         top_dims={n: top_dims(gain(s.model, m, n), cfg.top_k) for n in cfg.norms},
+        top_k=cfg.top_k,
+        seed=cfg.seed,
         n_prompts=len(s.batch),
         prompt_lengths=s.batch.lengths,
     )
 
 
+# ------------------------------------------------------------------------------------------
+# claims
+# ------------------------------------------------------------------------------------------
+
+_STAT = (
+    "c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean over "
+    "prompts)"
+)
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        "rmsnorm_permutation.ffn_permutation_removes",
+        "§2 claim 2 (RMSNorm alignment); §3 permutation",
+        "Randomly permuting the ME layer's pre-FFN RMSNorm gain removes the massive activation",
+        f"{_STAT}, mean over the random permutations (seeds)",
+        "<=",
+        "removed",
+        "the same random permutations of the pre-attention gain "
+        "(rmsnorm_permutation.attn_permutation_keeps)",
+    ),
+    claims.Spec(
+        "rmsnorm_permutation.attn_permutation_keeps",
+        "§2 claim 2 (control: the other norm)",
+        "Randomly permuting the ME layer's pre-attention RMSNorm gain does not remove the massive "
+        "activation",
+        f"{_STAT}, mean over the random permutations (seeds)",
+        ">",
+        "removed",
+        "the pre-FFN permutations (rmsnorm_permutation.ffn_permutation_removes)",
+    ),
+    claims.Spec(
+        "rmsnorm_permutation.top_dims_removes",
+        "§2 claim 2 (the large-|w| dims)",
+        "Moving only the top-k |w| dims of the ME layer's pre-FFN gain removes the massive activation",
+        f"{_STAT}, mean over the seeds of the moves",
+        "<=",
+        "removed",
+        "as many transpositions among the other dims (rmsnorm_permutation.other_dims_keep)",
+    ),
+    claims.Spec(
+        "rmsnorm_permutation.other_dims_keep",
+        "§2 claim 2 (control: the small-|w| dims)",
+        "Moving as many dims of the pre-FFN gain outside its top-k |w| dims does not remove the "
+        "massive activation",
+        f"{_STAT}, mean over the seeds of the moves",
+        ">",
+        "removed",
+        "the move of the top-k dims (rmsnorm_permutation.top_dims_removes)",
+    ),
+    claims.Spec(
+        "rmsnorm_permutation.flatten_removes",
+        "§2 claim 2; §3 flattening",
+        "Flattening the ME layer's pre-FFN gain to its mean (α = 0) removes the massive activation",
+        f"{_STAT} with w ← mean(w)",
+        "<=",
+        "removed",
+        "the same flattening of the pre-attention gain (in details)",
+    ),
+)
+claims.check_specs(SPECS)
+_SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+
+
+def _fmt(x: Any) -> str:
+    return "n/a" if x is None or x != x else f"{x:.4g}"
+
+
+def _paired(row: dict[str, Any], base: Measurement, layer: int) -> np.ndarray:
+    """``[prompt, 2]``: the edited and unedited ratio of each prompt at ``layer``."""
+    return np.column_stack([row["ratio_at_layer_per_prompt"], base.prompt_ratio_at(layer)])
+
+
+def verdicts(result: Result) -> list[claims.Claim]:
+    """Every claim of :data:`SPECS` on this result (see the module docstring)."""
+    m = result.layer
+    if not result.massive_at_layer:
+        return claims.not_applicable(
+            SPECS,
+            f"no massive activation at layer {m} of the unedited model (the layer was given, not "
+            "detected): there is nothing for the edits to remove",
+        )
+    base = result.baseline
+    where = (
+        f"layer {m} (1-based {m + 1}); unedited R_m = {_fmt(float(np.mean(base.prompt_ratio_at(m))))} "
+        f"(mean over {result.n_prompts} prompts of {max(result.prompt_lengths)} tokens at most)"
+    )
+
+    def control(norm: str, kind: str) -> str:
+        rows = result.select(norm, kind)
+        if not rows:
+            return f"{norm} {kind}: not run"
+        return (
+            f"{norm} {kind}: mean c {_fmt(float(np.mean([r['change'] for r in rows])))}, "
+            f"survives {sum(r['survives'] for r in rows)}/{len(rows)}"
+        )
+
+    def seeded(name: str, norm: str, kind: str, other: tuple[str, str], extra: str = "") -> None:
+        changes = result.seed_changes(norm, kind)
+        if not changes:
+            out.append(
+                _SPEC[name].not_applicable(f"not measured in this run: no {norm} {kind} edit")
+            )
+        elif len(changes) < claims.MIN_SEEDS:
+            out.append(
+                _SPEC[name].not_applicable(
+                    f"not measured in this run: {len(changes)} seeds, a random edit needs at least "
+                    f"{claims.MIN_SEEDS} (--n-random)"
+                )
+            )
+        else:
+            est = claims.over_seeds(changes, seed=result.seed)
+            rows = result.select(norm, kind)
+            out.append(
+                _SPEC[name].judge(
+                    est,
+                    details=f"{where}; survives {sum(r['survives'] for r in rows)}/{len(rows)}"
+                    f"{extra}; {control(*other)}",
+                )
+            )
+
+    out: list[claims.Claim] = []
+    top = f"; top-{result.top_k} dims {result.top_dims.get('ffn')}"
+    seeded("ffn_permutation_removes", "ffn", "random", ("attn", "random"))
+    seeded("attn_permutation_keeps", "attn", "random", ("ffn", "random"))
+    seeded("top_dims_removes", "ffn", "top", ("ffn", "other"), top)
+    seeded("other_dims_keep", "ffn", "other", ("ffn", "top"), top)
+    flat = result.flatten_row("ffn", 0.0)
+    if flat is None:
+        out.append(
+            _SPEC["flatten_removes"].not_applicable("not measured in this run: α = 0 not in alphas")
+        )
+    else:
+        ctrl = result.flatten_row("attn", 0.0)
+        ctrl_text = "attn flatten α=0: " + (
+            "not run" if ctrl is None else f"c {_fmt(ctrl['change'])}"
+        )
+        est = claims.bootstrap(
+            _paired(flat, base, m), excess_stat, unit="prompts", seed=result.seed
+        )
+        out.append(
+            _SPEC["flatten_removes"].judge(
+                est,
+                details=f"{where}; R_m after {_fmt(flat['ratio_at_layer'])}, survives "
+                f"{'yes' if flat['survives'] else 'no'}; {ctrl_text}",
+            )
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# figures and summary
+# ------------------------------------------------------------------------------------------
+
+
 def figures(result: Result) -> dict[str, go.Figure]:
-    norms = sorted({r["norm"] for r in result.rows}, key=["ffn", "attn"].index)
+    norms = [n for n in NORMS if any(r["norm"] == n for r in result.rows)]
     titles = {"ffn": "pre-FFN gain (test)", "attn": "pre-attention gain (control)"}
     fig = make_subplots(
         rows=1, cols=len(norms), subplot_titles=[titles[n] for n in norms], shared_yaxes=True
@@ -205,10 +433,9 @@ def figures(result: Result) -> dict[str, go.Figure]:
     base = result.baseline.ratio_at(result.layer)
     for c, norm in enumerate(norms, start=1):
         rows = [r for r in result.rows if r["norm"] == norm]
-        labels = [f"{r['kind']} {r['param']}" for r in rows]
         fig.add_trace(
             go.Bar(
-                x=labels,
+                x=[_label(r).split(" ", 1)[1] for r in rows],
                 y=[r["ratio_at_layer"] for r in rows],
                 marker_color=["seagreen" if r["survives"] else "firebrick" for r in rows],
                 name=titles[norm],
@@ -227,7 +454,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
     )
     flat = go.Figure()
     for norm in norms:
-        rows = result.select(norm, "flatten")
+        rows = sorted(result.select(norm, "flatten"), key=lambda r: r["param"])
         flat.add_trace(
             go.Scatter(
                 x=[r["param"] for r in rows] + [1.0],
@@ -246,57 +473,15 @@ def figures(result: Result) -> dict[str, go.Figure]:
     return {"ratio_after_edit": fig, "flatten_sweep": flat}
 
 
-def verdicts(result: Result) -> list[dict[str, Any]]:
-    head = result.headline()
-    out = [
-        {
-            "claim": "Permuting the ME layer's pre-FFN RMSNorm gain removes the massive activation; "
-            "permuting the pre-attention gain does not (RMSNorm alignment)",
-            "measured": f"survival under random permutations: pre-FFN {head.get('survival_ffn_random')}, "
-            f"pre-attention {head.get('survival_attn_random')}; median ratio "
-            f"{_fmt(head.get('ratio_ffn_random_median'))} vs {_fmt(result.baseline.ratio_at(result.layer))} unedited",
-            "holds": head["holds"],
-        }
-    ]
-    top = result.survival("ffn", "top")
-    if top is not None:
-        out.append(
-            {
-                "claim": "Moving only the top-|w| dims of the pre-FFN gain removes the massive activation",
-                "measured": f"survives: {bool(top)}; ratio {_fmt(result.median_ratio('ffn', 'top'))} "
-                f"(dims {result.top_dims.get('ffn')})",
-                "holds": not top,
-            }
-        )
-    flat = result.select("ffn", "flatten")
-    if flat:
-        zero = [r for r in flat if r["param"] == 0.0]
-        out.append(
-            {
-                "claim": "Flattening the pre-FFN gain to a constant (α = 0) removes the massive activation",
-                "measured": ", ".join(f"α={r['param']}: {_fmt(r['ratio_at_layer'])}" for r in flat),
-                "holds": (not zero[0]["survives"]) if zero else None,
-            }
-        )
-    return out
-
-
-def _fmt(x: Any) -> str:
-    return "n/a" if x is None else f"{x:.4g}"
-
-
 def summary(result: Result) -> str:
-    rows = [(r["norm"], r["kind"], r["param"], *edit_cells(r)) for r in result.rows]
-    head = result.headline()
+    rows = [(r["norm"], r["kind"], r["param"], *edit_cells(r), r["change"]) for r in result.rows]
     return "\n".join(
         [
-            f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited ratio "
-            f"{result.baseline.ratio_at(result.layer):.4g}",
+            f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited "
+            f"ratio {result.baseline.ratio_at(result.layer):.4g}   {result.n_prompts} prompts   "
+            f"top-{result.top_k} dims {result.top_dims}",
             "",
-            fmt_table(["norm", "edit", "param", *EDIT_COLUMNS], rows),
-            "",
-            f"verdict: holds={head['holds']} (survival pre-FFN {head.get('survival_ffn_random')}, "
-            f"pre-attention {head.get('survival_attn_random')})",
+            fmt_table(["norm", "edit", "seed/α", *EDIT_COLUMNS, "c"], rows),
         ]
     )
 

@@ -2,8 +2,8 @@
 
 The paper (paper.md §2, claim 6) says the massive activation *causes* the attention sink on its token.
 This experiment removes it at the ME layer (measured with the ME-layer probe) and compares, at every
-layer, the attention mass on the massive position ``p`` and the attention entropy with the unmodified
-run (``probes.attention_stats``: mean over heads and real queries ``q ≥ 1``):
+layer and head, the attention of the real queries ``q > p`` to the massive position ``p`` and the
+attention entropy with the unmodified run — per prompt, one forward per condition:
 
 * ``remove_ffn``  — the ME layer's FFN output of token ``p`` set to the other tokens' mean FFN output
   (the massive activation is never written);
@@ -13,10 +13,13 @@ run (``probes.attention_stats``: mean over heads and real queries ``q ≥ 1``):
   (still massive, from another input): the sink should survive.
 
 *Sink heads* are the heads of the layers after the ME layer whose unmodified mean attention to ``p``
-is at least ``--sink-threshold`` (0.3, the usual sink-rate threshold); the *sink rate* of a layer is the
-fraction of its heads above it. The verdict uses ``--primary`` (default ``remove_ffn``): the sink *is*
-caused by the massive activation when the sink heads' mean attention to ``p`` falls by at least
-``--kill-fraction`` (default 0.5) of its unmodified value.
+reaches the ``sink_attention`` threshold of :data:`me_interp.claims.THRESHOLDS`. Each condition is
+one claim (:data:`SPECS`), judged on the sink heads' attention to ``p`` after the condition over
+before (ratio of prompt means, bootstrapped over prompts): a removal claim holds when the sink drops
+by at least the ``relative_drop`` threshold; it is not applicable when the condition did not remove
+the massive activation (the ``removed`` rule on the ME-layer norm ratio). The control holds when the
+sink changes by less than that; it is not applicable when every prompt has the same tokens up to
+``p`` (then the swap is the identity: the trap of paper.md §4).
 
     python -m me_interp.experiments.sink_causality
     python -m me_interp.experiments.sink_causality --model synthetic:planted --prompts p.txt
@@ -26,22 +29,71 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from me_interp import plotting
+import numpy as np
+import torch
+
+from me_interp import claims, names, plotting
 from me_interp.experiments.common import SiteConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
-from me_interp.models import LoadedModel
-from me_interp.patching import NormRatio, evaluate_metrics
-from me_interp.probes.attention import attention_stats
+from me_interp.models import Batch, LoadedModel
+from me_interp.probes.attention import attention_entropy
+from me_interp.probes.norms import ratio_to_others
 
 NAME = "sink_causality"
 CONDITIONS: tuple[str, ...] = ("remove_ffn", "remove_dims", "remove_all", "patch_other")
 CONTROLS: tuple[str, ...] = ("patch_other",)
-CLAIM = (
-    "The massive activation causes the downstream attention sink: removing it at the ME layer "
-    "kills the sink on its token in the later layers"
+_SINK = (
+    "the sink heads' mean attention to p after the condition over before (ratio of prompt means)"
 )
+
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        "sink_causality.remove_ffn",
+        "§2.6",
+        "The massive activation causes the downstream attention sink: never writing it (the ME "
+        "layer's FFN output of the massive token set to the other tokens' mean) makes the sink "
+        "heads of the later layers drop their attention to that token",
+        "1 − " + _SINK,
+        ">=",
+        "relative_drop",
+        control="the unmodified run; the patch_other control",
+    ),
+    claims.Spec(
+        "sink_causality.remove_all",
+        "§2.6",
+        "The sink reads the massive token's state after the ME layer: replacing its whole ME-layer "
+        "output by the other tokens' mean makes the sink heads drop their attention to it",
+        "1 − " + _SINK,
+        ">=",
+        "relative_drop",
+        control="the unmodified run; the patch_other control",
+    ),
+    claims.Spec(
+        "sink_causality.remove_dims",
+        "§2.6, §4 (massive dims)",
+        "The massive dims alone carry the sink: resetting only them (to the other tokens' mean) at "
+        "the ME-layer output makes the sink heads drop their attention to the massive token",
+        "1 − " + _SINK,
+        ">=",
+        "relative_drop",
+        control="remove_all (the whole state)",
+    ),
+    claims.Spec(
+        "sink_causality.patch_other",
+        "§2.4 (directional invariance)",
+        "Control: the sink does not depend on which input's massive token it sees — the massive "
+        "token's ME-layer output swapped for another prompt's (still massive) keeps the sink",
+        "|1 − " + _SINK + "|",
+        "<",
+        "relative_drop",
+        control="the removal conditions",
+    ),
+)
+claims.check_specs(SPECS)
+SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
 
 
 @dataclass(frozen=True)
@@ -50,39 +102,103 @@ class Config(SiteConfig):
 
     Attributes:
         conditions: the interventions to run, each separately (``remove_ffn``, ``remove_dims``,
-            ``remove_all``, and the control ``patch_other``).
-        primary: the removal condition the headline verdict uses (one of ``conditions``, not the
-            control).
-        kill_fraction: the sink counts as killed when the sink heads' attention to ``p`` falls by at
-            least this fraction of its unmodified value, in (0, 1].
-        sink_threshold: a head after the ME layer is a sink head when its unmodified attention to
-            ``p`` is at least this, in (0, 1); also the threshold of the sink rate.
+            ``remove_all``, and the control ``patch_other``); a claim whose condition is not run is
+            not applicable.
+        max_tokens: prompts are cut to their first ``max_tokens`` tokens (the sink is on the first
+            token; >= 2).
+        max_prompts: how many prompts to use, spread evenly over the prompt list (``None``: all).
+            One forward per condition; 48 keeps the bundled model's run around half a minute on two
+            CPU cores.
     """
 
     conditions: tuple[str, ...] = CONDITIONS
-    primary: str = "remove_ffn"
-    kill_fraction: float = 0.5
-    sink_threshold: float = 0.3
+    max_tokens: int = 32
+    max_prompts: int | None = 48
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choices(self.conditions, CONDITIONS, "condition")
-        if self.primary not in self.conditions:
-            raise ValueError(
-                f"primary {self.primary!r} must be one of the conditions {self.conditions}"
-            )
-        if self.primary in CONTROLS:
-            raise ValueError(
-                f"primary must be a removal condition, not the control {self.primary!r}"
-            )
-        if not 0 < self.kill_fraction <= 1:
-            raise ValueError("kill_fraction must be in (0, 1]")
-        if not 0 < self.sink_threshold < 1:
-            raise ValueError("sink_threshold must be in (0, 1)")
+        if self.max_tokens < 2:
+            raise ValueError("max_tokens must be >= 2")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError("max_prompts must be >= 1 (or None for all)")
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if len(xs) else float("nan")
+@dataclass
+class Measure:
+    """One condition's per-prompt measurements.
+
+    Attributes:
+        attention: ``[layer, batch, head]`` mean attention of the real queries ``q > p`` to ``p``.
+        entropy: ``[layer, batch]`` attention entropy (nats), mean over heads and those queries.
+        me_ratio: ``[batch]`` norm ratio ``‖h_p‖ / mean_{t≠p}‖h_t‖`` at the ME-layer output.
+        last_ratio: ``[batch]`` the same at the last layer.
+    """
+
+    attention: torch.Tensor
+    entropy: torch.Tensor
+    me_ratio: torch.Tensor
+    last_ratio: torch.Tensor
+
+
+def _record(x, hook, *, store, key):
+    store[key] = x.detach()
+    return x
+
+
+def _record_pattern(pattern, hook, *, store, layer, p, qmask):
+    a = pattern.detach().float()  # [batch head q k]
+    qm = qmask.to(a.device, a.dtype)[:, None, :]  # [batch 1 q]
+    n = qm.sum(-1)
+    to_p = (a[..., p] * qm).sum(-1) / n  # [batch head]
+    ent = (attention_entropy(a) * qm).sum(-1) / n  # [batch head]
+    store[layer] = (to_p.cpu(), ent.mean(-1).cpu())
+    return pattern
+
+
+def measure(
+    model: LoadedModel, batch: Batch, layer: int, p: int, fwd_hooks: Sequence = ()
+) -> Measure:
+    """One forward of ``batch`` under ``fwd_hooks`` (stopping before the unembedding)."""
+    q = batch.attention_mask.bool().clone()
+    q[:, : p + 1] = False
+    if not q.any(-1).all():
+        raise ValueError(f"every prompt needs a token after position {p}")
+    pats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    res: dict[str, torch.Tensor] = {}
+    last = model.n_layers - 1
+    hooks = [
+        (names.pattern(x), partial(_record_pattern, store=pats, layer=x, p=p, qmask=q))
+        for x in range(model.n_layers)
+    ]
+    hooks += [(names.resid_post(x), partial(_record, store=res, key=str(x))) for x in {layer, last}]
+    model.run_with_hooks(batch, [*fwd_hooks, *hooks], stop_at_layer=model.n_layers)
+    mask = batch.attention_mask.bool().cpu()
+    ref = torch.full((len(batch),), p, dtype=torch.long)
+
+    def ratio(x: int) -> torch.Tensor:
+        return ratio_to_others(res[str(x)].float().norm(dim=-1).cpu(), mask, ref)
+
+    return Measure(
+        attention=torch.stack([pats[x][0] for x in range(model.n_layers)]),
+        entropy=torch.stack([pats[x][1] for x in range(model.n_layers)]),
+        me_ratio=ratio(layer),
+        last_ratio=ratio(last),
+    )
+
+
+def condition_hooks(model, batch, site: causal.MassiveSite, cond: str, acts=None) -> list:
+    """The hooks of one condition (see module docstring); ``acts`` from :func:`causal.capture`."""
+    L, p = site.layer, [site.position]
+    if cond == "remove_ffn":
+        return causal.remove_massive(model, batch, L, p, None, site="ffn_out", acts=acts)
+    if cond == "remove_dims":
+        return causal.remove_massive(model, batch, L, p, site.dims, site="resid_post", acts=acts)
+    if cond == "remove_all":
+        return causal.remove_massive(model, batch, L, p, None, site="resid_post", acts=acts)
+    if cond == "patch_other":
+        return causal.patch_across_prompts(model, batch, L, p, acts=acts)
+    raise ValueError(f"unknown condition {cond!r}; choose from {', '.join(CONDITIONS)}")
 
 
 @dataclass
@@ -90,187 +206,207 @@ class Result:
     model: str
     bos: str
     site: causal.MassiveSite
+    prompts: causal.PromptBatch
     n_layers: int
-    primary: str
-    kill_fraction: float
-    sink_threshold: float
-    head_attention: dict[str, list[list[float]]]  # condition (incl. "baseline") -> [layer][head]
-    entropy: dict[str, list[float]]
-    last_ratio: dict[str, float]
-
-    @property
-    def attention(self) -> dict[str, list[float]]:
-        """Per condition and layer: attention to ``p``, mean over heads."""
-        return {c: [sum(h) / len(h) for h in v] for c, v in self.head_attention.items()}
-
-    def sink_rate(self, cond: str) -> list[float]:
-        t = self.sink_threshold
-        return [sum(a >= t for a in h) / len(h) for h in self.head_attention[cond]]
+    measures: dict[str, Measure]  # "baseline" and every condition run
+    same_prefix: bool  # every prompt has the same tokens up to p (the swap control is the identity)
+    seed: int = 0
 
     def sink_heads(self) -> list[tuple[int, int]]:
-        """(layer, head) after the ME layer with unmodified attention to ``p`` >= the threshold."""
-        base = self.head_attention["baseline"]
+        """(layer, head) after the ME layer whose unmodified attention to ``p`` (mean over prompts)
+        reaches the ``sink_attention`` threshold."""
+        base = self.measures["baseline"].attention.mean(1)  # [layer head]
+        t = claims.threshold("sink_attention")
         return [
             (layer, h)
             for layer in range(self.site.layer + 1, self.n_layers)
-            for h, a in enumerate(base[layer])
-            if a >= self.sink_threshold
+            for h in range(base.shape[1])
+            if float(base[layer, h]) >= t
         ]
 
-    def downstream(self, cond: str) -> float:
-        """Mean attention to ``p`` of the sink heads (NaN when there are none)."""
+    def sink_per_prompt(self, cond: str) -> torch.Tensor:
+        """``[batch]`` mean attention of the sink heads to ``p`` (NaN when there are none)."""
         heads = self.sink_heads()
-        xs = [self.head_attention[cond][layer][h] for layer, h in heads]
-        return sum(xs) / len(xs) if xs else float("nan")
+        a = self.measures[cond].attention  # [layer batch head]
+        if not heads:
+            return torch.full((a.shape[1],), float("nan"))
+        return torch.stack([a[layer, :, h] for layer, h in heads]).mean(0)
 
-    def downstream_entropy(self, cond: str) -> float:
-        return _mean(self.entropy[cond][self.site.layer + 1 :])
+    def attention_per_layer(self, cond: str) -> list[float]:
+        """Mean over prompts and heads of the attention to ``p``, per layer."""
+        return self.measures[cond].attention.mean((1, 2)).tolist()
 
-    def holds(self, cond: str) -> bool | None:
-        base = self.downstream("baseline")
-        if not self.sink_heads() or not base > 0:
-            return None
-        return bool(self.downstream(cond) <= (1 - self.kill_fraction) * base)
+    def entropy_after_me(self, cond: str) -> torch.Tensor:
+        """``[batch]`` attention entropy, mean over the layers after the ME layer."""
+        return self.measures[cond].entropy[self.site.layer + 1 :].mean(0)
+
+    def sink_rate(self, cond: str) -> list[float]:
+        """Per layer, the fraction of heads whose mean attention to ``p`` reaches the threshold."""
+        a = self.measures[cond].attention.mean(1)  # [layer head]
+        return (a >= claims.threshold("sink_attention")).float().mean(-1).tolist()
+
+    def drop(self, cond: str) -> float:
+        """Point estimate ``1 − mean(after) / mean(before)`` of the sink heads' attention."""
+        return float(
+            1 - self.sink_per_prompt(cond).mean() / self.sink_per_prompt("baseline").mean()
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        p = self.primary
-        base, after = self.downstream("baseline"), self.downstream(p)
+        conds = list(self.measures)
         return {
-            "claim": CLAIM,
-            "baseline": {
-                "sink_heads_attention": base,
-                "entropy_after_me": self.downstream_entropy("baseline"),
-                "last_layer_norm_ratio": self.last_ratio["baseline"],
-            },
-            "intervened": {
-                "condition": p,
-                "sink_heads_attention": after,
-                "entropy_after_me": self.downstream_entropy(p),
-                "last_layer_norm_ratio": self.last_ratio[p],
-            },
-            "verdict": {
-                "holds": self.holds(p),
-                "attention_ratio": after / base if base else float("nan"),
-                "rule": f"attention after / before <= {1 - self.kill_fraction:g}",
-            },
             "model": self.model,
             "bos": self.bos,
             "massive_site": self.site.to_dict(),
-            "sink_threshold": self.sink_threshold,
+            "prompts": self.prompts.to_dict(),
+            "sink_attention_threshold": claims.threshold("sink_attention"),
             "sink_heads": [list(x) for x in self.sink_heads()],
+            "same_prefix": self.same_prefix,
             "conditions": {
                 c: {
-                    "sink_heads_attention": self.downstream(c),
-                    "sink_rate_after_me": _mean(self.sink_rate(c)[self.site.layer + 1 :]),
-                    "entropy_after_me": self.downstream_entropy(c),
-                    "last_layer_norm_ratio": self.last_ratio[c],
-                    "holds": self.holds(c) if c != "baseline" else None,
+                    "sink_heads_attention": float(self.sink_per_prompt(c).mean()),
+                    "sink_drop": self.drop(c) if c != "baseline" else 0.0,
+                    "entropy_after_me": float(self.entropy_after_me(c).mean()),
+                    "me_ratio": float(self.measures[c].me_ratio.mean()),
+                    "last_ratio": float(self.measures[c].last_ratio.mean()),
                 }
-                for c in self.head_attention
+                for c in conds
+            },
+            "per_prompt": {
+                c: {
+                    "sink_heads_attention": self.sink_per_prompt(c).tolist(),
+                    "entropy_after_me": self.entropy_after_me(c).tolist(),
+                    "me_ratio": self.measures[c].me_ratio.tolist(),
+                    "last_ratio": self.measures[c].last_ratio.tolist(),
+                }
+                for c in conds
             },
             "per_layer": {
-                "attention_to_massive": self.attention,
-                "entropy": self.entropy,
-                "sink_rate": {c: self.sink_rate(c) for c in self.head_attention},
+                "attention_to_massive": {c: self.attention_per_layer(c) for c in conds},
+                "entropy": {c: self.measures[c].entropy.mean(1).tolist() for c in conds},
+                "sink_rate": {c: self.sink_rate(c) for c in conds},
             },
-            "per_head_attention": self.head_attention,
+            "per_head_attention": {c: self.measures[c].attention.mean(1).tolist() for c in conds},
         }
 
 
-def condition_hooks(model, batch, site: causal.MassiveSite, cond: str) -> list:
-    """The hooks of one removal condition (see module docstring)."""
-    L, p = site.layer, [site.position]
-    if cond == "remove_ffn":
-        return causal.remove_massive(model, batch, L, p, None, site="ffn_out")
-    if cond == "remove_dims":
-        return causal.remove_massive(model, batch, L, p, site.dims, site="resid_post")
-    if cond == "remove_all":
-        return causal.remove_massive(model, batch, L, p, None, site="resid_post")
-    if cond == "patch_other":
-        return causal.patch_across_prompts(model, batch, L, p)
-    raise ValueError(f"unknown condition {cond!r}; choose from {', '.join(CONDITIONS)}")
-
-
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Measure the sink with and without the massive activation. No printing, no files."""
+    """Measure the sink with and without the massive activation. No printing, no files.
+
+    Raises:
+        claims.NotApplicable: no massive activation on this model and no ``layer`` given.
+    """
     model = model_for(cfg, model)
-    batch = model.tokenize(cfg.load_prompts())
-    site = causal.locate_massive(model, batch, cfg.layer, cfg.position)
-    last = {"r": NormRatio(model.n_layers - 1, site.position)}
-    heads, entropy, ratio = {}, {}, {}
-    for cond in ("baseline", *cfg.conditions):
-        hooks = [] if cond == "baseline" else condition_hooks(model, batch, site, cond)
-        st = attention_stats(model, batch, [site.position], fwd_hooks=hooks)
-        heads[cond] = st.to_positions.mean(1).tolist()  # [layer head]
-        entropy[cond] = st.mean_entropy()
-        ratio[cond] = float(evaluate_metrics(model, batch, last, hooks)["r"].mean())
+    pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
+    site = causal.locate_massive(model, pb.batch, cfg.layer, cfg.position)
+    p, L = site.position, site.layer
+    pb = pb.at_least(p + 2)  # a query after the massive token
+    batch = pb.batch
+    acts = causal.capture(model, batch, [names.ffn_out(L), names.resid_post(L)])
+    measures = {"baseline": measure(model, batch, L, p)}
+    for cond in cfg.conditions:
+        if cond == "patch_other" and len(batch) < 2:
+            continue  # needs another prompt to swap in
+        measures[cond] = measure(
+            model, batch, L, p, condition_hooks(model, batch, site, cond, acts)
+        )
+    prefix = batch.tokens[:, : p + 1]
     return Result(
         model=model.name,
         bos=model.bos,
         site=site,
+        prompts=pb,
         n_layers=model.n_layers,
-        primary=cfg.primary,
-        kill_fraction=cfg.kill_fraction,
-        sink_threshold=cfg.sink_threshold,
-        head_attention=heads,
-        entropy=entropy,
-        last_ratio=ratio,
+        measures=measures,
+        same_prefix=bool((prefix == prefix[:1]).all()),
+        seed=cfg.seed,
     )
 
 
-def verdicts(result: Result) -> list[dict]:
-    """One verdict per removal condition."""
-    base = result.downstream("baseline")
-    out = []
-    for c in result.head_attention:
-        if c == "baseline":
-            continue
-        after = result.downstream(c)
-        if c in CONTROLS:
-            killed = result.holds(c)
-            out.append(
-                {
-                    "claim": "Control: replacing the massive token's ME-layer output by another "
-                    "prompt's (still massive) keeps the sink",
-                    "measured": f"sink heads' attention {base:.3f} -> {after:.3f}",
-                    "holds": None if killed is None else not killed,
-                }
-            )
-            continue
-        out.append(
-            {
-                "claim": f"{CLAIM} ({c})",
-                "measured": (
-                    f"attention of the {len(result.sink_heads())} sink heads after layer "
-                    f"{result.site.layer} to position {result.site.position}: "
-                    f"{base:.3f} -> {after:.3f} (x{after / base:.2f}); "
-                    f"entropy {result.downstream_entropy('baseline'):.3f} -> "
-                    f"{result.downstream_entropy(c):.3f}"
-                    if result.sink_heads()
-                    else "no sink head after the ME layer in the unmodified run"
-                ),
-                "holds": result.holds(c),
-            }
+def _drop_stat(a: np.ndarray) -> float:
+    """Columns ``[after, before]`` → ``1 − mean(after) / mean(before)``."""
+    m = a.mean(0)
+    return float(1 - m[0] / m[1]) if m[1] else float("nan")
+
+
+def _abs_drop_stat(a: np.ndarray) -> float:
+    return abs(_drop_stat(a))
+
+
+def verdicts(result: Result) -> list[claims.Claim]:
+    """One claim per condition (:data:`SPECS`)."""
+    s, r = result.site, result
+    if not s.massive:
+        return claims.not_applicable(SPECS, s.why_not())
+    heads = r.sink_heads()
+    if not heads:
+        return claims.not_applicable(
+            SPECS,
+            f"no sink head: no head after layer {s.layer} attends to position {s.position} with "
+            f"at least {claims.threshold('sink_attention'):g} (threshold 'sink_attention')",
         )
+    base = r.measures["baseline"]
+    before = r.sink_per_prompt("baseline").double().numpy()
+    n = len(before)
+    out = []
+    for key, spec in SPEC.items():
+        if key not in r.measures:
+            out.append(spec.not_applicable(f"the condition {key} was not run (--conditions)"))
+            continue
+        m = r.measures[key]
+        after = r.sink_per_prompt(key).double().numpy()
+        frac = causal.excess_fraction(float(m.me_ratio.mean()), float(base.me_ratio.mean()))
+        details = (
+            f"{len(heads)} sink heads after ME layer {s.layer} (1-based {s.layer + 1}), position "
+            f"{s.position}: attention {before.mean():.3g} -> {after.mean():.3g}; entropy after "
+            f"the ME layer {float(r.entropy_after_me('baseline').mean()):.3g} -> "
+            f"{float(r.entropy_after_me(key).mean()):.3g} nats; ME-layer norm ratio "
+            f"{float(base.me_ratio.mean()):.4g} -> {float(m.me_ratio.mean()):.4g}; n = {n} prompts"
+        )
+        rows = np.stack([after, before], 1)
+        if key in CONTROLS:
+            if r.same_prefix:
+                out.append(
+                    spec.not_applicable(
+                        f"every prompt has the same tokens up to position {s.position}, so the "
+                        "swapped-in state is the prompt's own (use prompts with different first "
+                        "tokens)"
+                    )
+                )
+                continue
+            est = claims.bootstrap(rows, _abs_drop_stat, seed=r.seed)
+        else:
+            if not frac <= claims.threshold("removed"):
+                out.append(
+                    spec.not_applicable(
+                        f"the condition did not remove the massive activation: ME-layer (R − 1) "
+                        f"after / before = {frac:.3g} > {claims.threshold('removed'):g} "
+                        "(threshold 'removed')"
+                    )
+                )
+                continue
+            est = claims.bootstrap(rows, _drop_stat, seed=r.seed)
+        out.append(spec.judge(est, details=details))
     return out
 
 
 def figures(result: Result) -> dict[str, Any]:
     p = result.site.position
+    conds = list(result.measures)
     att = plotting.layer_lines(
-        result.attention,
+        {c: result.attention_per_layer(c) for c in conds},
         f"Attention to position {p} (mean over heads and queries) — {result.model}",
         "attention mass",
         result.site.layer,
     )
     rate = plotting.layer_lines(
-        {c: result.sink_rate(c) for c in result.head_attention},
-        f"Sink rate (fraction of heads with attention to {p} >= {result.sink_threshold:g})",
+        {c: result.sink_rate(c) for c in conds},
+        f"Sink rate (fraction of heads with attention to {p} >= "
+        f"{claims.threshold('sink_attention'):g})",
         "sink rate",
         result.site.layer,
     )
     ent = plotting.layer_lines(
-        result.entropy,
+        {c: result.measures[c].entropy.mean(1).tolist() for c in conds},
         f"Attention entropy (nats) — {result.model}",
         "entropy",
         result.site.layer,
@@ -283,24 +419,27 @@ def summary(result: Result) -> str:
     rows = [
         (
             c,
-            result.downstream(c),
-            result.downstream_entropy(c),
-            result.last_ratio[c],
-            "-" if c == "baseline" else str(result.holds(c)),
+            float(result.sink_per_prompt(c).mean()),
+            "-" if c == "baseline" else result.drop(c),
+            float(result.entropy_after_me(c).mean()),
+            float(result.measures[c].me_ratio.mean()),
+            float(result.measures[c].last_ratio.mean()),
         )
-        for c in result.head_attention
+        for c in result.measures
     ]
     return "\n".join(
         [
-            f"model: {result.model}   ME layer {s.layer} (1-based {s.layer + 1}), position {s.position}, "
-            f"dims {list(s.dims)[:6]}",
+            f"model: {result.model}   ME layer {s.layer} (1-based {s.layer + 1}), position "
+            f"{s.position}, dims {list(s.dims)[:6]}; {len(result.sink_heads())} sink heads; "
+            f"{len(result.prompts.indices)} prompts",
             fmt_table(
                 [
                     "condition",
                     "sink heads attn->p",
+                    "drop",
                     "entropy after ME",
+                    "ME ratio",
                     "last ratio",
-                    "sink killed",
                 ],
                 rows,
             ),

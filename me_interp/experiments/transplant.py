@@ -8,11 +8,17 @@ keeps every dim). Two interventions against the unmodified run (``interventions.
 * ``move`` — additionally ``h_p ← h_p − c`` (the component moved from ``p`` to ``dst``).
 
 ``--mode difference`` adds each prompt's own ``c_b``; ``--mode direction`` adds the prompt-mean unit
-direction at matched norm ``‖c_b‖``. Measured per later layer and head: the attention of the queries
-``q > dst`` (they can see both tokens) to the old position ``p`` and to the new position ``dst``.
-*Sink heads* are the heads after the ME layer whose unmodified attention to ``p`` is at least
-``--sink-threshold``. The sink *moves* with the component when, under ``move``, the sink heads attend
-more to ``dst`` than to ``p``.
+direction at matched norm ``‖c_b‖``. Measured per prompt, later layer and head (one forward per
+condition): the attention of the queries ``q > max(p, dst)`` (they can see both tokens) to the old
+position ``p`` and to the new position ``dst``. *Sink heads* are the heads after the ME layer whose
+unmodified attention to ``p`` reaches the ``sink_attention`` threshold of
+:data:`me_interp.claims.THRESHOLDS`. Prompts too short for ``dst`` (no query after it) are skipped and
+counted (``prompts.n_skipped_short``), never an error.
+
+Claims (:data:`SPECS`), bootstrapped over prompts: under ``move`` the sink *follows* the component
+(the sink heads' attention to ``dst`` reaches the ``restore`` fraction of their unmodified attention
+to ``p``); under ``add`` ``dst`` becomes a *second sink* (the sink heads' mean attention to it reaches
+``sink_attention``).
 
     python -m me_interp.experiments.transplant
     python -m me_interp.experiments.transplant --dst 5 --mode direction --component full
@@ -25,19 +31,42 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
-from me_interp import names, plotting
+from me_interp import claims, names, plotting
 from me_interp.experiments.common import SiteConfig, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.models import Batch, LoadedModel
-from me_interp.patching import NormRatio, evaluate_metrics
+from me_interp.probes.norms import ratio_to_others
 
 NAME = "transplant"
-CLAIM = (
-    "The attention sink follows the massive component: moving token p's massive component into "
-    "another token moves the sink there"
+CONDITIONS = ("baseline", "add", "move")
+
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        "transplant.sink_follows",
+        "§2.6, §3 (massive-direction transplant)",
+        "The attention sink follows the massive component: moving it from the massive token into "
+        "another token moves the sink heads' attention there",
+        "the sink heads' attention to dst under 'move' over their unmodified attention to p (ratio "
+        "of prompt means; 1 = the whole sink moved, 0 = none of it)",
+        ">=",
+        "restore",
+        control="the unmodified run (the sink heads' attention to dst before the move)",
+    ),
+    claims.Spec(
+        "transplant.second_sink",
+        "§2.6, §3 (massive-direction transplant)",
+        "Adding the massive component to another token makes it a second attention sink",
+        "the sink heads' mean attention to dst under 'add' (mean over prompts)",
+        ">=",
+        "sink_attention",
+        control="the unmodified run (the sink heads' attention to dst before the edit)",
+    ),
 )
+claims.check_specs(SPECS)
+SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
 
 
 @dataclass(frozen=True)
@@ -45,30 +74,34 @@ class Config(SiteConfig):
     """Transplant settings.
 
     Attributes:
-        dst: the position that receives the component; ``None`` = the middle of the shortest prompt.
-            Must differ from ``p`` and leave a query after it.
+        dst: the position that receives the component (0-based; must differ from ``p``). Prompts
+            without a query after ``max(p, dst)`` are skipped and counted.
         mode: ``difference`` (each prompt's own component ``c_b``) or ``direction`` (the prompt-mean
             unit direction at each prompt's norm ``‖c_b‖``).
         component: ``massive_dims`` (only the massive dims of ``h_p − h̄``) or ``full`` (every dim).
-        sink_threshold: a head after the ME layer is a sink head when its unmodified attention to
-            ``p`` is at least this, in (0, 1).
+        max_tokens: prompts are cut to their first ``max_tokens`` tokens (>= 2).
+        max_prompts: how many prompts to use, spread evenly over the prompt list (``None``: all).
+            Three forwards in all; 40 keeps the bundled model's run around 20 s on two CPU cores.
     """
 
-    dst: int | None = None
+    dst: int = 8
     mode: Literal["difference", "direction"] = "difference"
     component: Literal["massive_dims", "full"] = "massive_dims"
-    sink_threshold: float = 0.3
+    max_tokens: int = 32
+    max_prompts: int | None = 40
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.dst is not None and self.dst < 0:
+        if self.dst < 0:
             raise ValueError(f"dst must be >= 0, got {self.dst}")
         if self.mode not in ("difference", "direction"):
             raise ValueError(f"mode must be 'difference' or 'direction', got {self.mode!r}")
         if self.component not in ("massive_dims", "full"):
             raise ValueError(f"component must be 'massive_dims' or 'full', got {self.component!r}")
-        if not 0 < self.sink_threshold < 1:
-            raise ValueError("sink_threshold must be in (0, 1)")
+        if self.max_tokens < 2:
+            raise ValueError("max_tokens must be >= 2")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError("max_prompts must be >= 1 (or None for all)")
 
 
 def _attn_to(pattern, hook, *, store, layer, src, dst, qmask):
@@ -76,16 +109,28 @@ def _attn_to(pattern, hook, *, store, layer, src, dst, qmask):
     qm = qmask.to(a.device, a.dtype)[:, None, :]  # [batch 1 q]
     n = qm.sum(-1)
     store[layer] = torch.stack(
-        [((a[..., src] * qm).sum(-1) / n).mean(0), ((a[..., dst] * qm).sum(-1) / n).mean(0)]
-    ).cpu()  # [2 head]: to src, to dst
+        [(a[..., src] * qm).sum(-1) / n, (a[..., dst] * qm).sum(-1) / n]
+    ).cpu()  # [2 batch head]: to src, to dst
     return pattern
 
 
+def _record(x, hook, *, store, key):
+    store[key] = x.detach()
+    return x
+
+
 def attention_src_dst(
-    model: LoadedModel, batch: Batch, src: int, dst: int, layers: Sequence[int], fwd_hooks=()
-) -> torch.Tensor:
-    """``[layer, 2, head]``: mean over prompts and queries ``q > max(src, dst)`` of ``A[q, src]``,
-    ``A[q, dst]``."""
+    model: LoadedModel,
+    batch: Batch,
+    src: int,
+    dst: int,
+    layers: Sequence[int],
+    fwd_hooks=(),
+    ratio_layer: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward: ``[layer, 2, batch, head]`` mean over the real queries ``q > max(src, dst)`` of
+    ``A[q, src]`` and ``A[q, dst]``, and (with ``ratio_layer``) ``[2, batch]`` the norm ratios
+    ``‖h_t‖ / mean_{t'≠t}‖h_t'‖`` of ``src`` and ``dst`` at the output of ``ratio_layer``."""
     q = batch.attention_mask.bool().clone()
     q[:, : max(src, dst) + 1] = False
     if not q.any(-1).all():
@@ -95,8 +140,19 @@ def attention_src_dst(
         (names.pattern(lay), partial(_attn_to, store=store, layer=lay, src=src, dst=dst, qmask=q))
         for lay in layers
     ]
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks])
-    return torch.stack([store[lay] for lay in layers])
+    res: dict[str, torch.Tensor] = {}
+    if ratio_layer is not None:
+        hooks.append((names.resid_post(ratio_layer), partial(_record, store=res, key="h")))
+    stop = max([*layers, ratio_layer if ratio_layer is not None else 0]) + 1
+    model.run_with_hooks(batch, [*fwd_hooks, *hooks], stop_at_layer=stop)
+    ratios = None
+    if ratio_layer is not None:
+        norms = res["h"].float().norm(dim=-1).cpu()
+        mask = batch.attention_mask.bool().cpu()
+        ratios = torch.stack(
+            [ratio_to_others(norms, mask, torch.full((len(batch),), t)) for t in (src, dst)]
+        )
+    return torch.stack([store[lay] for lay in layers]), ratios
 
 
 @dataclass
@@ -104,147 +160,183 @@ class Result:
     model: str
     bos: str
     site: causal.MassiveSite
+    prompts: causal.PromptBatch
     dst: int
     mode: str
     component: str
-    sink_threshold: float
     later_layers: list[int]
-    attention: dict[str, list[list[list[float]]]]  # condition -> [layer][src/dst][head]
-    component_norm: float
-    ratios: dict[str, dict[str, float]]
+    attention: dict[str, torch.Tensor]  # condition -> [layer, old/new, batch, head]
+    ratios: dict[str, torch.Tensor]  # condition -> [old/new, batch] ME-layer norm ratios
+    component_norm: list[float]
+    seed: int = 0
 
     def sink_heads(self) -> list[tuple[int, int]]:
-        base = self.attention["baseline"]
+        """(index into later_layers, head) whose unmodified attention to ``p`` (mean over prompts)
+        reaches the ``sink_attention`` threshold."""
+        base = self.attention["baseline"][:, 0].mean(1)  # [layer head]
+        t = claims.threshold("sink_attention")
         return [
             (i, h)
-            for i in range(len(self.later_layers))
-            for h, a in enumerate(base[i][0])
-            if a >= self.sink_threshold
+            for i in range(base.shape[0])
+            for h in range(base.shape[1])
+            if float(base[i, h]) >= t
         ]
+
+    def sink_per_prompt(self, cond: str, which: int) -> torch.Tensor:
+        """``[batch]`` mean attention of the sink heads to p (``which=0``) or dst (``1``)."""
+        heads = self.sink_heads()
+        a = self.attention[cond]
+        if not heads:
+            return torch.full((a.shape[2],), float("nan"))
+        return torch.stack([a[i, which, :, h] for i, h in heads]).mean(0)
 
     def sink_to(self, cond: str) -> tuple[float, float]:
         """Mean attention of the sink heads to (old position p, new position dst)."""
-        heads = self.sink_heads()
-        if not heads:
-            return float("nan"), float("nan")
-        a = self.attention[cond]
         return (
-            sum(a[i][0][h] for i, h in heads) / len(heads),
-            sum(a[i][1][h] for i, h in heads) / len(heads),
+            float(self.sink_per_prompt(cond, 0).mean()),
+            float(self.sink_per_prompt(cond, 1).mean()),
         )
 
     def per_layer(self, cond: str, which: int) -> list[float]:
-        """Mean over heads, per later layer (which: 0 = to p, 1 = to dst)."""
-        return [sum(x[which]) / len(x[which]) for x in self.attention[cond]]
-
-    def holds(self) -> bool | None:
-        if not self.sink_heads():
-            return None
-        old, new = self.sink_to("move")
-        return bool(new > old)
+        """Mean over prompts and heads, per later layer (which: 0 = to p, 1 = to dst)."""
+        return self.attention[cond][:, which].mean((1, 2)).tolist()
 
     def to_dict(self) -> dict[str, Any]:
-        b_old, b_new = self.sink_to("baseline")
-        m_old, m_new = self.sink_to("move")
-        a_old, a_new = self.sink_to("add")
         return {
-            "claim": CLAIM,
-            "baseline": {"sink_heads_to_old": b_old, "sink_heads_to_new": b_new},
-            "intervened": {
-                "condition": "move",
-                "sink_heads_to_old": m_old,
-                "sink_heads_to_new": m_new,
-            },
-            "verdict": {
-                "holds": self.holds(),
-                "new_minus_old": m_new - m_old,
-                "rule": "under 'move' the sink heads attend more to the new position than the old",
-            },
             "model": self.model,
             "bos": self.bos,
             "massive_site": self.site.to_dict(),
+            "prompts": self.prompts.to_dict(),
             "dst": self.dst,
             "mode": self.mode,
             "component": self.component,
-            "component_norm": self.component_norm,
-            "sink_threshold": self.sink_threshold,
+            "component_norm": float(np.mean(self.component_norm)),
+            "sink_attention_threshold": claims.threshold("sink_attention"),
             "sink_heads": [[self.later_layers[i], h] for i, h in self.sink_heads()],
-            "add": {"sink_heads_to_old": a_old, "sink_heads_to_new": a_new},
-            "norm_ratios": self.ratios,
+            "conditions": {
+                c: {
+                    "sink_heads_to_old": self.sink_to(c)[0],
+                    "sink_heads_to_new": self.sink_to(c)[1],
+                    "me_ratio_old": float(self.ratios[c][0].mean()),
+                    "me_ratio_new": float(self.ratios[c][1].mean()),
+                }
+                for c in self.attention
+            },
+            "per_prompt": {
+                "component_norm": self.component_norm,
+                **{
+                    c: {
+                        "sink_heads_to_old": self.sink_per_prompt(c, 0).tolist(),
+                        "sink_heads_to_new": self.sink_per_prompt(c, 1).tolist(),
+                        "me_ratio_old": self.ratios[c][0].tolist(),
+                        "me_ratio_new": self.ratios[c][1].tolist(),
+                    }
+                    for c in self.attention
+                },
+            },
             "later_layers": self.later_layers,
             "per_layer": {
                 c: {"to_old": self.per_layer(c, 0), "to_new": self.per_layer(c, 1)}
                 for c in self.attention
             },
-            "per_head": self.attention,
+            "per_head": {c: a.mean(2).tolist() for c, a in self.attention.items()},
         }
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Baseline, add and move. No printing, no files."""
+    """Baseline, add and move. No printing, no files.
+
+    Raises:
+        claims.NotApplicable: no massive activation on this model and no ``layer`` given.
+        ValueError: ``dst`` is the massive position, or no prompt is long enough for it.
+    """
     model = model_for(cfg, model)
-    batch = model.tokenize(cfg.load_prompts())
-    site = causal.locate_massive(model, batch, cfg.layer, cfg.position)
-    p = site.position
-    shortest = min(batch.lengths)
-    dst = shortest // 2 if cfg.dst is None else cfg.dst
+    pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
+    site = causal.locate_massive(model, pb.batch, cfg.layer, cfg.position)
+    p, L, dst = site.position, site.layer, cfg.dst
     if dst == p:
         raise ValueError(f"dst ({dst}) must differ from the massive position ({p})")
-    if not max(p, dst) < shortest - 1:
+    if max(p, dst) + 2 > cfg.max_tokens:
         raise ValueError(
-            f"dst {dst} leaves no query after it in the shortest prompt ({shortest} tokens)"
+            f"dst {dst} leaves no query after it within max_tokens = {cfg.max_tokens} tokens"
         )
-    later = list(range(site.layer + 1, model.n_layers))
+    later = list(range(L + 1, model.n_layers))
     if not later:
-        raise ValueError(f"the ME layer {site.layer} is the last layer: no later layer to measure")
+        raise ValueError(f"the ME layer {L} is the last layer: no later layer to measure")
+    pb = pb.at_least(max(p, dst) + 2)  # too short for dst: skipped and counted
+    batch = pb.batch
     dims = site.dims if cfg.component == "massive_dims" else None
-    hooks = {"baseline": []}
-    comp_norm = float("nan")
+    acts = causal.capture(model, batch, [names.resid_post(L)])
+    hooks: dict[str, list] = {"baseline": []}
+    norm = torch.zeros(len(batch))
     for cond, remove in (("add", False), ("move", True)):
-        t = causal.transplant(model, batch, site.layer, p, dst, dims, cfg.mode, remove)
-        hooks[cond] = t.hooks
-        comp_norm = float(t.norm.mean())
+        t = causal.transplant(model, batch, L, p, dst, dims, cfg.mode, remove, acts=acts)
+        hooks[cond], norm = t.hooks, t.norm
     attention, ratios = {}, {}
-    metrics = {"old": NormRatio(site.layer, p), "new": NormRatio(site.layer, dst)}
     for cond, h in hooks.items():
-        attention[cond] = attention_src_dst(model, batch, p, dst, later, h).tolist()
-        ratios[cond] = {
-            k: float(v.mean()) for k, v in evaluate_metrics(model, batch, metrics, h).items()
-        }
+        attention[cond], ratios[cond] = attention_src_dst(model, batch, p, dst, later, h, L)
     return Result(
         model=model.name,
         bos=model.bos,
         site=site,
+        prompts=pb,
         dst=dst,
         mode=cfg.mode,
         component=cfg.component,
-        sink_threshold=cfg.sink_threshold,
         later_layers=later,
         attention=attention,
-        component_norm=comp_norm,
         ratios=ratios,
+        component_norm=norm.tolist(),
+        seed=cfg.seed,
     )
 
 
-def verdicts(result: Result) -> list[dict]:
-    b_old, b_new = result.sink_to("baseline")
-    m_old, m_new = result.sink_to("move")
-    a_old, a_new = result.sink_to("add")
-    n = len(result.sink_heads())
-    return [
-        {
-            "claim": CLAIM,
-            "measured": f"{n} sink heads; attention old/new position: baseline {b_old:.3f}/{b_new:.3f}, "
-            f"move {m_old:.3f}/{m_new:.3f}",
-            "holds": result.holds(),
-        },
-        {
-            "claim": "Adding the massive component to another token makes it a second sink",
-            "measured": f"sink heads' attention to the new position {b_new:.3f} -> {a_new:.3f} "
-            f"(old position {b_old:.3f} -> {a_old:.3f})",
-            "holds": None if not n else bool(a_new >= 2 * b_new and a_new >= result.sink_threshold),
-        },
-    ]
+def _share_stat(a: np.ndarray) -> float:
+    """Columns ``[to dst after, to p before]`` → ``mean(after) / mean(before)``."""
+    m = a.mean(0)
+    return float(m[0] / m[1]) if m[1] else float("nan")
+
+
+def verdicts(result: Result) -> list[claims.Claim]:
+    """The two claims of :data:`SPECS`."""
+    s, r = result.site, result
+    if not s.massive:
+        return claims.not_applicable(SPECS, s.why_not())
+    heads = r.sink_heads()
+    if not heads:
+        return claims.not_applicable(
+            SPECS,
+            f"no sink head: no head after layer {s.layer} attends to position {s.position} with "
+            f"at least {claims.threshold('sink_attention'):g} (threshold 'sink_attention')",
+        )
+    b_old, b_new = r.sink_to("baseline")
+    n = len(r.prompts.indices)
+    ctx = (
+        f"{r.component} component of position {s.position} -> position {r.dst} ({r.mode}) at ME "
+        f"layer {s.layer} (1-based {s.layer + 1}); {len(heads)} sink heads; n = {n} prompts "
+        f"({r.prompts.n_short} skipped as too short)"
+    )
+
+    def cond_text(c: str) -> str:
+        old, new = r.sink_to(c)
+        ro, rn = (float(x.mean()) for x in r.ratios[c])
+        return (
+            f"sink heads -> old / new position: baseline {b_old:.3g} / {b_new:.3g}, {c} "
+            f"{old:.3g} / {new:.3g}; ME-layer norm ratio old / new under {c} {ro:.3g} / {rn:.3g}"
+        )
+
+    rows = np.stack(
+        [r.sink_per_prompt("move", 1).double().numpy(), r.sink_per_prompt("baseline", 0).numpy()],
+        1,
+    )
+    follows = SPEC["sink_follows"].judge(
+        claims.bootstrap(rows, _share_stat, seed=r.seed), details=f"{ctx}; {cond_text('move')}"
+    )
+    second = SPEC["second_sink"].judge(
+        claims.bootstrap(r.sink_per_prompt("add", 1).double().numpy(), seed=r.seed),
+        details=f"{ctx}; {cond_text('add')}",
+    )
+    return [follows, second]
 
 
 def figures(result: Result) -> dict[str, Any]:
@@ -268,13 +360,16 @@ def summary(result: Result) -> str:
     rows = []
     for c in result.attention:
         old, new = result.sink_to(c)
-        rows.append((c, old, new, result.ratios[c]["old"], result.ratios[c]["new"]))
+        rows.append(
+            (c, old, new, float(result.ratios[c][0].mean()), float(result.ratios[c][1].mean()))
+        )
     s = result.site
     return "\n".join(
         [
             f"model: {result.model}   ME layer {s.layer} (1-based {s.layer + 1}); {result.component} "
-            f"component of position {s.position} -> position {result.dst} ({result.mode}); sink "
-            f"moves: {result.holds()}",
+            f"component of position {s.position} -> position {result.dst} ({result.mode}); "
+            f"{len(result.sink_heads())} sink heads; {len(result.prompts.indices)} prompts "
+            f"({result.prompts.n_short} skipped as too short)",
             fmt_table(["condition", "sink->old", "sink->new", "ratio old", "ratio new"], rows),
         ]
     )

@@ -1,17 +1,30 @@
 """Weight patching: copy one component's weights from a source layer (or model) into a target layer.
 
 ``θ_target^part ← θ_source^part`` (:func:`me_interp.edits.patched_weights`) for each part
-(``attn_norm``, ``ffn_norm``, ``ffn``, ``attn``, ``block``) and each target layer, then the massive
-activation is located again. Unlike a swap, the source layer keeps its own weights, so this asks
-whether a component is *sufficient* to create the emergence where it is copied (``copied``: the new ME
-layer is the target), and, when the source is another layer of the same model, whether overwriting
-the ME layer's part *removes* it (``vanished``).
+(``me_interp.edits.PARTS``: ``ffn_path`` = pre-FFN RMSNorm + FFN, ``ffn_norm``, ``ffn``, ``attn_path`` =
+pre-attention RMSNorm + attention, ``attn_norm``, ``attn``, ``block``) and each target layer, then the
+massive activation is located again. Unlike a swap, the source layer keeps its own weights, so this
+asks whether a component is *sufficient* to create the emergence where it is copied.
+
+Outcome of one patch: *copied* (the new ME layer is the target), *kept* (it is the unpatched ME
+layer), *vanished* (no layer output is massive) or *elsewhere*. A copy can only show up as "copied" in
+a target layer *before* the patched model's own ME layer ``m'`` (from ``m'`` on, the model already made
+the massive activation itself), so the claims are judged on the *eligible* targets ``t < m'`` (every
+target when the patched model has no massive activation); later targets are measured and reported,
+not judged.
+
+Claims (:data:`SPECS`): ``weight_patching.<part>`` for every part — "copying the ME layer's <part>
+into an earlier layer makes the emergence appear there": the fraction of eligible targets that became
+the ME layer, with a bootstrap interval over target layers; holds when the whole interval is ``≥``
+``moved_fraction``. The headline is ``weight_patching.ffn_path``; ``block`` is its own claim.
 
 The source is ``--layer`` (default: the ME layer of the source model; ``--source-model`` loads a
-second model of the same shape like ``--model``, and its ME layer is the default source). Targets
-default to every other layer (one model) or to the source layer's index (two models). Measured per
-patch: the new ME layer, the massive ratio ``R_l`` (max token / mean others) at the target, at the
-baseline ME layer and at the last layer, and the downstream attention sink.
+second model of the same shape like ``--model``). Targets default to every layer before the patched
+model's ME layer (one model; ``max_targets`` spread over them) or to every layer (two models: copying
+into a model without a massive activation). A model without a massive activation and no ``--layer``
+is "not applicable". Measured per patch (one forward pass): the new ME layer, the massive ratio ``R_l``
+(max token / mean others) at the target, at the unpatched ME layer and at the last layer (also per
+prompt), and the downstream attention sink.
 
     python -m me_interp.experiments.weight_patching
     python -m me_interp.experiments.weight_patching --model synthetic:twin --source-model synthetic:planted
@@ -26,20 +39,53 @@ from typing import Any
 import plotly.graph_objects as go
 from tqdm.auto import tqdm
 
+from me_interp import claims
+from me_interp.claims import NotApplicable
 from me_interp.edits import PARTS, check_part, patched_weights
 from me_interp.experiments._weights import (
+    PART_ORDER,
+    PART_SECTION,
+    PART_WHAT,
     Measurement,
+    Setup,
     WeightConfig,
     check_layers,
     locate,
     measure,
+    no_massive_activation,
     prepare,
     short_batch,
+    spread,
 )
 from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
 from me_interp.models import LoadedModel, load_model
 
 NAME = "weight_patching"
+OUTCOMES = ("copied", "kept", "vanished", "elsewhere")
+
+
+def _spec(part: str) -> claims.Spec:
+    control = {
+        "ffn_path": "copies of ffn_norm alone, ffn alone, attn_path and the whole block (their own "
+        "claims); targets spread over the layers before the emergence",
+        "block": "ffn_path, which copies no attention",
+    }.get(part, "ffn_path and block; the other single parts")
+    return claims.Spec(
+        f"{NAME}.{part}",
+        PART_SECTION[part],
+        "Copied into an earlier layer (or into a model without the emergence), the ME layer's "
+        f"{PART_WHAT[part]} makes that layer the ME layer: it suffices to create the emergence",
+        f"fraction of eligible target layers t (before the patched model's own ME layer) for which "
+        f"the ME layer located after copying the source layer's {part} into t is t",
+        ">=",
+        "moved_fraction",
+        control,
+    )
+
+
+PART_SPECS: dict[str, claims.Spec] = {p: _spec(p) for p in PART_ORDER}
+SPECS: tuple[claims.Spec, ...] = tuple(PART_SPECS.values())
+claims.check_specs(SPECS)
 
 
 @dataclass(frozen=True)
@@ -47,15 +93,18 @@ class Config(WeightConfig):
     """Weight-patching settings (``layer`` is the *source* layer).
 
     Attributes:
-        targets: layers to patch into (``()``: every other layer; with a source model, the source
-            layer's index).
-        parts: the components to copy, each separately.
+        targets: layers to patch into (``()``: within one model, the layers before its ME layer;
+            with a source model, every layer; ``max_targets`` of them, spread evenly).
+        max_targets: with ``targets=()``, at most this many targets, spread evenly (first and last
+            included; ``0`` = all). Each target costs one forward per part.
+        parts: the components to copy, each separately (see ``me_interp.edits.PARTS``).
         source_model: a second model of the same shape to copy from (loaded like ``--model``);
             ``None`` = copy within the model.
     """
 
     targets: tuple[int, ...] = ()
-    parts: tuple[str, ...] = PARTS
+    max_targets: int = 0
+    parts: tuple[str, ...] = PART_ORDER
     source_model: str | None = None
 
     def __post_init__(self) -> None:
@@ -64,68 +113,100 @@ class Config(WeightConfig):
             raise ValueError(f"give at least one part to patch ({', '.join(PARTS)})")
         for p in self.parts:
             check_part(p)
+        if len(set(self.parts)) != len(self.parts):
+            raise ValueError(f"parts repeats a part: {self.parts}")
+        if self.max_targets < 0:
+            raise ValueError(f"max_targets must be >= 0 (0 = all), got {self.max_targets}")
 
 
 @dataclass
 class Result:
+    """What :func:`run` measured (0-based layers).
+
+    Attributes:
+        source_layer: the copied layer (of ``source_model``); ``layer_given``: from ``--layer``.
+        targets: the target layers, in order; ``eligible``: those before the patched model's ME
+            layer (every target when it has none), on which the claims are judged.
+        baseline: the unpatched (target) model's :class:`Measurement`.
+        rows: one per (part, target): outcome, new ME layer, ratios (also per prompt), sink.
+        seed: seeds the bootstrap of the claims.
+    """
+
     model: str
     source_model: str
     bos: str
     source_layer: int
+    layer_given: bool
     targets: list[int]
+    eligible: list[int]
     parts: list[str]
     baseline: Measurement
     rows: list[dict[str, Any]]
     n_prompts: int
     prompt_lengths: list[int]
+    seed: int = 0
 
-    def fraction(self, part: str, outcome: str) -> float:
-        rows = [r for r in self.rows if r["part"] == part]
+    def part_rows(self, part: str, eligible_only: bool = False) -> list[dict[str, Any]]:
+        """The rows of ``part`` in target order (only eligible targets with ``eligible_only``)."""
+        return [
+            r
+            for r in self.rows
+            if r["part"] == part and (not eligible_only or r["target"] in self.eligible)
+        ]
+
+    def fraction(self, part: str, outcome: str, eligible_only: bool = False) -> float:
+        rows = self.part_rows(part, eligible_only)
         return sum(r["outcome"] == outcome for r in rows) / max(len(rows), 1)
 
-    def headline(self) -> dict[str, Any]:
-        copied = {p: self.fraction(p, "copied") for p in self.parts}
-        best = max(self.parts, key=lambda p: copied[p])
+    def targets_with(self, part: str, outcome: str) -> list[int]:
+        return [r["target"] for r in self.part_rows(part) if r["outcome"] == outcome]
+
+    def per_target(self, part: str) -> dict[str, list[Any]]:
+        """Per target layer: the new ME layer, eligibility and 0/1 copied (the claim's units)."""
+        rows = self.part_rows(part)
         return {
-            "holds": copied[best] >= 0.5,
-            "part": best,
-            "copied_fraction": round(copied[best], 4),
-            "rule": "holds when copying some part of the source layer makes the target the ME layer "
-            "for at least half of the targets",
+            "target": [r["target"] for r in rows],
+            "me_layer": [r["me_layer"] for r in rows],
+            "eligible": [r["target"] in self.eligible for r in rows],
+            "copied": [float(r["outcome"] == "copied") for r in rows],
         }
 
     def to_dict(self) -> dict[str, Any]:
         b = self.baseline
         return {
-            "claim": "The weights of the source (ME) layer suffice to create the massive activation: "
-            "copying its FFN path (or block) into a target layer makes the emergence appear there.",
             "baseline": {
                 "me_layer": b.me_layer,
+                "me_layer_1based": None if b.me_layer is None else b.me_layer + 1,
                 "ratio_at_targets": {t: b.ratio_at(t) for t in self.targets},
                 "ratio_last": b.top_ratio[-1],
                 "sink_downstream": b.sink_after(b.me_layer),
             },
-            "intervened": {
+            "per_part": {
                 p: {
-                    "copied": self.fraction(p, "copied"),
-                    "kept": self.fraction(p, "kept"),
-                    "vanished": self.fraction(p, "vanished"),
-                    "elsewhere": self.fraction(p, "elsewhere"),
-                    "me_layers": [r["me_layer"] for r in self.rows if r["part"] == p],
+                    **{o: self.fraction(p, o) for o in OUTCOMES},
+                    "copied_eligible": self.fraction(p, "copied", eligible_only=True),
+                    **{f"{o}_targets": self.targets_with(p, o) for o in OUTCOMES},
                 }
                 for p in self.parts
             },
-            "verdict": self.headline(),
+            "per_target": {p: self.per_target(p) for p in self.parts},
+            "per_prompt": {
+                "prompt_lengths": self.prompt_lengths,
+                "baseline_ratio_last": b.prompt_ratio[-1],
+            },
             "model": self.model,
             "source_model": self.source_model,
             "bos": self.bos,
             "index_convention": INDEX_CONVENTION,
             "source_layer": self.source_layer,
             "source_layer_1based": self.source_layer + 1,
+            "layer_given": self.layer_given,
             "targets": self.targets,
+            "eligible": self.eligible,
             "parts": self.parts,
             "n_prompts": self.n_prompts,
-            "prompt_lengths": self.prompt_lengths,
+            "n_targets": len(self.targets),
+            "seed": self.seed,
             "rows": self.rows,
             "baseline_detail": b.to_dict(),
         }
@@ -140,16 +221,55 @@ def outcome(me_after: int | None, me_before: int | None, target: int) -> str:
     return "kept" if me_after == me_before else "elsewhere"
 
 
-def _source_layer(cfg: Config, source: LoadedModel, target_me: int | None) -> int:
+def eligible_targets(targets: Sequence[int], me_layer: int | None) -> list[int]:
+    """The targets where a copy can show up as a new emergence: before ``me_layer`` (all if None)."""
+    return [t for t in targets if me_layer is None or t < me_layer]
+
+
+def _source_layer(cfg: Config, source: LoadedModel, s: Setup) -> int:
+    """``cfg.layer``, else the source model's ME layer, else the patched model's."""
     if cfg.layer is not None:
         return source.check_layer(cfg.layer)
-    batch = short_batch(source, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
-    me = locate(source, batch, cfg.detection()).me_layer
+    me = s.location.me_layer
+    if source is not s.model:
+        batch = short_batch(source, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
+        me = locate(source, batch, s.criterion).me_layer
+        if me is None:
+            me = s.location.me_layer
     if me is None:
-        me = target_me
-    if me is None:
-        raise ValueError(f"no ME layer found in the source model {source.name}: pass --layer")
+        raise no_massive_activation(source, s.criterion, len(s.batch))
     return me
+
+
+def resolve_targets(
+    cfg: Config, target: LoadedModel, same_model: bool, source_layer: int, me_layer: int | None
+) -> list[int]:
+    """``cfg.targets`` validated, else the default targets (see :class:`Config`).
+
+    Raises:
+        NotApplicable: within one model whose ME layer is layer 0 (no earlier layer to copy into).
+        ValueError: a target out of range, or the source layer itself within one model.
+    """
+    if cfg.targets:
+        targets = check_layers(target, cfg.targets, "--targets")
+        if same_model and source_layer in targets:
+            raise ValueError(
+                f"--targets contains the source layer {source_layer}: patching a layer onto itself "
+                "changes nothing"
+            )
+        return list(dict.fromkeys(targets))
+    if same_model:
+        candidates = [
+            t for t in eligible_targets(range(target.n_layers), me_layer) if t != source_layer
+        ]
+        if not candidates:
+            raise NotApplicable(
+                f"the massive activation of {target.name} emerges at layer {me_layer}: there is no "
+                "earlier layer to copy its weights into (pass --targets to patch later layers)"
+            )
+    else:
+        candidates = list(range(target.n_layers))
+    return spread(candidates, cfg.max_targets)
 
 
 def run(
@@ -161,8 +281,10 @@ def run(
         source_model: an already loaded source model (else ``cfg.source_model`` is loaded).
 
     Raises:
+        NotApplicable: neither model has a massive activation and no ``cfg.layer``; or the default
+            targets are empty (ME layer 0).
         ValueError: a layer out of range, models of different shapes, a target equal to the source
-            layer within one model, no ME layer to default to.
+            layer within one model.
     """
     s = prepare(cfg, model, require_layer=False)
     target = s.model
@@ -174,24 +296,14 @@ def run(
             f"the source model has {src.n_layers} layers × d_model {src.d_model}, the model "
             f"{target.n_layers} × {target.d_model}: weight patching needs models of the same shape"
         )
-    source_layer = _source_layer(cfg, src, s.location.me_layer)
-    if cfg.targets:
-        targets = check_layers(target, cfg.targets, "--targets")
-        if src is target and source_layer in targets:
-            raise ValueError(
-                f"--targets contains the source layer {source_layer}: patching a layer onto itself changes nothing"
-            )
-    elif src is target:
-        targets = [t for t in range(target.n_layers) if t != source_layer]
-    else:
-        targets = [source_layer]
+    same = src is target
+    source_layer = _source_layer(cfg, src, s)
     me0 = s.baseline.me_layer
+    targets = resolve_targets(cfg, target, same, source_layer, me0)
     rows = []
     todo = [(part, t) for part in cfg.parts for t in targets]
     for part, t in tqdm(todo, desc=f"{NAME} (source layer {source_layer})", disable=None):
-        with patched_weights(
-            target, source_layer, t, part, source_model=None if src is target else src
-        ):
+        with patched_weights(target, source_layer, t, part, source_model=None if same else src):
             after = measure(target, s.batch, s.criterion, s.positions, cfg.sink)
         rows.append(
             {
@@ -204,6 +316,7 @@ def run(
                 "ratio_at_target_before": s.baseline.ratio_at(t),
                 "ratio_at_me_before": None if me0 is None else after.ratio_at(me0),
                 "ratio_last": after.top_ratio[-1],
+                "ratio_at_target_per_prompt": after.prompt_ratio_at(t),
                 "sink_downstream": after.sink_after(me0 if me0 is not None else t),
                 "top_ratio": after.top_ratio,
             }
@@ -213,13 +326,63 @@ def run(
         source_model=src.name,
         bos=target.bos,
         source_layer=source_layer,
+        layer_given=cfg.layer is not None,
         targets=targets,
+        eligible=eligible_targets(targets, me0),
         parts=list(cfg.parts),
         baseline=s.baseline,
         rows=rows,
         n_prompts=len(s.batch),
         prompt_lengths=s.batch.lengths,
+        seed=cfg.seed,
     )
+
+
+# ------------------------------------------------------------------------------------------
+# claims, figures, summary
+# ------------------------------------------------------------------------------------------
+
+
+def _details(result: Result, part: str) -> str:
+    src = "" if result.source_model == result.model else f" of {result.source_model}"
+    got = "; ".join(
+        f"{o} {result.targets_with(part, o)}" for o in OUTCOMES if result.targets_with(part, o)
+    )
+    later = [t for t in result.targets if t not in result.eligible]
+    return (
+        f"source layer {result.source_layer}{src} (1-based {result.source_layer + 1}, "
+        f"{'--layer' if result.layer_given else 'detected'}); unpatched ME layer "
+        f"{result.baseline.me_layer}; targets: {got}"
+        + (f"; targets {later} (at or after the ME layer) reported, not judged" if later else "")
+        + f"; {result.n_prompts} prompts of ≤ {max(result.prompt_lengths)} tokens"
+    )
+
+
+def verdicts(result: Result) -> list[claims.Claim]:
+    """One claim per part (:data:`PART_SPECS`), judged on the eligible targets with a bootstrap
+    interval over target layers; parts not copied, or no eligible target, are "not applicable"."""
+    out = []
+    for part, spec in PART_SPECS.items():
+        if part not in result.parts:
+            out.append(spec.not_applicable(f"{part} was not copied in this run (--parts)"))
+            continue
+        if not result.eligible:
+            out.append(
+                spec.not_applicable(
+                    f"no target before the layer where the patched model's massive activation "
+                    f"emerges ({result.baseline.me_layer}): a copy cannot show up as a new "
+                    "emergence there"
+                )
+            )
+            continue
+        copied = [
+            c
+            for c, e in zip(result.per_target(part)["copied"], result.per_target(part)["eligible"])
+            if e
+        ]
+        est = claims.bootstrap(copied, unit="target layers", seed=result.seed)
+        out.append(spec.judge(est, details=_details(result, part)))
+    return out
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
@@ -245,7 +408,8 @@ def figures(result: Result) -> dict[str, go.Figure]:
     )
     fig.update_layout(
         title=f"ME layer after copying layer {result.source_layer}{src}'s part into the target — {result.model}"
-        f"<br><sup>unpatched ME layer {result.baseline.me_layer} (0-based)</sup>",
+        f"<br><sup>unpatched ME layer {result.baseline.me_layer} (0-based); judged targets: "
+        f"{result.eligible}</sup>",
         xaxis_title="target layer (0-based)",
         yaxis_title="copied part",
         template="plotly_white",
@@ -253,42 +417,15 @@ def figures(result: Result) -> dict[str, go.Figure]:
     return {"me_layer_after_patch": fig}
 
 
-def verdicts(result: Result) -> list[dict[str, Any]]:
-    head = result.headline()
-    out = [
-        {
-            "claim": "Copying the ME layer's weights into another layer makes the emergence appear there",
-            "measured": f"best part {head['part']}: target became the ME layer for "
-            f"{head['copied_fraction']:.0%} of {len(result.targets)} targets",
-            "holds": head["holds"],
-        }
-    ]
-    for p in result.parts:
-        out.append(
-            {
-                "claim": f"Copying the source layer's {p} into a target makes the target the ME layer",
-                "measured": f"copied {result.fraction(p, 'copied'):.0%}, kept {result.fraction(p, 'kept'):.0%}, "
-                f"vanished {result.fraction(p, 'vanished'):.0%}, elsewhere {result.fraction(p, 'elsewhere'):.0%}",
-                "holds": result.fraction(p, "copied") >= 0.5,
-            }
-        )
-    return out
-
-
 def summary(result: Result) -> str:
-    rows = [
-        (p, *(f"{result.fraction(p, o):.0%}" for o in ("copied", "kept", "vanished", "elsewhere")))
-        for p in result.parts
-    ]
-    head = result.headline()
+    rows = [(p, *(f"{result.fraction(p, o):.0%}" for o in OUTCOMES)) for p in result.parts]
     return "\n".join(
         [
             f"model: {result.model}   source: {result.source_model} layer {result.source_layer}   "
-            f"unpatched ME layer {result.baseline.me_layer}   targets {result.targets}",
+            f"unpatched ME layer {result.baseline.me_layer}   targets {result.targets} "
+            f"(judged: {result.eligible})   prompts {result.n_prompts}",
             "",
-            fmt_table(["part", "copied", "kept", "vanished", "elsewhere"], rows),
-            "",
-            f"verdict: holds={head['holds']} ({head['part']}: copied {head['copied_fraction']})",
+            fmt_table(["part", *OUTCOMES], rows),
         ]
     )
 

@@ -1,22 +1,39 @@
 """Weight swap: exchange the ME layer's parameters with another layer's — does the emergence move?
 
-For each part (``attn_norm``, ``ffn_norm``, ``ffn``, ``attn``, ``block``; ``me_interp.edits``) and each
-partner layer ``p``, the part of the ME layer ``m`` and of ``p`` are exchanged
+For each part and each partner layer ``p``, the part of the ME layer ``m`` and of ``p`` are exchanged
 (``θ_m ↔ θ_p``, :func:`me_interp.edits.swapped_layers`) and the ME layer is located again
-(``probes.find_me_layer``). The emergence *moved* when the new ME layer is ``p``, *stayed* when it is
-``m``, *vanished* when no layer output is massive. Also measured after each swap: the massive ratio
-``R_l = median_prompts max_t ‖h_{l,t}‖ / mean_{t≠argmax} ‖h_{l,t}‖`` at the partner layer, the ME layer
-and the last layer, and the attention sink (attention mass on the baseline's massive position, largest
-head, mean over prompts; ``probes.attention_stats``) downstream of ``m``.
+(``probes.massive``). Parts (``me_interp.edits.PARTS``): the single parts ``ffn_norm`` (pre-FFN RMSNorm
+gain), ``ffn``, ``attn_norm``, ``attn``; the composites ``ffn_path`` = ``ffn_norm`` + ``ffn`` (the
+paper's RMSNorm–FFN pair, §2.3) and ``attn_path`` = ``attn_norm`` + ``attn``; and the whole ``block``.
 
-Defaults run on the bundled model: the detected ME layer against every other layer, parts
-``ffn_norm ffn attn block``, 4 built-in prompts cut to 12 tokens (``4 × 29`` swaps).
+Outcome of one swap: *moved* when the new ME layer is ``p``, *stayed* when it is ``m``, *vanished* when
+no layer output is massive, *elsewhere* otherwise. Also measured after each swap (one forward pass):
+the massive ratio ``R_l = median_prompts max_t ‖h_{l,t}‖ / mean_{t≠argmax} ‖h_{l,t}‖`` at the partner
+layer, the ME layer and the last layer (and per prompt), and the attention sink (attention mass on the
+baseline's massive position, largest head, mean over prompts) downstream of ``m``.
+
+Claims (:data:`SPECS`, judged by :func:`verdicts`):
+
+* ``weight_swap.<part>`` for every part — "the emergence moves with the ME layer's <part>": the
+  fraction of partner layers whose swap moved the ME layer to the partner, with a bootstrap interval
+  over partner layers; holds when the whole interval is ``≥`` the ``moved_fraction`` threshold. The
+  headline is ``weight_swap.ffn_path`` (the paper's mechanism); ``weight_swap.block`` is its own claim
+  (it moves attention too); the single parts are the controls that split the pair.
+* ``weight_swap.ffn_path_needed`` — the emergence needs the ME layer's own FFN path: the fraction of
+  partners for which, with the partner's ``ffn_path`` in its place, layer ``m`` no longer is the ME
+  layer (moved or vanished). Not applicable when ``m`` is not the unedited model's ME layer.
+
+A model without a massive activation is "not applicable" (:class:`me_interp.claims.NotApplicable`)
+unless ``--layer`` is given. Defaults run on the bundled model: the detected ME layer against
+``max_partners`` partners spread over the other layers, every part, ``n_prompts`` prompts spread over
+the set and cut to ``max_tokens`` tokens (each swap costs a forward pass).
 
     python -m me_interp.experiments.weight_swap
-    python -m me_interp.experiments.weight_swap --parts block --partners 0 5 20 --model synthetic:planted
+    python -m me_interp.experiments.weight_swap --parts ffn_path block --partners 0 5 20
+    python -m me_interp.experiments.weight_swap --model synthetic:planted
 
-What the four weight experiments share (:class:`WeightConfig`, :func:`prepare`, :func:`measure`) is
-in ``me_interp.experiments._weights``; it is re-exported here.
+What the weight experiments share (:class:`WeightConfig`, :func:`prepare`, :func:`measure`) is in
+``me_interp.experiments._weights``; it is re-exported here.
 """
 
 from __future__ import annotations
@@ -29,8 +46,12 @@ from typing import Any
 import plotly.graph_objects as go
 from tqdm.auto import tqdm
 
+from me_interp import claims
 from me_interp.edits import PARTS, check_part, swapped_layers
 from me_interp.experiments._weights import (
+    PART_ORDER,
+    PART_SECTION,
+    PART_WHAT,
     Measurement,
     Setup,
     WeightConfig,
@@ -38,11 +59,51 @@ from me_interp.experiments._weights import (
     measure,
     prepare,
     short_batch,
+    spread,
 )
 from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
 from me_interp.models import LoadedModel
 
 NAME = "weight_swap"
+OUTCOMES = ("moved", "stayed", "vanished", "elsewhere")
+
+_CONTROL = {
+    "ffn_path": "the same swaps of ffn_norm alone, ffn alone, attn_path and the whole block (their "
+    "own claims); partners spread over every depth",
+    "block": "ffn_path, which leaves attention in place",
+    "attn_path": "ffn_path: the paper predicts the emergence moves with the FFN path, not with "
+    "attention (which runs before the FFN)",
+}
+
+
+def _part_spec(part: str) -> claims.Spec:
+    return claims.Spec(
+        f"{NAME}.{part}",
+        PART_SECTION[part],
+        f"The emergence moves with the ME layer's {PART_WHAT[part]}: exchanging that part with "
+        "another layer's makes that layer the ME layer",
+        f"fraction of partner layers p for which the ME layer located after swapping {part} "
+        "of layers m ↔ p is p",
+        ">=",
+        "moved_fraction",
+        _CONTROL.get(part, "ffn_path and block; the other single parts"),
+    )
+
+
+PART_SPECS: dict[str, claims.Spec] = {p: _part_spec(p) for p in PART_ORDER}
+NEEDED_SPEC = claims.Spec(
+    f"{NAME}.ffn_path_needed",
+    "§2.1, §2.3",
+    "The emergence needs the ME layer's own FFN path: with another layer's pre-FFN RMSNorm + FFN "
+    "in its place, the ME layer is no longer where the massive activation emerges",
+    "fraction of partner layers p for which, after swapping ffn_path of layers m ↔ p, the ME "
+    "layer is not m (it moved or vanished)",
+    ">=",
+    "moved_fraction",
+    "the unedited model, whose ME layer is m; attn_path swaps (their own claim)",
+)
+SPECS: tuple[claims.Spec, ...] = (*PART_SPECS.values(), NEEDED_SPEC)
+claims.check_specs(SPECS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -55,12 +116,16 @@ class Config(WeightConfig):
     """Weight-swap settings.
 
     Attributes:
-        partners: layers to swap with (``()`` = every other layer).
-        parts: the components to swap, each separately.
+        partners: layers to swap with (``()`` = ``max_partners`` layers spread over the others).
+        max_partners: with ``partners=()``, at most this many partners, spread evenly over every
+            other layer (first and last included; ``0`` = all). Each partner costs one forward per
+            part; the result reports the partners used.
+        parts: the components to swap, each separately (see ``me_interp.edits.PARTS``).
     """
 
     partners: tuple[int, ...] = ()
-    parts: tuple[str, ...] = ("ffn_norm", "ffn", "attn", "block")
+    max_partners: int = 15
+    parts: tuple[str, ...] = PART_ORDER
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -68,49 +133,71 @@ class Config(WeightConfig):
             raise ValueError(f"give at least one part to swap ({', '.join(PARTS)})")
         for p in self.parts:
             check_part(p)
+        if len(set(self.parts)) != len(self.parts):
+            raise ValueError(f"parts repeats a part: {self.parts}")
+        if self.max_partners < 0:
+            raise ValueError(f"max_partners must be >= 0 (0 = all), got {self.max_partners}")
 
 
 @dataclass
 class Result:
+    """What :func:`run` measured (0-based layers).
+
+    Attributes:
+        layer: the swapped layer ``m``; ``layer_given``: it came from ``--layer`` (else detected).
+        partners: the partner layers, in order; ``parts``: the swapped parts, in order.
+        baseline: the unedited model's :class:`Measurement`.
+        rows: one per (part, partner): outcome, new ME layer, ratios (also per prompt), sink.
+        seed: seeds the bootstrap of the claims.
+    """
+
     model: str
     bos: str
     layer: int
+    layer_given: bool
     partners: list[int]
     parts: list[str]
     baseline: Measurement
     rows: list[dict[str, Any]]
     n_prompts: int
     prompt_lengths: list[int]
+    seed: int = 0
+
+    def part_rows(self, part: str) -> list[dict[str, Any]]:
+        """The rows of ``part``, in partner order."""
+        return [r for r in self.rows if r["part"] == part]
+
+    def outcomes(self, part: str) -> list[str]:
+        """Per partner: the outcome of swapping ``part``."""
+        return [r["outcome"] for r in self.part_rows(part)]
 
     def fractions(self, part: str) -> dict[str, float]:
-        rows = [r for r in self.rows if r["part"] == part]
-        n = max(len(rows), 1)
+        """Share of partners per outcome (:data:`OUTCOMES`)."""
+        got = self.outcomes(part)
+        n = max(len(got), 1)
+        return {o: sum(g == o for g in got) / n for o in OUTCOMES}
+
+    def partners_with(self, part: str, outcome: str) -> list[int]:
+        return [r["partner"] for r in self.part_rows(part) if r["outcome"] == outcome]
+
+    def per_partner(self, part: str) -> dict[str, list[Any]]:
+        """The claim's units: per partner layer, the new ME layer and 0/1 moved / left ``m``."""
+        rows = self.part_rows(part)
         return {
-            "moved": sum(r["outcome"] == "moved" for r in rows) / n,
-            "stayed": sum(r["outcome"] == "stayed" for r in rows) / n,
-            "vanished": sum(r["outcome"] == "vanished" for r in rows) / n,
-            "elsewhere": sum(r["outcome"] == "elsewhere" for r in rows) / n,
+            "partner": [r["partner"] for r in rows],
+            "me_layer": [r["me_layer"] for r in rows],
+            "moved": [float(r["outcome"] == "moved") for r in rows],
+            "left_layer": [float(r["me_layer"] != self.layer) for r in rows],
         }
 
-    def headline(self) -> dict[str, Any]:
-        ffn_parts = [p for p in self.parts if p in ("ffn_norm", "ffn", "block")]
-        if not ffn_parts:
-            return {"holds": None, "reason": "no FFN-path part (ffn_norm, ffn, block) was swapped"}
-        best = max(ffn_parts, key=lambda p: self.fractions(p)["moved"])
-        moved = self.fractions(best)["moved"]
-        return {
-            "holds": moved >= 0.5,
-            "moved_fraction": round(moved, 4),
-            "part": best,
-            "rule": "holds when swapping some FFN-path part (ffn_norm, ffn or block) moves the ME "
-            "layer to the partner layer for at least half of the partners",
-        }
+    @property
+    def baseline_has_emergence(self) -> bool:
+        """Whether the unedited model's ME layer is the swapped layer."""
+        return self.baseline.me_layer == self.layer
 
     def to_dict(self) -> dict[str, Any]:
         b = self.baseline
         return {
-            "claim": "The massive activation is made by the ME layer's own FFN-path weights (pre-FFN "
-            "RMSNorm gain and FFN): exchanging them with another layer's moves the emergence to that layer.",
             "baseline": {
                 "me_layer": b.me_layer,
                 "me_layer_1based": None if b.me_layer is None else b.me_layer + 1,
@@ -118,23 +205,30 @@ class Result:
                 "ratio_last": b.top_ratio[-1],
                 "sink_downstream": b.sink_after(self.layer),
             },
-            "intervened": {
+            "per_part": {
                 p: {
                     **self.fractions(p),
-                    "me_layers": [r["me_layer"] for r in self.rows if r["part"] == p],
+                    **{f"{o}_partners": self.partners_with(p, o) for o in OUTCOMES},
                 }
                 for p in self.parts
             },
-            "verdict": self.headline(),
+            "per_partner": {p: self.per_partner(p) for p in self.parts},
+            "per_prompt": {
+                "prompt_lengths": self.prompt_lengths,
+                "baseline_ratio_at_layer": b.prompt_ratio_at(self.layer),
+                "baseline_ratio_last": b.prompt_ratio[-1],
+            },
             "model": self.model,
             "bos": self.bos,
             "index_convention": INDEX_CONVENTION,
             "layer": self.layer,
             "layer_1based": self.layer + 1,
+            "layer_given": self.layer_given,
             "partners": self.partners,
             "parts": self.parts,
             "n_prompts": self.n_prompts,
-            "prompt_lengths": self.prompt_lengths,
+            "n_partners": len(self.partners),
+            "seed": self.seed,
             "rows": self.rows,
             "baseline_detail": b.to_dict(),
         }
@@ -149,23 +243,33 @@ def outcome(me_after: int | None, layer: int, partner: int) -> str:
     return "stayed" if me_after == layer else "elsewhere"
 
 
+def resolve_partners(cfg: Config, model: LoadedModel, layer: int) -> list[int]:
+    """``cfg.partners`` validated, or ``cfg.max_partners`` layers spread over every other layer.
+
+    Raises:
+        ValueError: a partner out of range or equal to ``layer`` (a swap with itself).
+    """
+    if cfg.partners:
+        partners = check_layers(model, cfg.partners, "--partners")
+        if layer in partners:
+            raise ValueError(
+                f"--partners contains the swapped layer {layer}: cannot swap a layer with itself"
+            )
+        return list(dict.fromkeys(partners))
+    return spread([p for p in range(model.n_layers) if p != layer], cfg.max_partners)
+
+
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """Swap each part of the ME layer with each partner layer and measure. No printing, no files.
 
     Raises:
+        NotApplicable: no massive activation on the model and no ``cfg.layer``.
         ValueError: a partner out of range or equal to the layer (a swap with itself).
     """
-    s = prepare(cfg, model)
+    s: Setup = prepare(cfg, model)
     m = s.layer
     assert m is not None  # prepare(require_layer=True) raises otherwise
-    if cfg.partners:
-        partners = check_layers(s.model, cfg.partners, "--partners")
-        if m in partners:
-            raise ValueError(
-                f"--partners contains the swapped layer {m}: cannot swap a layer with itself"
-            )
-    else:
-        partners = [p for p in range(s.model.n_layers) if p != m]
+    partners = resolve_partners(cfg, s.model, m)
     rows = []
     todo = [(part, p) for part in cfg.parts for p in partners]
     for part, p in tqdm(todo, desc=f"{NAME} (layer {m})", disable=None):
@@ -181,6 +285,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
                 "ratio_at_partner": after.ratio_at(p),
                 "ratio_at_layer": after.ratio_at(m),
                 "ratio_last": after.top_ratio[-1],
+                "ratio_at_partner_per_prompt": after.prompt_ratio_at(p),
+                "ratio_at_layer_per_prompt": after.prompt_ratio_at(m),
                 "sink_downstream": after.sink_after(m),
                 "top_ratio": after.top_ratio,
                 "sink": after.sink,
@@ -190,13 +296,67 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         model=s.model.name,
         bos=s.model.bos,
         layer=m,
+        layer_given=s.layer_given,
         partners=partners,
         parts=list(cfg.parts),
         baseline=s.baseline,
         rows=rows,
         n_prompts=len(s.batch),
         prompt_lengths=s.batch.lengths,
+        seed=cfg.seed,
     )
+
+
+# ------------------------------------------------------------------------------------------
+# claims
+# ------------------------------------------------------------------------------------------
+
+
+def _details(result: Result, part: str) -> str:
+    m = result.layer
+    where = "--layer" if result.layer_given else "detected"
+    out = "; ".join(
+        f"{o} {result.partners_with(part, o)}" for o in OUTCOMES if result.partners_with(part, o)
+    )
+    return (
+        f"layer m = {m} (1-based {m + 1}, {where}; unedited ME layer {result.baseline.me_layer}, "
+        f"ratio {result.baseline.ratio_at(m):.4g}); partners: {out}; "
+        f"{result.n_prompts} prompts of ≤ {max(result.prompt_lengths)} tokens"
+    )
+
+
+def verdicts(result: Result) -> list[claims.Claim]:
+    """One claim per part (:data:`PART_SPECS`; parts not swapped are "not applicable") and the
+    necessity claim :data:`NEEDED_SPEC`, each with a bootstrap interval over partner layers."""
+    out = []
+    for part, spec in PART_SPECS.items():
+        if part not in result.parts:
+            out.append(spec.not_applicable(f"{part} was not swapped in this run (--parts)"))
+            continue
+        est = claims.bootstrap(
+            result.per_partner(part)["moved"], unit="partner layers", seed=result.seed
+        )
+        out.append(spec.judge(est, details=_details(result, part)))
+    if "ffn_path" not in result.parts:
+        out.append(NEEDED_SPEC.not_applicable("ffn_path was not swapped in this run (--parts)"))
+    elif not result.baseline_has_emergence:
+        out.append(
+            NEEDED_SPEC.not_applicable(
+                f"layer {result.layer} is not where the unedited model's massive activation "
+                f"emerges (ME layer {result.baseline.me_layer}): there is no emergence there to remove"
+            )
+        )
+    else:
+        est = claims.bootstrap(
+            result.per_partner("ffn_path")["left_layer"], unit="partner layers", seed=result.seed
+        )
+        out.append(NEEDED_SPEC.judge(est, details=_details(result, "ffn_path")))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# figures and summary
+# ------------------------------------------------------------------------------------------
 
 
 def _grid(result: Result, key: str) -> list[list[Any]]:
@@ -251,51 +411,56 @@ def figures(result: Result) -> dict[str, go.Figure]:
         yaxis_title="swapped part",
         template="plotly_white",
     )
-    return {"me_layer_after_swap": fig_me, "ratio_at_partner": fig_ratio}
+    return {
+        "me_layer_after_swap": fig_me,
+        "ratio_at_partner": fig_ratio,
+        "moved_fraction": _fraction_figure(result),
+    }
 
 
-def verdicts(result: Result) -> list[dict[str, Any]]:
-    """One verdict per swapped part, and the headline (see :meth:`Result.headline`)."""
-    out = []
-    head = result.headline()
-    out.append(
-        {
-            "claim": "The emergence moves with the ME layer's FFN-path weights (weight swap)",
-            "measured": f"best FFN-path part {head.get('part')}: ME layer moved to the partner for "
-            f"{head.get('moved_fraction', 0):.0%} of {len(result.partners)} partners",
-            "holds": head["holds"],
-        }
-    )
-    for part in result.parts:
-        f = result.fractions(part)
-        out.append(
-            {
-                "claim": f"Swapping the ME layer's {part} into another layer moves the emergence there",
-                "measured": f"moved {f['moved']:.0%}, stayed {f['stayed']:.0%}, vanished "
-                f"{f['vanished']:.0%}, elsewhere {f['elsewhere']:.0%} (layer {result.layer}, "
-                f"{len(result.partners)} partners)",
-                "holds": f["moved"] >= 0.5,
-            }
+def _fraction_figure(result: Result) -> go.Figure:
+    judged = [c for c in verdicts(result) if c.estimate is not None and c.id != NEEDED_SPEC.id]
+    parts = [c.id.split(".", 1)[1] for c in judged]
+    est = [c.estimate for c in judged]
+    fig = go.Figure(
+        go.Bar(
+            x=parts,
+            y=[e.value for e in est],
+            error_y={
+                "type": "data",
+                "symmetric": False,
+                "array": [e.hi - e.value for e in est],
+                "arrayminus": [e.value - e.lo for e in est],
+            },
+            text=[c.verdict for c in judged],
+            hovertemplate="%{x}: moved for %{y:.0%} of partners (%{text})<extra></extra>",
         )
-    return out
+    )
+    thr = claims.threshold("moved_fraction")
+    fig.add_hline(y=thr, line_dash="dash", annotation_text=f"moved_fraction {thr:g}")
+    fig.update_layout(
+        title=f"Fraction of partner layers the emergence moved to, per swapped part — {result.model}"
+        f"<br><sup>layer {result.layer}, {len(result.partners)} partners; 95% bootstrap interval "
+        "over partner layers</sup>",
+        xaxis_title="swapped part",
+        yaxis_title="moved fraction",
+        yaxis_range=[0, 1.05],
+        template="plotly_white",
+    )
+    return fig
 
 
 def summary(result: Result) -> str:
     b = result.baseline
     lines = [
-        f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   baseline ratio "
-        f"{b.ratio_at(result.layer):.4g}   prompts {result.n_prompts}",
+        f"model: {result.model}   layer {result.layer} (1-based {result.layer + 1})   baseline ratio "
+        f"{b.ratio_at(result.layer):.4g}   prompts {result.n_prompts}   partners {result.partners}",
         "",
         fmt_table(
-            ["part", "moved", "stayed", "vanished", "elsewhere"],
+            ["part", *OUTCOMES],
             [(p, *(f"{v:.0%}" for v in result.fractions(p).values())) for p in result.parts],
         ),
     ]
-    head = result.headline()
-    lines.append("")
-    lines.append(
-        f"verdict: holds={head['holds']} ({head.get('part')}: moved {head.get('moved_fraction')})"
-    )
     return "\n".join(lines)
 
 
@@ -308,6 +473,11 @@ if __name__ == "__main__":
 
 
 __all__ = [
+    "NAME",
+    "NEEDED_SPEC",
+    "PART_ORDER",
+    "PART_SPECS",
+    "SPECS",
     "Config",
     "Measurement",
     "Result",
@@ -318,6 +488,7 @@ __all__ = [
     "measure",
     "outcome",
     "prepare",
+    "resolve_partners",
     "run",
     "short_batch",
     "summary",

@@ -1,40 +1,50 @@
-"""The mask-rate study in miniature: WeMask and its alternatives against rate r and strength α.
+"""The mask-rate study: WeMask and its alternatives against rate r and strength α, with claims.
 
 For every mask rate ``r ∈ rates`` and dim selection (``weight`` = the paper's text, ``activation`` = the
 released code, ``random`` and ``magnitude`` = the paper's ablations), and for the soft alternatives
 (``h − α P_S h`` on the ``weight`` dims at ``soft_rate``; ``h − α (⟨h,v⟩/‖v‖²) v`` with ``v`` the
-massive direction estimated on the prompts) over ``α ∈ alphas``, it masks the massive token's attention
-input (position 0) in layers from the measured ME layer (``start="ge"``: ≥ ME, ``"gt"``: > ME) to the
-last, and measures on a shipped text sample, in one forward per condition:
+mean massive attention input of the prompts), it masks the massive token's attention input (position
+0) in layers from the measured ME layer (``start="ge"``: ≥ ME, ``"gt"``: > ME) to the last, and
+measures on the shipped texts, in one forward per condition:
 
-* perplexity, next-token ``KL(p_ref ‖ p_int)`` and top-1 agreement with the unmodified model;
-* attention to the sink (position 0) and attention entropy: per prompt and head the mean over real
-  queries ``q ≥ 1``, then the mean over prompts, heads and masked layers (as ``probes.attention_stats``);
+* perplexity, next-token ``KL(p_ref ‖ p_int)`` and top-1 agreement with the unmodified model, kept
+  per text (NLL and KL sums, counts) and pooled: ``ppl = exp(Σ_b nll_b / Σ_b n_b)``;
+* attention to the sink (position 0) and attention entropy: per text and head the mean over real
+  queries ``q ≥ 1``, then the mean over heads and masked layers (per text), then over texts;
 * effective rank ``exp(−Σ p_i log p_i)``, ``p = σ / Σσ`` (singular values of the token states
-  ``t ≥ 1`` of each text at ``rank_layer``), mean over texts;
-* optionally (``--mc true``) log-likelihood accuracy on the shipped multiple-choice items.
+  ``t ≥ 1`` of each text at ``rank_layer``), per text;
+* multiple-choice log-likelihood accuracy on the shipped items, per item (``mc="claim"``: at the
+  baseline and for the claim's WeMask; ``"all"``: every condition; ``"none"``).
 
-``r = 0`` and ``α = 0`` are the identity (tested bit-identical), so those rows are the baseline.
+The ``random`` selection is drawn with ``n_seeds`` seeds at ``claim_rate`` (one seed at the other
+rates). ``r = 0`` and ``α = 0`` are the identity (tested bit-identical), so those rows are the
+baseline; at ``r = 1`` every selection masks every dim, so that forward is run once and shared.
 
-    python -m me_interp.experiments.wemask                     # bundled model, ~1-2 min on a CPU
+Claims (:data:`SPECS`, thresholds from :data:`me_interp.claims.THRESHOLDS`): ratios and differences
+of pooled perplexities are bootstrapped over texts (the rows of a text stay paired across conditions),
+MC accuracies over items, and the random-dims comparison over seeds. On a model without a massive
+activation (and no ``me_layer`` given) :func:`run` raises :class:`me_interp.claims.NotApplicable`.
+
+    python -m me_interp.experiments.wemask                     # bundled model, about a minute on a CPU
     python -m me_interp.experiments.wemask --model synthetic:planted --rates 0 0.5 1
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 from tqdm.auto import tqdm
 
-from me_interp import evaluation, names
+from me_interp import claims, evaluation, names
+from me_interp.experiments._weights import short_batch, spread
 from me_interp.experiments.common import (
     INDEX_CONVENTION,
     CommonConfig,
@@ -43,22 +53,23 @@ from me_interp.experiments.common import (
     model_for,
 )
 from me_interp.interventions import core
-from me_interp.interventions.soft import DirectionProjection, dim_projection, estimate_direction
+from me_interp.interventions.soft import DirectionProjection, dim_projection
 from me_interp.interventions.wemask import (
     STARTS,
     VARIANTS,
     WeMask,
-    find_me_layer,
     mask_layers,
     massive_positions,
+    no_massive_activation,
 )
 from me_interp.models import Batch, LoadedModel
-from me_interp.probes.geometry import effective_rank
-from me_interp.prompts import read_prompts
+from me_interp.probes import find_me_layer
+from me_interp.prompts import builtin_texts, read_prompts
 
 NAME = "wemask"
-TEXTS_FILE = "wemask_texts.txt"
-METRICS = ("perplexity", "kl", "top1", "sink", "entropy", "eff_rank")
+METRICS = evaluation.POOLED_METRICS
+PER_TEXT = evaluation.TEXT_STATS
+MC_MODES = ("none", "claim", "all")
 METRIC_TITLES = {
     "perplexity": "perplexity (shipped texts)",
     "kl": "next-token KL to the unmodified model (nats)",
@@ -75,29 +86,47 @@ class Config(CommonConfig):
     """Mask-rate study settings.
 
     Attributes:
-        rates: mask rates r ∈ [0, 1].
+        rates: mask rates r ∈ [0, 1] of the sweep (``claim_rate`` is always run too).
         variants: dim selections (``weight``, ``activation``, ``random``, ``magnitude``).
-        alphas: strengths α ∈ [0, 1] of the soft alternatives (empty: skip them).
+        claim_rate: the rate the claims are judged at (the paper's training-free r = 0.1), in (0, 1).
+        n_seeds: seeds of the ``random`` selection at ``claim_rate`` (``seed, seed+1, …``; the
+            random-dims claim needs at least 5).
+        alphas: strengths α ∈ [0, 1] of the soft alternatives (empty: skip them; the default α = 1
+            costs one forward: the dim projection at α = 1 is the WeMask ``weight`` row).
         soft_rate: rate of the ``weight`` dim set of the soft dim projection.
         start: ``ge`` (layers ≥ ME, the paper) or ``gt`` (layers > ME).
         me_layer: the ME layer (0-based); measured on the prompts when ``None``.
-        texts: text file (one text per line) for the metrics; ``None``: the shipped sample.
+        texts: text file (one text per line) for the metrics; ``None``: the shipped texts.
+        max_texts: use this many texts, spread evenly over the file (``0`` = all). Every condition
+            costs a forward over them, so the default subsamples the shipped set to 32 (the result
+            reports ``n_texts``); the claims' intervals are over texts, so keep at least 32.
         rank_layer: layer whose token states give the effective rank (negative: from the end).
-        mc: also score the shipped multiple-choice items (one more forward per condition).
+        mc: multiple-choice scoring: ``claim`` (baseline and the claim's WeMask), ``all`` (every
+            condition, one more forward each) or ``none``.
+        mc_items: MC item file (JSON list of {context, choices, answer}); ``None``: the shipped items.
         positions: ``first`` (absolute position 0) or ``massive`` (the massive positions detected in
             each text at the ME layer; texts with none fall back to position 0).
+        detect_tokens: cut the prompts to this many tokens to detect the ME layer (``0`` = no cut;
+            the massive token is among the first).
+        batch_tokens: padded tokens per forward batch of texts (texts are grouped by length).
     """
 
-    rates: tuple[float, ...] = (0.0, 0.1, 0.3, 0.5, 0.7, 1.0)
+    rates: tuple[float, ...] = (0.0, 0.1, 1.0)
     variants: tuple[str, ...] = VARIANTS
-    alphas: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    claim_rate: float = 0.1
+    n_seeds: int = 5
+    alphas: tuple[float, ...] = (1.0,)
     soft_rate: float = 0.1
     start: str = "ge"
     me_layer: int | None = None
     texts: str | None = None
+    max_texts: int = 32
     rank_layer: int = -1
-    mc: bool = False
+    mc: Literal["none", "claim", "all"] = "claim"
+    mc_items: str | None = None
     positions: str = "first"
+    detect_tokens: int = 16
+    batch_tokens: int = 1024
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,9 +134,17 @@ class Config(CommonConfig):
             raise ValueError("give at least one rate")
         for r in self.rates:
             core.check_fraction(r, "rate")
+        core.check_fraction(self.claim_rate, "claim_rate")
+        if not 0 < self.claim_rate < 1:
+            raise ValueError(
+                f"claim_rate must lie strictly between 0 and 1 (0 is the identity, 1 masks every "
+                f"dim for every selection), got {self.claim_rate}"
+            )
         for a in self.alphas:
             core.check_fraction(a, "alpha")
         core.check_fraction(self.soft_rate, "soft_rate")
+        if not self.variants:
+            raise ValueError("give at least one variant")
         for v in self.variants:
             if v not in VARIANTS:
                 raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}")
@@ -115,258 +152,580 @@ class Config(CommonConfig):
             raise ValueError(f"start must be one of {STARTS}, got {self.start!r}")
         if self.positions not in ("first", "massive"):
             raise ValueError(f"positions must be 'first' or 'massive', got {self.positions!r}")
+        if self.mc not in MC_MODES:
+            raise ValueError(f"mc must be one of {MC_MODES}, got {self.mc!r}")
+        if self.n_seeds < 1:
+            raise ValueError(f"n_seeds must be >= 1, got {self.n_seeds}")
+        if self.max_texts < 0:
+            raise ValueError(f"max_texts must be >= 0 (0 = all), got {self.max_texts}")
+        if self.detect_tokens != 0 and self.detect_tokens < 2:
+            raise ValueError(
+                f"detect_tokens must be >= 2 (or 0 = no cut), got {self.detect_tokens}"
+            )
+        if self.batch_tokens < 1:
+            raise ValueError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
 
     def load_texts(self) -> list[str]:
-        if self.texts is None:
-            text = resources.files("me_interp.data").joinpath(TEXTS_FILE).read_text("utf-8")
-            return [t for t in text.splitlines() if t.strip()]
-        return read_prompts(self.texts)
+        texts = builtin_texts() if self.texts is None else read_prompts(self.texts)
+        return spread(texts, self.max_texts)
+
+    def run_rates(self) -> list[float]:
+        """The rates run: ``rates`` and ``claim_rate``, sorted."""
+        return sorted({float(r) for r in self.rates} | {float(self.claim_rate)})
 
 
 # ------------------------------------------------------------------------------------------
-# one forward per condition
+# the conditions: one forward each over the texts (evaluation.text_metrics)
 # ------------------------------------------------------------------------------------------
 
 
-def _record_pattern(a: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
-    store[layer] = a.detach().float().cpu()
-    return a
-
-
-def _record_resid(x: torch.Tensor, hook: Any, *, store: dict) -> torch.Tensor:
-    store["resid"] = x.detach().float().cpu()
+def _record_first(x: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
+    store[layer] = x.detach()[:, 0].float().cpu()  # [batch d_model]: the token at position 0
     return x
 
 
-def _measure(
-    model: LoadedModel,
-    batch: Batch,
-    hooks: Sequence,
-    layers: Sequence[int],
-    rank_layer: int,
-    ref_logits: torch.Tensor | None,
-) -> tuple[dict[str, float], torch.Tensor]:
-    store: dict[Any, torch.Tensor] = {}
-    rec = [(names.pattern(L), partial(_record_pattern, store=store, layer=L)) for L in layers]
-    rec.append((names.resid_post(rank_layer), partial(_record_resid, store=store)))
-    logits = model.run_with_hooks(batch, [*hooks, *rec]).float().cpu()
-    mask = batch.attention_mask.cpu()
-    # perplexity from the same logits (as evaluation.token_nll)
-    logp = torch.log_softmax(logits[:, :-1], -1)
-    nll = -logp.gather(-1, batch.tokens.cpu()[:, 1:, None])[..., 0]
-    valid = mask[:, 1:].bool() & mask[:, :-1].bool()
-    out = {"perplexity": math.exp(float(nll[valid].mean()))}
-    if ref_logits is not None:
-        ag = evaluation.agreement(ref_logits, logits, mask)
-        out["kl"], out["top1"] = ag.kl, ag.top1
-    else:
-        out["kl"], out["top1"] = 0.0, 1.0
-    q = mask.bool().clone()
-    q[:, 0] = False  # queries t >= 1
-    qm = q[:, None, :].float()  # [batch 1 q]
-    sink, ent = [], []
-    for L in layers:
-        a = store[L]  # [batch head q k]
-        to0 = a[..., 0]
-        h = -(a * a.clamp_min(1e-30).log()).sum(-1)
-        n_q = qm.sum(
-            -1
-        )  # [batch 1]: per prompt, mean over its real queries, then over prompts/heads
-        sink.append(float(((to0 * qm).sum(-1) / n_q).mean()))
-        ent.append(float(((h * qm).sum(-1) / n_q).mean()))
-    out["sink"] = sum(sink) / len(sink)
-    out["entropy"] = sum(ent) / len(ent)
-    resid = store["resid"]
-    ranks = [effective_rank(resid[b, 1:n]) for b, n in enumerate(batch.lengths) if n > 2]
-    out["eff_rank"] = sum(ranks) / len(ranks) if ranks else float("nan")
-    return out, logits
+@dataclass(frozen=True)
+class Condition:
+    """One masked condition: ``kind`` ∈ {wemask, dim_projection, direction_projection}."""
+
+    kind: str
+    variant: str
+    rate: float
+    alpha: float = 1.0
+    seed: int = 0
+
+    def label(self) -> str:
+        if self.kind == "wemask":
+            tail = f" seed {self.seed}" if self.variant == "random" else ""
+            return f"wemask {self.variant} r={self.rate:g}{tail}"
+        if self.kind == "dim_projection":
+            return f"dim_projection r={self.rate:g} α={self.alpha:g}"
+        return f"direction_projection α={self.alpha:g}"
+
+
+def conditions(cfg: Config) -> list[Condition]:
+    """Every masked condition of the run, without duplicates: one ``r = 1`` forward for all selections
+    (they coincide), ``n_seeds`` random seeds at ``claim_rate``, and the soft alternatives (the dim
+    projection at α = 1 *is* WeMask ``weight`` at ``soft_rate``, so it is run only when that WeMask is
+    not)."""
+    rates = [r for r in cfg.run_rates() if r > 0]
+    out: list[Condition] = []
+    for r in rates:
+        if r == 1.0:
+            out.append(Condition("wemask", cfg.variants[0], 1.0, 1.0, cfg.seed))
+            continue
+        for v in cfg.variants:
+            n = cfg.n_seeds if (v == "random" and r == cfg.claim_rate) else 1
+            out += [Condition("wemask", v, r, 1.0, cfg.seed + i) for i in range(n)]
+    have_weight = "weight" in cfg.variants and cfg.soft_rate in rates
+    for a in cfg.alphas:
+        if a > 0 and not (a == 1.0 and have_weight):
+            out.append(Condition("dim_projection", "weight", cfg.soft_rate, a, cfg.seed))
+    out += [
+        Condition("direction_projection", "mean_direction", 0.0, a, cfg.seed)
+        for a in cfg.alphas
+        if a > 0
+    ]
+    return out
+
+
+def _spec(model, cond: Condition, layers, positions, directions) -> Any:
+    if cond.kind == "wemask":
+        return WeMask.build(model, layers, cond.rate, cond.variant, positions, seed=cond.seed)
+    if cond.kind == "dim_projection":
+        return dim_projection(
+            model, cond.alpha, layers, variant=cond.variant, rate=cond.rate, positions=positions
+        )
+    return DirectionProjection.build(model, cond.alpha, directions, layers, positions=positions)
+
+
+# ------------------------------------------------------------------------------------------
+# result
+# ------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Result:
+    """What :func:`run` measured. ``baseline`` and each row of ``rows`` hold the pooled metrics, their
+    ``per_text`` statistics (:data:`PER_TEXT`, in the order of the texts) and, when scored, the MC
+    accuracy with ``per_item`` outcomes."""
+
     model: str
     bos: str
     me_layer: int
+    me_layer_given: bool
+    massive_at_me: bool
     start: str
     layers: list[int]
     rank_layer: int
+    claim_rate: float
+    n_seeds: int
+    seed: int
     n_texts: int
     n_tokens: int
-    baseline: dict[str, float]
+    n_items: int
+    detection: dict[str, Any]
+    baseline: dict[str, Any]
     rows: list[dict[str, Any]] = field(default_factory=list)
     positions: Any = (0,)
 
-    def row(self, kind: str, variant: str, rate: float, alpha: float = 1.0) -> dict | None:
+    def row(
+        self, kind: str, variant: str, rate: float, alpha: float = 1.0, seed: int | None = None
+    ) -> dict | None:
+        """The row of one condition (``seed=None``: the run's own seed)."""
+        seed = self.seed if seed is None else seed
         for r in self.rows:
             if (
                 (r["kind"], r["variant"]) == (kind, variant)
                 and math.isclose(r["rate"], rate)
                 and math.isclose(r["alpha"], alpha)
+                and r["seed"] == seed
             ):
                 return r
         return None
 
-    def main_comparison(self) -> dict[str, Any]:
-        """The headline: weight-guided WeMask at the smallest non-zero rate."""
-        rates = sorted({r["rate"] for r in self.rows if r["kind"] == "wemask" and r["rate"] > 0})
-        r0 = rates[0] if rates else None
-        row = self.row("wemask", "weight", r0) if r0 is not None else None
-        return {"rate": r0, "row": row}
-
-    def verdict_list(self) -> list[dict[str, Any]]:
-        base = self.baseline["perplexity"]
-        out = []
-        head = self.main_comparison()
-        r0, w = head["rate"], head["row"]
-        if w is not None:
-            ratio = w["perplexity"] / base
-            out.append(
-                {
-                    "claim": f"Weight-guided WeMask at a small rate (r={r0}) leaves the language model "
-                    "nearly unchanged (training-free)",
-                    "measured": f"perplexity {base:.3g} -> {w['perplexity']:.3g} (x{ratio:.3f}); "
-                    f"KL {w['kl']:.3g} nats; top-1 agreement {w['top1']:.3f}",
-                    "holds": bool(ratio < 1.05),
-                    "value": ratio,
-                }
-            )
-            for other in ("magnitude", "random", "activation"):
-                o = self.row("wemask", other, r0)
-                if o is None:
-                    continue
-                if other == "activation":
-                    claim = (
-                        f"The released code's activation-selected dims behave like the paper's "
-                        f"weight-selected dims at r={r0}"
-                    )
-                    holds = bool(abs(o["perplexity"] / w["perplexity"] - 1) < 0.05)
-                else:
-                    claim = (
-                        f"{other.capitalize()}-selected dims at the same rate (r={r0}) hurt more than "
-                        "weight-selected dims (the paper's ablation)"
-                    )
-                    holds = bool(o["perplexity"] > 1.01 * w["perplexity"])
-                out.append(
-                    {
-                        "claim": claim,
-                        "measured": f"perplexity {other} {o['perplexity']:.3g} vs weight "
-                        f"{w['perplexity']:.3g}; KL {o['kl']:.3g} vs {w['kl']:.3g}",
-                        "holds": holds,
-                        "value": o["perplexity"] / w["perplexity"],
-                    }
-                )
-        full = self.row("wemask", "weight", 1.0)
-        if full is not None:
-            ratio = full["perplexity"] / base
-            out.append(
-                {
-                    "claim": "Masking the whole attention input of the massive token (r=1.0) "
-                    "collapses the model",
-                    "measured": f"perplexity {base:.3g} -> {full['perplexity']:.3g} (x{ratio:.3g}); "
-                    f"top-1 agreement {full['top1']:.3f}",
-                    "holds": bool(ratio > 2.0) if ratio > 2.0 or ratio < 1.2 else None,
-                    "value": ratio,
-                }
-            )
-            out.append(
-                {
-                    "claim": "Masking the massive token's attention input removes the attention sink",
-                    "measured": f"attention to position 0 in layers {self.layers[0]}..{self.layers[-1]}: "
-                    f"{self.baseline['sink']:.3f} -> {full['sink']:.3f} at r=1.0",
-                    "holds": bool(full["sink"] < 0.5 * self.baseline["sink"]),
-                    "value": full["sink"] / self.baseline["sink"]
-                    if self.baseline["sink"]
-                    else None,
-                }
-            )
-        return out
+    def random_rows(self, rate: float) -> list[dict[str, Any]]:
+        """Every seed's ``random`` row at ``rate``."""
+        return [
+            r
+            for r in self.rows
+            if r["kind"] == "wemask" and r["variant"] == "random" and math.isclose(r["rate"], rate)
+        ]
 
     def to_dict(self) -> dict[str, Any]:
-        head = self.main_comparison()
-        verdicts = self.verdict_list()
-        first = verdicts[0] if verdicts else {"holds": None, "value": None, "claim": ""}
         return {
-            "claim": first["claim"],
-            "baseline": self.baseline,
-            "intervened": head["row"],
-            "verdict": {
-                "holds": first["holds"],
-                "perplexity_ratio": first["value"],
-                "threshold": "perplexity ratio < 1.05",
-            },
-            "verdicts": verdicts,
             "model": self.model,
             "bos": self.bos,
+            "index_convention": INDEX_CONVENTION,
             "me_layer": self.me_layer,
             "me_layer_1based": self.me_layer + 1,
+            "me_layer_given": self.me_layer_given,
+            "massive_at_me_layer": self.massive_at_me,
             "start": self.start,
             "masked_layers": self.layers,
             "masked_positions": self.positions,
             "rank_layer": self.rank_layer,
+            "claim_rate": self.claim_rate,
+            "n_seeds": self.n_seeds,
+            "seed": self.seed,
             "n_texts": self.n_texts,
             "n_tokens": self.n_tokens,
-            "index_convention": INDEX_CONVENTION,
+            "n_items": self.n_items,
+            "detection": self.detection,
+            "baseline": self.baseline,
             "table": self.rows,
         }
 
 
-def _conditions(cfg: Config) -> list[tuple[str, str, float, float]]:
-    conds = [("wemask", v, r, 1.0) for v in cfg.variants for r in cfg.rates if r > 0]
-    conds += [("dim_projection", "weight", cfg.soft_rate, a) for a in cfg.alphas if a > 0]
-    conds += [("direction_projection", "mean_direction", 0.0, a) for a in cfg.alphas if a > 0]
-    return conds
+@dataclass
+class _Sweep:
+    """What every condition of a run shares: the texts in length groups, the masked layers, the
+    massive directions, the positions to mask and the MC items."""
+
+    cfg: Config
+    model: LoadedModel
+    layers: list[int]
+    rank_layer: int
+    chunks: list[tuple[list[int], Batch]]
+    n_texts: int
+    positions: Any
+    directions: dict[int, torch.Tensor]
+    items: list[evaluation.MCItem]
+
+    def _positions(self, idx: list[int]) -> Any:
+        per_text = self.cfg.positions == "massive"
+        return [self.positions[i] for i in idx] if per_text else self.positions
+
+    def _scores_mc(self, cond: Condition | None) -> bool:
+        if not self.items:
+            return False
+        claim = Condition("wemask", "weight", self.cfg.claim_rate, 1.0, self.cfg.seed)
+        return cond is None or self.cfg.mc == "all" or cond == claim
+
+    def measure(
+        self, cond: Condition | None, refs: list[evaluation.Reference] | None
+    ) -> tuple[dict[str, Any], list[evaluation.Reference | None]]:
+        """The pooled metrics, ``per_text`` statistics and (when scored) MC outcomes of ``cond``
+        (``None``: the unmasked model, whose references are returned for the others)."""
+        per_text: dict[str, list[float]] = {k: [math.nan] * self.n_texts for k in PER_TEXT}
+        own = []
+        for c, (idx, batch) in enumerate(self.chunks):
+            hooks = []
+            if cond is not None:
+                spec = _spec(self.model, cond, self.layers, self._positions(idx), self.directions)
+                hooks = core.tl_hooks(spec)
+            ref = None if refs is None else refs[c]
+            stats, r = evaluation.text_metrics(
+                self.model, batch, hooks, self.layers, self.rank_layer, ref
+            )
+            for k, vals in stats.items():
+                for i, v in zip(idx, vals):
+                    per_text[k][i] = v
+            own.append(r)
+        out: dict[str, Any] = {**evaluation.pooled_metrics(per_text), "per_text": per_text}
+        if self._scores_mc(cond):  # MC rows start at the first token: position 0
+            hooks = []
+            if cond is not None:
+                hooks = core.tl_hooks(_spec(self.model, cond, self.layers, (0,), self.directions))
+            mc = evaluation.score_choices(self.model, self.items, hooks)
+            out["mc_accuracy"] = mc.accuracy
+            out["per_item"] = {"correct": mc.correct, "correct_norm": mc.correct_norm}
+        return out, own
+
+
+def _rows(cfg: Config, cond: Condition, m: dict[str, Any]) -> list[dict[str, Any]]:
+    """The table rows one forward stands for: ``cond`` itself, every other selection at ``r = 1``, and
+    the dim projection at ``α = 1`` for WeMask ``weight`` at ``soft_rate`` (marked ``same_as``)."""
+    rows = [{**_cond_dict(cond), **m}]
+    if cond.kind != "wemask":
+        return rows
+    if cond.rate == 1.0:
+        for v in cfg.variants[1:]:
+            same = Condition("wemask", v, 1.0, 1.0, cfg.seed)
+            rows.append({**_cond_dict(same), **m, "same_as": f"wemask {cond.variant}"})
+    is_weight = cond.variant == "weight" or cond.rate == 1.0  # r = 1: every selection
+    if is_weight and cond.rate == cfg.soft_rate and 1.0 in cfg.alphas:
+        alias = Condition("dim_projection", "weight", cfg.soft_rate, 1.0, cfg.seed)
+        rows.append({**_cond_dict(alias), **m, "same_as": f"wemask {cond.variant}"})
+    return rows
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Run the sweep. No printing (a tqdm bar on stderr), no files."""
+    """Run the sweep. No printing (a tqdm bar on stderr), no files.
+
+    Raises:
+        NotApplicable: ``me_layer=None`` and the model has no massive activation on the prompts.
+        ValueError: a layer out of range, an ME layer that leaves no layer to mask, bad texts.
+    """
     model = model_for(cfg, model)
-    prompts = model.tokenize(cfg.load_prompts())
-    me = cfg.me_layer if cfg.me_layer is not None else find_me_layer(model, prompts)
+    detect = short_batch(model, cfg.load_prompts(), 0, cfg.detect_tokens)
+    first: dict[int, torch.Tensor] = {}
+    capture = [
+        (names.attn_in(L), partial(_record_first, store=first, layer=L))
+        for L in range(model.n_layers)
+    ]
+    loc = find_me_layer(model, detect, fwd_hooks=capture)
+    if cfg.me_layer is None:
+        if loc.me_layer is None:
+            raise no_massive_activation(model, len(detect))
+        me = int(loc.me_layer)
+    else:
+        me = model.check_layer(cfg.me_layer)
     layers = list(mask_layers(model, cfg.start, me))
-    rank_layer = cfg.rank_layer % model.n_layers
-    batch = model.tokenize(cfg.load_texts())
-    directions = estimate_direction(model, prompts, layers, "attn_in") if cfg.alphas else {}
+    texts = cfg.load_texts()
     positions: Any = (0,)
     if cfg.positions == "massive":
-        positions = [p or [0] for p in massive_positions(model, batch)]
-    items = evaluation.load_mc_items() if cfg.mc else None
-
-    base, ref = _measure(model, batch, [], layers, rank_layer, None)
-    if items is not None:
-        base["mc_accuracy"] = evaluation.score_choices(model, items).accuracy
+        positions = [p or [0] for p in massive_positions(model, model.tokenize(texts))]
+    sweep = _Sweep(
+        cfg=cfg,
+        model=model,
+        layers=layers,
+        rank_layer=cfg.rank_layer % model.n_layers,
+        chunks=evaluation.length_batches(model, texts, cfg.batch_tokens),
+        n_texts=len(texts),
+        positions=positions,
+        # the massive direction of each masked layer: the mean attention input at position 0
+        directions={L: first[L].mean(0) for L in layers},
+        items=evaluation.load_mc_items(cfg.mc_items) if cfg.mc != "none" else [],
+    )
+    base, refs = sweep.measure(None, None)
     rows: list[dict[str, Any]] = []
-    for v in cfg.variants:
-        for r in cfg.rates:
-            if r == 0:
-                rows.append({"kind": "wemask", "variant": v, "rate": 0.0, "alpha": 1.0, **base})
-    conds = _conditions(cfg)
-    for kind, variant, rate, alpha in tqdm(conds, desc="wemask sweep", disable=None):
-        if kind == "wemask":
-            spec: Any = WeMask.build(model, layers, rate, variant, positions, seed=cfg.seed)
-        elif kind == "dim_projection":
-            spec = dim_projection(
-                model, alpha, layers, variant=variant, rate=rate, positions=positions
-            )
-        else:
-            spec = DirectionProjection.build(model, alpha, directions, layers, positions=positions)
-        hooks = core.tl_hooks(spec)
-        m, _ = _measure(model, batch, hooks, layers, rank_layer, ref)
-        if items is not None:
-            m["mc_accuracy"] = evaluation.score_choices(model, items, core.tl_hooks(spec)).accuracy
-        rows.append({"kind": kind, "variant": variant, "rate": rate, "alpha": alpha, **m})
+    for cond in tqdm(conditions(cfg), desc="wemask sweep", disable=None):
+        rows += _rows(cfg, cond, sweep.measure(cond, refs)[0])
+    if 0.0 in cfg.rates:  # the identity: the baseline, once per selection (for the sweep figure)
+        for v in cfg.variants:
+            zero = Condition("wemask", v, 0.0, 1.0, cfg.seed)
+            rows.append({**_cond_dict(zero), **base, "same_as": "baseline"})
     return Result(
         model=model.name,
         bos=model.bos,
-        me_layer=int(me),
+        me_layer=me,
+        me_layer_given=cfg.me_layer is not None,
+        massive_at_me=bool(loc.layer_has_massive[me]),
         start=cfg.start,
         layers=layers,
-        rank_layer=rank_layer,
-        n_texts=len(batch),
-        n_tokens=int(batch.attention_mask.sum()),
+        rank_layer=sweep.rank_layer,
+        claim_rate=float(cfg.claim_rate),
+        n_seeds=cfg.n_seeds,
+        seed=cfg.seed,
+        n_texts=len(texts),
+        n_tokens=int(sum(b.attention_mask.sum() for _, b in sweep.chunks)),
+        n_items=len(sweep.items),
+        detection={
+            "n_prompts": len(detect),
+            "max_tokens": cfg.detect_tokens,
+            "me_layer_detected": loc.me_layer,
+            "massive_dims": loc.massive_dims,
+        },
         baseline=base,
         rows=rows,
         positions=positions,
     )
+
+
+def _cond_dict(c: Condition) -> dict[str, Any]:
+    return {"kind": c.kind, "variant": c.variant, "rate": c.rate, "alpha": c.alpha, "seed": c.seed}
+
+
+# ------------------------------------------------------------------------------------------
+# claims
+# ------------------------------------------------------------------------------------------
+
+_CONTROL_RANDOM = "the random-dims mask at the same rate over seeds (wemask.beats_random)"
+
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        "wemask.small_rate_ppl_unchanged",
+        "§2 claim 5 (training-free WeMask)",
+        "Weight-guided WeMask at a small rate leaves the language model's perplexity unchanged",
+        "|perplexity ratio − 1|, WeMask (weight dims, r = claim rate) against the unmasked model, "
+        "pooled over the texts",
+        "<",
+        "ppl_unchanged",
+        _CONTROL_RANDOM,
+    ),
+    claims.Spec(
+        "wemask.small_rate_mc_unchanged",
+        "§2 claim 5 (training-free WeMask)",
+        "Weight-guided WeMask at a small rate leaves multiple-choice accuracy unchanged",
+        "|MC accuracy ratio − 1|, WeMask (weight dims, r = claim rate) against the unmasked model",
+        "<",
+        "mc_unchanged",
+        "the unmasked model on the same items (paired)",
+    ),
+    claims.Spec(
+        "wemask.beats_random",
+        "§2 claim 5 (ablation: random dims)",
+        "Random dims masked at the same rate hurt more than the weight-selected dims (by more than "
+        "the perplexity change called 'unchanged')",
+        "(perplexity with random dims − perplexity with weight dims) / unmasked perplexity at the "
+        "claim rate, mean over random seeds",
+        ">",
+        "ppl_unchanged",
+        "random dim sets of the same size, one per seed",
+    ),
+    claims.Spec(
+        "wemask.beats_magnitude",
+        "§2 claim 5 (ablation: magnitude dims)",
+        "Dims selected by the massive token's residual magnitude, masked at the same rate, hurt more "
+        "than the weight-selected dims (by more than the perplexity change called 'unchanged')",
+        "(perplexity with magnitude dims − perplexity with weight dims) / unmasked perplexity at the "
+        "claim rate",
+        ">",
+        "ppl_unchanged",
+        "the weight-selected WeMask on the same texts (paired)",
+    ),
+    claims.Spec(
+        "wemask.activation_like_weight",
+        "§4 (released code selects by activation)",
+        "The released code's activation-selected dims behave like the paper's weight-selected dims",
+        "|perplexity(activation dims) / perplexity(weight dims) − 1| at the claim rate",
+        "<",
+        "ppl_unchanged",
+        "the weight-selected WeMask on the same texts (paired)",
+    ),
+    claims.Spec(
+        "wemask.full_mask_collapses",
+        "§2 claim 5 (r = 1.0 collapses)",
+        "Masking the whole attention input of the massive token (r = 1) collapses the model",
+        "perplexity ratio at r = 1 against the unmasked model",
+        ">=",
+        "ppl_damage",
+        "the small-rate WeMask (wemask.small_rate_ppl_unchanged)",
+    ),
+    claims.Spec(
+        "wemask.full_mask_removes_sink",
+        "§2 claims 4, 6 (the massive token is the sink)",
+        "Masking the massive token's whole attention input removes the attention sink on it",
+        "relative drop of the attention to position 0 in the masked layers at r = 1: "
+        "1 − sink(r = 1) / sink(unmasked)",
+        ">=",
+        "relative_drop",
+        "the unmasked model on the same texts (paired)",
+    ),
+)
+claims.check_specs(SPECS)
+_SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+
+
+def _cols(*rows: dict[str, Any], key: str = "nll") -> np.ndarray:
+    """``[text, 1 + len(rows)]``: the prediction count, then ``key`` of each row, per text."""
+    n = np.asarray(rows[0]["per_text"]["n_pred"], dtype=np.float64)
+    return np.column_stack([n, *(np.asarray(r["per_text"][key], dtype=np.float64) for r in rows)])
+
+
+def _ppl(a: np.ndarray, j: int) -> float:
+    return math.exp(a[:, j].sum() / a[:, 0].sum())
+
+
+def _ratio_dev(a: np.ndarray) -> float:
+    """|ppl(column 2) / ppl(column 1) − 1| of ``[n, nll_ref, nll_x]`` rows."""
+    return abs(math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum()) - 1.0)
+
+
+def _ratio(a: np.ndarray) -> float:
+    return math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum())
+
+
+def _gap(a: np.ndarray) -> float:
+    """(ppl(column 3) − ppl(column 2)) / ppl(column 1) of ``[n, nll_base, nll_w, nll_x]`` rows."""
+    return (_ppl(a, 3) - _ppl(a, 2)) / _ppl(a, 1)
+
+
+def _sink_drop(a: np.ndarray) -> float:
+    base = a[:, 0].mean()
+    return 1.0 - a[:, 1].mean() / base if base > 0 else math.nan
+
+
+def _acc_dev(a: np.ndarray) -> float:
+    base = a[:, 0].mean()
+    return abs(a[:, 1].mean() / base - 1.0) if base > 0 else math.nan
+
+
+def verdicts(result: Result) -> list[claims.Claim]:
+    """Every claim of :data:`SPECS` on this result (see the module docstring)."""
+    if not result.massive_at_me:
+        return claims.not_applicable(
+            SPECS,
+            f"no massive activation at the ME layer {result.me_layer} of this model (given, not "
+            "detected): there is no massive token whose attention input WeMask would mask",
+        )
+    boot: Callable[..., claims.Estimate] = partial(claims.bootstrap, seed=result.seed)
+    r0, base = result.claim_rate, result.baseline
+    w = result.row("wemask", "weight", r0)
+    where = (
+        f"r = {r0:g}, layers {result.layers[0]}..{result.layers[-1]} (ME layer {result.me_layer}, "
+        f"1-based {result.me_layer + 1}), positions {_pos_label(result.positions)}"
+    )
+    out: list[claims.Claim] = []
+
+    def need(name: str, row: Any, what: str) -> bool:
+        if row is None:
+            out.append(_SPEC[name].not_applicable(f"not measured in this run: {what}"))
+            return False
+        return True
+
+    # small-rate perplexity
+    if need("small_rate_ppl_unchanged", w, "the weight variant was not run"):
+        est = boot(_cols(base, w), _ratio_dev, unit="texts")
+        out.append(
+            _SPEC["small_rate_ppl_unchanged"].judge(
+                est,
+                details=f"{where}; perplexity {base['perplexity']:.4g} → {w['perplexity']:.4g} "
+                f"over {result.n_texts} texts ({int(sum(base['per_text']['n_pred']))} predictions); "
+                f"KL {w['kl']:.3g} nats, top-1 agreement {w['top1']:.3f}",
+            )
+        )
+    # small-rate MC
+    mc_row = w if (w is not None and "per_item" in w and "per_item" in base) else None
+    if need("small_rate_mc_unchanged", mc_row, "MC items not scored (--mc none)"):
+        a = np.column_stack([base["per_item"]["correct"], mc_row["per_item"]["correct"]]).astype(
+            np.float64
+        )
+        out.append(
+            _SPEC["small_rate_mc_unchanged"].judge(
+                boot(a, _acc_dev, unit="items"),
+                details=f"{where}; accuracy {base['mc_accuracy']:.3f} → {mc_row['mc_accuracy']:.3f} "
+                f"on {result.n_items} items",
+            )
+        )
+    # random dims, over seeds
+    rand = result.random_rows(r0)
+    if need("beats_random", w if rand else None, "the random or weight variant was not run"):
+        gaps = [(r["perplexity"] - w["perplexity"]) / base["perplexity"] for r in rand]
+        if len(gaps) < claims.MIN_SEEDS:
+            out.append(
+                _SPEC["beats_random"].not_applicable(
+                    f"not measured in this run: {len(gaps)} random seeds, the control needs at "
+                    f"least {claims.MIN_SEEDS} (--n-seeds)"
+                )
+            )
+        else:
+            per_text = boot(_cols(base, w, rand[0]), _gap, unit="texts")
+            out.append(
+                _SPEC["beats_random"].judge(
+                    claims.over_seeds(gaps, seed=result.seed),
+                    details=f"{where}; perplexity random {_fmt_list(r['perplexity'] for r in rand)} "
+                    f"(seeds {[r['seed'] for r in rand]}) vs weight {w['perplexity']:.4g}, unmasked "
+                    f"{base['perplexity']:.4g}; seed {rand[0]['seed']} over texts: "
+                    f"{per_text.text()}",
+                )
+            )
+    # magnitude dims
+    mag = result.row("wemask", "magnitude", r0)
+    if need(
+        "beats_magnitude",
+        mag if w is not None else None,
+        "the magnitude or weight variant was not run",
+    ):
+        out.append(
+            _SPEC["beats_magnitude"].judge(
+                boot(_cols(base, w, mag), _gap, unit="texts"),
+                details=f"{where}; perplexity magnitude {mag['perplexity']:.4g} vs weight "
+                f"{w['perplexity']:.4g}, unmasked {base['perplexity']:.4g}",
+            )
+        )
+    # activation dims (the released code)
+    act = result.row("wemask", "activation", r0)
+    if need(
+        "activation_like_weight",
+        act if w is not None else None,
+        "the activation or weight variant was not run",
+    ):
+        out.append(
+            _SPEC["activation_like_weight"].judge(
+                boot(_cols(w, act), _ratio_dev, unit="texts"),
+                details=f"{where}; perplexity activation {act['perplexity']:.4g} vs weight "
+                f"{w['perplexity']:.4g}; KL {act['kl']:.3g} vs {w['kl']:.3g} nats",
+            )
+        )
+    # the full mask
+    full = next(
+        (
+            r
+            for r in result.rows
+            if r["kind"] == "wemask" and r["rate"] == 1.0 and "same_as" not in r
+        ),
+        None,
+    )
+    if need("full_mask_collapses", full, "r = 1 was not run (--rates)"):
+        out.append(
+            _SPEC["full_mask_collapses"].judge(
+                boot(_cols(base, full), _ratio, unit="texts"),
+                details=f"layers {result.layers[0]}..{result.layers[-1]}, every dim; perplexity "
+                f"{base['perplexity']:.4g} → {full['perplexity']:.4g}; top-1 agreement "
+                f"{full['top1']:.3f}",
+            )
+        )
+    if need("full_mask_removes_sink", full, "r = 1 was not run (--rates)"):
+        a = np.column_stack([base["per_text"]["sink"], full["per_text"]["sink"]])
+        out.append(
+            _SPEC["full_mask_removes_sink"].judge(
+                boot(a, _sink_drop, unit="texts"),
+                details=f"attention to position 0 in layers {result.layers[0]}..{result.layers[-1]}: "
+                f"{base['sink']:.3f} → {full['sink']:.3f}",
+            )
+        )
+    order = {s.id: i for i, s in enumerate(SPECS)}
+    return sorted(out, key=lambda c: order[c.id])
+
+
+def _fmt_list(xs) -> str:
+    return "[" + ", ".join(f"{x:.4g}" for x in xs) + "]"
+
+
+# ------------------------------------------------------------------------------------------
+# figures and summary
+# ------------------------------------------------------------------------------------------
+
+
+def _sweep_points(result: Result, variant: str, metric: str) -> list[tuple[float, float]]:
+    """(rate, value) of one selection; several random seeds at a rate are averaged."""
+    by: dict[float, list[float]] = {}
+    for r in result.rows:
+        if r["kind"] == "wemask" and r["variant"] == variant and metric in r:
+            by.setdefault(r["rate"], []).append(r[metric])
+    return sorted((k, float(np.mean(v))) for k, v in by.items())
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
@@ -376,16 +735,12 @@ def figures(result: Result) -> dict[str, go.Figure]:
     rate_fig = make_subplots(
         rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics]
     )
-    variants = sorted({r["variant"] for r in result.rows if r["kind"] == "wemask"})
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in result.rows)]
     colors = dict(zip(VARIANTS, ("firebrick", "darkorange", "gray", "steelblue")))
     for i, m in enumerate(metrics):
         rr, cc = i // cols + 1, i % cols + 1
         for v in variants:
-            pts = sorted(
-                (r["rate"], r[m])
-                for r in result.rows
-                if r["kind"] == "wemask" and r["variant"] == v
-            )
+            pts = _sweep_points(result, v, m)
             rate_fig.add_trace(
                 go.Scatter(
                     x=[p[0] for p in pts],
@@ -399,12 +754,28 @@ def figures(result: Result) -> dict[str, go.Figure]:
                 row=rr,
                 col=cc,
             )
+        rand = result.random_rows(result.claim_rate)
+        if m in METRICS and len(rand) > 1:
+            rate_fig.add_trace(
+                go.Scatter(
+                    x=[result.claim_rate] * len(rand),
+                    y=[r[m] for r in rand],
+                    mode="markers",
+                    marker={"color": "gray", "symbol": "circle-open"},
+                    name="random, each seed",
+                    legendgroup="seeds",
+                    showlegend=i == 0,
+                ),
+                row=rr,
+                col=cc,
+            )
         rate_fig.update_xaxes(title_text="mask rate r", row=rr, col=cc)
         if m == "perplexity":
             rate_fig.update_yaxes(type="log", row=rr, col=cc)
     rate_fig.update_layout(
-        title=f"WeMask mask-rate study — {result.model}<br><sup>masked positions: {_pos_label(result.positions)}; layers "
-        f"{result.layers[0]}..{result.layers[-1]} (ME layer {result.me_layer}, start '{result.start}')</sup>",
+        title=f"WeMask mask-rate study — {result.model}<br><sup>masked positions: "
+        f"{_pos_label(result.positions)}; layers {result.layers[0]}..{result.layers[-1]} (ME layer "
+        f"{result.me_layer}, start '{result.start}'); {result.n_texts} texts</sup>",
         template="plotly_white",
         height=330 * nrows + 120,
     )
@@ -420,7 +791,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
         rr, cc = i // cols + 1, i % cols + 1
         for k in kinds:
             pts = [(0.0, result.baseline[m])]
-            pts += sorted((r["alpha"], r[m]) for r in result.rows if r["kind"] == k)
+            pts += sorted((r["alpha"], r[m]) for r in result.rows if r["kind"] == k and m in r)
             soft_fig.add_trace(
                 go.Scatter(
                     x=[p[0] for p in pts],
@@ -442,11 +813,6 @@ def figures(result: Result) -> dict[str, go.Figure]:
     return {"mask_rate": rate_fig, "soft_alpha": soft_fig}
 
 
-def verdicts(result: Result) -> list[dict[str, Any]]:
-    """The paper's WeMask claims as tested here (``claim``, ``measured``, ``holds``)."""
-    return [{k: v[k] for k in ("claim", "measured", "holds")} for v in result.verdict_list()]
-
-
 def _pos_label(positions: Any) -> str:
     if positions and isinstance(positions[0], (list, tuple)):
         return "detected massive positions " + str(sorted({p for row in positions for p in row}))
@@ -456,22 +822,20 @@ def _pos_label(positions: Any) -> str:
 def summary(result: Result) -> str:
     head = (
         f"model: {result.model}   ME layer {result.me_layer} (1-based {result.me_layer + 1}); masked "
-        f"layers {result.layers[0]}..{result.layers[-1]} at positions {_pos_label(result.positions)}; {result.n_texts} texts, "
-        f"{result.n_tokens} tokens"
+        f"layers {result.layers[0]}..{result.layers[-1]} at positions {_pos_label(result.positions)}; "
+        f"{result.n_texts} texts, {result.n_tokens} tokens; {result.n_items} MC items; claims at "
+        f"r = {result.claim_rate:g}"
     )
-    metrics = [m for m in (*METRICS, "mc_accuracy") if m in result.baseline]
-    rows = [("baseline", "-", "-", "-", *(result.baseline[m] for m in metrics))]
+    metrics = [*METRICS, "mc_accuracy"]
+    cell = lambda r, m: r.get(m, "-")  # noqa: E731
+    rows = [("baseline", "-", "-", "-", "-", *(cell(result.baseline, m) for m in metrics))]
     rows += [
-        (r["kind"], r["variant"], r["rate"], r["alpha"], *(r[m] for m in metrics))
+        (r["kind"], r["variant"], r["rate"], r["alpha"], r["seed"], *(cell(r, m) for m in metrics))
         for r in result.rows
-        if not (r["kind"] == "wemask" and r["rate"] == 0)
+        if r.get("same_as") is None
     ]
-    table = fmt_table(["kind", "variant", "rate", "alpha", *metrics], rows)
-    lines = [head, "", table, ""]
-    for v in verdicts(result):
-        mark = {True: "holds", False: "does not hold", None: "inconclusive"}[v["holds"]]
-        lines.append(f"[{mark}] {v['claim']}: {v['measured']}")
-    return "\n".join(lines)
+    table = fmt_table(["kind", "variant", "rate", "alpha", "seed", *metrics], rows)
+    return "\n".join([head, "", table])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

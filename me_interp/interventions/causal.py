@@ -3,9 +3,17 @@
 Every factory returns TransformerLens hooks ``list[(hook_name, fn)]`` built with ``functools.partial``;
 none mutates the model. Every hook *sets* absolute values (``x[:, p, D] = v``), so it is idempotent
 (some bridge hooks fire twice per forward). Where the value depends on the input, the factory measures
-it first on the unmodified run of the same ``batch`` (one forward, :func:`capture`), so the hooks are
-tied to that batch (``per_prompt=True``); with ``per_prompt=False`` the value is averaged over the
-prompts and the hooks work on any batch (row-wise, as :func:`me_interp.patching.patch_sweep` needs).
+it first on the unmodified run of the same ``batch`` (:func:`capture`, a forward that stops after the
+last block it reads; pass ``acts=`` from one shared :func:`capture` to skip it), so the hooks are tied
+to that batch (``per_prompt=True``): they also accept a batch of ``n·B`` rows laid out as ``n`` copies
+of the ``B`` prompts (row ``c·B + b`` = prompt ``b``, the layout of
+:func:`me_interp.patching.patch_sweep`). With ``per_prompt=False`` the value is averaged over the
+prompts and the hooks work on any batch.
+
+Where to intervene is measured, never written down: :func:`locate_massive` runs the ME-layer probe
+and raises :class:`me_interp.claims.NotApplicable` on a model without a massive activation (unless a
+layer is given). :func:`prompt_batch` builds the (truncated, subsampled) batch the causal experiments
+run on, and :func:`excess_fraction` is the removal statistic they share.
 
 Notation: ``h_t`` the activation of token ``t`` at the hooked site, ``p`` a massive position, ``D`` the
 massive dims, ``h̄ = mean_{t≠p} h_t`` over the other real tokens of the prompt.
@@ -27,15 +35,16 @@ massive dims, ``h̄ = mean_{t≠p} h_t`` over the other real tokens of the promp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
+import numpy as np
 import torch
 from jaxtyping import Float
 
-from me_interp import names
+from me_interp import claims, names
 from me_interp.models import Batch, LoadedModel
 
 HookList = list[tuple[str, object]]
@@ -51,6 +60,12 @@ def _set(
 ):
     x = x.clone()
     v = values.to(device=x.device, dtype=x.dtype)
+    if v.dim() == 3 and v.shape[0] != x.shape[0]:
+        if x.shape[0] % v.shape[0]:
+            raise ValueError(
+                f"per-prompt values for {v.shape[0]} prompts cannot fill a batch of {x.shape[0]} rows"
+            )
+        v = v.repeat(x.shape[0] // v.shape[0], 1, 1)  # row c*B + b = prompt b
     if dims is None:
         x[:, pos] = v  # v: [P, d] or [B, P, d]
     else:
@@ -71,8 +86,9 @@ def set_values(
     Args:
         hook_name: a TransformerLens hook name (build it with :mod:`me_interp.names`).
         positions: token positions ``P``.
-        values: ``[P, k]`` (same for every row) or ``[batch, P, k]`` (per row); ``k`` = ``len(dims)``
-            or the full width when ``dims`` is None.
+        values: ``[P, k]`` (same for every row) or ``[B, P, k]`` (per prompt; a batch of ``n·B`` rows
+            is taken as ``n`` copies of the ``B`` prompts); ``k`` = ``len(dims)`` or the full width
+            when ``dims`` is None.
         dims: the dims to set (None: all).
 
     Raises:
@@ -107,14 +123,45 @@ def _rec(x: torch.Tensor, hook, *, store: dict, key: str):
     return x
 
 
+def _block_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit() else None
+
+
 def capture(
     model: LoadedModel, batch: Batch, hook_names: Sequence[str], fwd_hooks: Sequence = ()
 ) -> dict[str, torch.Tensor]:
-    """One forward of ``batch``; the activations at ``hook_names`` (after ``fwd_hooks``)."""
+    """One forward of ``batch``; the activations at ``hook_names`` (after ``fwd_hooks``).
+
+    When every name is inside a block, the forward stops after the last of those blocks (the later
+    blocks and the unembedding cannot change them).
+    """
+    names_ = list(dict.fromkeys(hook_names))
+    if not names_:
+        raise ValueError("give at least one hook name to capture")
     store: dict[str, torch.Tensor] = {}
-    hooks = [(n, partial(_rec, store=store, key=n)) for n in dict.fromkeys(hook_names)]
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks])
+    hooks = [(n, partial(_rec, store=store, key=n)) for n in names_]
+    blocks = [_block_of(n) for n in names_]
+    kwargs = {}
+    if all(b is not None for b in blocks):
+        kwargs["stop_at_layer"] = max(blocks) + 1
+    model.run_with_hooks(batch, [*fwd_hooks, *hooks], **kwargs)
+    missing = [n for n in names_ if n not in store]
+    if missing:
+        raise ValueError(f"hook(s) {missing} did not fire: not hook points of {model.name}")
     return store
+
+
+def _read(
+    model: LoadedModel, batch: Batch, name: str, acts: Mapping[str, torch.Tensor] | None
+) -> torch.Tensor:
+    """The unmodified activation ``name`` of ``batch``: from ``acts`` when it has it, else captured."""
+    if acts is not None and name in acts:
+        x = acts[name]
+        if x.shape[0] != len(batch):
+            raise ValueError(f"acts[{name!r}] has {x.shape[0]} rows for a batch of {len(batch)}")
+        return x
+    return capture(model, batch, [name])[name]
 
 
 def _check_positions(batch: Batch, positions: Sequence[int]) -> list[int]:
@@ -179,28 +226,33 @@ def remove_massive(
     site: str = "resid_post",
     fill: str = "others_mean",
     per_prompt: bool = True,
+    acts: Mapping[str, torch.Tensor] | None = None,
 ) -> HookList:
     """Remove the massive activation at ``site`` of ``layer``: ``h_p[D] ← h̄[D]`` (or 0).
 
     Args:
         dims: massive dims ``D`` (None: the whole vector, i.e. ``h_p ← h̄``).
         site: any of :data:`me_interp.names.SITES` (e.g. ``resid_post`` = layer output,
-            ``ffn_out`` = the FFN's contribution).
+            ``ffn_out`` = the FFN's contribution, ``resid_pre`` = the layer's input).
         fill: ``others_mean`` (the other tokens' mean) or ``zero``.
         per_prompt: values per prompt (tied to ``batch``) or averaged (any batch).
+        acts: the unmodified run's activations of ``batch`` (:func:`capture`) to reuse instead of
+            a forward; must hold the hook this factory reads.
     """
     model.check_layer(layer)
     positions = _check_positions(batch, positions)
     dims = _check_dims(model, dims)
     if fill not in ("others_mean", "zero"):
         raise ValueError(f"fill must be 'others_mean' or 'zero', got {fill!r}")
+    if site not in names.SITES:
+        raise ValueError(f"site must be one of {', '.join(names.SITES)}, got {site!r}")
     name = names.site(site, layer)
-    x = capture(model, batch, [name])[name].float()  # [B T d]
     sel = slice(None) if dims is None else dims
     if fill == "zero":
-        vals = torch.zeros(len(batch), len(positions), x.shape[-1])[..., sel]
+        vals = torch.zeros(len(batch), len(positions), model.d_model)[..., sel]
     else:
-        mean = others_mean(x, batch.attention_mask, positions)  # [B d]
+        x = _read(model, batch, name, acts).float()  # [B T d]
+        mean = others_mean(x, batch.attention_mask.to(x.device), positions)  # [B d]
         vals = mean[:, None, :].expand(-1, len(positions), -1)[..., sel].cpu()
     return set_values(name, positions, _finish(vals, per_prompt), dims)
 
@@ -212,11 +264,13 @@ def ablate_dims(
     positions: Sequence[int],
     dims: Sequence[int],
     mode: str = "zero",
+    acts: Mapping[str, torch.Tensor] | None = None,
 ) -> HookList:
     """Ablate the massive dims of the layer output at the massive positions.
 
     ``mode="mean"`` (Sun et al.): ``h_p[D] ← mean over the prompts of h_p[D]`` — the massive value kept
-    at its typical size; ``mode="zero"`` (Owen et al.): ``h_p[D] ← 0``.
+    at its typical size; ``mode="zero"`` (Owen et al.): ``h_p[D] ← 0``. ``acts`` as in
+    :func:`remove_massive`.
     """
     model.check_layer(layer)
     positions = _check_positions(batch, positions)
@@ -229,7 +283,7 @@ def ablate_dims(
     if mode == "zero":
         vals = torch.zeros(len(positions), len(dims))
     else:
-        x = capture(model, batch, [name])[name].float().cpu()
+        x = _read(model, batch, name, acts).float().cpu()
         vals = x[:, positions][..., dims].mean(0)  # [P k]
     return set_values(name, positions, vals, dims)
 
@@ -241,10 +295,12 @@ def patch_across_prompts(
     positions: Sequence[int],
     site: str = "resid_post",
     shift: int = 1,
+    acts: Mapping[str, torch.Tensor] | None = None,
 ) -> HookList:
     """``h_{b,p} ← h_{(b+shift) mod B, p}``: each prompt gets another prompt's activation at ``p``.
 
     A control for removal: the massive token stays massive but comes from a different input.
+    ``acts`` as in :func:`remove_massive`.
 
     Raises:
         ValueError: fewer than 2 prompts, or ``shift`` a multiple of the number of prompts.
@@ -257,7 +313,7 @@ def patch_across_prompts(
             f"patching across prompts needs >= 2 prompts and a shift that moves them (B={B}, shift={shift})"
         )
     name = names.site(site, layer)
-    x = capture(model, batch, [name])[name].float().cpu()
+    x = _read(model, batch, name, acts).float().cpu()
     src = torch.roll(x[:, positions], shifts=-shift, dims=0)  # row b <- row b+shift
     return set_values(name, positions, src)
 
@@ -280,6 +336,7 @@ def transplant(
     dims: Sequence[int] | None = None,
     mode: str = "difference",
     remove_source: bool = False,
+    acts: Mapping[str, torch.Tensor] | None = None,
 ) -> Transplant:
     """Write the massive component of token ``src`` into token ``dst`` at the output of ``layer``.
 
@@ -287,6 +344,7 @@ def transplant(
     all dims when None). ``mode="difference"`` adds ``c_b``; ``mode="direction"`` adds
     ``‖c_b‖ · u`` with ``u = mean_b c_b / ‖mean_b c_b‖`` (one direction for every prompt, at matched
     norm). ``remove_source=True`` also subtracts ``c_b`` from ``src``: ``h_src ← h_src − c_b``.
+    ``acts`` as in :func:`remove_massive`.
 
     Raises:
         ValueError: ``src == dst`` or a position outside a prompt.
@@ -299,7 +357,7 @@ def transplant(
     if mode not in ("difference", "direction"):
         raise ValueError(f"mode must be 'difference' or 'direction', got {mode!r}")
     name = names.resid_post(layer)
-    x = capture(model, batch, [name])[name].float().cpu()  # [B T d]
+    x = _read(model, batch, name, acts).float().cpu()  # [B T d]
     diff = x[:, src] - others_mean(x, batch.attention_mask.cpu(), [src])  # [B d]
     if dims is not None:
         proj = torch.zeros_like(diff)
@@ -328,13 +386,20 @@ def transplant(
 
 
 def cap_ffn_output(
-    model: LoadedModel, batch: Batch, layer: int, positions: Sequence[int]
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    positions: Sequence[int],
+    acts: Mapping[str, torch.Tensor] | None = None,
 ) -> HookList:
-    """``FFN_p ← FFN_p · min(1, median_{t∉P}‖FFN_t‖ / ‖FFN_p‖)`` at ``blocks.L.hook_mlp_out``."""
+    """``FFN_p ← FFN_p · min(1, median_{t∉P}‖FFN_t‖ / ‖FFN_p‖)`` at ``blocks.L.hook_mlp_out``.
+
+    ``acts`` as in :func:`remove_massive`.
+    """
     model.check_layer(layer)
     positions = _check_positions(batch, positions)
     name = names.ffn_out(layer)
-    x = capture(model, batch, [name])[name].float().cpu()
+    x = _read(model, batch, name, acts).float().cpu()
     cap = _others_norm(x, batch.attention_mask.cpu(), positions, "median")  # [B]
     sub = x[:, positions]  # [B P d]
     scale = (cap[:, None] / sub.norm(dim=-1)).clamp(max=1.0)
@@ -342,74 +407,217 @@ def cap_ffn_output(
 
 
 def scale_ffn_product(
-    model: LoadedModel, batch: Batch, layer: int, positions: Sequence[int], alpha: float
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    positions: Sequence[int],
+    alpha: float,
+    acts: Mapping[str, torch.Tensor] | None = None,
 ) -> HookList:
-    """``a_p ← α a_p`` for the FFN intermediate product ``a = act(W_gate x) ⊙ W_up x``."""
+    """``a_p ← α a_p`` for the FFN intermediate product ``a = act(W_gate x) ⊙ W_up x``.
+
+    ``acts`` as in :func:`remove_massive`.
+    """
     model.check_layer(layer)
     positions = _check_positions(batch, positions)
     name = names.site("ffn_act", layer)
-    x = capture(model, batch, [name])[name].float().cpu()
+    x = _read(model, batch, name, acts).float().cpu()
     return set_values(name, positions, float(alpha) * x[:, positions])
 
 
 def normalize_ffn_product(
-    model: LoadedModel, batch: Batch, layer: int, positions: Sequence[int]
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    positions: Sequence[int],
+    acts: Mapping[str, torch.Tensor] | None = None,
 ) -> HookList:
-    """``a_p ← a_p · mean_{t∉P}‖a_t‖ / ‖a_p‖``: the massive token's FFN product at the others' norm."""
+    """``a_p ← a_p · mean_{t∉P}‖a_t‖ / ‖a_p‖``: the massive token's FFN product at the others' norm.
+
+    ``acts`` as in :func:`remove_massive`.
+    """
     model.check_layer(layer)
     positions = _check_positions(batch, positions)
     name = names.site("ffn_act", layer)
-    x = capture(model, batch, [name])[name].float().cpu()
+    x = _read(model, batch, name, acts).float().cpu()
     target = _others_norm(x, batch.attention_mask.cpu(), positions, "mean")  # [B]
     sub = x[:, positions]
     return set_values(name, positions, sub * (target[:, None] / sub.norm(dim=-1))[..., None])
 
 
 def flatten_ffn_norm_gain(
-    model: LoadedModel, batch: Batch, layer: int, positions: Sequence[int]
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    positions: Sequence[int],
+    acts: Mapping[str, torch.Tensor] | None = None,
 ) -> HookList:
     """RMSNorm-only: the pre-FFN norm output of the massive token becomes ``ĥ_p ⊙ mean(w)``.
 
     ``ĥ_p = h_p / rms(h_p)`` is read at ``ln2.hook_normalized``; the hook sets ``ln2.hook_out`` at
-    ``p``, so the FFN sees the token standardised but without the gain's per-dim emphasis.
+    ``p``, so the FFN sees the token standardised but without the gain's per-dim emphasis. ``acts``
+    as in :func:`remove_massive` (it must hold ``ln2.hook_normalized``).
     """
     model.check_layer(layer)
     positions = _check_positions(batch, positions)
     norm_name, out_name = names.site("ffn_normalized", layer), names.ffn_in(layer)
-    hat = capture(model, batch, [norm_name])[norm_name].float().cpu()
+    hat = _read(model, batch, norm_name, acts).float().cpu()
     w_mean = float(model.ffn_norm_gain(layer).detach().float().mean())
     return set_values(out_name, positions, hat[:, positions] * w_mean)
 
 
-__all__ = [
-    "Transplant",
-    "patch_across_prompts",
-    "ablate_dims",
-    "cap_ffn_output",
-    "capture",
-    "flatten_ffn_norm_gain",
-    "normalize_ffn_product",
-    "others_mean",
-    "remove_massive",
-    "scale_ffn_product",
-    "set_values",
-    "transplant",
-]
-
-
 # ------------------------------------------------------------------------------------------
-# where to intervene (measured, never hard-coded)
+# inputs and where to intervene (measured, never hard-coded)
 # ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
+class PromptBatch:
+    """The prompts a causal experiment runs on (see :func:`prompt_batch`).
+
+    Attributes:
+        batch: the kept prompts, cut to at most ``max_tokens`` tokens, right-padded.
+        indices: their indices in the prompt list.
+        n_given: prompts given.
+        n_short: prompts skipped because they have fewer than ``min_tokens`` tokens.
+        max_tokens: the cut.
+    """
+
+    batch: Batch
+    indices: tuple[int, ...]
+    n_given: int
+    n_short: int
+    max_tokens: int
+
+    def at_least(self, n_tokens: int) -> PromptBatch:
+        """The same selection without the prompts shorter than ``n_tokens`` (counted as short).
+
+        Raises:
+            claims.NotApplicable: no prompt has ``n_tokens`` tokens (the claims need longer inputs).
+        """
+        keep = [i for i, n in enumerate(self.batch.lengths) if n >= n_tokens]
+        if len(keep) == len(self.indices):
+            return self
+        if not keep:
+            raise claims.NotApplicable(
+                f"no prompt has the {n_tokens} tokens this experiment needs "
+                f"(longest after the cut: {max(self.batch.lengths)})"
+            )
+        width = max(self.batch.lengths[i] for i in keep)
+        b = self.batch
+        batch = Batch(b.tokens[keep, :width], b.attention_mask[keep, :width], None)
+        n_short = self.n_short + len(self.indices) - len(keep)
+        idx = tuple(self.indices[i] for i in keep)
+        return PromptBatch(batch, idx, self.n_given, n_short, self.max_tokens)
+
+    def to_dict(self) -> dict:
+        return {
+            "n_prompts": len(self.indices),
+            "n_given": self.n_given,
+            "n_skipped_short": self.n_short,
+            "max_tokens": self.max_tokens,
+            "lengths": self.batch.lengths,
+            "indices": list(self.indices),
+        }
+
+
+def _evenly(n: int, k: int) -> list[int]:
+    """``k`` of ``range(n)`` spread evenly (all when ``k >= n``)."""
+    if k >= n:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)}) if k > 1 else [0]
+
+
+def prompt_batch(
+    model: LoadedModel,
+    prompts: Sequence[str],
+    max_tokens: int,
+    max_prompts: int | None = None,
+    min_tokens: int = 2,
+) -> PromptBatch:
+    """Tokenise ``prompts``, skip those shorter than ``min_tokens``, keep ``max_prompts`` of the rest
+    spread evenly over the list (all when ``None``), and cut each to its first ``max_tokens`` tokens.
+
+    The causal claims are about the first tokens (the massive token and the sink it draws), so the
+    cut loses nothing they need and makes every forward cheap; subsampling evenly keeps the mix of
+    genres of an ordered prompt file.
+
+    Raises:
+        ValueError: ``max_tokens < min_tokens``.
+        claims.NotApplicable: no prompt has ``min_tokens`` tokens (the claims need longer inputs).
+    """
+    if max_tokens < min_tokens or min_tokens < 1:
+        raise ValueError(f"max_tokens ({max_tokens}) must be >= min_tokens ({min_tokens}) >= 1")
+    if max_prompts is not None and max_prompts < 1:
+        raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
+    full = model.tokenize(list(prompts))
+    rows = [full.tokens[i, :n].tolist() for i, n in enumerate(full.lengths)]
+    ok = [i for i, r in enumerate(rows) if len(r) >= min_tokens]
+    if not ok:
+        raise claims.NotApplicable(
+            f"no prompt has the {min_tokens} tokens this experiment needs "
+            f"(longest: {max(len(r) for r in rows)})"
+        )
+    keep = [ok[j] for j in _evenly(len(ok), len(ok) if max_prompts is None else max_prompts)]
+    batch = model.batch_from_ids([rows[i][:max_tokens] for i in keep])
+    return PromptBatch(batch, tuple(keep), len(rows), len(rows) - len(ok), max_tokens)
+
+
+def excess_fraction(after: float, before: float) -> float:
+    """``(R_after − 1) / (R_before − 1)`` for norm ratios ``R = ‖h_p‖ / mean_{t≠p}‖h_t‖``.
+
+    An ordinary token has ``R ≈ 1``, so this is the share of the massive token's *excess* that an
+    intervention leaves: 1 = untouched, 0 = the token is as ordinary as the others (a plain
+    ``R_after / R_before`` never goes below ``1 / R_before``). NaN when ``R_before = 1``.
+    """
+    d = float(before) - 1.0
+    return (float(after) - 1.0) / d if d != 0 else float("nan")
+
+
+def excess_stat(a: np.ndarray) -> float:
+    """Per-prompt columns ``[after, before]`` → :func:`excess_fraction` of their prompt means (the
+    statistic the claims bootstrap over prompts)."""
+    m = np.asarray(a, dtype=np.float64).mean(0)
+    return excess_fraction(float(m[0]), float(m[1]))
+
+
+@dataclass(frozen=True)
 class MassiveSite:
-    """Where the massive activation is, as measured by the ME-layer probe on a batch."""
+    """Where the massive activation is, as measured by the ME-layer probe on a batch.
+
+    Attributes:
+        layer: the layer to intervene on (the ME layer unless one was given).
+        position: the massive token ``p``.
+        dims: its massive dims at ``layer``.
+        detected: the probe found an ME layer on this model.
+        at_layer: the probe finds a massive activation at the output of ``layer`` (False for a
+            given layer before the emergence, or on a model without one).
+        me_layer: the ME layer the probe found (``None`` when none).
+    """
 
     layer: int
     position: int
     dims: tuple[int, ...]
     detected: bool
+    at_layer: bool = True
+    me_layer: int | None = None
+
+    @property
+    def massive(self) -> bool:
+        """Whether the claims about a massive activation at ``layer`` apply."""
+        return self.detected and self.at_layer
+
+    def why_not(self) -> str:
+        """Why :attr:`massive` is False (for a "not applicable" verdict)."""
+        if not self.detected:
+            return (
+                f"{NO_MASSIVE} (the ME-layer probe finds none; layer {self.layer} was given): "
+                "there is no massive activation to intervene on"
+            )
+        return (
+            f"no massive activation at the output of the given layer {self.layer} (the ME-layer "
+            f"probe finds the ME layer at {self.me_layer}): there is none to intervene on there"
+        )
 
     def to_dict(self) -> dict:
         return {
@@ -418,7 +626,12 @@ class MassiveSite:
             "position": self.position,
             "dims": list(self.dims),
             "detected": self.detected,
+            "at_layer": self.at_layer,
+            "me_layer": self.me_layer,
         }
+
+
+NO_MASSIVE = "no massive activation on this model"
 
 
 def locate_massive(
@@ -433,7 +646,8 @@ def locate_massive(
     ``layer`` / ``position`` override the measured values (the dims are then read at that layer).
 
     Raises:
-        ValueError: no massive activation is found and no ``layer`` is given.
+        claims.NotApplicable: no massive activation is found and no ``layer`` is given (the claims
+            that need one are not applicable to this model).
     """
     from collections import Counter
 
@@ -442,9 +656,9 @@ def locate_massive(
     loc = find_me_layer(model, batch, criterion)
     if layer is None:
         if loc.me_layer is None:
-            raise ValueError(
-                f"no massive activation found in {model.name} on these prompts: pass the layer "
-                "to intervene on explicitly"
+            raise claims.NotApplicable(
+                f"{NO_MASSIVE}: the ME-layer probe ({loc.criterion.kind} criterion) finds none in "
+                f"{model.name} on these {len(batch)} prompts (pass a layer to intervene anyway)"
             )
         layer = loc.me_layer
     model.check_layer(layer)
@@ -458,8 +672,32 @@ def locate_massive(
         x = capture(model, batch, [name])[name].float().abs()[:, position]  # [B d]
         dims = tuple(Counter(x.argmax(-1).tolist()).most_common(1)[0][:1])
     return MassiveSite(
-        layer=layer, position=int(position), dims=dims, detected=loc.me_layer is not None
+        layer=layer,
+        position=int(position),
+        dims=dims,
+        detected=loc.me_layer is not None,
+        at_layer=bool(loc.layer_has_massive[layer]),
+        me_layer=loc.me_layer,
     )
 
 
-__all__ += ["MassiveSite", "locate_massive"]
+__all__ = [
+    "NO_MASSIVE",
+    "MassiveSite",
+    "PromptBatch",
+    "Transplant",
+    "ablate_dims",
+    "cap_ffn_output",
+    "capture",
+    "excess_fraction",
+    "flatten_ffn_norm_gain",
+    "locate_massive",
+    "normalize_ffn_product",
+    "others_mean",
+    "patch_across_prompts",
+    "prompt_batch",
+    "remove_massive",
+    "scale_ffn_product",
+    "set_values",
+    "transplant",
+]

@@ -18,7 +18,8 @@ The dim set ``S_l`` has four selections, named apart:
 
 Ties are broken towards the lower dim index (stable sort). The start layer is explicit: ``start="ge"``
 masks layers ``≥ ME`` (the paper), ``"gt"`` layers ``> ME``. The ME layer is measured
-(:func:`me_interp.probes.find_me_layer`) unless given.
+(:func:`me_interp.probes.find_me_layer`) unless given; on a model without a massive activation that
+raises :class:`me_interp.claims.NotApplicable` (there is nothing to mask), unless layers are given.
 
 :func:`select_dims` is the one pure selection function; the TransformerLens hooks (:func:`we_mask`) and
 the HF hooks (:mod:`me_interp.interventions.hf_hooks`) both call it through :class:`WeMask`.
@@ -33,6 +34,7 @@ from typing import Any, Literal
 import torch
 from jaxtyping import Float, Int
 
+from me_interp.claims import NotApplicable
 from me_interp.interventions import core
 from me_interp.interventions.core import PositionsArg
 
@@ -102,11 +104,24 @@ def select_dims(
     return _top_abs(activations, k)
 
 
+def no_massive_activation(model: Any, n_prompts: int | None = None) -> NotApplicable:
+    """The "not applicable" answer for a model without a massive activation, when no layers (and no
+    ME layer) were given: WeMask has no massive token to mask and no layer to start from."""
+    name = getattr(model, "name", type(model).__name__)
+    on = "" if n_prompts is None else f" on {n_prompts} prompts"
+    return NotApplicable(
+        f"no massive activation on this model: no layer output of {name} meets the "
+        f"massive-activation criterion{on}, so there is no ME layer to mask from (pass layers= or "
+        "me_layer= to mask anyway)"
+    )
+
+
 def find_me_layer(model: Any, batch: Any = None) -> int:
     """The measured ME layer (0-based) on ``batch`` (default: the built-in prompts).
 
     Raises:
-        ValueError: when no layer meets the massive-activation criterion.
+        NotApplicable: when no layer meets the massive-activation criterion
+            (:class:`me_interp.claims.NotApplicable`; the experiments report it as "not applicable").
     """
     from me_interp.models import LoadedModel
     from me_interp.probes import find_me_layer as _find
@@ -121,10 +136,7 @@ def find_me_layer(model: Any, batch: Any = None) -> int:
         batch = model.tokenize(builtin_prompts())
     loc = _find(model, batch)
     if loc.me_layer is None:
-        raise ValueError(
-            f"no ME layer found in {model.name}: no layer output meets the massive-activation "
-            "criterion. Pass layers= (or me_layer=) explicitly."
-        )
+        raise no_massive_activation(model, len(batch))
     return int(loc.me_layer)
 
 
@@ -140,6 +152,10 @@ def mask_layers(
     Args:
         me_layer: the ME layer (0-based); measured with :func:`find_me_layer` when ``None``.
         end: last layer (inclusive, default the model's last layer).
+
+    Raises:
+        NotApplicable: ``me_layer=None`` and the model has no massive activation.
+        ValueError: a bad ``start``, a layer out of range, no layer from the start to ``end``.
     """
     if start not in STARTS:
         raise ValueError(f"start must be 'ge' (layers >= ME) or 'gt' (layers > ME), got {start!r}")
@@ -155,12 +171,16 @@ def mask_layers(
 
 
 def massive_positions(model: Any, batch: Any) -> list[list[int]]:
-    """Detected massive positions per prompt at the ME layer (:func:`me_interp.probes.find_me_layer`)."""
+    """Detected massive positions per prompt at the ME layer (:func:`me_interp.probes.find_me_layer`).
+
+    Raises:
+        NotApplicable: no massive activation in ``batch`` (no positions to mask).
+    """
     from me_interp.probes import find_me_layer as _find
 
     loc = _find(model, batch)
     if loc.me_layer is None:
-        raise ValueError(f"no massive activation detected in {model.name}: no positions to mask")
+        raise no_massive_activation(model, len(batch))
     return [list(p) for p in loc.massive_positions]
 
 
@@ -289,6 +309,10 @@ def we_mask(
 
     Returns:
         ``[(hook_name, fn), ...]`` for ``model.run_with_hooks`` / ``bridge.hooks(fwd_hooks=...)``.
+
+    Raises:
+        NotApplicable: neither ``layers`` nor ``me_layer`` given and the model has no massive
+            activation (also for ``positions="massive"`` on a batch without one).
     """
     if isinstance(positions, str):
         if positions != "massive":
@@ -309,6 +333,7 @@ __all__ = [
     "find_me_layer",
     "mask_layers",
     "massive_positions",
+    "no_massive_activation",
     "select_dims",
     "we_mask",
 ]

@@ -32,6 +32,7 @@ from jaxtyping import Bool, Float, Int
 
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
+from me_interp.probes.batching import Chunk, record
 
 NORMS = ("ffn", "attn")
 ALIGN_SITES = ("ffn_in", "ffn_normalized", "attn_in", "attn_normalized")
@@ -271,12 +272,69 @@ class AlignmentScan:
         return others_mean(getattr(self._site(site), metric), self.mask, self.reference)
 
 
-def _record_alignment(x, hook, *, layer, out, dims, g):
-    h = x.detach().float()  # [batch pos d]
-    out["weight_norm"][layer] = h.norm(dim=-1).cpu()
-    out["frac"][layer] = frac_on_dims(h, dims.to(h.device)).cpu()
-    out["kl"][layer] = kl_to_gain(energy_distribution(h), g.to(h.device)).cpu()
-    return x
+class AlignmentRecorder:
+    """Records ``WeightNorm``, ``Frac`` and ``KL(p‖g)`` of every token at ``sites`` of every layer,
+    chunk by chunk (``probes.batching``); :meth:`result` gives the :class:`AlignmentScan`."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        batch: Batch,
+        k: int | float = 0.01,
+        sites: Sequence[str] = ALIGN_SITES,
+    ) -> None:
+        for s in sites:
+            if s not in ALIGN_SITES:
+                raise ValueError(f"unknown alignment site {s!r}; choose from {ALIGN_SITES}")
+        if not sites:
+            raise ValueError("give at least one alignment site")
+        self.model, self.batch, self.sites = model, batch, tuple(sites)
+        self.k = resolve_k(k, model.d_model)
+        L, (B, T) = model.n_layers, batch.tokens.shape
+        self.store = {
+            s: {m: torch.full((L, B, T), float("nan")) for m in ("weight_norm", "frac", "kl")}
+            for s in sites
+        }
+        self.top: dict[str, list[list[int]]] = {s: [] for s in sites}
+        self._consts = []
+        for layer in range(L):
+            gains = {"ffn": model.ffn_norm_gain(layer), "attn": model.attn_norm_gain(layer)}
+            row = {}
+            for s in sites:
+                w = gains[_SITE_NORM[s]]
+                dims = top_gain_dims(w, self.k)
+                self.top[s].append(dims.tolist())
+                row[s] = (dims.to(model.device), gain_distribution(w).to(model.device))
+            self._consts.append(row)
+
+    def hooks(self, chunk: Chunk) -> list:
+        out = []
+        for layer in range(self.model.n_layers):
+            for s in self.sites:
+                dims, g = self._consts[layer][s]
+                fn = partial(self._record, layer=layer, site=s, dims=dims, g=g, chunk=chunk)
+                out.append((names.site(s, layer), fn))
+        return out
+
+    def _record(self, x, hook, *, layer, site, dims, g, chunk: Chunk):
+        h = x.detach().float()  # [n pos d]
+        out, rows, w = self.store[site], chunk.rows, chunk.width
+        out["weight_norm"][layer, rows, :w] = h.norm(dim=-1).cpu()
+        out["frac"][layer, rows, :w] = frac_on_dims(h, dims).cpu()
+        out["kl"][layer, rows, :w] = kl_to_gain(energy_distribution(h), g).cpu()
+        return x
+
+    def result(self, positions: Sequence[int] | None = None) -> AlignmentScan:
+        """The scan, with ``positions`` the massive token of each prompt (``None``: position 0)."""
+        ref = reference_positions(self.batch, positions)
+        mask = self.batch.attention_mask.bool().cpu()
+        result = {
+            s: SiteAlignment(
+                **{m: v.masked_fill(~mask, float("nan")) for m, v in self.store[s].items()}
+            )
+            for s in self.sites
+        }
+        return AlignmentScan(k=self.k, sites=result, mask=mask, reference=ref, top_dims=self.top)
 
 
 def alignment_scan(
@@ -289,7 +347,8 @@ def alignment_scan(
 ) -> AlignmentScan:
     """Measure ``WeightNorm``, ``Frac`` and ``KL(p‖g)`` of every token at ``sites`` of every layer.
 
-    One forward pass; the statistics are computed inside the hooks (no activation cache).
+    One forward pass (in length-sorted chunks unless ``fwd_hooks`` are given); the statistics are
+    computed inside the hooks (no activation cache).
 
     Args:
         model: the loaded model.
@@ -302,41 +361,10 @@ def alignment_scan(
     Raises:
         ValueError: unknown site, bad ``k`` or bad positions.
     """
-    for s in sites:
-        if s not in ALIGN_SITES:
-            raise ValueError(f"unknown alignment site {s!r}; choose from {ALIGN_SITES}")
-    if not sites:
-        raise ValueError("give at least one alignment site")
-    kk = resolve_k(k, model.d_model)
-    ref = reference_positions(batch, positions)
-    L, (B, T) = model.n_layers, batch.tokens.shape
-    store = {
-        s: {m: torch.full((L, B, T), float("nan")) for m in ("weight_norm", "frac", "kl")}
-        for s in sites
-    }
-    top: dict[str, list[list[int]]] = {s: [] for s in sites}
-    hooks = []
-    for layer in range(L):
-        gains = {"ffn": model.ffn_norm_gain(layer), "attn": model.attn_norm_gain(layer)}
-        for s in sites:
-            w = gains[_SITE_NORM[s]]
-            dims = top_gain_dims(w, kk)
-            top[s].append(dims.tolist())
-            fn = partial(
-                _record_alignment,
-                layer=layer,
-                out=store[s],
-                dims=dims.to(model.device),
-                g=gain_distribution(w).to(model.device),
-            )
-            hooks.append((names.site(s, layer), fn))
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks])
-    mask = batch.attention_mask.bool().cpu()
-    result = {
-        s: SiteAlignment(**{m: v.masked_fill(~mask, float("nan")) for m, v in store[s].items()})
-        for s in sites
-    }
-    return AlignmentScan(k=kk, sites=result, mask=mask, reference=ref, top_dims=top)
+    rec = AlignmentRecorder(model, batch, k, sites)
+    reference_positions(batch, positions)  # validate before the forward
+    record(model, batch, [rec], fwd_hooks=fwd_hooks)
+    return rec.result(positions)
 
 
 def massive_dim_gain_ranks(
@@ -352,6 +380,7 @@ def massive_dim_gain_ranks(
 
 __all__ = [
     "ALIGN_SITES",
+    "AlignmentRecorder",
     "AlignmentScan",
     "GainRank",
     "SiteAlignment",

@@ -8,6 +8,8 @@ itself, so it is left out):
 * ``entropy[l, b, h] = mean_q ( −Σ_k A[q, k] log A[q, k] )`` in nats (uniform over n keys: ``log n``).
 
 Patterns come from ``blocks.L.attn.hook_pattern`` (eager attention), one forward, no full cache.
+:class:`AttentionRecorder` keeps ``to_key[l, b, h, k] = mean_q A[q, k]`` for *every* key ``k``, so the
+statistics of any positions chosen after the forward (the detected massive tokens) are sums over it.
 
 :func:`attention_probe` adds, per layer and head (paper.md §3; Gu et al. 2024, "When attention sink
 emerges"):
@@ -33,6 +35,7 @@ from jaxtyping import Float
 
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
+from me_interp.probes.batching import Chunk, record
 
 
 @dataclass(frozen=True)
@@ -85,15 +88,104 @@ def _query_mask(batch: Batch) -> torch.Tensor:
     return q
 
 
-def _record(pattern, hook, *, layer, store, key_mask, qmask):
-    a = pattern.detach().float()  # [batch head q k]
-    to_pos = (a * key_mask[:, None, None, :]).sum(-1)  # [batch head q]
-    ent = attention_entropy(a)  # [batch head q]
-    qm = qmask[:, None, :].to(a.dtype)
-    n = qm.sum(-1)
-    store["to"][layer] = ((to_pos * qm).sum(-1) / n).cpu()
-    store["ent"][layer] = ((ent * qm).sum(-1) / n).cpu()
-    return pattern
+class AttentionRecorder:
+    """Records, per layer, prompt and head, the mean attention of the real queries ``q ≥ 1`` to every
+    key position (``to_key[l, b, h, k] = mean_q A[q, k]``), the attention entropy, and the BOS metric
+    (queries of the second half to position 0), chunk by chunk (``probes.batching``). Everything the
+    sink statistics of :class:`AttentionProbe` need for *any* massive positions, chosen afterwards."""
+
+    def __init__(self, model: LoadedModel, batch: Batch) -> None:
+        qmask = _query_mask(batch)
+        L, H, (B, T) = model.n_layers, model.n_heads, batch.tokens.shape
+        self.model, self.batch = model, batch
+        self.to_key = torch.zeros(L, B, H, T)
+        self.entropy = torch.zeros(L, B, H)
+        self.bos = torch.zeros(L, B, H)
+        self._qmask = qmask.cpu()
+
+    def hooks(self, chunk: Chunk) -> list:
+        dev = self.model.device
+        w = chunk.width
+        qmask = self._qmask[chunk.rows, :w].clone()
+        bosq = qmask.clone()
+        for i, n in enumerate(chunk.lengths):
+            bosq[i, : n // 2] = False
+        fn = partial(self._record, chunk=chunk, qmask=qmask.to(dev), bosq=bosq.to(dev))
+        return [
+            (names.pattern(layer), partial(fn, layer=layer)) for layer in range(self.model.n_layers)
+        ]
+
+    def _record(self, pattern, hook, *, layer, chunk: Chunk, qmask, bosq):
+        a = pattern.detach().float()  # [n head q k]
+        qm = qmask[:, None, :].to(a.dtype)  # [n 1 q]
+        n = qm.sum(-1)  # [n 1]
+        bq = bosq[:, None, :].to(a.dtype)
+        rows, w = chunk.rows, chunk.width
+        self.to_key[layer, rows, :, :w] = (
+            torch.einsum("nhqk,nzq->nhk", a, qm) / n[..., None]
+        ).cpu()
+        self.entropy[layer, rows] = ((attention_entropy(a) * qm).sum(-1) / n).cpu()
+        self.bos[layer, rows] = ((a[..., 0] * bq).sum(-1) / bq.sum(-1)).cpu()
+        return pattern
+
+    def mass_on(
+        self, positions: Sequence[Sequence[int]]
+    ) -> Float[torch.Tensor, "layer batch head"]:
+        """``mean_q Σ_{p∈P_b} A[q, p]`` per layer, prompt and head."""
+        key_mask = _key_mask(self.batch, positions)
+        return torch.einsum("lbhk,bk->lbh", self.to_key, key_mask)
+
+    def probe(
+        self,
+        reference: Sequence[int] | None = None,
+        massive_positions: Sequence[Sequence[int]] | None = None,
+        eps: float = 0.3,
+    ) -> AttentionProbe:
+        """The :class:`AttentionProbe` for these massive tokens (see :func:`attention_probe`)."""
+        if not 0.0 <= eps < 1.0:
+            raise ValueError(f"eps must be in [0, 1), got {eps}")
+        B = len(self.batch)
+        ref = [0] * B if reference is None else [int(p) for p in reference]
+        if len(ref) != B:
+            raise ValueError(f"reference has {len(ref)} positions for {B} prompts")
+        mpos = (
+            [[r] for r in ref]
+            if massive_positions is None
+            else [list(p) for p in massive_positions]
+        )
+        if len(mpos) != B:
+            raise ValueError(f"massive_positions has {len(mpos)} rows for {B} prompts")
+        lengths = self.batch.lengths
+        for b in range(B):
+            for p in [ref[b], *mpos[b]]:
+                if not 0 <= p < lengths[b]:
+                    raise ValueError(f"position {p} is outside prompt {b} (length {lengths[b]})")
+        to_each = {}
+        for p in sorted({p for ps in mpos for p in ps}):
+            has = torch.tensor([p in ps for ps in mpos])
+            to_each[p] = self.to_key[..., p].masked_fill(~has[None, :, None], float("nan"))
+        return AttentionProbe(
+            to_ref=self.mass_on([[r] for r in ref]),
+            to_each=to_each,
+            bos=self.bos.clone(),
+            entropy=self.entropy.clone(),
+            reference=ref,
+            massive_positions=mpos,
+            eps=eps,
+        )
+
+
+def _key_mask(batch: Batch, positions: Sequence[Sequence[int]]) -> torch.Tensor:
+    B, T = batch.tokens.shape
+    if len(positions) != B:
+        raise ValueError(f"positions has {len(positions)} rows for {B} prompts")
+    key_mask = torch.zeros(B, T)
+    for b, ps in enumerate(positions):
+        for p in ps:
+            if not 0 <= p < batch.lengths[b]:
+                raise ValueError(f"position {p} is outside prompt {b} (length {batch.lengths[b]})")
+            key_mask[b, p] = 1.0
+    return key_mask
 
 
 def attention_stats(
@@ -109,39 +201,17 @@ def attention_stats(
             per prompt.
         fwd_hooks: interventions to run in the same forward.
     """
-    B, T = batch.tokens.shape
+    B = len(batch)
     if positions is None:
         per = [[0] for _ in range(B)]
     elif len(positions) > 0 and all(isinstance(p, int) for p in positions):
         per = [list(positions) for _ in range(B)]  # type: ignore[arg-type]
     else:
         per = [list(p) for p in positions]  # type: ignore[union-attr]
-    if len(per) != B:
-        raise ValueError(f"positions has {len(per)} rows for {B} prompts")
-    key_mask = torch.zeros(B, T)
-    for b, ps in enumerate(per):
-        for p in ps:
-            if not 0 <= p < batch.lengths[b]:
-                raise ValueError(f"position {p} is outside prompt {b} (length {batch.lengths[b]})")
-            key_mask[b, p] = 1.0
-    qmask = _query_mask(batch)
-    L, H = model.n_layers, model.n_heads
-    store = {"to": torch.zeros(L, B, H), "ent": torch.zeros(L, B, H)}
-    hooks = [
-        (
-            names.pattern(layer),
-            partial(
-                _record,
-                layer=layer,
-                store=store,
-                key_mask=key_mask.to(model.device),
-                qmask=qmask.to(model.device),
-            ),
-        )
-        for layer in range(L)
-    ]
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks])
-    return AttentionStats(store["to"], store["ent"], per)
+    _key_mask(batch, per)  # validate before the forward
+    rec = AttentionRecorder(model, batch)
+    record(model, batch, [rec], fwd_hooks=fwd_hooks)
+    return AttentionStats(rec.mass_on(per), rec.entropy, per)
 
 
 # ------------------------------------------------------------------------------------------
@@ -188,19 +258,6 @@ class AttentionProbe:
         return self.entropy.mean(1).tolist()
 
 
-def _record_probe(pattern, hook, *, layer, store, masks, qmask, bosq):
-    a = pattern.detach().float()  # [batch head q k]
-    qm = qmask[:, None, :].to(a.dtype)
-    n = qm.sum(-1)
-    bq = bosq[:, None, :].to(a.dtype)
-    for key, km in masks.items():
-        mass = (a * km[:, None, None, :]).sum(-1)  # [batch head q]
-        store[key][layer] = ((mass * qm).sum(-1) / n).cpu()
-    store["bos"][layer] = ((a[..., 0] * bq).sum(-1) / bq.sum(-1)).cpu()
-    store["ent"][layer] = ((attention_entropy(a) * qm).sum(-1) / n).cpu()
-    return pattern
-
-
 def attention_probe(
     model: LoadedModel,
     batch: Batch,
@@ -211,6 +268,8 @@ def attention_probe(
 ) -> AttentionProbe:
     """Attention to the massive token(s), sink rate, BOS metric and entropy per layer/prompt/head.
 
+    One forward (in length-sorted chunks unless ``fwd_hooks`` are given).
+
     Args:
         reference: the massive token of each prompt (``None``: position 0); sink rate uses it.
         massive_positions: every massive position of each prompt (``None``: ``[reference]``).
@@ -220,69 +279,15 @@ def attention_probe(
     Raises:
         ValueError: a position outside its prompt, a one-token prompt, or ``eps`` outside [0, 1).
     """
-    if not 0.0 <= eps < 1.0:
-        raise ValueError(f"eps must be in [0, 1), got {eps}")
-    B, T = batch.tokens.shape
-    lengths = batch.lengths
-    ref = [0] * B if reference is None else [int(p) for p in reference]
-    if len(ref) != B:
-        raise ValueError(f"reference has {len(ref)} positions for {B} prompts")
-    mpos = [[r] for r in ref] if massive_positions is None else [list(p) for p in massive_positions]
-    if len(mpos) != B:
-        raise ValueError(f"massive_positions has {len(mpos)} rows for {B} prompts")
-    for b in range(B):
-        for p in [ref[b], *mpos[b]]:
-            if not 0 <= p < lengths[b]:
-                raise ValueError(f"position {p} is outside prompt {b} (length {lengths[b]})")
-    qmask = _query_mask(batch)
-    bosq = qmask.clone()
-    for b, n in enumerate(lengths):
-        bosq[b, : n // 2] = False
-    masks = {"ref": torch.zeros(B, T)}
-    for b, r in enumerate(ref):
-        masks["ref"][b, r] = 1.0
-    each = sorted({p for ps in mpos for p in ps})
-    for p in each:
-        m = torch.zeros(B, T)
-        for b, ps in enumerate(mpos):
-            if p in ps:
-                m[b, p] = 1.0
-        masks[p] = m
-    L, H = model.n_layers, model.n_heads
-    store = {key: torch.zeros(L, B, H) for key in [*masks, "bos", "ent"]}
-    dev = model.device
-    hooks = [
-        (
-            names.pattern(layer),
-            partial(
-                _record_probe,
-                layer=layer,
-                store=store,
-                masks={k: v.to(dev) for k, v in masks.items()},
-                qmask=qmask.to(dev),
-                bosq=bosq.to(dev),
-            ),
-        )
-        for layer in range(L)
-    ]
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks])
-    to_each = {}
-    for p in each:
-        has = torch.tensor([p in ps for ps in mpos])
-        to_each[p] = store[p].masked_fill(~has[None, :, None], float("nan"))
-    return AttentionProbe(
-        to_ref=store["ref"],
-        to_each=to_each,
-        bos=store["bos"],
-        entropy=store["ent"],
-        reference=ref,
-        massive_positions=mpos,
-        eps=eps,
-    )
+    rec = AttentionRecorder(model, batch)
+    rec.probe(reference, massive_positions, eps)  # validates the arguments before the forward
+    record(model, batch, [rec], fwd_hooks=fwd_hooks)
+    return rec.probe(reference, massive_positions, eps)
 
 
 __all__ = [
     "AttentionProbe",
+    "AttentionRecorder",
     "AttentionStats",
     "attention_entropy",
     "attention_probe",

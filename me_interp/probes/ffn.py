@@ -32,6 +32,7 @@ from jaxtyping import Bool, Float, Int
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.alignment import delta_vs_others, others_mean, reference_positions
+from me_interp.probes.batching import Chunk, record
 
 STAGES = ("input", "gate", "up", "product", "down")
 PROJECTIONS = ("gate", "up", "product", "down")
@@ -85,23 +86,71 @@ class FFNScan:
         return others_mean(self.out_norm / self.in_norm, self.mask, self.reference)
 
 
-def _record_stage(x, hook, *, layer, out):
-    out[layer] = concentration(x.detach()).cpu()
-    return x
+class FFNRecorder:
+    """Records the concentration of every token at every FFN stage and the FFN's input and output
+    norms, chunk by chunk (``probes.batching``)."""
+
+    def __init__(self, model: LoadedModel, batch: Batch) -> None:
+        L, (B, T) = model.n_layers, batch.tokens.shape
+        self.model, self.batch = model, batch
+        self.conc = {s: torch.full((L, B, T), float("nan")) for s in STAGES}
+        self.in_norm = torch.full((L, B, T), float("nan"))
+        self.out_norm = torch.full((L, B, T), float("nan"))
+
+    def hooks(self, chunk: Chunk) -> list:
+        out = []
+        for layer in range(self.model.n_layers):
+            for s in STAGES:
+                fn = partial(self._put, out=self.conc[s], layer=layer, chunk=chunk, conc=True)
+                out.append((names.site(_STAGE_SITE[s], layer), fn))
+            for site, store in (("ffn_in", self.in_norm), ("ffn_out", self.out_norm)):
+                fn = partial(self._put, out=store, layer=layer, chunk=chunk, conc=False)
+                out.append((names.site(site, layer), fn))
+        return out
+
+    @staticmethod
+    def _put(x, hook, *, out, layer, chunk: Chunk, conc: bool):
+        h = x.detach()
+        v = concentration(h) if conc else h.float().norm(dim=-1)
+        out[layer, chunk.rows, : chunk.width] = v.cpu()
+        return x
 
 
-def _record_ends(x, hook, *, layer, norm_out, at_ref, ref):
-    h = x.detach().float()
-    norm_out[layer] = h.norm(dim=-1).cpu()
-    if at_ref is not None:
-        at_ref[layer] = h[torch.arange(h.shape[0], device=h.device), ref.to(h.device)].cpu()
-    return x
+class FFNAtRecorder:
+    """Records the product stage (input of ``W_down``) and the FFN output of one token per prompt,
+    ``positions[b]``, at every layer up to ``last_layer``. It reads nothing after those positions, so
+    it can run on prefixes (``record(..., upto=positions + 1)``)."""
 
+    def __init__(
+        self,
+        model: LoadedModel,
+        batch: Batch,
+        positions: Sequence[int] | None = None,
+        last_layer: int | None = None,
+    ) -> None:
+        self.model = model
+        self.positions = reference_positions(batch, positions)
+        self.last = model.n_layers - 1 if last_layer is None else model.check_layer(last_layer)
+        L, B = model.n_layers, len(batch)
+        self.act = torch.zeros(L, B, model.d_mlp)
+        self.out = torch.zeros(L, B, model.d_model)
 
-def _record_act(x, hook, *, layer, at_ref, ref):
-    h = x.detach().float()
-    at_ref[layer] = h[torch.arange(h.shape[0], device=h.device), ref.to(h.device)].cpu()
-    return x
+    def hooks(self, chunk: Chunk) -> list:
+        pos = self.positions[chunk.rows]
+        out = []
+        for layer in range(self.last + 1):
+            for site, store in (("ffn_act", self.act), ("ffn_out", self.out)):
+                fn = partial(self._put, out=store, layer=layer, chunk=chunk, pos=pos)
+                out.append((names.site(site, layer), fn))
+        return out
+
+    @staticmethod
+    def _put(x, hook, *, out, layer, chunk: Chunk, pos):
+        h = x.detach().float()
+        out[layer, chunk.rows] = h[
+            torch.arange(len(chunk), device=h.device), pos.to(h.device)
+        ].cpu()
+        return x
 
 
 def ffn_scan(
@@ -112,57 +161,32 @@ def ffn_scan(
 ) -> FFNScan:
     """Concentration at every FFN stage, in/out norms, and the massive token's neuron activations.
 
-    One forward, statistics computed in the hooks (no cache).
+    One forward (in length-sorted chunks unless ``fwd_hooks`` are given), statistics computed in the
+    hooks (no cache).
 
     Args:
         positions: the massive token of each prompt (``None``: position 0).
         fwd_hooks: interventions to run in the same forward.
     """
-    ref = reference_positions(batch, positions)
-    L, (B, T) = model.n_layers, batch.tokens.shape
-    conc = {s: torch.full((L, B, T), float("nan")) for s in STAGES}
-    in_norm = torch.full((L, B, T), float("nan"))
-    out_norm = torch.full((L, B, T), float("nan"))
-    act_at_ref = torch.zeros(L, B, model.d_mlp)
-    out_at_ref = torch.zeros(L, B, model.d_model)
-    hooks = []
-    for layer in range(L):
-        for s in STAGES:
-            hooks.append(
-                (
-                    names.site(_STAGE_SITE[s], layer),
-                    partial(_record_stage, layer=layer, out=conc[s]),
-                )
-            )
-        hooks.append(
-            (
-                names.ffn_in(layer),
-                partial(_record_ends, layer=layer, norm_out=in_norm, at_ref=None, ref=ref),
-            )
-        )
-        hooks.append(
-            (
-                names.ffn_out(layer),
-                partial(_record_ends, layer=layer, norm_out=out_norm, at_ref=out_at_ref, ref=ref),
-            )
-        )
-        hooks.append(
-            (
-                names.site("ffn_act", layer),
-                partial(_record_act, layer=layer, at_ref=act_at_ref, ref=ref),
-            )
-        )
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks])
-    mask = batch.attention_mask.bool().cpu()
+    at = FFNAtRecorder(model, batch, positions)
+    rec = FFNRecorder(model, batch)
+    record(model, batch, [rec, at], fwd_hooks=fwd_hooks)
+    return make_scan(rec, at)
+
+
+def make_scan(rec: FFNRecorder, at: FFNAtRecorder) -> FFNScan:
+    """The :class:`FFNScan` of a per-token recorder and a recorder at the massive tokens (which may
+    have run in another forward, e.g. on prefixes once the massive tokens were known)."""
+    mask = rec.batch.attention_mask.bool().cpu()
     nan = float("nan")
     return FFNScan(
-        conc={s: v.masked_fill(~mask, nan) for s, v in conc.items()},
-        in_norm=in_norm.masked_fill(~mask, nan),
-        out_norm=out_norm.masked_fill(~mask, nan),
-        act_at_ref=act_at_ref,
-        out_at_ref=out_at_ref,
+        conc={s: v.masked_fill(~mask, nan) for s, v in rec.conc.items()},
+        in_norm=rec.in_norm.masked_fill(~mask, nan),
+        out_norm=rec.out_norm.masked_fill(~mask, nan),
+        act_at_ref=at.act,
+        out_at_ref=at.out,
         mask=mask,
-        reference=ref,
+        reference=at.positions,
     )
 
 
@@ -239,12 +263,15 @@ def top_neurons(model: LoadedModel, scan: FFNScan, layer: int, top: int = 10) ->
 
 
 __all__ = [
+    "FFNAtRecorder",
+    "FFNRecorder",
     "FFNScan",
     "NeuronTable",
     "PROJECTIONS",
     "STAGES",
     "concentration",
     "ffn_scan",
+    "make_scan",
     "neuron_contributions",
     "top_neurons",
 ]

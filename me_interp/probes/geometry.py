@@ -24,6 +24,7 @@ from jaxtyping import Float, Int
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.alignment import reference_positions
+from me_interp.probes.batching import Chunk, record
 
 METRICS = ("mean_cos", "effective_rank", "participation_ratio")
 
@@ -95,16 +96,74 @@ class GeometryScan:
         return self.values[metric][tokens].nanmean(-1).tolist()
 
 
-def _record_geometry(x, hook, *, layer, out, lengths, ref):
-    h = x.detach()
-    for b, n in enumerate(lengths):
-        rows = h[b, :n]
-        keep = torch.ones(n, dtype=torch.bool, device=h.device)
-        keep[int(ref[b])] = False
-        for tokens, mat in (("all", rows), ("others", rows[keep])):
-            for m, v in geometry_metrics(mat).items():
-                out[m][tokens][layer, b] = v
-    return x
+def gram_metrics(g: Float[torch.Tensor, "n n"]) -> dict[str, float]:
+    """:data:`METRICS` of the vectors whose Gram matrix ``G = H Hᵀ`` is ``g`` (float64): the singular
+    values of ``H`` are ``sqrt(eig(G))``, the cosines ``G_ab / sqrt(G_aa G_bb)``.
+
+    The same numbers as :func:`geometry_metrics` on ``H`` (to float64 rounding), from an ``n × n``
+    eigenproblem instead of an ``n × d`` SVD, and leaving one vector out is deleting a row and a column.
+    """
+    g = g.double()
+    n = g.shape[0]
+    lam = torch.linalg.eigvalsh(g).clamp_min(0.0).flip(0)
+    if not lam.sum() > 0:
+        raise ValueError("effective rank of an all-zero matrix is undefined")
+    sv = lam.sqrt()
+    q = sv / sv.sum()
+    q = q[q > 0]
+    out = {
+        "effective_rank": float(torch.exp(-(q * q.log()).sum())),
+        "participation_ratio": float(lam.sum() ** 2 / (lam**2).sum()),
+    }
+    if n >= 2:
+        d = g.diagonal().sqrt()
+        c = g / (d[:, None] * d[None, :])
+        iu = torch.triu_indices(n, n, 1)
+        out["mean_cos"] = float(c[iu[0], iu[1]].mean())
+    else:
+        out["mean_cos"] = float("nan")
+    return out
+
+
+class GeometryRecorder:
+    """Records :data:`METRICS` of every prompt's layer outputs, over all real tokens and without the
+    token ``positions[b]``, at ``layers``, chunk by chunk (``probes.batching``)."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        batch: Batch,
+        positions: Sequence[int] | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> None:
+        self.model = model
+        self.reference = reference_positions(batch, positions)
+        L, B = model.n_layers, len(batch)
+        self.layers = list(range(L)) if layers is None else [model.check_layer(x) for x in layers]
+        self.values = {
+            m: {t: torch.full((L, B), float("nan")) for t in ("all", "others")} for m in METRICS
+        }
+
+    def hooks(self, chunk: Chunk) -> list:
+        return [
+            (names.resid_post(layer), partial(self._record, layer=layer, chunk=chunk))
+            for layer in self.layers
+        ]
+
+    def _record(self, x, hook, *, layer, chunk: Chunk):
+        h = x.detach()
+        for i, (b, n) in enumerate(zip(chunk.rows.tolist(), chunk.lengths)):
+            rows = h[i, :n].double()
+            g = rows @ rows.T  # [n n]
+            keep = torch.ones(n, dtype=torch.bool, device=g.device)
+            keep[int(self.reference[b])] = False
+            for tokens, gram in (("all", g), ("others", g[keep][:, keep])):
+                for m, v in gram_metrics(gram).items():
+                    self.values[m][tokens][layer, b] = v
+        return x
+
+    def result(self) -> GeometryScan:
+        return GeometryScan(values=self.values, reference=self.reference)
 
 
 def geometry_scan(
@@ -116,30 +175,24 @@ def geometry_scan(
 ) -> GeometryScan:
     """Mean pairwise cosine, effective rank and participation ratio of each prompt's token states.
 
-    Computed in the ``resid_post`` hooks, one forward (no cache). ``"others"`` leaves out the massive
-    token (``positions``, default 0). Layers not in ``layers`` stay NaN.
+    Computed in the ``resid_post`` hooks, one forward (in length-sorted chunks unless ``fwd_hooks``
+    are given; no cache). ``"others"`` leaves out the massive token (``positions``, default 0).
+    Layers not in ``layers`` stay NaN.
     """
-    ref = reference_positions(batch, positions)
-    L, B = model.n_layers, len(batch)
-    layers = list(range(L)) if layers is None else [model.check_layer(x) for x in layers]
-    out = {m: {t: torch.full((L, B), float("nan")) for t in ("all", "others")} for m in METRICS}
-    hooks = [
-        (
-            names.resid_post(layer),
-            partial(_record_geometry, layer=layer, out=out, lengths=batch.lengths, ref=ref),
-        )
-        for layer in layers
-    ]
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks])
-    return GeometryScan(values=out, reference=ref)
+    rec = GeometryRecorder(model, batch, positions, layers)
+    last = max(rec.layers) if rec.layers and not fwd_hooks else None
+    record(model, batch, [rec], fwd_hooks=fwd_hooks, last_layer=last)
+    return rec.result()
 
 
 __all__ = [
     "METRICS",
+    "GeometryRecorder",
     "GeometryScan",
     "effective_rank",
     "geometry_metrics",
     "geometry_scan",
+    "gram_metrics",
     "mean_pairwise_cosine",
     "participation_ratio",
     "singular_values",

@@ -27,6 +27,7 @@ from jaxtyping import Bool, Float, Int
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.alignment import reference_positions
+from me_interp.probes.batching import Chunk, record
 
 
 def cosine_matrix(x: Float[torch.Tensor, "n d"]) -> Float[torch.Tensor, "n n"]:
@@ -59,12 +60,18 @@ def norm_cv(x: Float[torch.Tensor, "n d"]) -> float:
 
 @dataclass(frozen=True)
 class InvarianceScan:
-    """The massive token's layer outputs and keys per layer and prompt (see module docstring)."""
+    """The massive token's layer outputs and keys per layer and prompt (see module docstring).
+
+    ``others`` (optional): per layer and prompt, the mean *unit* vector of the prompt's other real
+    tokens' layer outputs, ``ū_b = mean_{t≠m_b} h_t / ‖h_t‖``, so that ``ū_a · ū_b`` is the mean cosine
+    between the other tokens of two prompts (the baseline of :meth:`others_cos_matrices`).
+    """
 
     states: Float[torch.Tensor, "layer batch d_model"]
     keys: Float[torch.Tensor, "layer batch kv_head d_head"]
     first_tokens: list[int]
     reference: Int[torch.Tensor, " batch"]
+    others: Float[torch.Tensor, "layer batch d_model"] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -89,11 +96,38 @@ class InvarianceScan:
             for layer in range(self.n_layers)
         ]
 
+    def cos_matrices(self) -> Float[torch.Tensor, "layer batch batch"]:
+        """``[l, a, b] = cos(h_m^{(l)}(x_a), h_m^{(l)}(x_b))`` (float64)."""
+        return torch.stack([cosine_matrix(self.states[layer]) for layer in range(self.n_layers)])
+
+    def key_cos_matrices(self) -> Float[torch.Tensor, "layer kv_head batch batch"]:
+        """``[l, h, a, b] = cos(k_m^{(l,h)}(x_a), k_m^{(l,h)}(x_b))`` (float64)."""
+        k = self.keys.double()  # [layer batch kv d_head]
+        u = k / k.norm(dim=-1, keepdim=True)
+        return torch.einsum("lahd,lbhd->lhab", u, u)
+
+    def others_cos_matrices(self) -> Float[torch.Tensor, "layer batch batch"]:
+        """``[l, a, b] = ū_a · ū_b``: mean cosine between the other tokens of prompts ``a`` and ``b``.
+
+        Raises:
+            ValueError: the scan was made without ``others``.
+        """
+        if self.others is None:
+            raise ValueError(
+                "this scan has no other-token directions (invariance_scan(others=True))"
+            )
+        u = self.others.double()
+        return torch.einsum("lad,lbd->lab", u, u)
+
     def cos_across_layers(self) -> Float[torch.Tensor, "layer layer"]:
         """``[l, l']`` mean over prompts of ``cos(h_m^{(l)}, h_m^{(l')})``."""
+        return self.cos_to_layers().mean(-1)
+
+    def cos_to_layers(self) -> Float[torch.Tensor, "layer layer batch"]:
+        """``[l, l', b] = cos(h_m^{(l)}(x_b), h_m^{(l')}(x_b))`` per prompt (float64)."""
         u = self.states.double()
         u = u / u.norm(dim=-1, keepdim=True)
-        return torch.einsum("ibd,jbd->ijb", u, u).mean(-1)
+        return torch.einsum("ibd,jbd->ijb", u, u)
 
     def norm_cv(self) -> list[float]:
         """Per layer, coefficient of variation of ``‖h_m‖`` across inputs."""
@@ -103,10 +137,72 @@ class InvarianceScan:
         return self.states.double().norm(dim=-1).mean(-1).tolist()
 
 
-def _record_at_ref(x, hook, *, layer, out, ref):
+class InvarianceRecorder:
+    """Records the layer output and the key (``attn.hook_k``) of token ``positions[b]`` of every
+    prompt at every layer. It reads nothing after those positions, so it can run on prefixes."""
+
+    def __init__(self, model: LoadedModel, batch: Batch, positions: Sequence[int] | None = None):
+        self.model = model
+        self.positions = reference_positions(batch, positions)
+        cfg = model.bridge.cfg
+        n_kv = int(getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
+        L, B = model.n_layers, len(batch)
+        self.states = torch.zeros(L, B, model.d_model)
+        self.keys = torch.zeros(L, B, n_kv, int(cfg.d_head))
+
+    def hooks(self, chunk: Chunk) -> list:
+        pos = self.positions[chunk.rows]
+        out = []
+        for layer in range(self.model.n_layers):
+            for site, store in (("resid_post", self.states), ("k", self.keys)):
+                fn = partial(_record_at, out=store, layer=layer, rows=chunk.rows, pos=pos)
+                out.append((names.site(site, layer), fn))
+        return out
+
+
+def _record_at(x, hook, *, out, layer, rows, pos):
     h = x.detach().float()
-    out[layer] = h[torch.arange(h.shape[0], device=h.device), ref.to(h.device)].cpu()
+    out[layer, rows] = h[torch.arange(h.shape[0], device=h.device), pos.to(h.device)].cpu()
     return x
+
+
+class UnitSumRecorder:
+    """Records, per layer and prompt, the sum and the count of the unit vectors ``h_t / ‖h_t‖`` of the
+    real tokens' layer outputs (float64); with the massive token's own state this gives the other
+    tokens' mean direction (:meth:`others`)."""
+
+    def __init__(self, model: LoadedModel, batch: Batch) -> None:
+        self.model, self.batch = model, batch
+        self.sums = torch.zeros(model.n_layers, len(batch), model.d_model, dtype=torch.float64)
+
+    def hooks(self, chunk: Chunk) -> list:
+        mask = chunk.batch.attention_mask.bool()
+        return [
+            (names.resid_post(layer), partial(self._record, layer=layer, chunk=chunk, mask=mask))
+            for layer in range(self.model.n_layers)
+        ]
+
+    def _record(self, x, hook, *, layer, chunk: Chunk, mask):
+        h = x.detach().double()
+        u = h / h.norm(dim=-1, keepdim=True)
+        u = torch.where(mask[..., None], u, torch.zeros((), dtype=u.dtype, device=u.device))
+        self.sums[layer, chunk.rows] = u.sum(1).cpu()
+        return x
+
+    def others(
+        self, states: Float[torch.Tensor, "layer batch d_model"]
+    ) -> Float[torch.Tensor, "layer batch d_model"]:
+        """``ū_b = (Σ_t u_t − u_{m_b}) / (n_b − 1)`` with ``states`` the massive tokens' layer outputs.
+
+        Raises:
+            ValueError: a prompt with a single token.
+        """
+        n = torch.tensor(self.batch.lengths, dtype=torch.float64)
+        if (n < 2).any():
+            raise ValueError("the other tokens' direction needs prompts with at least 2 tokens")
+        s = states.double()
+        u = s / s.norm(dim=-1, keepdim=True)
+        return (self.sums - u) / (n[None, :, None] - 1)
 
 
 def invariance_scan(
@@ -114,36 +210,38 @@ def invariance_scan(
     batch: Batch,
     positions: Sequence[int] | None = None,
     fwd_hooks: Sequence = (),
+    others: bool = False,
 ) -> InvarianceScan:
     """Record the massive token's layer output and key at every layer, in one forward (no cache).
 
+    Without ``fwd_hooks`` and ``others`` the forward runs on the prefixes ``x_b[: m_b + 1]`` only (the
+    states at ``m_b`` depend on nothing after it), in length-sorted chunks.
+
     Args:
         positions: the massive token of each prompt (``None``: position 0).
-        fwd_hooks: interventions to run in the same forward.
+        fwd_hooks: interventions to run in the same forward (then the full batch runs at once).
+        others: also record the other tokens' mean direction (``InvarianceScan.others``; needs the
+            full prompts).
 
     Raises:
         ValueError: fewer than 2 prompts (nothing to compare), or bad positions.
     """
     if len(batch) < 2:
         raise ValueError("directional invariance compares inputs: give at least 2 prompts")
-    ref = reference_positions(batch, positions)
-    L, B = model.n_layers, len(batch)
-    cfg = model.bridge.cfg
-    n_kv = int(getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
-    d_head = int(cfg.d_head)
-    states = torch.zeros(L, B, model.d_model)
-    keys = torch.zeros(L, B, n_kv, d_head)
-    hooks = []
-    for layer in range(L):
-        hooks.append(
-            (names.resid_post(layer), partial(_record_at_ref, layer=layer, out=states, ref=ref))
-        )
-        hooks.append(
-            (names.site("k", layer), partial(_record_at_ref, layer=layer, out=keys, ref=ref))
-        )
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks])
-    first = [int(t) for t in batch.tokens[:, 0].tolist()]
-    return InvarianceScan(states=states, keys=keys, first_tokens=first, reference=ref)
+    rec = InvarianceRecorder(model, batch, positions)
+    recs: list = [rec]
+    unit = UnitSumRecorder(model, batch) if others else None
+    if unit is not None:
+        recs.append(unit)
+    upto = None if (fwd_hooks or others) else (rec.positions + 1).tolist()
+    record(model, batch, recs, upto=upto, fwd_hooks=fwd_hooks)
+    return InvarianceScan(
+        states=rec.states,
+        keys=rec.keys,
+        first_tokens=[int(t) for t in batch.tokens[:, 0].tolist()],
+        reference=rec.positions,
+        others=None if unit is None else unit.others(rec.states),
+    )
 
 
 def same_first_token_control(batch: Batch, token: int | None = None) -> Batch:
@@ -155,7 +253,9 @@ def same_first_token_control(batch: Batch, token: int | None = None) -> Batch:
 
 
 __all__ = [
+    "InvarianceRecorder",
     "InvarianceScan",
+    "UnitSumRecorder",
     "cosine_matrix",
     "invariance_scan",
     "mean_pair_cosine",

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
-from jaxtyping import Bool
+from jaxtyping import Bool, Float
 
 from me_interp.probes.norms import NormScan, ratio_to_others, top_ratio
 
@@ -64,20 +64,33 @@ def value_passes(scan: NormScan, crit: Criterion) -> Bool[torch.Tensor, "layer b
     return (scan.top_abs > crit.abs_threshold) & (scan.top_abs >= crit.rel_threshold * med)
 
 
+def others_median(
+    x: Float[torch.Tensor, "layer batch pos"], mask: Bool[torch.Tensor, "batch pos"]
+) -> Float[torch.Tensor, "layer batch pos"]:
+    """Per token, the median of ``x`` over the *other* real tokens of its prompt (the lower median
+    for an even count, as ``torch.median``; NaN for a prompt with a single token).
+
+    One sort per prompt: with the real values sorted, ``s_0 ≤ … ≤ s_{n−1}``, removing the token of rank
+    ``r`` leaves ``n − 1`` values whose lower median (index ``k = ⌊(n − 2) / 2⌋``) is ``s_k`` if
+    ``k < r``, else ``s_{k+1}``.
+    """
+    m = mask.to(x.device)[None].expand_as(x)
+    vals, order = torch.sort(torch.where(m, x, torch.full((), float("inf"))), dim=-1)
+    rank = torch.argsort(order, dim=-1)
+    n = m.sum(-1, keepdim=True)  # [layer batch 1]
+    k = ((n - 2).clamp(min=0) // 2).long()
+    s_k = vals.gather(-1, k)
+    s_k1 = vals.gather(-1, (k + 1).clamp(max=x.shape[-1] - 1))
+    med = torch.where(rank > k, s_k, s_k1)
+    return med.masked_fill(n < 2, float("nan"))
+
+
 def massive_tokens(scan: NormScan, crit: Criterion) -> Bool[torch.Tensor, "layer batch pos"]:
     """Which (layer, prompt, position) are massive under ``crit``."""
     sun = value_passes(scan, crit).any(-1)
     norms = scan.site_norms("resid_post")  # [layer batch pos]
     mask = scan.mask
-    T = mask.shape[-1]
-    # median of the *other* tokens' norms, per token
-    other_med = torch.full_like(norms, float("nan"))
-    for t in range(T):
-        others = mask.clone()
-        others[:, t] = False
-        vals = norms.masked_fill(~others, float("nan"))
-        other_med[..., t] = vals.nanmedian(dim=-1).values
-    by_norm = norms >= crit.norm_ratio * other_med  # NaN (single token) compares False
+    by_norm = norms >= crit.norm_ratio * others_median(norms, mask)  # NaN compares False
     combined = {
         "sun": sun,
         "norm": by_norm,
@@ -152,6 +165,30 @@ def _median(x: torch.Tensor) -> float:
     return float(x.float().nanmedian())
 
 
+def _reference(
+    massive: Bool[torch.Tensor, "layer batch pos"],
+    norms: torch.Tensor,
+    layer: int,
+) -> torch.Tensor:
+    """Per prompt, the largest-norm massive token of ``layer`` (position 0 where none)."""
+    ref_norm = torch.where(massive[layer], norms[layer], torch.full((), -1.0))
+    has_ref = massive[layer].any(-1)
+    return torch.where(has_ref, ref_norm.argmax(-1), torch.zeros_like(has_ref, dtype=torch.long))
+
+
+def massive_reference(scan: NormScan, crit: Criterion | None, layer: int) -> list[int]:
+    """The *reference* massive token of each prompt at ``layer``: its largest-norm massive token
+    there, position 0 where it has none (as :attr:`MELocation.reference_positions` at the ME layer).
+
+    Raises:
+        ValueError: ``layer`` out of range.
+    """
+    if not 0 <= layer < scan.n_layers:
+        raise ValueError(f"layer {layer} out of range for {scan.n_layers} layers")
+    massive = massive_tokens(scan, crit or Criterion())
+    return _reference(massive, scan.site_norms("resid_post"), layer).tolist()
+
+
 def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation:
     """Find every emergence event and the ME layer from a :class:`NormScan` (see module docstring).
 
@@ -210,13 +247,8 @@ def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation
 
     me_event = max(events, key=lambda e: (e.jump, -e.layer)) if events else None
     me_layer = None if me_event is None else me_event.layer
-    mask_norms = scan.site_norms("resid_post")
     if me_layer is not None:
-        ref_norm = torch.where(massive[me_layer], mask_norms[me_layer], torch.full((), -1.0))
-        has_ref = massive[me_layer].any(-1)
-        reference = torch.where(
-            has_ref, ref_norm.argmax(-1), torch.zeros_like(has_ref, dtype=torch.long)
-        )
+        reference = _reference(massive, scan.site_norms("resid_post"), me_layer)
     else:
         reference = torch.zeros(mask.shape[0], dtype=torch.long)
     site_ratios = {

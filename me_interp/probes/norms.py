@@ -1,6 +1,7 @@
 """Token-wise L2 norms at every site of every layer, in one forward pass.
 
-``scan_norms`` hooks only the sites it needs (a names filter, not a full cache) and keeps, per layer:
+``scan_norms`` hooks only the sites it needs (no full cache; in length-sorted chunks, see
+``probes.batching``; :class:`NormRecorder` shares a forward with other probes) and keeps, per layer:
 
 * ``norms[site, layer, b, t] = ‖h_{l,t}‖₂`` at each site of :data:`me_interp.names.SITES`
   (NaN at padding);
@@ -21,6 +22,7 @@ from jaxtyping import Bool, Float, Int
 
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
+from me_interp.probes.batching import Chunk, record
 
 
 @dataclass(frozen=True)
@@ -46,29 +48,89 @@ class NormScan:
         return int(self.norms.shape[1])
 
 
-def _record_norm(x: torch.Tensor, hook, *, out: torch.Tensor, si: int, layer: int):
-    out[si, layer] = x.detach().float().norm(dim=-1).cpu()
-    return x
+class NormRecorder:
+    """Records what :class:`NormScan` holds, chunk by chunk (see ``probes.batching``)."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        batch: Batch,
+        sites: tuple[str, ...] = names.SITES,
+        top_k: int = 16,
+        keep_prompt: int = 0,
+    ) -> None:
+        sites = tuple(dict.fromkeys((*sites, "resid_post")))
+        for s in sites:
+            if s not in names.SITES:
+                raise ValueError(f"unknown site {s!r}; choose from {names.SITES}")
+        if not 0 <= keep_prompt < len(batch):
+            raise ValueError(f"keep_prompt={keep_prompt} out of range for {len(batch)} prompts")
+        n_layers, (B, T), d = model.n_layers, batch.tokens.shape, model.d_model
+        self.model, self.batch, self.sites = model, batch, sites
+        self.k = min(top_k, d)
+        self.keep_prompt = keep_prompt
+        self.norms = torch.full((len(sites), n_layers, B, T), float("nan"))
+        self.top_abs = torch.zeros(n_layers, B, T, self.k)
+        self.top_dims = torch.zeros(n_layers, B, T, self.k, dtype=torch.long)
+        self.median_abs = torch.zeros(n_layers, B)
+        self.kept = torch.zeros(n_layers, T, d)
+
+    def hooks(self, chunk: Chunk) -> list:
+        out = []
+        keep = (chunk.rows == self.keep_prompt).nonzero().flatten().tolist()
+        for layer in range(self.model.n_layers):
+            for si, s in enumerate(self.sites):
+                fn = partial(self._norm, si=si, layer=layer, chunk=chunk)
+                out.append((names.site(s, layer), fn))
+            fn = partial(self._resid, layer=layer, chunk=chunk, keep=keep)
+            out.append((names.resid_post(layer), fn))
+        return out
+
+    def _norm(self, x: torch.Tensor, hook, *, si: int, layer: int, chunk: Chunk):
+        self.norms[si, layer, chunk.rows, : chunk.width] = x.detach().float().norm(dim=-1).cpu()
+        return x
+
+    def _resid(self, x: torch.Tensor, hook, *, layer: int, chunk: Chunk, keep: list[int]):
+        a = x.detach().float().abs()  # [n pos d_model]
+        vals, dims = a.topk(self.k, dim=-1)
+        w = chunk.width
+        self.top_abs[layer, chunk.rows, :w] = vals.cpu()
+        self.top_dims[layer, chunk.rows, :w] = dims.cpu()
+        self.median_abs[layer, chunk.rows] = _row_medians(a, chunk.lengths).cpu()
+        if keep:
+            self.kept[layer, :w] = x.detach()[keep[0]].float().cpu()
+        return x
+
+    def result(self) -> NormScan:
+        mask = self.batch.attention_mask.bool().cpu()
+        norms = self.norms.masked_fill(~mask, float("nan"))
+        if not torch.isfinite(norms[:, :, mask]).all():
+            raise FloatingPointError(
+                "non-finite activations (inf/NaN) in the forward pass: the dtype overflowed "
+                f"({self.model.dtype}); use float32 or bfloat16 (fp16 overflows above 65504)"
+            )
+        return NormScan(
+            sites=self.sites,
+            norms=norms,
+            top_abs=self.top_abs,
+            top_dims=self.top_dims,
+            median_abs=self.median_abs,
+            mask=mask,
+            kept_prompt=self.keep_prompt,
+            kept_resid=self.kept[:, : int(mask[self.keep_prompt].sum())],
+        )
 
 
-def _record_resid(
-    x: torch.Tensor,
-    hook,
-    *,
-    scan: dict,
-    layer: int,
-    mask: torch.Tensor,
-    k: int,
-    keep: int,
-):
-    a = x.detach().float().abs()  # [batch pos d_model]
-    vals, dims = a.topk(k, dim=-1)
-    scan["top_abs"][layer] = vals.cpu()
-    scan["top_dims"][layer] = dims.cpu()
-    flat = a.masked_fill(~mask[..., None], float("nan")).flatten(1)  # [batch pos*d_model]
-    scan["median_abs"][layer] = flat.nanmedian(dim=1).values.cpu()
-    scan["kept"][layer] = x.detach()[keep].float().cpu()
-    return x
+def _row_medians(
+    a: Float[torch.Tensor, "n pos d"], lengths: list[int]
+) -> Float[torch.Tensor, " n"]:
+    """Per row, the (lower) median of ``a`` over its real tokens and all dims, as ``torch.median``
+    (a selection, ``kthvalue``, instead of the sort of ``nanmedian``)."""
+    out = torch.empty(a.shape[0], dtype=a.dtype, device=a.device)
+    for i, n in enumerate(lengths):
+        flat = a[i, :n].flatten()
+        out[i] = flat.kthvalue((flat.numel() + 1) // 2).values
+    return out
 
 
 def scan_norms(
@@ -81,6 +143,9 @@ def scan_norms(
 ) -> NormScan:
     """Run ``batch`` once and record per-token norms at ``sites`` of every layer.
 
+    Runs in length-sorted chunks without the unembedding (``probes.batching``) unless
+    ``extra_hooks`` are given (they were built for the whole batch).
+
     Args:
         model: the loaded model.
         batch: right-padded prompts (``model.tokenize``).
@@ -89,59 +154,9 @@ def scan_norms(
         keep_prompt: which prompt's full layer outputs to keep.
         extra_hooks: more ``(name, fn)`` hooks to run in the same forward (e.g. an intervention).
     """
-    sites = tuple(dict.fromkeys((*sites, "resid_post")))
-    for s in sites:
-        if s not in names.SITES:
-            raise ValueError(f"unknown site {s!r}; choose from {names.SITES}")
-    if not 0 <= keep_prompt < len(batch):
-        raise ValueError(f"keep_prompt={keep_prompt} out of range for {len(batch)} prompts")
-    n_layers, (B, T), d = model.n_layers, batch.tokens.shape, model.d_model
-    k = min(top_k, d)
-    mask = batch.attention_mask.bool()
-    norms = torch.full((len(sites), n_layers, B, T), float("nan"))
-    scan = {
-        "top_abs": torch.zeros(n_layers, B, T, k),
-        "top_dims": torch.zeros(n_layers, B, T, k, dtype=torch.long),
-        "median_abs": torch.zeros(n_layers, B),
-        "kept": torch.zeros(n_layers, T, d),
-    }
-    hooks = []
-    for layer in range(n_layers):
-        for si, s in enumerate(sites):
-            hooks.append(
-                (names.site(s, layer), partial(_record_norm, out=norms, si=si, layer=layer))
-            )
-        hooks.append(
-            (
-                names.resid_post(layer),
-                partial(
-                    _record_resid,
-                    scan=scan,
-                    layer=layer,
-                    mask=mask.to(model.device),
-                    k=k,
-                    keep=keep_prompt,
-                ),
-            )
-        )
-    model.run_with_hooks(batch, hooks + list(extra_hooks or []))
-    cpu_mask = mask.cpu()
-    norms = norms.masked_fill(~cpu_mask, float("nan"))
-    if not torch.isfinite(norms[:, :, cpu_mask]).all():
-        raise FloatingPointError(
-            "non-finite activations (inf/NaN) in the forward pass: the dtype overflowed "
-            f"({model.dtype}); use float32 or bfloat16 (fp16 overflows above 65504)"
-        )
-    return NormScan(
-        sites=sites,
-        norms=norms,
-        top_abs=scan["top_abs"],
-        top_dims=scan["top_dims"],
-        median_abs=scan["median_abs"],
-        mask=cpu_mask,
-        kept_prompt=keep_prompt,
-        kept_resid=scan["kept"][:, : int(cpu_mask[keep_prompt].sum())],
-    )
+    rec = NormRecorder(model, batch, sites, top_k, keep_prompt)
+    record(model, batch, [rec], fwd_hooks=list(extra_hooks or []))
+    return rec.result()
 
 
 def ratio_to_others(

@@ -1,5 +1,6 @@
 """swapped_layers / patched_weights: positive (moves exactly the part), negative (nothing else), reference
-forward (an HF copy edited by hand gives the same logits), planted answers, bad inputs."""
+forward (an HF copy edited by hand gives the same logits), bit-identical restore (also after an
+exception, also for the composite parts ffn_path / attn_path), planted answers, bad inputs."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from me_interp import edits, synthetic
 from me_interp.probes import find_me_layer
 
 HF_PART = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn": "mlp",
-    "attn": "self_attn",
+    "attn_norm": ("input_layernorm",),
+    "ffn_norm": ("post_attention_layernorm",),
+    "ffn": ("mlp",),
+    "attn": ("self_attn",),
+    "ffn_path": ("post_attention_layernorm", "mlp"),
+    "attn_path": ("input_layernorm", "self_attn"),
 }
 
 
@@ -38,14 +41,17 @@ def _hf_logits(hf, batch):
         return hf(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
 
 
-@pytest.mark.parametrize("part", ["ffn", "block"])
-def test_swap_matches_a_hand_edited_hf_reference(tiny_llama, part):
+@pytest.mark.parametrize("part", ["ffn", "block", "ffn_path", "attn_path"])
+def test_swap_matches_a_hand_edited_hf_reference(planted, part):
     """An independent HF copy with the weights swapped by hand gives the same logits."""
-    model = tiny_llama
-    ref, _ = synthetic.tiny_llama()  # same seed: the same weights, a plain HF model
+    model, _ = planted  # its norm gains differ between layers, so a norm swap changes the logits
+    ref, _, _ = synthetic.planted_llama()  # same seed: the same weights, a plain HF model
     layers = ref.model.layers
     with torch.no_grad():
-        mods = [(layers[0], layers[2])] if part == "block" else [(layers[0].mlp, layers[2].mlp)]
+        if part == "block":
+            mods = [(layers[0], layers[2])]
+        else:
+            mods = [(getattr(layers[0], m), getattr(layers[2], m)) for m in HF_PART[part]]
         for ma, mb in mods:
             for (na, pa), (nb, pb) in zip(ma.named_parameters(), mb.named_parameters()):
                 assert na == nb
@@ -56,29 +62,75 @@ def test_swap_matches_a_hand_edited_hf_reference(tiny_llama, part):
     with edits.swapped_layers(model, 0, 2, part):
         got = model.run_with_hooks(batch)
     want = _hf_logits(ref, batch)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)  # measured: bit-identical
     unedited = model.run_with_hooks(batch)
-    assert not torch.allclose(unedited, want, atol=1e-3)
+    assert (unedited - want).abs().max() > 1e-5  # the swap did change the logits (attn_path: 1e-4)
 
 
 def test_planted_swap_answers(planted, planted_prompts):
-    """Construction: the massive activation needs gain dims (ffn_norm) and neuron 5 (ffn) in one layer."""
+    """Construction: the massive activation needs gain dims (ffn_norm) and neuron 5 (ffn) in one layer,
+    so the pair (ffn_path) moves it and either half alone makes it vanish."""
     model, plant = planted
     batch = model.tokenize(planted_prompts)
     L = plant.layer
     for partner in (0, 4):
-        with edits.swapped_layers(model, L, partner, "block"):
-            assert find_me_layer(model, batch).me_layer == partner
+        for part in ("block", "ffn_path"):  # gain and neuron travel together: the emergence moves
+            with edits.swapped_layers(model, L, partner, part):
+                assert find_me_layer(model, batch).me_layer == partner
         for part in (
             "ffn",
             "ffn_norm",
         ):  # each alone splits gain from neuron: no massive activation
             with edits.swapped_layers(model, L, partner, part):
                 assert find_me_layer(model, batch).me_layer is None
-        for part in ("attn", "attn_norm"):  # every layer has the same sink head: nothing moves
+        for part in (
+            "attn",
+            "attn_norm",
+            "attn_path",
+        ):  # the same sink head everywhere: nothing moves
             with edits.swapped_layers(model, L, partner, part):
                 assert find_me_layer(model, batch).me_layer == L
     assert find_me_layer(model, batch).me_layer == L
+
+
+@pytest.mark.parametrize("composite", sorted(edits.COMPOSITE_PARTS))
+def test_composite_part_is_the_union_of_its_single_parts(planted, composite):
+    model, _ = planted
+    got = edits.part_parameters(model, 2, composite)
+    want = {
+        f"{single}.{name}": p
+        for single in edits.COMPOSITE_PARTS[composite]
+        for name, p in edits.part_parameters(model, 2, single).items()
+    }
+    assert list(got) == list(want)
+    assert all(got[n] is want[n] for n in got)  # the live parameters, not copies
+    assert composite in edits.PARTS and edits.check_part(composite) == composite
+
+
+@pytest.mark.parametrize("part", sorted(edits.COMPOSITE_PARTS))
+@pytest.mark.parametrize("kind", ["swap", "patch", "patch_from_twin"])
+def test_composite_edits_restore_bit_identical_after_exception(
+    planted, twin, snap, changed, part, kind
+):
+    model, plant = planted
+    twin_model, _ = twin
+    edit = {
+        "swap": lambda: edits.swapped_layers(model, plant.layer, 0, part),
+        "patch": lambda: edits.patched_weights(model, plant.layer, 0, part),
+        "patch_from_twin": lambda: edits.patched_weights(
+            model, 0, plant.layer, part, source_model=twin_model
+        ),
+    }[kind]
+    before, before_twin = snap(model), snap(twin_model)
+    with edit():
+        assert changed(model, before)
+    assert changed(model, before) == set()
+    with pytest.raises(RuntimeError, match="boom"):
+        with edit():
+            assert changed(model, before)
+            raise RuntimeError("boom")
+    assert changed(model, before) == set()
+    assert changed(twin_model, before_twin) == set()  # the source is never written
 
 
 def test_swap_bad_inputs(tiny_llama):
@@ -117,6 +169,14 @@ def test_patch_from_second_model_creates_the_planted_mechanism(
         assert find_me_layer(twin_model, batch).me_layer == plant.layer
     assert find_me_layer(twin_model, batch).me_layer is None
     assert changed(model, before_src) == set()  # the source is never written
+    # the pair alone carries the mechanism over; either half alone does not
+    with edits.patched_weights(
+        twin_model, plant.layer, plant.layer, "ffn_path", source_model=model
+    ):
+        assert find_me_layer(twin_model, batch).me_layer == plant.layer
+    for part in ("ffn", "ffn_norm"):
+        with edits.patched_weights(twin_model, plant.layer, plant.layer, part, source_model=model):
+            assert find_me_layer(twin_model, batch).me_layer is None
     # the unplanted layer copied into the planted model removes the mechanism
     with edits.patched_weights(model, plant.layer, plant.layer, "ffn", source_model=twin_model):
         assert find_me_layer(model, model.tokenize(planted_prompts)).me_layer is None

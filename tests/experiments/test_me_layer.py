@@ -1,13 +1,35 @@
-"""The ME-layer experiment: run(), result keys, figures, CLI, bad inputs."""
+"""The ME-layer experiment: run(), result keys, claims (planted, null models, bundled), figures, CLI,
+bad inputs."""
 
 from __future__ import annotations
 
+import importlib
 import json
+from functools import partial
 
+import numpy as np
 import pytest
 
-from me_interp import io
+from me_interp import claims, io, synthetic
 from me_interp.experiments import me_layer
+
+H, F, NA = claims.HOLDS, claims.FAILS, claims.NOT_APPLICABLE
+
+# The verdict the planted construction implies, claim by claim (synthetic.planted_llama: the gain dims
+# and FFN neuron of layer 2 write the massive dim of the BOS token, and nothing later writes that dim).
+PLANTED = {
+    "me_layer.sudden_birth": H,  # ratio ~1 at layer 1, ~300 at layer 2: a jump of ~300 in one layer
+    "me_layer.one_layer": H,  # the other layers change nothing on the BOS token's ratio
+    "me_layer.ffn_creates": H,  # the planted neuron (the FFN) makes the whole jump
+    "me_layer.carried": H,  # no later component writes the massive dim
+}
+# On models without a massive activation the existence claim fails and the rest is not applicable.
+NULL = {
+    "me_layer.sudden_birth": F,
+    "me_layer.one_layer": NA,
+    "me_layer.ffn_creates": NA,
+    "me_layer.carried": NA,
+}
 
 
 @pytest.fixture()
@@ -133,6 +155,105 @@ def test_help_lists_the_common_flags(capsys):
         assert flag in text
 
 
+@pytest.fixture(scope="module")
+def many_prompts(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    p.write_text("\n".join(synthetic.planted_prompts(16, 10)) + "\n")
+    return str(p)
+
+
+def _verdicts(result) -> dict[str, str]:
+    return {c.id: c.verdict for c in _claims(result)}
+
+
+def _claims(result) -> list[claims.Claim]:
+    """The claims of ``result``: its experiment module's ``verdicts``."""
+    return importlib.import_module(type(result).__module__).verdicts(result)
+
+
+def test_specs_are_unique_and_judged_in_order(planted, many_prompts):
+    claims.check_specs(me_layer.SPECS)
+    res = me_layer.run(me_layer.Config(prompts=many_prompts), planted[0])
+    assert [c.id for c in _claims(res)] == [s.id for s in me_layer.SPECS]
+    assert me_layer.verdicts(res) == me_layer.verdicts(res)  # seeded: the same intervals
+
+
+def test_planted_claims_are_what_the_construction_implies(planted, many_prompts):
+    model, plant = planted
+    res = me_layer.run(me_layer.Config(prompts=many_prompts), model)
+    assert _verdicts(res) == PLANTED
+    by_id = {c.id: c for c in _claims(res)}
+    birth = by_id["me_layer.sudden_birth"].estimate
+    assert birth.n == 16 and birth.method == "bootstrap" and birth.lo <= birth.value <= birth.hi
+    assert 100 < birth.lo and birth.hi < 1000
+    assert by_id["me_layer.carried"].estimate.lo > 0.99
+    d = res.to_dict()
+    assert "claims" not in d  # the CLI and the battery add them (execute)
+    assert np.asarray(d["per_prompt"]["r_post"]).shape == (16, model.n_layers)
+    assert d["judged_layer"] == plant.layer
+    line = by_id["me_layer.sudden_birth"].line()
+    for part in ("[holds]", "95% CI", "n = 16 prompts", "threshold 'jump'", "control:"):
+        assert part in line
+
+
+@pytest.mark.parametrize("fixture", ["twin", "tiny_llama"])
+def test_no_claim_holds_without_a_massive_activation(fixture, request, many_prompts):
+    model = request.getfixturevalue(fixture)
+    model = model[0] if isinstance(model, tuple) else model
+    res = me_layer.run(me_layer.Config(prompts=many_prompts), model)
+    assert res.me_layer is None
+    assert _verdicts(res) == NULL
+    birth = _claims(res)[0].estimate
+    assert birth.value == birth.lo == birth.hi == 0.0  # no prompt has a massive token
+    for c in _claims(res)[1:]:
+        assert "no massive activation" in c.why
+    assert "judged at the largest jump" in _claims(res)[0].details
+
+
+def test_carried_fails_when_a_later_layer_removes_the_activation(planted, many_prompts):
+    """Neuron 0 of the next layer reads the massive dim and writes it back to zero: the activation is
+    born as planted but not carried."""
+    import torch
+
+    from me_interp import names
+
+    model, plant = planted
+    L, D = plant.layer + 1, plant.massive_dim
+    seen = {}
+
+    def grab(x, hook, key):
+        seen[key] = float(x[0, 0, D])  # the BOS token is the same in every prompt
+        return x
+
+    ffn = model.ffn_weights(L)
+    saved = [t.detach().clone() for t in (ffn.gate, ffn.up, ffn.down)]
+    try:
+        with torch.no_grad():  # gate and up read only the massive dim of the normalised input
+            for w in (ffn.gate, ffn.up):
+                w[0].zero_()
+                w[0, D] = 1.0
+            ffn.down[:, 0].zero_()
+        batch = model.tokenize(["w1 w2 w3"])
+        hooks = [
+            (names.resid_mid(L), partial(grab, key="v")),
+            (names.ffn_in(L), partial(grab, key="g")),
+        ]
+        model.run_with_hooks(batch, hooks)
+        g = torch.tensor(seen["g"])
+        with torch.no_grad():
+            ffn.down[D, 0] = -seen["v"] / float(torch.nn.functional.silu(g) * g)
+        res = me_layer.run(me_layer.Config(prompts=many_prompts), model)
+    finally:
+        with torch.no_grad():
+            for t, v in zip((ffn.gate, ffn.up, ffn.down), saved):
+                t.copy_(v)
+    assert res.me_layer == plant.layer
+    verdicts = _verdicts(res)
+    assert verdicts["me_layer.sudden_birth"] == H and verdicts["me_layer.carried"] == F
+    carried = {c.id: c for c in _claims(res)}["me_layer.carried"].estimate
+    assert carried.hi < 0.05
+
+
 @pytest.mark.slow
 def test_cli_on_bundled_model(tmp_path, capsys, bundled):
     res = me_layer.run(me_layer.Config(out=str(tmp_path)), bundled)
@@ -141,3 +262,13 @@ def test_cli_on_bundled_model(tmp_path, capsys, bundled):
     assert d["bos"] == "auto" and d["bos_prepended"] is False
     assert 507 in d["massive_dims"]
     assert 100 < d["layers"][11]["resid_norm_ratio"] < 300
+    by_id = {c.id: c for c in _claims(res)}
+    # measured with the built-in prompts (82): birth jump 127 [124, 130], z 13.1, FFN factor 125,
+    # carried 0.041 (the model removes the activation in its last layers: 167 -> 6.8)
+    assert [by_id[i].verdict for i in PLANTED] == [H, H, H, F]
+    birth = by_id["me_layer.sudden_birth"].estimate
+    assert birth.n == res.n_prompts >= 64 and 80 < birth.lo <= birth.hi < 200
+    assert 8 < by_id["me_layer.one_layer"].estimate.lo < 20
+    assert 80 < by_id["me_layer.ffn_creates"].estimate.value < 200
+    carried = by_id["me_layer.carried"].estimate
+    assert 0.01 < carried.lo <= carried.hi < 0.1

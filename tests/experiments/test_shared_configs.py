@@ -26,7 +26,10 @@ def test_check_choices_rejects(values, message):
 def test_fmt_verdicts_one_line_per_claim_sanity_marked():
     spec = claims.Spec("x.a", "§1", "A holds", "fraction", ">=", "moved_fraction", "twin")
     sanity = claims.Spec("x.b", "§1", "B by construction", "cell", ">=", "restore", kind="sanity")
-    cs = [spec.judge(claims.bootstrap([1.0, 1.0, 1.0])), sanity.judge(claims.exact(1.0, 3, "prompts"))]
+    cs = [
+        spec.judge(claims.bootstrap([1.0, 1.0, 1.0])),
+        sanity.judge(claims.exact(1.0, 3, "prompts")),
+    ]
     lines = common.fmt_verdicts(cs).splitlines()
     assert lines[0].startswith("[holds] x.a (§1): A holds — fraction = 1 [1, 1]")
     assert lines[1].startswith("(sanity check) [holds] x.b")

@@ -1,71 +1,220 @@
-"""The mask-rate experiment: run() on the planted model, the CLI, and a small bundled sweep."""
+"""The mask-rate experiment: run() and its claims on the planted model, "not applicable" without a
+massive activation, per-text metrics against independent computations, the CLI, and the bundled model
+with two-sided bounds."""
 
 from __future__ import annotations
 
 import json
+import math
 
+import numpy as np
 import pytest
 
-from me_interp import io
+from me_interp import claims, evaluation, io, synthetic
+from me_interp.claims import FAILS, HOLDS, NOT_APPLICABLE, NotApplicable
 from me_interp.experiments import wemask as exp
+from me_interp.experiments.common import execute
+from me_interp.interventions import we_mask
+
+# What the planted construction implies for the claims it decides: its sink head reads the massive
+# dim 7 of the attention input, so zeroing that input at r = 1 removes most of the sink; the rest of
+# the planted model is random, so its next-token distribution hardly depends on the masked token and
+# no mask changes perplexity or MC accuracy (the "unchanged" claims hold, nothing "hurts more").
+PLANTED = {
+    "wemask.small_rate_ppl_unchanged": HOLDS,
+    "wemask.small_rate_mc_unchanged": HOLDS,
+    "wemask.beats_random": FAILS,
+    "wemask.beats_magnitude": FAILS,
+    "wemask.activation_like_weight": HOLDS,
+    "wemask.full_mask_collapses": FAILS,
+    "wemask.full_mask_removes_sink": HOLDS,
+}
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    p.write_text("\n".join(synthetic.planted_prompts(8)) + "\n")
+    return str(p)
 
 
 @pytest.fixture(scope="module")
 def texts_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("texts") / "texts.txt"
-    p.write_text("w1 w2 w3 w4 w5 w6\nw7 w8 w9 w10 w11\nw12 w13 w14 w15 w16 w17 w18\n")
+    texts = [synthetic.words(6 + i % 7, start=5 * i) for i in range(12)]
+    p.write_text("\n".join(texts) + "\n")
     return str(p)
 
 
 @pytest.fixture(scope="module")
-def planted_result(planted, texts_file):
+def items_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("items") / "items.json"
+    items = [
+        {
+            "context": synthetic.words(4, start=3 * i),
+            "choices": [" w1", " w2", " w3"],
+            "answer": i % 3,
+        }
+        for i in range(10)
+    ]
+    p.write_text(json.dumps(items))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def planted_result(planted, prompt_file, texts_file, items_file):
     model, _ = planted
     cfg = exp.Config(
-        prompts=texts_file, texts=texts_file, rates=(0.0, 0.5, 1.0), alphas=(0.5, 1.0), mc=True
+        prompts=prompt_file,
+        texts=texts_file,
+        mc_items=items_file,
+        rates=(0.0, 0.5, 1.0),
+        alphas=(0.5, 1.0),
+        mc="all",
+        batch_tokens=40,  # several length groups
     )
     return exp.run(cfg, model)
+
+
+def test_conditions_are_deduplicated():
+    cfg = exp.Config(rates=(0.0, 0.1, 0.5, 1.0), alphas=(0.5, 1.0), n_seeds=5)
+    conds = exp.conditions(cfg)
+    assert len(set(conds)) == len(conds)
+    full = [c for c in conds if c.kind == "wemask" and c.rate == 1.0]
+    assert len(full) == 1  # every selection masks every dim at r = 1
+    rand = [c for c in conds if c.variant == "random"]
+    assert [(c.rate, c.seed) for c in rand] == [(0.1, s) for s in range(5)] + [(0.5, 0)]
+    soft = [c for c in conds if c.kind == "dim_projection"]
+    assert [c.alpha for c in soft] == [0.5]  # α = 1 is WeMask weight at soft_rate, already run
+    assert exp.Config(rates=(0.5,)).run_rates() == [0.1, 0.5]  # the claim rate is always run
 
 
 def test_result_layout_and_fixed_points(planted_result, planted):
     _, plant = planted
     r = planted_result
+    assert r.me_layer == plant.layer and r.layers == [2, 3, 4] and r.massive_at_me
+    assert r.n_texts == 12 and r.n_items == 10
     d = r.to_dict()
-    assert list(d)[:4] == ["claim", "baseline", "intervened", "verdict"]
-    assert "holds" in d["verdict"]
-    assert r.me_layer == plant.layer and r.layers == [2, 3, 4]
-    # r = 0 rows are the baseline; r = 1 rows agree across variants (all dims masked)
+    json.dumps(io.to_jsonable(d))
+    assert d["me_layer_1based"] == plant.layer + 1 and d["claim_rate"] == 0.1
+    for row in [r.baseline, *r.rows]:
+        assert set(row["per_text"]) == set(exp.PER_TEXT)
+        assert all(len(v) == r.n_texts for v in row["per_text"].values())
+        assert len(row["per_item"]["correct"]) == r.n_items  # mc="all"
+        assert row["perplexity"] == pytest.approx(
+            evaluation.pooled_perplexity(row["per_text"]["nll"], row["per_text"]["n_pred"])
+        )
+    # r = 0 rows are the baseline; r = 1 rows are one forward shared by every selection
     for row in r.rows:
         if row["kind"] == "wemask" and row["rate"] == 0:
             assert all(row[m] == r.baseline[m] for m in exp.METRICS)
     full = [row for row in r.rows if row["kind"] == "wemask" and row["rate"] == 1.0]
-    assert len(full) == 4
-    for row in full[1:]:
-        assert row["perplexity"] == pytest.approx(full[0]["perplexity"], rel=1e-6)
+    assert sorted(row["variant"] for row in full) == sorted(exp.VARIANTS)
+    assert all(row["perplexity"] == full[0]["perplexity"] for row in full)
+    assert (
+        r.row("dim_projection", "weight", 0.1, 1.0)["perplexity"]
+        == r.row("wemask", "weight", 0.1)["perplexity"]
+    )
+    assert len(r.random_rows(0.1)) == 5 and len(r.random_rows(0.5)) == 1
     # the planted sink head reads the masked attention input: masking lowers attention to position 0
     assert full[0]["sink"] < r.baseline["sink"]
     assert r.baseline["kl"] == 0.0 and r.baseline["top1"] == 1.0
-    assert "mc_accuracy" in r.baseline
-    json.dumps(io.to_jsonable(d))
 
 
-def test_sink_metric_matches_attention_probe(planted, texts_file):
-    from me_interp.probes import attention_stats
-
+def test_per_text_perplexity_matches_evaluation(planted, planted_result, texts_file):
+    """Pooled per-text NLL (length-grouped batches) = evaluation.perplexity on one padded batch."""
     model, _ = planted
-    batch = model.tokenize(exp.Config(texts=texts_file).load_texts())
-    m, _ = exp._measure(model, batch, [], [3, 4], 4, None)
-    st = attention_stats(model, batch)
-    want = float(st.to_positions[3:5].mean())
-    assert m["sink"] == pytest.approx(want, rel=1e-5)
-    assert m["entropy"] == pytest.approx(float(st.entropy[3:5].mean()), rel=1e-5)
+    texts = exp.Config(texts=texts_file).load_texts()
+    assert planted_result.baseline["perplexity"] == pytest.approx(
+        evaluation.perplexity(model, texts), rel=1e-5
+    )
+    w = planted_result.row("wemask", "weight", 0.5)
+    hooks = we_mask(model, 0.5, "weight", layers=planted_result.layers)
+    assert w["perplexity"] == pytest.approx(evaluation.perplexity(model, texts, hooks), rel=1e-5)
+    ag = evaluation.next_token_agreement(model, texts, hooks)
+    assert w["kl"] == pytest.approx(ag.kl, rel=1e-4, abs=1e-6)
+    assert w["top1"] == pytest.approx(ag.top1)
 
 
-def test_verdicts_and_figures(planted_result):
-    vs = exp.verdicts(planted_result)
-    assert vs and all(set(v) == {"claim", "measured", "holds"} for v in vs)
+def test_planted_verdicts(planted_result):
+    cs = exp.verdicts(planted_result)
+    assert [c.id for c in cs] == [s.id for s in exp.SPECS]
+    assert {c.id: c.verdict for c in cs} == PLANTED
+    by = {c.id: c for c in cs}
+    assert by["wemask.beats_random"].estimate.unit == "seeds"
+    assert by["wemask.beats_random"].estimate.n == 5
+    assert by["wemask.small_rate_mc_unchanged"].estimate.unit == "items"
+    for c in cs:
+        assert c.estimate.unit in ("texts", "items", "seeds") and c.rule and c.control
+        json.dumps(c.to_dict())
+
+
+def test_claims_not_measured_are_not_judged(planted, prompt_file, texts_file):
+    model, _ = planted
+    cfg = exp.Config(
+        prompts=prompt_file, texts=texts_file, rates=(0.1,), variants=("weight", "random"),
+        n_seeds=2, alphas=(), mc="none",
+    )  # fmt: skip
+    by = {c.id: c for c in exp.verdicts(exp.run(cfg, model))}
+    assert by["wemask.beats_random"].verdict == NOT_APPLICABLE
+    assert "at least 5" in by["wemask.beats_random"].why
+    assert "--mc none" in by["wemask.small_rate_mc_unchanged"].why
+    assert "magnitude" in by["wemask.beats_magnitude"].why
+    assert "r = 1 was not run" in by["wemask.full_mask_collapses"].why
+    assert by["wemask.small_rate_ppl_unchanged"].verdict == HOLDS
+
+
+@pytest.mark.parametrize("fixture", ["twin", "tiny_llama"])
+def test_not_applicable_without_massive_activation(fixture, request, prompt_file, texts_file):
+    model = request.getfixturevalue(fixture)
+    model = model[0] if isinstance(model, tuple) else model
+    cfg = exp.Config(prompts=prompt_file, texts=texts_file)
+    with pytest.raises(NotApplicable, match="no massive activation"):
+        exp.run(cfg, model)
+    out = execute(exp, cfg, model)
+    assert out.result is None
+    assert [c.verdict for c in out.claims] == [NOT_APPLICABLE] * len(exp.SPECS)
+    assert all("massive" in c.why for c in out.claims)
+    # the intervention itself: no ME layer to start from and no layers given
+    with pytest.raises(NotApplicable, match="no massive activation"):
+        we_mask(model, 0.1, batch=model.tokenize(synthetic.planted_prompts(4)))
+
+
+def test_given_me_layer_without_massive_activation(twin, prompt_file, texts_file):
+    """me_layer on a model without a massive activation: the sweep runs, no claim is judged."""
+    model, plant = twin
+    cfg = exp.Config(
+        prompts=prompt_file, texts=texts_file, me_layer=plant.layer, rates=(0.1, 1.0), alphas=(),
+        mc="none",
+    )  # fmt: skip
+    r = exp.run(cfg, model)
+    assert r.me_layer_given and not r.massive_at_me
+    cs = exp.verdicts(r)
+    assert {c.verdict for c in cs} == {NOT_APPLICABLE}
+    assert all("no massive activation at the ME layer 2" in c.why for c in cs)
+
+
+def test_constructed_straddle_is_inconclusive(planted_result):
+    """A perplexity change whose interval straddles the 'unchanged' tolerance is inconclusive."""
+    r = planted_result
+    base, w = r.baseline, r.row("wemask", "weight", 0.1)
+    n = len(base["per_text"]["nll"])
+    shift = [0.0] * n  # make half of the texts 10 % more surprising under the mask
+    for i in range(0, n, 2):
+        shift[i] = math.log(1.1) * base["per_text"]["n_pred"][i]
+    fake = {**w, "per_text": {**w["per_text"], "nll": list(np.add(base["per_text"]["nll"], shift))}}
+    rows = [fake if row is w else row for row in r.rows]
+    mod = exp.Result(**{**r.__dict__, "rows": rows})
+    c = next(c for c in exp.verdicts(mod) if c.id == "wemask.small_rate_ppl_unchanged")
+    assert c.estimate.lo < claims.threshold("ppl_unchanged") < c.estimate.hi
+    assert c.verdict == claims.INCONCLUSIVE
+
+
+def test_figures_and_summary(planted_result):
     figs = exp.figures(planted_result)
     assert set(figs) == {"mask_rate", "soft_alpha"}
-    assert "baseline" in exp.summary(planted_result)
+    text = exp.summary(planted_result)
+    assert "baseline" in text and "direction_projection" in text
 
 
 def test_bad_config():
@@ -77,36 +226,33 @@ def test_bad_config():
         exp.Config(variants=("top",))
     with pytest.raises(ValueError, match="start must be"):
         exp.Config(start="gte")
+    with pytest.raises(ValueError, match="claim_rate"):
+        exp.Config(claim_rate=1.0)
+    # ValueError from __post_init__; jaxtyping's TypeCheckError (a TypeError) when checks are on
+    with pytest.raises((ValueError, TypeError)):
+        exp.Config(mc="some")
+    with pytest.raises(ValueError, match="positions must be"):
+        exp.Config(positions="all")
 
 
-def test_cli_smoke(tmp_path, texts_file, capsys):
+def test_cli_smoke(tmp_path, prompt_file, texts_file, capsys):
     rc = exp.main(
         [
-            "--model", "synthetic:planted", "--prompts", texts_file, "--texts", texts_file,
+            "--model", "synthetic:planted", "--prompts", prompt_file, "--texts", texts_file,
             "--rates", "0", "1", "--variants", "weight", "random", "--alphas", "1",
-            "--out", str(tmp_path),
+            "--mc", "none", "--out", str(tmp_path),
         ]
     )  # fmt: skip
-    assert rc == 0
+    out = capsys.readouterr().out
+    assert rc == 0 and "[holds] wemask.full_mask_removes_sink" in out
     run_dir = next((tmp_path / "wemask").iterdir())
     run = io.load_run(run_dir)
-    assert list(run["result"])[:4] == ["claim", "baseline", "intervened", "verdict"]
+    assert run["result"]["me_layer"] == 2 and run["result"]["n_texts"] == 12
+    assert {c["id"] for c in run["result"]["claims"]} == {s.id for s in exp.SPECS}
     assert (run_dir / "mask_rate.html").is_file()
     assert exp.main(["--model", "synthetic:planted", "--rates", "3", "--out", str(tmp_path)]) == 2
-
-
-def test_bundled_small_sweep(bundled):
-    """Two-sided bounds on the real model: r=0.1 weight WeMask is mild, r=1 is not, magnitude hurts."""
-    cfg = exp.Config(rates=(0.1, 1.0), variants=("weight", "magnitude"), alphas=(), me_layer=None)
-    r = exp.run(cfg, bundled)
-    assert r.me_layer == 11
-    base = r.baseline["perplexity"]
-    w01 = r.row("wemask", "weight", 0.1)["perplexity"] / base
-    w1 = r.row("wemask", "weight", 1.0)["perplexity"] / base
-    m01 = r.row("wemask", "magnitude", 0.1)["perplexity"] / base
-    assert 0.97 < w01 < 1.05
-    assert 1.3 < w1 < 4.0
-    assert 1.2 < m01 < 3.0
+    rc = exp.main(["--model", "synthetic:twin", "--prompts", prompt_file, "--out", str(tmp_path)])
+    assert rc == 0 and "not applicable" in capsys.readouterr().out
 
 
 def test_finetune_script_on_planted(tmp_path):
@@ -129,20 +275,40 @@ def test_finetune_script_on_planted(tmp_path):
     assert all(v == m["n_examples"] for step in m["edited_tokens_per_step"] for v in step.values())
 
 
-def test_massive_positions_option(planted, texts_file):
+def test_massive_positions_option(planted, prompt_file, texts_file):
     model, _ = planted
-    cfg = exp.Config(
-        prompts=texts_file, texts=texts_file, rates=(1.0,), variants=("weight",), alphas=(),
-        positions="massive",
+    common = dict(
+        prompts=prompt_file, texts=texts_file, rates=(1.0,), variants=("weight",), alphas=(),
+        mc="none",
     )  # fmt: skip
-    r = exp.run(cfg, model)
-    assert r.positions == [[0], [0], [0]]  # the planted massive token is the BOS at position 0
-    first = exp.run(
-        exp.Config(
-            prompts=texts_file, texts=texts_file, rates=(1.0,), variants=("weight",), alphas=()
-        ),
-        model,
+    r = exp.run(exp.Config(positions="massive", **common), model)
+    assert r.positions == [[0]] * r.n_texts  # the planted massive token is the BOS at position 0
+    first = exp.run(exp.Config(**common), model)
+    assert (
+        r.row("wemask", "weight", 1.0)["perplexity"]
+        == first.row("wemask", "weight", 1.0)["perplexity"]
     )
-    assert r.rows[0]["perplexity"] == first.rows[0]["perplexity"]
-    with pytest.raises(ValueError, match="positions must be"):
-        exp.Config(positions="all")
+
+
+@pytest.mark.slow
+def test_bundled_small_sweep(bundled):
+    """Two-sided bounds on the real model (32 shipped texts): r = 0.1 weight WeMask is mild, the
+    magnitude selection and the full mask are not, the full mask halves the sink."""
+    cfg = exp.Config(rates=(0.1, 1.0), variants=("weight", "magnitude"), alphas=(), mc="none")
+    r = exp.run(cfg, bundled)
+    assert r.me_layer == 11 and r.n_texts == 32 and r.layers == list(range(11, 30))
+    base = r.baseline["perplexity"]
+    assert 20 < base < 60
+    w01 = r.row("wemask", "weight", 0.1)["perplexity"] / base
+    w1 = r.row("wemask", "weight", 1.0)["perplexity"] / base
+    m01 = r.row("wemask", "magnitude", 0.1)["perplexity"] / base
+    assert 0.97 < w01 < 1.08
+    assert 1.3 < w1 < 2.0
+    assert 1.3 < m01 < 2.0
+    drop = 1 - r.row("wemask", "weight", 1.0)["sink"] / r.baseline["sink"]
+    assert 0.3 < drop < 0.6
+    v = {c.id: c.verdict for c in exp.verdicts(r)}
+    assert v["wemask.beats_magnitude"] == HOLDS
+    assert v["wemask.full_mask_removes_sink"] == HOLDS
+    assert v["wemask.full_mask_collapses"] == FAILS
+    assert v["wemask.beats_random"] == NOT_APPLICABLE  # not run here

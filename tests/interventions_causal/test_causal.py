@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from me_interp import names
+from me_interp import claims, names
 from me_interp.interventions import causal
+from me_interp.models import Batch
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +82,120 @@ def test_locate_massive_finds_the_plant(setup):
         causal.locate_massive(model, batch, layer=9)
 
 
-def test_locate_massive_on_twin_says_none(twin):
-    model, _ = twin
-    with pytest.raises(ValueError, match="no massive activation"):
-        causal.locate_massive(model, model.tokenize(["w1 w2 w3 w4"]))
+@pytest.mark.parametrize("which", ["twin", "tiny_llama"])
+def test_locate_massive_not_applicable_without_a_massive_activation(which, request):
+    model = request.getfixturevalue(which)
+    model = model[0] if isinstance(model, tuple) else model
+    batch = model.tokenize(["w1 w2 w3 w4 w5 w6", "w9 w10 w11 w12 w13"])
+    with pytest.raises(claims.NotApplicable, match="no massive activation on this model"):
+        causal.locate_massive(model, batch)
+    # a given layer is honoured, and the site says nothing was detected
+    site = causal.locate_massive(model, batch, layer=2)
+    assert site.layer == 2 and site.detected is False and len(site.dims) == 1
+
+
+def test_capture_stops_early_and_matches_the_full_forward(setup):
+    model, plant, batch = setup
+    hooks = [names.ffn_out(1), names.resid_post(3), names.pattern(4)]
+    store = {}
+
+    def rec(x, hook, key):
+        store[key] = x.detach().clone()
+        return x
+
+    model.run_with_hooks(batch, [(n, lambda x, hook, n=n: rec(x, hook, n)) for n in hooks])
+    got = causal.capture(model, batch, hooks)
+    for n in hooks:
+        assert torch.equal(got[n], store[n])
+    early = causal.capture(model, batch, [names.ffn_out(1)])  # blocks 0..1 only
+    assert torch.equal(early[names.ffn_out(1)], store[names.ffn_out(1)])
+    with pytest.raises(ValueError, match="at least one hook"):
+        causal.capture(model, batch, [])
+    with pytest.raises(KeyError, match="does not exist"):  # TransformerLens refuses a typo
+        causal.capture(model, batch, ["blocks.1.hook_nothing_here"])
+
+
+def test_acts_reuse_equals_a_fresh_capture(setup):
+    model, plant, batch = setup
+    L = plant.layer
+    acts = causal.capture(
+        model,
+        batch,
+        [
+            names.ffn_out(L),
+            names.resid_post(L),
+            names.site("ffn_act", L),
+            names.site("ffn_normalized", L),
+        ],
+    )
+    pairs = [
+        (causal.remove_massive, dict(site="ffn_out")),
+        (causal.patch_across_prompts, {}),
+        (causal.cap_ffn_output, {}),
+        (causal.normalize_ffn_product, {}),
+        (causal.flatten_ffn_norm_gain, {}),
+    ]
+    name = names.resid_post(model.n_layers - 1)
+    for fn, kw in pairs:
+        fresh = _cap(model, batch, name, fn(model, batch, L, [0], **kw))
+        reused = _cap(model, batch, name, fn(model, batch, L, [0], **kw, acts=acts))
+        assert torch.equal(fresh, reused), fn.__name__
+    t1 = causal.transplant(model, batch, L, 0, 3, [plant.massive_dim])
+    t2 = causal.transplant(model, batch, L, 0, 3, [plant.massive_dim], acts=acts)
+    assert torch.equal(t1.component, t2.component)
+    with pytest.raises(ValueError, match="rows for a batch"):
+        causal.remove_massive(
+            model,
+            batch,
+            L,
+            [0],
+            site="ffn_out",
+            acts={names.ffn_out(L): acts[names.ffn_out(L)][:1]},
+        )
+
+
+def test_per_prompt_values_tile_over_copies_of_the_batch(setup):
+    """patch_sweep's layout: a batch of n*B rows is n copies of the B prompts."""
+    model, plant, batch = setup
+    name = names.resid_post(plant.layer)
+    hooks = causal.remove_massive(model, batch, plant.layer, [0], [plant.massive_dim])
+    one = _cap(model, batch, name, hooks)
+    tiled = Batch(batch.tokens.repeat(3, 1), batch.attention_mask.repeat(3, 1))
+    three = _cap(model, tiled, name, hooks)
+    torch.testing.assert_close(three, one.repeat(3, 1, 1), rtol=1e-5, atol=1e-5)
+    odd = Batch(batch.tokens[:2], batch.attention_mask[:2])
+    with pytest.raises(ValueError, match="cannot fill"):
+        _cap(model, odd, name, hooks)
+
+
+def test_prompt_batch_cuts_subsamples_and_counts(planted):
+    model, _ = planted
+    prompts = [f"w{i} w{i + 1} w{i + 2} w{i + 3} w{i + 4} w{i + 5}" for i in range(10)]
+    prompts[3] = "w1"  # BOS + 1 token
+    pb = causal.prompt_batch(model, prompts, max_tokens=4, max_prompts=5, min_tokens=3)
+    assert pb.n_given == 10 and pb.n_short == 1 and len(pb.indices) == 5
+    assert 3 not in pb.indices and pb.indices[0] == 0 and pb.indices[-1] == 9  # spread evenly
+    assert pb.batch.tokens.shape == (5, 4) and pb.batch.lengths == [4] * 5
+    assert pb.to_dict()["n_prompts"] == 5
+    everything = causal.prompt_batch(model, prompts, max_tokens=64)
+    assert len(everything.indices) == 10 and everything.n_short == 0
+    assert everything.batch.lengths[3] == 2 and max(everything.batch.lengths) == 7
+    longer = everything.at_least(3)
+    assert len(longer.indices) == 9 and longer.n_short == 1 and 3 not in longer.indices
+    assert longer.at_least(3) is longer
+    with pytest.raises(claims.NotApplicable, match="no prompt has the 99 tokens"):
+        everything.at_least(99)
+    with pytest.raises(claims.NotApplicable, match="no prompt has the 50 tokens"):
+        causal.prompt_batch(model, prompts, max_tokens=60, min_tokens=50)
+    with pytest.raises(ValueError, match="max_tokens"):
+        causal.prompt_batch(model, prompts, max_tokens=1)
+
+
+def test_excess_fraction_fixed_points():
+    assert causal.excess_fraction(101.0, 101.0) == 1.0
+    assert causal.excess_fraction(1.0, 101.0) == 0.0
+    assert causal.excess_fraction(11.0, 101.0) == pytest.approx(0.1)
+    assert causal.excess_fraction(2.0, 1.0) != causal.excess_fraction(2.0, 1.0)  # NaN
 
 
 @pytest.mark.parametrize("fill", ["others_mean", "zero"])

@@ -120,3 +120,18 @@ def test_planted_sink_appears_downstream_and_not_before(planted, planted_prompts
     assert all(per_head[L][plant.sink_head] == 1.0 for L in range(plant.layer + 1, model.n_layers))
     bos = ap.mean_bos()
     assert min(bos[plant.layer + 1 :]) > 1.5 * max(bos[: plant.layer + 1])
+
+
+def test_recorder_mass_on_several_positions_matches_attention_stats(tiny_nobos, word_prompts):
+    from me_interp.probes import AttentionRecorder, record
+
+    batch = tiny_nobos.tokenize(word_prompts)
+    positions = [[0, 2], [1], [0, 1, 2], [3]]
+    rec = AttentionRecorder(tiny_nobos, batch)
+    record(tiny_nobos, batch, [rec])
+    st = attention_stats(tiny_nobos, batch, positions)
+    assert torch.allclose(rec.mass_on(positions), st.to_positions, atol=1e-6)
+    # the mean attention over all keys sums to one per query, so to every key it sums to one
+    assert torch.allclose(rec.to_key.sum(-1), torch.ones_like(rec.entropy), atol=1e-5)
+    with pytest.raises(ValueError, match="outside prompt"):
+        rec.mass_on([[0], [0], [9], [0]])

@@ -103,3 +103,38 @@ def test_planted_massive_token_collapses_the_rank(planted, planted_prompts):
     # without the massive token the other tokens keep their dimension
     others = scan.mean("effective_rank", "others")
     assert min(others[plant.layer :]) > 4.0
+
+
+def test_gram_metrics_equal_the_svd_metrics_also_with_a_massive_row():
+    from me_interp.probes.geometry import gram_metrics
+
+    torch.manual_seed(1)
+    for scale in (1.0, 1e4):
+        x = torch.randn(9, 30, dtype=torch.float64)
+        x[0] *= scale  # one massive token
+        want = geometry_metrics(x)
+        got = gram_metrics(x @ x.T)
+        for m in want:
+            assert got[m] == pytest.approx(want[m], rel=1e-7), (scale, m)
+        keep = torch.arange(9) != 0
+        g = x @ x.T
+        others = gram_metrics(g[keep][:, keep])
+        assert others["effective_rank"] == pytest.approx(effective_rank(x[1:]), rel=1e-7)
+    assert np.isnan(gram_metrics(torch.ones(1, 1, dtype=torch.float64))["mean_cos"])
+    with pytest.raises(ValueError, match="all-zero"):
+        gram_metrics(torch.zeros(3, 3, dtype=torch.float64))
+
+
+def test_planted_reference_elsewhere_is_left_out(planted):
+    """A massive token that is not the first token: ``others`` leaves out that token."""
+    from me_interp.models import LoadedModel
+
+    model, plant = planted
+    no_bos = LoadedModel(
+        model.bridge, model.hf, model.tokenizer, "p", "no", model.dtype, model.device
+    )
+    batch = no_bos.tokenize(["w1 w2 <s> w3 w4 w5 w6", "w7 <s> w8 w9 w10"])
+    scan = geometry_scan(no_bos, batch, positions=[2, 1])
+    er = scan.mean("effective_rank")
+    others = scan.mean("effective_rank", "others")
+    assert max(er[plant.layer :]) < 1.5 and min(others[plant.layer :]) > 3.0

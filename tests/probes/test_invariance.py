@@ -115,3 +115,34 @@ def test_bad_inputs(tiny_nobos):
         invariance_scan(tiny_nobos, tiny_nobos.tokenize(["w1 w2 w3"]))
     with pytest.raises(ValueError, match="outside prompt"):
         invariance_scan(tiny_nobos, tiny_nobos.tokenize(["w1 w2 w3", "w4 w5"]), positions=[0, 2])
+
+
+def test_other_token_directions_and_pair_matrices_match_a_direct_computation(
+    tiny_nobos, word_prompts, capture
+):
+    model = tiny_nobos
+    batch = model.tokenize(word_prompts)
+    ref = [1, 0, 2, 3]
+    scan = invariance_scan(model, batch, positions=ref, others=True)
+    acts = capture(model, batch, {f"h{L}": names.resid_post(L) for L in range(3)})
+    cm, om, km = scan.cos_matrices(), scan.others_cos_matrices(), scan.key_cos_matrices()
+    for L in range(3):
+        h = acts[f"h{L}"].double()
+        units = []
+        for b, (n, r) in enumerate(zip(batch.lengths, ref)):
+            rows = torch.cat([h[b, :r], h[b, r + 1 : n]])
+            u = rows / rows.norm(dim=-1, keepdim=True)
+            units.append(u)
+            assert torch.allclose(scan.others[L, b].double(), u.mean(0), atol=1e-5)
+        # ū_a · ū_b is the mean cosine between every other token of a and of b
+        for a in range(4):
+            for b in range(4):
+                want = (units[a] @ units[b].T).mean()
+                assert om[L, a, b].item() == pytest.approx(want.item(), abs=1e-5)
+        p = scan.pairs(False)
+        assert cm[L][p].mean().item() == pytest.approx(scan.cos_across_inputs()[L], abs=1e-9)
+        for k, c in enumerate(scan.key_cos_across_inputs()[L]):
+            assert km[L, k][p].mean().item() == pytest.approx(c, abs=1e-9)
+    torch.testing.assert_close(scan.cos_to_layers().mean(-1), scan.cos_across_layers())
+    with pytest.raises(ValueError, match="other-token directions"):
+        invariance_scan(model, batch, positions=ref).others_cos_matrices()

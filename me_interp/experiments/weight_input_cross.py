@@ -1,0 +1,493 @@
+"""Weights × input cross: does the ME layer's RMSNorm–FFN pair make the massive output from any input?
+
+Swapping the ME layer's pre-FFN norm + FFN into another layer (``weight_swap``) moves the emergence
+only to some depths. Either the weights alone decide (paper.md §2.3: the RMSNorm–FFN pair creates the
+activation) and the swap fails elsewhere for another reason, or the *input* at that depth matters too
+(the "pre-existing directional tendency" the FFN amplifies, §2.6). This experiment separates the two
+without any edit, from **one** forward pass of the unedited model.
+
+For prompt ``b`` with massive token ``p_b`` (the detected massive position at the ME layer ``m``; 0
+when the prompt has none), every weights layer ``X`` and every input layer ``Y``:
+
+    r_{Y,b}      = resid_mid of layer Y at p_b           (the FFN-path input, before the norm)
+    F_X(h)       = FFN_X(RMSNorm_ffn,X(h))                (layer X's own modules, gain included)
+    C_b[X, Y]    = ‖F_X(r_{Y,b})‖ / median_{t ≠ p_b} ‖F_X(r_{X,b,t})‖
+
+The denominator is the typical FFN output norm of the prompt's *other* tokens at layer ``X`` (the
+actual ``hook_mlp_out``), so ``C ≈ 1`` is "an ordinary FFN output" and the diagonal ``C_b[X, X]`` is the
+actual massive-token ratio of layer ``X``'s FFN output. A cell is *large* when
+
+    C_b[X, Y] ≥ max(k, r · C_b[m, m])
+
+i.e. the FFN output is outsized (``k`` times an ordinary one; ``k`` = the threshold :data:`LARGE_KEY`)
+*and* keeps at least the fraction ``r`` of the massive output the ME layer actually makes (``r`` = the
+``removed`` threshold: below it an intervention counts as removing the massive activation). Inputs
+``Y ≤ m`` come before the emergence; from ``Y > m`` on the input already carries the massive
+activation (its normalised direction is a spike on the massive dims), so those columns are shown but
+not judged.
+
+Predictions on the judged region (columns ``Y ≤ m``, the observed cell ``(m, m)`` left out): the paper
+predicts large cells only in row ``X = m``, for every earlier input ``Y < m``; "the input matters"
+predicts large cells in a band of inputs ``Y`` near ``m`` — across rows, or in row ``m`` only there.
+
+Claims (:data:`SPECS`), each a mean over prompts with a bootstrap interval over prompts:
+
+* ``weight_input_cross.row_share`` — of the large cells in the judged region, the share in row ``m``
+  (0 when none is large); holds when the interval is ``≥`` ``cross_share``;
+* ``weight_input_cross.row_breadth`` — the fraction of earlier inputs ``Y < m`` whose cell ``(m, Y)``
+  is large; holds when ``≥`` ``moved_fraction`` (the forward-free analogue of ``weight_swap``'s moved
+  fraction: layer ``m``'s FFN path fed another depth's input);
+* ``weight_input_cross.diagonal`` (sanity: true by the detection rule) — ``C_b[m, m]``, the ME
+  layer's actual massive-token FFN output over the others'; holds when ``≥ k``.
+
+A model without a massive activation is "not applicable" unless ``--layer`` is given; an ME layer 0
+has no earlier input, so its row claims are "not applicable".
+
+    python -m me_interp.experiments.weight_input_cross
+    python -m me_interp.experiments.weight_input_cross --model synthetic:planted
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+import torch
+from jaxtyping import Bool, Float, Int
+
+from me_interp import claims, names
+from me_interp.edits import part_module
+from me_interp.experiments._weights import SCAN_SITES, no_massive_activation, short_batch
+from me_interp.experiments.common import (
+    INDEX_CONVENTION,
+    CommonConfig,
+    cli_main,
+    fmt_table,
+    model_for,
+)
+from me_interp.models import Batch, LoadedModel
+from me_interp.probes.batching import Chunk, record
+from me_interp.probes.massive import Criterion, locate_me_layer
+from me_interp.probes.norms import NormRecorder
+
+NAME = "weight_input_cross"
+LARGE_KEY = "cross_large"
+"""The threshold key of the large-cell factor ``k``."""
+
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        f"{NAME}.row_share",
+        "§2.3, §3",
+        "Only the ME layer's pre-FFN RMSNorm + FFN turn the massive token's pre-emergence state into "
+        "a massive FFN output: the large cells of the weights × input cross lie in the ME layer's row",
+        "per prompt, the share of the large cells (C ≥ max(k, r·C[m, m])) among inputs Y ≤ m, "
+        "cell (m, m) left out, that lie in row X = m (0 when none is large); mean over prompts",
+        ">=",
+        "cross_share",
+        "the same inputs through every other layer's pre-FFN norm + FFN (the other rows)",
+    ),
+    claims.Spec(
+        f"{NAME}.row_breadth",
+        "§2.3 vs §2.6",
+        "The ME layer's pre-FFN RMSNorm + FFN make the massive output from the massive token's state "
+        "at any earlier depth, not only from the input it gets at its own depth",
+        "per prompt, the fraction of inputs Y < m whose cell (m, Y) is large (C ≥ max(k, "
+        "r·C[m, m])); mean over prompts",
+        ">=",
+        "moved_fraction",
+        "the observed input Y = m (left out); weight_swap.ffn_path, which moves the same weights",
+    ),
+    claims.Spec(
+        f"{NAME}.diagonal",
+        "§2.1",
+        "The ME layer's FFN output on the massive token is large on its own input",
+        "per prompt, C[m, m]: the ME layer's actual FFN output on the massive token over the "
+        "median of the other tokens'; mean over prompts",
+        ">=",
+        LARGE_KEY,
+        "true by the detection rule (the ME layer is where the FFN makes the norm jump)",
+        kind="sanity",
+    ),
+)
+claims.check_specs(SPECS)
+SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+
+
+@dataclass(frozen=True)
+class Config(CommonConfig):
+    """Weights × input cross settings.
+
+    Attributes:
+        layer: the row to test, the ME layer ``m`` (0-based); ``None`` = the detected ME layer (a
+            model without one is then "not applicable").
+        n_prompts: how many prompts, spread evenly over the set (``0`` = all).
+        max_tokens: cut every prompt to its first ``max_tokens`` tokens (the massive token is among
+            the first; the others give the normalising median; ``0`` = no cut). One forward pass
+            keeps ``resid_mid`` of every layer, so memory grows with ``n_prompts × max_tokens``.
+        criterion: massive-activation criterion of ``probes.massive`` (sun, norm, either, both).
+    """
+
+    layer: int | None = None
+    n_prompts: int = 0
+    max_tokens: int = 64
+    criterion: str = "sun"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer is not None and self.layer < 0:
+            raise ValueError(f"layer must be >= 0, got {self.layer}")
+        if self.n_prompts < 0:
+            raise ValueError(f"n_prompts must be >= 0 (0 = all), got {self.n_prompts}")
+        if self.max_tokens != 0 and self.max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2 (or 0 = no cut), got {self.max_tokens}")
+        Criterion(kind=self.criterion)
+
+
+@dataclass
+class Result:
+    """What :func:`run` measured (0-based layers).
+
+    Attributes:
+        layer: the tested row ``m``; ``layer_given``: from ``--layer`` (else the detected ME layer).
+        me_layer: the ME layer detected on these prompts (``None``: none).
+        positions: per prompt, the massive token ``p_b``.
+        cross: ``[prompt][X][Y]`` the matrices ``C_b`` (see the module docstring).
+        large_factor: ``k``, the large-cell factor; ``large_fraction``: ``r``, the fraction of
+            ``C_b[m, m]`` a large cell keeps.
+    """
+
+    model: str
+    bos: str
+    layer: int
+    layer_given: bool
+    me_layer: int | None
+    n_layers: int
+    positions: list[int]
+    prompt_lengths: list[int]
+    cross: list[list[list[float]]]
+    large_factor: float
+    large_fraction: float
+    seed: int = 0
+    per_prompt: dict[str, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.per_prompt:
+            self.per_prompt = prompt_statistics(
+                np.asarray(self.cross), self.layer, self.large_factor, self.large_fraction
+            )
+
+    @property
+    def n_prompts(self) -> int:
+        return len(self.cross)
+
+    def matrix(self) -> np.ndarray:
+        """``[X, Y]`` the median over prompts of ``C_b``."""
+        return np.median(np.asarray(self.cross), axis=0)
+
+    def large_cells(self) -> list[tuple[int, int]]:
+        """Cells ``(X, Y)`` of :meth:`matrix` that are large (by its own ``C[m, m]``)."""
+        med = self.matrix()
+        thr = max(self.large_factor, self.large_fraction * med[self.layer, self.layer])
+        xs, ys = np.nonzero(med >= thr)
+        return [(int(x), int(y)) for x, y in zip(xs, ys)]
+
+    def to_dict(self) -> dict[str, Any]:
+        med = self.matrix()
+        return {
+            "layer": self.layer,
+            "layer_1based": self.layer + 1,
+            "layer_given": self.layer_given,
+            "me_layer": self.me_layer,
+            "me_layer_1based": None if self.me_layer is None else self.me_layer + 1,
+            "matrix_median": med.tolist(),
+            "row_me_median": med[self.layer].tolist(),
+            "large_cells_of_median": self.large_cells(),
+            "per_prompt": {
+                **self.per_prompt,
+                "position": self.positions,
+                "length": self.prompt_lengths,
+            },
+            "normalisation": "C_b[X, Y] = ||FFN_X(RMSNorm_X(resid_mid_Y[b, p_b]))|| / "
+            "median_{t != p_b} ||FFN_X(RMSNorm_X(resid_mid_X[b, t]))||; rows X = weights layer, "
+            "columns Y = input layer",
+            "large_rule": "C_b[X, Y] >= max(large_factor, large_fraction * C_b[m, m])",
+            "large_factor": self.large_factor,
+            "large_key": LARGE_KEY,
+            "large_fraction": self.large_fraction,
+            "large_fraction_key": "removed",
+            "model": self.model,
+            "bos": self.bos,
+            "index_convention": INDEX_CONVENTION,
+            "n_layers": self.n_layers,
+            "n_prompts": self.n_prompts,
+            "prompt_lengths": self.prompt_lengths,
+            "seed": self.seed,
+            "cross": self.cross,
+        }
+
+
+def prompt_statistics(
+    cross: Float[np.ndarray, "prompt X Y"], layer: int, k: float, r: float
+) -> dict[str, list[float]]:
+    """Per prompt: ``share`` (row ``layer``'s share of the large cells among inputs ``Y ≤ layer``,
+    cell ``(layer, layer)`` left out; 0 when none is large), ``breadth`` (fraction of ``Y < layer``
+    with a large cell ``(layer, Y)``; NaN for layer 0), ``diagonal`` (``C[layer, layer]``) and
+    ``threshold`` (``max(k, r · C[layer, layer])``, the large-cell bound)."""
+    n, L, _ = cross.shape
+    diag = cross[:, layer, layer]  # [prompt]
+    thr = np.maximum(k, r * diag)  # [prompt]
+    large = cross >= thr[:, None, None]  # [prompt X Y]
+    region = np.zeros((L, L), dtype=bool)
+    region[:, : layer + 1] = True
+    region[layer, layer] = False
+    in_region = (large & region).sum((1, 2))
+    in_row = (large & region)[:, layer].sum(-1)
+    share = np.where(in_region > 0, in_row / np.maximum(in_region, 1), 0.0)
+    breadth = large[:, layer, :layer].mean(-1) if layer > 0 else np.full(n, np.nan)
+    return {
+        "share": share.tolist(),
+        "breadth": breadth.tolist(),
+        "diagonal": diag.tolist(),
+        "threshold": thr.tolist(),
+        "n_large_in_region": in_region.tolist(),
+    }
+
+
+class ResidMidRecorder:
+    """Keeps ``resid_mid`` of every layer for the whole batch (the model's dtype and device), chunk
+    by chunk (``probes.batching``): ``out[Y, b, t]``."""
+
+    def __init__(self, model: LoadedModel, batch: Batch) -> None:
+        B, T = batch.tokens.shape
+        self.model = model
+        self.out = torch.zeros(
+            model.n_layers, B, T, model.d_model, dtype=model.dtype, device=model.device
+        )
+
+    def hooks(self, chunk: Chunk) -> list:
+        rows = chunk.rows.to(self.model.device)
+        keep = partial(self._keep, rows=rows, width=chunk.width)
+        return [(names.resid_mid(y), partial(keep, layer=y)) for y in range(self.model.n_layers)]
+
+    def _keep(self, x, hook, *, layer, rows, width):
+        self.out[layer, rows, :width] = x.detach().to(self.out.dtype)
+        return x
+
+
+def cross_matrices(
+    model: LoadedModel,
+    resid_mid: Float[torch.Tensor, "layer batch pos d_model"],
+    ffn_out_norms: Float[torch.Tensor, "layer batch pos"],
+    mask: Bool[torch.Tensor, "batch pos"],
+    positions: Int[torch.Tensor, " batch"],
+) -> Float[torch.Tensor, "batch X Y"]:
+    """``C_b[X, Y]`` (module docstring) from one run's ``resid_mid`` of every layer and the norms of
+    the actual FFN outputs (``names.ffn_out``, NaN at padding), with every layer's own pre-FFN norm
+    and FFN modules (``edits.part_module``), so the gain convention is the model's."""
+    L, B = model.n_layers, len(positions)
+    idx = torch.arange(B)
+    inputs = resid_mid[:, idx.to(resid_mid.device), positions.to(resid_mid.device)]  # [Y batch d]
+    flat = inputs.reshape(L * B, -1)  # [Y*batch d_model]
+    num = torch.empty(L, L, B)  # [X Y batch]
+    with torch.no_grad():
+        for x in range(L):
+            norm, ffn = part_module(model, x, "ffn_norm"), part_module(model, x, "ffn")
+            num[x] = ffn(norm(flat)).float().norm(dim=-1).reshape(L, B).cpu()
+    others = mask.clone()
+    others[idx, positions] = False
+    if not others.any(-1).all():
+        raise ValueError("the cross needs prompts with at least 2 tokens (the others normalise)")
+    den = ffn_out_norms.masked_fill(~others, float("nan")).nanmedian(dim=-1).values  # [X batch]
+    return (num / den[:, None, :]).permute(2, 0, 1)  # [batch X Y]
+
+
+def run(cfg: Config, model: LoadedModel | None = None) -> Result:
+    """One forward pass, then the cross of every layer's FFN path with every layer's input.
+
+    Raises:
+        NotApplicable: no massive activation on the model and no ``cfg.layer``.
+        ValueError: ``cfg.layer`` out of range.
+    """
+    model = model_for(cfg, model)
+    if cfg.layer is not None:
+        model.check_layer(cfg.layer)
+    batch = short_batch(model, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
+    crit = Criterion(kind=cfg.criterion)
+    norms = NormRecorder(model, batch, (*SCAN_SITES, "ffn_out"))
+    resid = ResidMidRecorder(model, batch)
+    record(model, batch, [norms, resid])
+    scan = norms.result()
+    loc = locate_me_layer(scan, crit)
+    if cfg.layer is None and loc.me_layer is None:
+        raise no_massive_activation(model, crit, len(batch), "to test a layer anyway")
+    layer = cfg.layer if cfg.layer is not None else loc.me_layer
+    positions = torch.tensor(loc.reference_positions)
+    cross = cross_matrices(model, resid.out, scan.site_norms("ffn_out"), scan.mask, positions)
+    return Result(
+        model=model.name,
+        bos=model.bos,
+        layer=layer,
+        layer_given=cfg.layer is not None,
+        me_layer=loc.me_layer,
+        n_layers=model.n_layers,
+        positions=positions.tolist(),
+        prompt_lengths=batch.lengths,
+        cross=cross.tolist(),
+        large_factor=claims.threshold(LARGE_KEY),
+        large_fraction=claims.threshold("removed"),
+        seed=cfg.seed,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# claims
+# ------------------------------------------------------------------------------------------
+
+
+def _details(result: Result) -> str:
+    m = result.layer
+    med = result.matrix()
+    return (
+        f"m = {m} (1-based {m + 1}, {'--layer' if result.layer_given else 'detected'}; detected ME "
+        f"layer {result.me_layer}); median-over-prompts row m for Y ≤ m: "
+        + ", ".join(f"{v:.3g}" for v in med[m, : m + 1])
+        + f"; large = C ≥ max(k = {result.large_factor:g} ('{LARGE_KEY}'), r = "
+        f"{result.large_fraction:g} ('removed') × C[m, m]); large cells of the median matrix "
+        f"(Y ≤ m): {[c for c in result.large_cells() if c[1] <= m]}"
+    )
+
+
+def verdicts(result: Result) -> list[claims.Claim]:
+    """The row-share, row-breadth and (sanity) diagonal claims, bootstrapped over prompts."""
+    pp, details, out = result.per_prompt, _details(result), []
+    for key in ("share", "breadth"):
+        spec = SPEC["row_share" if key == "share" else "row_breadth"]
+        if result.layer == 0:
+            out.append(
+                spec.not_applicable(
+                    "the tested layer is layer 0: there is no input from before the massive "
+                    "activation emerges to cross with"
+                )
+            )
+            continue
+        est = claims.bootstrap(pp[key], unit="prompts", seed=result.seed)
+        out.append(spec.judge(est, details=details))
+    est = claims.bootstrap(pp["diagonal"], unit="prompts", seed=result.seed)
+    out.append(SPEC["diagonal"].judge(est, details=details))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# figures and summary
+# ------------------------------------------------------------------------------------------
+
+
+def figures(result: Result) -> dict[str, go.Figure]:
+    L, m = result.n_layers, result.layer
+    med = result.matrix()
+    layers = list(range(L))
+    fig = go.Figure(
+        go.Heatmap(
+            z=np.log10(np.clip(med, 1e-12, None)).tolist(),
+            x=layers,
+            y=layers,
+            customdata=med.tolist(),
+            colorscale="Magma",
+            colorbar_title="log10 C",
+            hovertemplate="weights of layer %{y}, input of layer %{x}<br>C = %{customdata:.4g}"
+            "<extra></extra>",
+        )
+    )
+    fig.add_shape(
+        type="rect",
+        x0=-0.5,
+        x1=L - 0.5,
+        y0=m - 0.5,
+        y1=m + 0.5,
+        line={"color": "deepskyblue", "width": 2},
+    )
+    fig.add_vline(
+        x=m + 0.5,
+        line_dash="dash",
+        line_color="deepskyblue",
+        annotation_text=f"ME layer {m} (1-based {m + 1}): inputs ≤ {m} are judged",
+        annotation_position="top left",
+    )
+    fig.update_layout(
+        title=f"Weights × input cross: ‖FFN_X(RMSNorm_X(resid_mid_Y))‖ of the massive token over the "
+        f"other tokens' median FFN output at X — {result.model}<br><sup>median over "
+        f"{result.n_prompts} prompts; row X = {m} boxed; large = C ≥ max({result.large_factor:g}, "
+        f"{result.large_fraction:g} × C[{m}, {m}])</sup>",
+        xaxis_title="input: resid_mid of layer Y (0-based)",
+        yaxis_title="weights: pre-FFN norm + FFN of layer X (0-based)",
+        template="plotly_white",
+    )
+    cross = np.asarray(result.cross)
+    row = cross[:, m, :]  # [prompt Y]
+    others = np.delete(cross, m, axis=1).max(axis=1)  # [prompt Y]: the largest other row
+    fig_row = go.Figure()
+    for name, vals in (
+        (f"row X = {m} (ME layer)", row),
+        ("largest other row", others),
+    ):
+        q1, q2, q3 = np.quantile(vals, [0.25, 0.5, 0.75], axis=0)
+        fig_row.add_trace(
+            go.Scatter(
+                x=layers,
+                y=q2.tolist(),
+                mode="lines+markers",
+                name=name,
+                error_y={
+                    "type": "data",
+                    "symmetric": False,
+                    "array": (q3 - q2).tolist(),
+                    "arrayminus": (q2 - q1).tolist(),
+                },
+                hovertemplate="input layer %{x}: C = %{y:.4g}<extra>" + name + "</extra>",
+            )
+        )
+    thr = float(np.median(result.per_prompt["threshold"]))
+    fig_row.add_hline(y=thr, line_dash="dot", annotation_text=f"large (median threshold {thr:.3g})")
+    fig_row.add_vline(
+        x=m, line_dash="dash", line_color="firebrick", annotation_text=f"ME layer {m}"
+    )
+    fig_row.update_yaxes(type="log")
+    fig_row.update_layout(
+        title=f"The ME layer's pre-FFN norm + FFN fed the massive token's state of every layer — "
+        f"{result.model}<br><sup>median and interquartile range over {result.n_prompts} prompts</sup>",
+        xaxis_title="input: resid_mid of layer Y (0-based)",
+        yaxis_title="C (massive-token FFN output / others' median)",
+        template="plotly_white",
+    )
+    return {"cross_matrix": fig, "me_row": fig_row}
+
+
+def summary(result: Result) -> str:
+    m, med = result.layer, result.matrix()
+    cols = sorted({0, max(m - 2, 0), max(m - 1, 0), m, min(m + 1, result.n_layers - 1)})
+    rows = sorted({m, *(x for x, _ in result.large_cells())})
+    table = fmt_table(
+        ["X \\ Y", *(str(y) for y in cols)],
+        [(str(x), *(float(med[x, y]) for y in cols)) for x in rows],
+    )
+    return "\n".join(
+        [
+            f"model: {result.model}   tested row m = {m} (1-based {m + 1})   detected ME layer "
+            f"{result.me_layer}   prompts {result.n_prompts}",
+            "",
+            "median over prompts of C[X, Y] (rows: row m and the rows with a large cell):",
+            table,
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

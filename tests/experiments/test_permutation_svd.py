@@ -1,0 +1,402 @@
+"""rmsnorm_permutation and ffn_svd_ablation: the verdicts the planted construction implies, "not
+applicable" on models without a massive activation, the edits and metrics against hand computations,
+CLI smoke and bad inputs, and the bundled model with two-sided bounds."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+from me_interp import claims, names, synthetic
+from me_interp.claims import FAILS, HOLDS, NOT_APPLICABLE, NotApplicable
+from me_interp.edits import ffn_matrix, svd_ablated
+from me_interp.experiments import ffn_svd_ablation, rmsnorm_permutation
+from me_interp.experiments.common import execute
+
+# What the planted construction implies (synthetic.planted_llama: layer 2's pre-FFN gain is 8 on the
+# gain dims (3, 11); FFN neuron 5 reads them through gate and up and writes the massive dim 7; the
+# pre-attention norm plays no part in the creation).
+PLANTED_PERMUTATION = {
+    # a random permutation moves the two large gains away from the dims the neuron reads
+    "rmsnorm_permutation.ffn_permutation_removes": HOLDS,
+    "rmsnorm_permutation.attn_permutation_keeps": HOLDS,
+    "rmsnorm_permutation.top_dims_removes": HOLDS,  # the top-|w| dims are the gain dims
+    "rmsnorm_permutation.other_dims_keep": HOLDS,  # the gain dims stay where the neuron reads them
+    "rmsnorm_permutation.flatten_removes": HOLDS,  # gain 8 → about the mean (≈ 1.5)
+}
+PLANTED_SVD = {
+    # the planted neuron is the top singular direction of each of its three matrices
+    "ffn_svd_ablation.svd_gate_removes": HOLDS,
+    "ffn_svd_ablation.svd_up_removes": HOLDS,
+    "ffn_svd_ablation.svd_down_removes": HOLDS,
+    "ffn_svd_ablation.svd_gate_random_keeps": HOLDS,  # the other directions do not carry it
+    "ffn_svd_ablation.svd_up_random_keeps": HOLDS,
+    "ffn_svd_ablation.svd_down_random_keeps": HOLDS,
+    "ffn_svd_ablation.top_neuron_removes": HOLDS,  # neuron 5 alone makes it
+    "ffn_svd_ablation.top_neurons_remove": HOLDS,
+    "ffn_svd_ablation.random_neurons_keep": HOLDS,
+}
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "planted.txt"
+    path.write_text("\n".join(synthetic.planted_prompts(8)) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def snap_hf():
+    return lambda model: {k: v.detach().clone() for k, v in model.hf.state_dict().items()}
+
+
+def _verdicts(cs):
+    return {c.id: c.verdict for c in cs}
+
+
+def _check_claims(cs, specs):
+    """Every spec has exactly one claim, in order; judged claims carry an estimate and a rule."""
+    assert [c.id for c in cs] == [s.id for s in specs]
+    for c in cs:
+        assert isinstance(c, claims.Claim)
+        if c.verdict != NOT_APPLICABLE:
+            assert c.estimate is not None and c.estimate.n >= 1
+            assert "threshold 'removed'" in c.rule and c.control
+        json.dumps(c.to_dict())
+
+
+def _check_result(result, n_prompts):
+    d = result.to_dict()
+    json.dumps(d, default=str)
+    assert d["per_prompt"]["ratio_unedited"] and len(d["per_prompt"]["ratio_unedited"]) == n_prompts
+    before = np.mean(d["per_prompt"]["ratio_unedited"])
+    for row in result.rows:
+        after = row["ratio_at_layer_per_prompt"]
+        assert len(after) == n_prompts and d["per_prompt"]["ratio_edited"]
+        assert row["change"] == pytest.approx((np.mean(after) - 1) / (before - 1))  # excess left
+    return d
+
+
+# ---------------------------------------------------------------------------- rmsnorm_permutation
+
+
+def test_other_dims_permutation_moves_only_small_gain_dims():
+    w = torch.tensor([0.1, 5.0, 0.2, 0.3, 4.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1])
+    perm = rmsnorm_permutation.other_dims_permutation(w, 2, seed=3)
+    assert sorted(perm.tolist()) == list(range(12))
+    moved = [i for i in range(12) if perm[i] != i]
+    assert len(moved) == 4 and not {1, 4} & set(moved)  # 2 transpositions, no top-|w| dim
+    assert all(perm[int(perm[i])] == i for i in moved)  # transpositions
+    assert torch.equal(perm, rmsnorm_permutation.other_dims_permutation(w, 2, seed=3))
+    assert not torch.equal(perm, rmsnorm_permutation.other_dims_permutation(w, 2, seed=4))
+    with pytest.raises(ValueError, match="top_k"):
+        rmsnorm_permutation.other_dims_permutation(w, 5, seed=0)
+
+
+def test_rmsnorm_permutation_planted(planted, prompt_file):
+    model, plant = planted
+    cfg = rmsnorm_permutation.Config(prompts=prompt_file, n_prompts=0, top_k=2)
+    res = rmsnorm_permutation.run(cfg, model)
+    L = plant.layer
+    assert res.layer == L and not res.layer_given and res.massive_at_layer
+    assert set(res.top_dims["ffn"]) == set(plant.gain_dims)
+    assert res.survival("ffn", "random") == 0.0 and res.survival("ffn", "top") == 0.0
+    assert res.survival("ffn", "other") == 1.0
+    for kind in rmsnorm_permutation.KINDS:
+        assert res.survival("attn", kind) == 1.0  # the pre-attention gain does not create it
+    flat = {r["param"]: r for r in res.select("ffn", "flatten")}
+    assert not flat[0.0]["survives"]
+    base = res.baseline.ratio_at(L)
+    assert flat[0.0]["ratio_at_layer"] < flat[0.5]["ratio_at_layer"] < base  # monotone in α
+    # the excess left by hand: (mean edited R − 1) / (mean unedited R − 1) at the layer
+    row = res.select("ffn", "random")[0]
+    want = (np.mean(row["ratio_at_layer_per_prompt"]) - 1) / (
+        np.mean(res.baseline.prompt_ratio_at(L)) - 1
+    )
+    assert row["change"] == pytest.approx(want) and 0 <= row["change"] < 0.1
+    assert len(res.select("ffn", "random")) == cfg.n_random == claims.MIN_SEEDS
+    d = _check_result(res, len(synthetic.planted_prompts(8)))
+    assert d["layer_1based"] == L + 1 and d["summary"]["ffn_random"]["survival"] == 0.0
+    cs = rmsnorm_permutation.verdicts(res)
+    _check_claims(cs, rmsnorm_permutation.SPECS)
+    assert _verdicts(cs) == PLANTED_PERMUTATION
+    by = {c.id: c for c in cs}
+    assert by["rmsnorm_permutation.ffn_permutation_removes"].estimate.unit == "seeds"
+    assert by["rmsnorm_permutation.flatten_removes"].estimate.unit == "prompts"
+    assert set(rmsnorm_permutation.figures(res)) == {"ratio_after_edit", "flatten_sweep"}
+    assert " c" in rmsnorm_permutation.summary(res)
+
+
+@pytest.mark.parametrize("fixture", ["twin", "tiny_llama"])
+def test_rmsnorm_permutation_not_applicable_without_massive_activation(
+    fixture, request, prompt_file
+):
+    model = request.getfixturevalue(fixture)
+    model = model[0] if isinstance(model, tuple) else model
+    cfg = rmsnorm_permutation.Config(prompts=prompt_file)
+    with pytest.raises(NotApplicable, match="no massive activation"):
+        rmsnorm_permutation.run(cfg, model)
+    out = execute(rmsnorm_permutation, cfg, model)
+    assert out.result is None
+    assert [c.verdict for c in out.claims] == [NOT_APPLICABLE] * len(rmsnorm_permutation.SPECS)
+    assert all("massive" in c.why for c in out.claims)
+
+
+def test_rmsnorm_permutation_explicit_layer_on_twin(twin, prompt_file, snap_hf):
+    """--layer on a model without a massive activation: the edits run, no claim is judged."""
+    model, plant = twin
+    before = snap_hf(model)
+    cfg = rmsnorm_permutation.Config(prompts=prompt_file, layer=plant.layer, n_random=1, top_k=2)
+    res = rmsnorm_permutation.run(cfg, model)
+    assert res.layer_given and not res.massive_at_layer
+    cs = rmsnorm_permutation.verdicts(res)
+    assert {c.verdict for c in cs} == {NOT_APPLICABLE}
+    assert all("no massive activation at layer 2" in c.why for c in cs)
+    after = model.hf.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_rmsnorm_permutation_too_few_seeds_is_not_judged(planted, prompt_file):
+    model, _ = planted
+    cfg = rmsnorm_permutation.Config(prompts=prompt_file, n_random=2, alphas=(0.0,), norms=("ffn",))
+    cs = {c.id: c for c in rmsnorm_permutation.verdicts(rmsnorm_permutation.run(cfg, model))}
+    for name in ("ffn_permutation_removes", "top_dims_removes", "other_dims_keep"):
+        c = cs[f"rmsnorm_permutation.{name}"]
+        assert c.verdict == NOT_APPLICABLE and "at least 5" in c.why
+    # the control norm was not edited; the flattening is deterministic and still judged
+    assert "no attn random edit" in cs["rmsnorm_permutation.attn_permutation_keeps"].why
+    assert cs["rmsnorm_permutation.flatten_removes"].verdict == HOLDS
+
+
+def test_rmsnorm_permutation_bad_inputs(planted, prompt_file):
+    model, _ = planted
+    with pytest.raises(ValueError, match="top_k"):
+        rmsnorm_permutation.run(rmsnorm_permutation.Config(prompts=prompt_file, top_k=11), model)
+    with pytest.raises(ValueError, match="unknown norm"):
+        rmsnorm_permutation.Config(norms=("ln3",))
+    with pytest.raises(ValueError, match="n_random"):
+        rmsnorm_permutation.Config(n_random=-1)
+
+
+# ---------------------------------------------------------------------------- ffn_svd_ablation
+
+
+def _grab(x, hook, *, store, key):
+    store[key] = x.detach().clone()
+    return x
+
+
+def test_neuron_scores_by_hand(planted, prompt_file):
+    model, plant = planted
+    batch = model.tokenize(rmsnorm_permutation.Config(prompts=prompt_file).load_prompts())
+    L, dims = plant.layer, [plant.massive_dim]
+    pos = torch.zeros(len(batch), dtype=torch.long)
+    got = ffn_svd_ablation.neuron_scores(model, batch, L, pos, dims)
+    store: dict = {}
+    model.run_with_hooks(batch, [(names.ffn_in(L), partial(_grab, store=store, key="x"))])
+    w = model.ffn_weights(L)
+    x = store["x"][:, 0]  # [batch d_model] at the massive position 0
+    act = torch.nn.functional.silu(x @ w.gate.detach().T) * (x @ w.up.detach().T)
+    want = (act * w.down.detach()[plant.massive_dim]).abs().mean(0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert int(got.argmax()) == plant.neuron
+
+
+def test_directions_removed_matches_svd_ablated_and_restores(planted, snap_hf):
+    model, plant = planted
+    L = plant.layer
+    before = snap_hf(model)
+    for mat in ("gate", "up", "down"):
+        W = ffn_matrix(model, L, mat)
+        svd = ffn_svd_ablation.SVD.of(W)
+        with svd_ablated(model, L, mat, 3):
+            want = W.detach().clone()
+        with ffn_svd_ablation.directions_removed(W, svd, range(3)):
+            torch.testing.assert_close(W.detach(), want, atol=1e-6, rtol=0)
+        # other directions: W − Σ_{i∈S} s_i u_i v_iᵀ by hand
+        W0 = W.detach().double().clone()
+        U, S, Vh = torch.linalg.svd(W0, full_matrices=False)
+        by_hand = W0 - sum(S[i] * torch.outer(U[:, i], Vh[i]) for i in (4, 7))
+        with ffn_svd_ablation.directions_removed(W, svd, [4, 7]):
+            torch.testing.assert_close(W.detach().double(), by_hand, atol=1e-6, rtol=0)
+        with pytest.raises(RuntimeError), ffn_svd_ablation.directions_removed(W, svd, [0]):
+            raise RuntimeError("inside the edit")
+        with pytest.raises(ValueError, match="distinct"):
+            with ffn_svd_ablation.directions_removed(W, svd, [1, 1]):
+                pass
+    after = model.hf.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_random_others():
+    got = ffn_svd_ablation.random_others(20, range(5), 5, seed=1)
+    assert len(set(got)) == 5 and min(got) >= 5 and got == sorted(got)
+    assert got == ffn_svd_ablation.random_others(20, range(5), 5, seed=1)
+    with pytest.raises(ValueError, match="cannot draw"):
+        ffn_svd_ablation.random_others(6, range(5), 2, seed=0)
+
+
+def test_ffn_svd_ablation_planted(planted, prompt_file):
+    model, plant = planted
+    cfg = ffn_svd_ablation.Config(prompts=prompt_file, n_prompts=0, ks=(1, 4), n_neurons=2)
+    res = ffn_svd_ablation.run(cfg, model)
+    assert res.layer == plant.layer and res.massive_at_layer
+    assert res.neurons[0] == plant.neuron and plant.massive_dim in res.massive_dims
+    assert res.kill_k("down") == res.kill_k("up") == res.kill_k("gate") == 1
+    assert [r["k"] for r in res.select("svd", "down")] == [1, 4, 8]  # claim_k is always run
+    assert res.singular_values["down"][0] == pytest.approx(plant.down_scale, rel=1e-4)
+    assert not res.neurons_row([plant.neuron])["survives"]
+    assert res.neurons_row([res.neurons[1]])["survives"]  # the runner-up is not the mechanism
+    for r in res.select("svd_random"):
+        assert r["survives"] and min(r["directions"]) >= cfg.claim_k
+    for r in res.select("neurons_random"):
+        assert r["survives"] and not set(r["neurons"]) & set(res.neurons)
+    assert len(res.select("neurons_random")) == cfg.n_random
+    _check_result(res, len(synthetic.planted_prompts(8)))
+    cs = ffn_svd_ablation.verdicts(res)
+    _check_claims(cs, ffn_svd_ablation.SPECS)
+    assert _verdicts(cs) == PLANTED_SVD
+    assert set(ffn_svd_ablation.figures(res)) == {"svd_sweep", "neuron_ablation"}
+    assert " c" in ffn_svd_ablation.summary(res)
+
+
+@pytest.mark.parametrize("fixture", ["twin", "tiny_llama"])
+def test_ffn_svd_ablation_not_applicable_without_massive_activation(fixture, request, prompt_file):
+    model = request.getfixturevalue(fixture)
+    model = model[0] if isinstance(model, tuple) else model
+    cfg = ffn_svd_ablation.Config(prompts=prompt_file)
+    out = execute(ffn_svd_ablation, cfg, model)
+    assert out.result is None and "no massive activation" in out.not_applicable
+    assert [c.verdict for c in out.claims] == [NOT_APPLICABLE] * len(ffn_svd_ablation.SPECS)
+
+
+def test_ffn_svd_ablation_explicit_layer_on_twin(twin, prompt_file):
+    model, plant = twin
+    cfg = ffn_svd_ablation.Config(
+        prompts=prompt_file, layer=plant.layer, ks=(1,), claim_k=1, n_neurons=1, n_random=1
+    )
+    res = ffn_svd_ablation.run(cfg, model)
+    assert not res.massive_at_layer
+    assert {c.verdict for c in ffn_svd_ablation.verdicts(res)} == {NOT_APPLICABLE}
+
+
+def test_ffn_svd_ablation_bad_inputs(planted, prompt_file):
+    model, _ = planted
+    with pytest.raises(ValueError, match="exceeds the rank"):
+        ffn_svd_ablation.run(ffn_svd_ablation.Config(prompts=prompt_file, ks=(33,)), model)
+    with pytest.raises(ValueError, match="half the rank"):
+        ffn_svd_ablation.run(ffn_svd_ablation.Config(prompts=prompt_file, claim_k=17), model)
+    with pytest.raises(ValueError, match="half the FFN width"):
+        ffn_svd_ablation.run(ffn_svd_ablation.Config(prompts=prompt_file, n_neurons=40), model)
+    with pytest.raises(ValueError, match="unknown FFN matrix"):
+        ffn_svd_ablation.Config(matrices=("o",))
+    with pytest.raises(ValueError, match=">= 1"):
+        ffn_svd_ablation.Config(ks=(0,))
+
+
+# ---------------------------------------------------------------------------- command line
+
+CLI = [
+    (rmsnorm_permutation, ["--n-random", "5", "--alphas", "0", "--norms", "ffn", "--top-k", "2"]),
+    (ffn_svd_ablation, ["--ks", "1", "--n-neurons", "1", "--matrices", "down"]),
+]
+
+
+@pytest.mark.parametrize("module,args", CLI, ids=[m.NAME for m, _ in CLI])
+def test_cli_smoke(module, args, prompt_file, tmp_path, capsys):
+    argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(tmp_path)]
+    rc = module.main(argv + ["--device", "cpu", *args])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"[holds] {module.NAME}." in out and "rule: holds if" in out
+    run_dir = next((tmp_path / module.NAME).iterdir())
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["layer"] == 2 and result["per_prompt"]["ratio_unedited"]
+    assert {c["id"] for c in result["claims"]} == {s.id for s in module.SPECS}
+    assert (run_dir / "config.json").is_file() and (run_dir / "env.json").is_file()
+    assert list(run_dir.glob("*.html"))
+
+
+@pytest.mark.parametrize("module", [rmsnorm_permutation, ffn_svd_ablation])
+def test_cli_not_applicable_exits_0(module, prompt_file, tmp_path, capsys):
+    argv = ["--model", "synthetic:twin", "--prompts", prompt_file, "--out", str(tmp_path)]
+    assert module.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "not applicable" in out and "no massive activation" in out
+
+
+@pytest.mark.parametrize("module", [rmsnorm_permutation, ffn_svd_ablation])
+def test_cli_help(module, capsys):
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0
+    assert "--model" in capsys.readouterr().out
+
+
+BAD = [
+    (ffn_svd_ablation, ["--ks", "1000"], "exceeds the rank"),
+    (rmsnorm_permutation, ["--top-k", "20"], "top_k"),
+    (rmsnorm_permutation, ["--layer", "9"], "out of range"),
+]
+
+
+@pytest.mark.parametrize("module,args,message", BAD, ids=[f"{m.NAME}:{a[0]}" for m, a, _ in BAD])
+def test_cli_bad_inputs(module, args, message, prompt_file, tmp_path, capsys):
+    argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(tmp_path)]
+    assert module.main(argv + ["--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err
+    assert not (tmp_path / module.NAME).exists() or not any((tmp_path / module.NAME).iterdir())
+
+
+# ---------------------------------------------------------------------------- bundled model
+
+
+@pytest.mark.slow
+def test_rmsnorm_permutation_bundled(bundled):
+    """Real SmolLM2-135M (ME layer 11): no edit of the pre-FFN gain removes the massive activation —
+    only its scale matters (docs/permutation_svd.md). Defaults: 8 prompts of 16 tokens."""
+    res = rmsnorm_permutation.run(rmsnorm_permutation.Config(), bundled)
+    assert res.layer == 11 and res.n_prompts == 8
+    assert 100 < res.baseline.ratio_at(11) < 250
+    for kind in ("random", "top", "other", "flatten"):
+        for r in res.select("ffn", kind):
+            assert r["survives"] and 0.8 < r["change"] < 1.2
+    v = _verdicts(rmsnorm_permutation.verdicts(res))
+    assert v == {
+        "rmsnorm_permutation.ffn_permutation_removes": FAILS,
+        "rmsnorm_permutation.attn_permutation_keeps": HOLDS,
+        "rmsnorm_permutation.top_dims_removes": FAILS,
+        "rmsnorm_permutation.other_dims_keep": HOLDS,
+        "rmsnorm_permutation.flatten_removes": FAILS,
+    }
+
+
+@pytest.mark.slow
+def test_ffn_svd_ablation_bundled(bundled):
+    """Real SmolLM2-135M: the input side of the ME layer's FFN reads the massive token through one or
+    two singular directions (W_up k = 1, W_gate k = 2 remove it); W_down's top directions do not; three
+    neurons together do, the top one alone does not."""
+    res = ffn_svd_ablation.run(ffn_svd_ablation.Config(ks=(1, 2, 8)), bundled)
+    assert res.layer == 11 and res.neurons[:2] == [1229, 1487]
+    assert res.kill_k("up") == 1 and res.kill_k("gate") == 2 and res.kill_k("down") is None
+    assert 0.4 < res.svd_row("down", 8)["change"] < 0.8
+    assert res.svd_row("up", 8)["change"] < 0.05 and res.svd_row("gate", 8)["change"] < 0.05
+    assert 0.15 < res.neurons_row([1229])["change"] < 0.4
+    assert res.neurons_row(res.neurons)["change"] < 0.05
+    v = _verdicts(ffn_svd_ablation.verdicts(res))
+    assert v == {
+        "ffn_svd_ablation.svd_gate_removes": HOLDS,
+        "ffn_svd_ablation.svd_up_removes": HOLDS,
+        "ffn_svd_ablation.svd_down_removes": FAILS,
+        "ffn_svd_ablation.svd_gate_random_keeps": HOLDS,
+        "ffn_svd_ablation.svd_up_random_keeps": HOLDS,
+        "ffn_svd_ablation.svd_down_random_keeps": HOLDS,
+        "ffn_svd_ablation.top_neuron_removes": FAILS,
+        "ffn_svd_ablation.top_neurons_remove": HOLDS,
+        "ffn_svd_ablation.random_neurons_keep": HOLDS,
+    }

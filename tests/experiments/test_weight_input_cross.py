@@ -1,0 +1,215 @@
+"""weight_input_cross: the cross matrix against a hand computation from raw weights, the cells the
+planted construction makes large (computed from the plant), "not applicable" / "fails" on models
+without the mechanism, CLI smoke, and the bundled model with two-sided bounds."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+from me_interp import claims, load_model, names, synthetic
+from me_interp.claims import FAILS, HOLDS, NOT_APPLICABLE, NotApplicable
+from me_interp.experiments import weight_input_cross as wic
+
+PLANTED = {
+    "weight_input_cross.row_share": HOLDS,
+    "weight_input_cross.row_breadth": HOLDS,
+    "weight_input_cross.diagonal": HOLDS,  # sanity
+}
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "planted.txt"
+    path.write_text("\n".join(synthetic.planted_prompts(5)) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def planted_result(planted, prompt_file):
+    return wic.run(wic.Config(prompts=prompt_file), planted[0])
+
+
+def _grab(x, hook, *, store, key):
+    store[key] = x.detach().clone()
+    return x
+
+
+def _hand_ffn_path(model, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """RMSNorm (h / sqrt(mean h² + eps) ⊙ w) then SwiGLU, from the raw weights (Llama convention)."""
+    w = model.ffn_norm_gain(layer).detach()
+    x = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + model.norm_eps()) * w
+    f = model.ffn_weights(layer)
+    act = torch.nn.functional.silu(x @ f.gate.detach().T) * (x @ f.up.detach().T)
+    return act @ f.down.detach().T
+
+
+def test_cross_matches_hand_computation(planted, planted_result):
+    """C_b[X, Y] rebuilt from hooked resid_mid / hook_mlp_out and hand-written norm + FFN; the
+    diagonal equals the actual FFN output ratio of the massive token."""
+    model, _ = planted
+    res = planted_result
+    batch = model.tokenize(synthetic.planted_prompts(5))
+    store: dict = {}
+    hooks = []
+    for L in range(model.n_layers):
+        hooks.append((names.resid_mid(L), partial(_grab, store=store, key=("mid", L))))
+        hooks.append((names.ffn_out(L), partial(_grab, store=store, key=("out", L))))
+    model.run_with_hooks(batch, hooks)
+    mask = batch.attention_mask.bool()
+    L = model.n_layers
+    for b, p in enumerate(res.positions):
+        others = [t for t in range(int(mask[b].sum())) if t != p]
+        want = np.zeros((L, L))
+        for x in range(L):
+            den = store[("out", x)][b, others].norm(dim=-1).median()
+            actual = store[("out", x)][b, p].norm()
+            for y in range(L):
+                want[x, y] = float(_hand_ffn_path(model, x, store[("mid", y)][b, p]).norm() / den)
+            assert res.cross[b][x][x] == pytest.approx(float(actual / den), rel=1e-4)
+        np.testing.assert_allclose(np.asarray(res.cross[b]), want, rtol=1e-4)
+
+
+def test_planted_cross_is_large_exactly_where_the_construction_says(planted, planted_result):
+    """Layer 2's pair reads the gain dims (3, 11): the BOS token carries 1.0 there at every depth, and
+    nothing writes the massive dim 7 before layer 2's FFN. So for inputs Y ≤ 2 the planted neuron gets
+    s = Σ_{i∈G} w_i r_i / rms(r) = 2 · 8 / rms(r_Y) and writes down_scale · silu(s) · s into dim 7; for
+    Y > 2 the input already holds that value on dim 7, rms(r) is huge and s ≈ 0. No other row has the
+    neuron. Large cells: (2, 0), (2, 1), (2, 2) and nothing else."""
+    model, plant = planted
+    res = planted_result
+    m = plant.layer
+    assert res.layer == m and res.me_layer == m and res.positions == [0] * 5
+    batch = model.tokenize(synthetic.planted_prompts(5))
+    store: dict = {}
+    hooks = [
+        (names.resid_mid(y), partial(_grab, store=store, key=y)) for y in range(model.n_layers)
+    ]
+    hooks += [(names.ffn_out(m), partial(_grab, store=store, key="out"))]
+    model.run_with_hooks(batch, hooks)
+    for b in range(len(batch)):
+        others = store["out"][b, 1 : batch.lengths[b]].norm(dim=-1).median()
+        for y in range(model.n_layers):
+            r = store[y][b, 0]
+            if y <= m:
+                assert r[plant.massive_dim] == 0 and torch.all(r[list(plant.gain_dims)] == 1)
+                s = len(plant.gain_dims) * plant.gain / torch.sqrt(r.pow(2).mean() + 1e-6)
+                neuron = plant.down_scale * torch.nn.functional.silu(s) * s
+                assert res.cross[b][m][y] * float(others) == pytest.approx(float(neuron), rel=1e-2)
+            else:
+                assert abs(r[plant.massive_dim]) > 100
+                assert res.cross[b][m][y] < res.large_factor
+    assert res.large_cells() == [(m, 0), (m, 1), (m, 2)]
+    pp = res.per_prompt
+    assert pp["share"] == [1.0] * 5 and pp["breadth"] == [1.0] * 5
+    assert all(n == 2 for n in pp["n_large_in_region"])  # (2, 0) and (2, 1); (2, 2) is left out
+
+
+def test_planted_verdicts_and_result(planted_result):
+    res = planted_result
+    cs = wic.verdicts(res)
+    assert [c.id for c in cs] == [s.id for s in wic.SPECS]
+    assert {c.id: c.verdict for c in cs} == PLANTED
+    by = {c.id: c for c in cs}
+    assert by["weight_input_cross.diagonal"].kind == "sanity"
+    share = by["weight_input_cross.row_share"]
+    assert share.estimate.unit == "prompts" and share.estimate.n == 5
+    assert share.threshold == claims.threshold("cross_share")
+    assert by["weight_input_cross.row_breadth"].threshold == claims.threshold("moved_fraction")
+    d = res.to_dict()
+    assert len(d["per_prompt"]["share"]) == 5
+    assert np.asarray(d["cross"]).shape == (5, 5, 5)
+    json.dumps(d)
+    assert set(wic.figures(res)) == {"cross_matrix", "me_row"}
+    assert "median over prompts of C[X, Y]" in wic.summary(res)
+
+
+def test_prompt_statistics_by_hand():
+    """A 3-layer cross with m = 2: large = C ≥ max(k, r·C[m, m])."""
+    c = np.ones((1, 3, 3))
+    c[0, 2, 2] = 1000.0  # the observed massive output
+    c[0, 2, 0] = 500.0  # row m, an earlier input: large
+    c[0, 1, 1] = 200.0  # another row: large, in the judged region
+    c[0, 0, 1] = 50.0  # ≥ k but < r·C[m, m] = 100: not large
+    pp = wic.prompt_statistics(c, layer=2, k=10.0, r=0.1)
+    assert pp["threshold"] == [100.0] and pp["diagonal"] == [1000.0]
+    assert pp["share"] == [0.5] and pp["breadth"] == [0.5] and pp["n_large_in_region"] == [2]
+    small = np.ones((1, 3, 3))
+    small[0, 2, 2] = 5.0  # below k: nothing is large, so nothing is "in row m"
+    pp = wic.prompt_statistics(small, layer=2, k=10.0, r=0.1)
+    assert pp["share"] == [0.0] and pp["breadth"] == [0.0]
+
+
+@pytest.mark.parametrize("fixture", ["twin", "tiny_llama"])
+def test_without_massive_activation(fixture, request, prompt_file):
+    model = request.getfixturevalue(fixture)
+    model = model[0] if isinstance(model, tuple) else model
+    with pytest.raises(NotApplicable, match="no massive activation on this model"):
+        wic.run(wic.Config(prompts=prompt_file), model)
+    res = wic.run(wic.Config(prompts=prompt_file, layer=2), model)
+    cs = wic.verdicts(res)
+    assert all(c.verdict == FAILS for c in cs if c.kind == "claim"), [c.verdict for c in cs]
+    assert res.large_cells() == []
+
+
+def test_layer_zero_has_no_earlier_input(prompt_file):
+    hf, tok, _ = synthetic.planted_llama(layer=0)
+    res = wic.run(wic.Config(prompts=prompt_file), load_model(hf, tokenizer=tok, device="cpu"))
+    assert res.layer == 0
+    v = {c.id: c.verdict for c in wic.verdicts(res)}
+    assert (
+        v["weight_input_cross.row_share"] == v["weight_input_cross.row_breadth"] == NOT_APPLICABLE
+    )
+    assert v["weight_input_cross.diagonal"] == HOLDS
+
+
+def test_bad_inputs(planted, prompt_file):
+    with pytest.raises(ValueError, match="out of range"):
+        wic.run(wic.Config(prompts=prompt_file, layer=5), planted[0])
+    with pytest.raises(ValueError, match="max_tokens"):
+        wic.Config(max_tokens=1)
+    with pytest.raises(ValueError, match="criterion"):
+        wic.Config(criterion="loud")
+
+
+def test_cli_smoke_and_help(prompt_file, tmp_path, capsys):
+    argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(tmp_path)]
+    assert wic.main([*argv, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "[holds] weight_input_cross.row_share" in out
+    run_dir = next((tmp_path / wic.NAME).iterdir())
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["layer"] == 2
+    assert [c["verdict"] for c in result["claims"]] == list(PLANTED.values())
+    assert {p.stem for p in run_dir.glob("*.html")} >= {"cross_matrix", "me_row"}
+    assert wic.main([*argv, "--layer", "9"]) == 2
+    assert "out of range" in capsys.readouterr().err
+    twin = ["--model", "synthetic:twin", "--prompts", prompt_file, "--out", str(tmp_path / "t")]
+    assert wic.main(twin) == 0  # not applicable is an answer, not an error
+    assert "no massive activation on this model" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        wic.main(["--help"])
+    assert e.value.code == 0 and "--max-tokens" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bundled(bundled):
+    """SmolLM2-135M (ME layer 11), 82 built-in prompts cut to 64 tokens: only layer 11's pair makes a
+    massive output from pre-emergence inputs (row share holds), but only from layer 10's input — at
+    earlier depths it gives ~10-30x an ordinary FFN output, far from the ~700x it makes on its own
+    input (row breadth fails). Numbers from docs/weight_experiments.md."""
+    res = wic.run(wic.Config(), bundled)
+    assert res.layer == res.me_layer == 11
+    med = res.matrix()
+    assert 400 < med[11, 11] < 1500  # measured 732
+    assert 80 < med[11, 10] < 400  # measured 189
+    assert 5 < med[11, 9] < 60  # measured 21.5
+    assert [c for c in res.large_cells() if c[1] <= 11] == [(11, 10), (11, 11)]
+    v = {c.id: c for c in wic.verdicts(res)}
+    share, breadth = v["weight_input_cross.row_share"], v["weight_input_cross.row_breadth"]
+    assert share.verdict == HOLDS and 0.75 < share.estimate.lo < share.estimate.hi < 1.0  # 0.93
+    assert breadth.verdict == FAILS and breadth.estimate.hi < 0.2  # measured 1/11 on every prompt
