@@ -194,16 +194,17 @@ class Estimate:
         return cls(**{k: _float(v) for k, v in d.items()})
 
     def text(self) -> str:
-        v = _num(self.value)
+        v = fmt_num(self.value)
         if self.method == "exact":
             return f"{v} (exact, n = {self.n} {self.unit})"
         return (
-            f"{v} [{_num(self.lo)}, {_num(self.hi)}] ({self.level:.0%} CI, bootstrap over "
+            f"{v} [{fmt_num(self.lo)}, {fmt_num(self.hi)}] ({self.level:.0%} CI, bootstrap over "
             f"n = {self.n} {self.unit})"
         )
 
 
-def _num(x: float) -> str:
+def fmt_num(x: float) -> str:
+    """A number in three significant digits (``nan``/``inf`` spelled out)."""
     if x != x:
         return "nan"
     if math.isinf(x):

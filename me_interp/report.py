@@ -52,6 +52,7 @@ FINISHED = ("done", NOT_APPLICABLE)
 """Battery statuses of an experiment that ran to the end (and is skipped on resume)."""
 STATE_FILE = "battery.json"
 REPORT_FILE = "report.html"
+SUMMARY_FILE = "report.md"
 COMMON_KEYS = ("model", "prompts", "bos", "dtype", "device", "seed", "out", "threads")
 
 
@@ -252,7 +253,43 @@ given). Sanity checks (grey) are true by construction and are not evidence. Thre
 {"".join(sections)}
 </body></html>
 """
+    io.atomic_write_text(out / SUMMARY_FILE, verdicts_markdown(state, experiments))
     return io.atomic_write_text(out / REPORT_FILE, body)
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str] = EXPERIMENTS) -> str:
+    """``<out>/report.md``: one table row per claim (verdict, estimate with interval, n), ready to
+    paste; sanity checks are marked and not-applicable rows give the reason."""
+
+    rows = [
+        "| experiment | claim | verdict | estimate [95% CI] | n |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name in experiments:
+        entry = state["experiments"].get(name)
+        if entry is None or entry.get("status") not in FINISHED:
+            status = "not run" if entry is None else f"failed: {entry.get('error', '')}"
+            rows.append(f"| {name} | | {_md_cell(status)} | | |")
+            continue
+        for d in entry.get("claims") or []:
+            c = claims_mod.Claim.from_dict(d)
+            verdict = f"**{c.verdict}**" + (" (sanity check)" if c.kind == "sanity" else "")
+            if c.estimate is None:
+                est, n = _md_cell(c.why), ""
+            else:
+                e = c.estimate
+                est = claims_mod.fmt_num(e.value)
+                if e.method != "exact":
+                    est += f" [{claims_mod.fmt_num(e.lo)}, {claims_mod.fmt_num(e.hi)}]"
+                n = f"{e.n} {e.unit}"
+            rows.append(f"| {name} | `{c.id}` | {verdict} | {est} | {n} |")
+    n = claims_mod.counts(d for e in state["experiments"].values() for d in e.get("claims") or [])
+    head = ", ".join(f"{v}: {k}" for v, k in n.items())
+    return f"Claims ({head}; sanity checks not counted)\n\n" + "\n".join(rows) + "\n"
 
 
 def _relpath(path: Path, start: Path) -> str:
@@ -267,9 +304,6 @@ def claims_markdown(experiments: Sequence[str] = EXPERIMENTS) -> str:
     Regenerate with ``python -c "from me_interp.report import claims_markdown as m; print(m(), end='')"
     > docs/claims.md`` (a test checks the file is current).
     """
-
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\n", " ")
 
     lines = [
         "# Claims, rules and thresholds",
@@ -295,7 +329,7 @@ def claims_markdown(experiments: Sequence[str] = EXPERIMENTS) -> str:
         "| --- | --- | --- |",
     ]
     for name, t in claims_mod.THRESHOLDS.items():
-        lines.append(f"| `{name}` | {t.value:g} | {cell(t.doc)} |")
+        lines.append(f"| `{name}` | {t.value:g} | {_md_cell(t.doc)} |")
     lines += ["", "## Claims by experiment", ""]
     for name in experiments:
         module = importlib.import_module(f"me_interp.experiments.{name}")
@@ -307,8 +341,8 @@ def claims_markdown(experiments: Sequence[str] = EXPERIMENTS) -> str:
         ]
         for s in module.SPECS:
             lines.append(
-                f"| `{s.id}` | {cell(s.section)} | {s.kind} | {cell(s.statement)} | "
-                f"{cell(s.statistic)} | {s.op} `{s.threshold}` ({s.value:g}) | {cell(s.control)} |"
+                f"| `{s.id}` | {_md_cell(s.section)} | {s.kind} | {_md_cell(s.statement)} | "
+                f"{_md_cell(s.statistic)} | {s.op} `{s.threshold}` ({s.value:g}) | {_md_cell(s.control)} |"
             )
         lines.append("")
     return "\n".join(lines)

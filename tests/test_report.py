@@ -40,6 +40,10 @@ def test_full_battery_on_planted_model(args, capsys):
     me = state["experiments"]["me_layer"]["claims"][0]
     assert me["verdict"] == claims.HOLDS and "ME layer 2" in me["line"]
     assert "holds:" in html and "95% CI" in html
+    md = (out / report.SUMMARY_FILE).read_text()
+    n_claims = sum(len(e["claims"]) for e in state["experiments"].values())
+    assert md.count("\n| ") == n_claims + 2  # header, rule, one row per claim
+    assert "| me_layer | `me_layer.sudden_birth` | **holds** |" in md
     printed = capsys.readouterr()
     assert (
         "report:" in printed.out

@@ -304,11 +304,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
         return claims.not_applicable(SPECS, s.why_not())
     heads = r.sink_heads()
     if not heads:
-        return claims.not_applicable(
-            SPECS,
-            f"no sink head: no head after layer {s.layer} attends to position {s.position} with "
-            f"at least {claims.threshold('sink_attention'):g} (threshold 'sink_attention')",
-        )
+        return claims.not_applicable(SPECS, causal.no_sink_head(s.layer, s.position))
     b_old, b_new = r.sink_to("baseline")
     n = len(r.prompts.indices)
     ctx = (

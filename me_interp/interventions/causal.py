@@ -581,6 +581,14 @@ def excess_stat(a: np.ndarray) -> float:
     return excess_fraction(float(m[0]), float(m[1]))
 
 
+def no_sink_head(layer: int, position: int) -> str:
+    """Why sink claims are not applicable when no head after ``layer`` attends to ``position``."""
+    return (
+        f"no sink head: no head after layer {layer} attends to position {position} with at least "
+        f"{claims.threshold('sink_attention'):g} (threshold 'sink_attention')"
+    )
+
+
 @dataclass(frozen=True)
 class MassiveSite:
     """Where the massive activation is, as measured by the ME-layer probe on a batch.
