@@ -16,8 +16,14 @@ import sys
 from collections.abc import Sequence
 
 from me_interp.claims import Claim
-from me_interp.experiments.common import CommonConfig, apply_threads, build_parser, config_from_args
-from me_interp.models import ModelLoadError
+from me_interp.experiments.common import (
+    BAD_INPUT,
+    CommonConfig,
+    apply_threads,
+    build_parser,
+    config_from_args,
+    is_bad_input,
+)
 from me_interp.report import EXPERIMENTS, FINISHED, NOT_APPLICABLE, REPORT_FILE, run_battery
 
 
@@ -37,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=lambda line: print(line, file=sys.stderr, flush=True),
             fresh=args.fresh,
         )
-    except (ValueError, TypeError, FileNotFoundError, ModelLoadError) as e:
+    except BAD_INPUT as e:
+        if not is_bad_input(e):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     failed = [n for n in chosen if state["experiments"].get(n, {}).get("status") not in FINISHED]

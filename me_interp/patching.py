@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -42,6 +44,10 @@ from tqdm.auto import tqdm
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.norms import ratio_to_others
+
+#: Environment variable: when set (not ``""``/``"0"``), a ``skip_shared`` sweep that cannot run the
+#: block suffix raises instead of warning and falling back to full forwards (tests set it).
+STRICT_ENV = "ME_INTERP_STRICT"
 
 #: Sites a sweep can patch; ``mlp_out`` is TransformerLens' name for ``ffn_out``.
 PATCH_SITES: tuple[str, ...] = (*names.SITES, "mlp_out")
@@ -181,6 +187,8 @@ class SweepResult:
     ``values[metric]`` is ``[layer, pos, batch]`` in the order of ``layers`` and ``positions``;
     ``clean`` / ``corrupt`` are the unpatched runs' ``[batch]`` values. ``to_dict()`` keeps them all
     (``per_prompt``), so intervals can be bootstrapped over prompts from a saved result.
+    ``prefix_fallback`` says why a ``skip_shared`` sweep fell back to full forwards (``None`` when it
+    did not, or did not try).
     """
 
     site: str
@@ -193,6 +201,7 @@ class SweepResult:
     batch_size: int = 0
     metric_names: list[str] = field(default_factory=list)
     prefix_skipped: bool = False
+    prefix_fallback: str | None = None
 
     def mean(self, metric: str) -> Float[torch.Tensor, "layer pos"]:
         return self.values[metric].mean(-1)
@@ -222,6 +231,7 @@ class SweepResult:
             "n_forwards": self.n_forwards,
             "batch_size": self.batch_size,
             "prefix_skipped": self.prefix_skipped,
+            "prefix_fallback": self.prefix_fallback,
             "per_prompt": {
                 "clean": {k: v.tolist() for k, v in self.clean.items()},
                 "corrupt": {k: v.tolist() for k, v in self.corrupt.items()},
@@ -270,6 +280,51 @@ def _run_blocks(model: LoadedModel, resid: torch.Tensor, start: int, stop: int, 
             out = model.bridge.blocks[i](h, **kwargs)
             h = out[0] if isinstance(out, tuple) else out
     return h
+
+
+def strict() -> bool:
+    """Whether a fallback to full forwards raises (:data:`STRICT_ENV` set to anything but ``""`` or
+    ``"0"``; the test suite sets it) instead of warning."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+def _check_suffix(
+    model: LoadedModel,
+    resid_in: Mapping[int, torch.Tensor],
+    first: int,
+    last: int,
+    kwargs: Mapping,
+    corrupt_hooks: Sequence,
+    want: Mapping[str, torch.Tensor],
+) -> str | None:
+    """Run blocks ``first..last`` from the corrupt run's residual stream and compare the metric
+    activations with the full corrupt forward's (``want``). ``None`` when they agree, else why not:
+    a warning, or (:func:`strict`) a ``RuntimeError``."""
+    got: dict[str, torch.Tensor] = {}
+    rec = [(n, partial(_record, store=got, key=n)) for n in want if _hook_layer(n) >= first]
+    why = None
+    try:
+        _run_blocks(model, resid_in[first], first, last, kwargs, [*corrupt_hooks, *rec])
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        why = f"running blocks {first}..{last} directly failed: {type(e).__name__}: {e}"
+        err: BaseException | None = e
+    else:
+        err = None
+        for n, _ in rec:
+            a, b = got[n].float(), want[n].float()
+            if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+                why = (
+                    f"running blocks {first}..{last} directly gave {n} up to "
+                    f"{float((a - b).abs().max()):.3g} away from the full corrupt forward"
+                )
+                break
+    if why is None:
+        return None
+    msg = f"patch_sweep falls back to full forwards (slower, same values): {why}"
+    if strict():
+        raise RuntimeError(f"{msg} [{STRICT_ENV} is set]") from err
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return why
 
 
 def _patch(x: torch.Tensor, hook, *, rows, pos, src):
@@ -324,13 +379,15 @@ def patch_sweep(
             the last layer a metric reads, starting from the corrupt run's residual stream (the
             blocks are called directly with the masks and rotary embeddings captured from the
             corrupt run; checked once against the full corrupt forward, else full forwards are
-            used — ``SweepResult.prefix_skipped`` says which). Metric activations before the first
+            used with a ``RuntimeWarning`` — ``SweepResult.prefix_skipped`` says which and
+            ``prefix_fallback`` why; with :data:`STRICT_ENV` set the fallback raises). Metric activations before the first
             patched layer are the corrupt run's. (TransformerBridge's own ``start_at_layer`` runs
             the earlier blocks anyway in TL 4.3, so it is not used.) ``False``: every cell, full
             forwards (the plain reference).
 
     Raises:
         ValueError: unknown site, layer/position out of range, mismatched batches, no metric.
+        RuntimeError: the block suffix cannot be run while :data:`STRICT_ENV` is set.
     """
     _check_pair(clean, corrupt)
     if not metrics:
@@ -380,27 +437,17 @@ def patch_sweep(
     per_fwd = max(1, batch_size // B)
     n_fwd = 0
     suffix = None
+    fallback: str | None = None
     if skip_shared and cells:
         # run only blocks first_patched..last_needed, from the corrupt run's residual stream; checked
         # once against the full corrupt forward, else fall back to full forwards
         kwargs, resid_in = _capture_block_inputs(
             model, corrupt, corrupt_hooks, sorted({layers[li] for li, _ in cells})
         )
-        try:
-            check: dict[str, torch.Tensor] = {}
-            first0 = layers[cells[0][0]]
-            mrec = [(n_, partial(_record, store=check, key=n_)) for n_ in mhooks]
-            _run_blocks(
-                model, resid_in[first0], first0, last_needed, kwargs, [*corrupt_hooks, *mrec]
-            )
-            ok = all(
-                torch.allclose(check[n_].float(), cstore_m[n_].float(), rtol=1e-4, atol=1e-5)
-                for n_ in mhooks
-                if _hook_layer(n_) >= first0
-            )
-        except (TypeError, ValueError, RuntimeError, KeyError):
-            ok = False
-        suffix = (kwargs, resid_in) if ok else None
+        fallback = _check_suffix(
+            model, resid_in, layers[cells[0][0]], last_needed, kwargs, corrupt_hooks, cstore_m
+        )
+        suffix = (kwargs, resid_in) if fallback is None else None
     chunks = range(0, len(cells), per_fwd)
     for start in tqdm(
         chunks, desc=f"patching {site}", disable=None if progress is None else not progress
@@ -462,6 +509,7 @@ def patch_sweep(
         batch_size=per_fwd * B,
         metric_names=list(metrics),
         prefix_skipped=suffix is not None,
+        prefix_fallback=fallback,
     )
 
 
@@ -493,6 +541,7 @@ def patch_loop(
 
 __all__ = [
     "PATCH_SITES",
+    "STRICT_ENV",
     "NormRatio",
     "PatchMetric",
     "SinkMass",
@@ -502,4 +551,5 @@ __all__ = [
     "patch_loop",
     "patch_sweep",
     "site_hook",
+    "strict",
 ]

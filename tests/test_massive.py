@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -102,6 +105,62 @@ def test_bad_criterion():
         Criterion(min_prompt_fraction=0.0)
     with pytest.raises(ValueError, match="abs_threshold"):
         Criterion(abs_threshold=-1.0)
+
+
+def _without(scan: NormScan, *drop: str) -> NormScan:
+    """``scan`` without the sites ``drop`` (as a scan that never recorded them)."""
+    keep = [i for i, s in enumerate(scan.sites) if s not in drop]
+    return dataclasses.replace(
+        scan, sites=tuple(scan.sites[i] for i in keep), norms=scan.norms[keep].clone()
+    )
+
+
+def _born_at_0_and_at_4():
+    """An event at layer 0 that dies at 2 (jump 10 against the embeddings), the real one at 4."""
+    L, B, T = 6, 2, 4
+    norms = torch.ones(L, B, T)
+    top = torch.full((L, B, T), 0.5)
+    norms[0:2, :, 0] = 10.0
+    top[0:2, :, 0] = 400.0
+    norms[4:, :, 0] = 2000.0
+    top[4:, :, 0] = 1500.0
+    return _scan(norms, top, torch.full((L, B), 0.3))
+
+
+def test_site_is_unknown_without_the_sub_layer_sites():
+    full = locate_me_layer(_precursor_then_me())
+    for drop in (("resid_pre", "resid_mid"), ("resid_mid",), ("resid_pre",)):
+        loc = locate_me_layer(_without(_precursor_then_me(), *drop))
+        assert [e.site for e in loc.events] == ["unknown", "unknown"], drop
+        assert all(math.isnan(e.attn_log_gain) and math.isnan(e.ffn_log_gain) for e in loc.events)
+        # the jumps after layer 0 need only the layer outputs: unchanged, and so is the ME layer
+        assert [e.jump for e in loc.events] == [e.jump for e in full.events]
+        assert loc.me_layer == full.me_layer == 4
+
+
+def test_jump_at_layer_0_is_nan_without_the_embeddings():
+    full = locate_me_layer(_born_at_0_and_at_4())
+    assert [e.layer for e in full.events] == [0, 4] and full.me_layer == 4
+    assert full.events[0].jump == pytest.approx(10.0) and full.events[0].site == "ffn"
+
+    loc = locate_me_layer(_without(_born_at_0_and_at_4(), "resid_pre"))
+    first, me = loc.events
+    assert math.isnan(first.jump) and first.site == "unknown"  # not inf, not "ffn"
+    assert me.jump == pytest.approx(2000.0)
+    assert loc.me_layer == 4  # a measured jump outranks an unknown one
+
+    # resid_pre alone measures the jump; the site needs resid_mid too
+    only_pre = locate_me_layer(_without(_born_at_0_and_at_4(), "resid_mid"))
+    assert only_pre.events[0].jump == pytest.approx(10.0) and only_pre.events[0].site == "unknown"
+
+
+def test_only_an_unknown_jump_event_is_still_the_me_layer():
+    scan = _born_at_0_and_at_4()
+    scan.top_abs[4:] = 0.5  # only the layer-0 event is massive
+    scan.norms[:, 4:] = 1.0
+    loc = locate_me_layer(_without(scan, "resid_pre", "resid_mid"))
+    assert [e.layer for e in loc.events] == [0] and loc.me_layer == 0
+    assert math.isnan(loc.me_event.jump) and loc.me_event.site == "unknown"
 
 
 # -- planted models: the answer is known by construction -----------------------------------

@@ -13,6 +13,7 @@ from me_interp import names
 from me_interp.interventions import causal
 from me_interp.models import Batch
 from me_interp.patching import (
+    STRICT_ENV,
     NormRatio,
     SinkMass,
     evaluate_metrics,
@@ -286,3 +287,54 @@ def test_evaluate_metrics_stop_at_layer_is_exact(pair):
     early = evaluate_metrics(model, clean, metrics, stop_at_layer=plant.layer + 1)
     for k in metrics:
         assert torch.equal(full[k], early[k])
+
+
+def _noisy(x, hook):
+    """A corruption that is not reproducible (fresh noise each call): the block-suffix check fails."""
+    return x + torch.randn_like(x)
+
+
+def _fallback_sweep(model, plant, clean):
+    hooks = [(names.resid_pre(plant.layer), _noisy)]
+    return patch_sweep(model, clean, clean, "resid_pre", _metrics(plant), corrupt_hooks=hooks)
+
+
+def test_fallback_to_full_forwards_is_recorded_and_warned(pair, monkeypatch):
+    model, plant, clean, _ = pair
+    monkeypatch.delenv(STRICT_ENV, raising=False)
+    with pytest.warns(RuntimeWarning, match="falls back to full forwards.*away from"):
+        sw = _fallback_sweep(model, plant, clean)
+    assert not sw.prefix_skipped
+    assert "away from the full corrupt forward" in sw.prefix_fallback
+    assert sw.to_dict()["prefix_fallback"] == sw.prefix_fallback
+    ok = patch_sweep(model, clean, pair[3], "resid_pre", _metrics(plant))
+    assert ok.prefix_skipped and ok.prefix_fallback is None
+
+
+def test_fallback_after_an_error_is_recorded(pair, monkeypatch):
+    from me_interp import patching
+
+    model, plant, clean, corrupt = pair
+    monkeypatch.delenv(STRICT_ENV, raising=False)
+
+    def broken(*args, **kwargs):
+        raise TypeError("unexpected keyword argument 'position_embeddings'")
+
+    monkeypatch.setattr(patching, "_run_blocks", broken)
+    with pytest.warns(RuntimeWarning, match="TypeError: unexpected keyword"):
+        sw = patch_sweep(model, clean, corrupt, "resid_pre", _metrics(plant))
+    assert not sw.prefix_skipped and sw.prefix_fallback.startswith("running blocks")
+    monkeypatch.undo()
+    ref = patch_sweep(model, clean, corrupt, "resid_pre", _metrics(plant))
+    for k in ref.values:  # the fallback gives the same values, by full forwards
+        torch.testing.assert_close(sw.values[k], ref.values[k], rtol=1e-4, atol=1e-5)
+
+
+def test_fallback_raises_when_strict(pair, monkeypatch):
+    model, plant, clean, _ = pair
+    monkeypatch.setenv(STRICT_ENV, "1")
+    with pytest.raises(RuntimeError, match="falls back to full forwards"):
+        _fallback_sweep(model, plant, clean)
+    monkeypatch.setenv(STRICT_ENV, "0")
+    with pytest.warns(RuntimeWarning):
+        _fallback_sweep(model, plant, clean)

@@ -297,6 +297,31 @@ def write_outcome(name: str, cfg: CommonConfig, model: LoadedModel, outcome: Out
     )
 
 
+BAD_INPUT = (ValueError, TypeError, FileNotFoundError, ModelLoadError)
+"""What bad input raises (see :func:`is_bad_input`)."""
+
+
+def is_bad_input(e: BaseException) -> bool:
+    """Whether ``e`` reports bad input (a one-line ``error:``, exit 2) rather than a bug (traceback).
+
+    Bad input: a :class:`ModelLoadError` or missing file, or a plain ``ValueError``/``TypeError``
+    raised by me_interp's own checks (the innermost frame is in the package). A ``ValueError`` from
+    inside torch, a type-check failure (a ``TypeError`` subclass from jaxtyping/beartype) or any
+    other exception is a bug and keeps its traceback.
+    """
+    if isinstance(e, (ModelLoadError, FileNotFoundError)):
+        return True
+    if type(e) not in (ValueError, TypeError):
+        return False
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
+
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
 def cli_main(
     name: str,
     config_cls: type,
@@ -311,7 +336,8 @@ def cli_main(
 
     The experiment module is the one that defines ``run`` (its ``SPECS`` and ``verdicts`` are used).
     Returns 0 on success, also when the experiment is not applicable to the model (it says why), and 2
-    on bad input (with a one-line ``error:`` message on stderr).
+    on bad input (with a one-line ``error:`` message on stderr); any other exception propagates with
+    its traceback (exit 1 from the shell).
     """
     module = sys.modules[run.__module__]
     parser = build_parser(config_cls, f"python -m me_interp.experiments.{name}", description)
@@ -323,7 +349,9 @@ def cli_main(
         model = model_for(cfg)
         outcome = execute(module, cfg, model)
         run_dir = write_outcome(name, cfg, model, outcome)
-    except (ValueError, TypeError, FileNotFoundError, ModelLoadError) as e:
+    except BAD_INPUT as e:
+        if not is_bad_input(e):
+            raise  # a bug, not bad input: the traceback, exit 1
         print(f"error: {e}", file=sys.stderr)
         return 2
     if outcome.not_applicable is not None:

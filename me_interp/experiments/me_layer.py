@@ -12,7 +12,8 @@ at each site), a token × dimension view of the ME layer's output, and the two r
 Claims (paper.md §2.1; thresholds from ``claims.THRESHOLDS``, intervals bootstrapped over prompts):
 ``me_layer.sudden_birth`` (the existence claim: it *fails* on a model without a massive activation),
 ``me_layer.one_layer`` (against the null of every other layer), ``me_layer.ffn_creates`` and
-``me_layer.carried`` (not applicable without an ME layer).
+``me_layer.carried`` (not applicable without an ME layer; ``ffn_creates`` also when the ME event's
+site is ``"unknown"``, a scan without ``resid_pre``/``resid_mid``).
 
     python -m me_interp.experiments.me_layer                # bundled model, built-in prompts
     python -m me_interp.experiments.me_layer --model Qwen/Qwen3-4B --device cuda --criterion either
@@ -402,14 +403,22 @@ def verdicts(result: Result) -> list[claims.Claim]:
             f"{int(np.argmax(np.where(np.arange(len(means)) == me, -np.inf, means)))})",
         )
     )
-    r_pre, r_mid, r_post = (result.array(k)[:, me] for k in ("r_pre", "r_mid", "r_post"))
-    out.append(
-        FFN_CREATES.judge(
-            claims.bootstrap(r_post / r_mid, np.median, seed=seed),
-            details=f"{_where(result)}; attention factor R_mid / R_pre at the ME layer: median "
-            f"{np.median(r_mid / r_pre):.3g}; detected site: {result.location.me_event.site}",
+    if result.location.me_event.site == "unknown":
+        out.append(
+            FFN_CREATES.not_applicable(
+                f"{_where(result)}; the sub-layer that creates it is unknown: the scan did not "
+                "record the block input and the attention output (resid_pre, resid_mid)"
+            )
         )
-    )
+    else:
+        r_pre, r_mid, r_post = (result.array(k)[:, me] for k in ("r_pre", "r_mid", "r_post"))
+        out.append(
+            FFN_CREATES.judge(
+                claims.bootstrap(r_post / r_mid, np.median, seed=seed),
+                details=f"{_where(result)}; attention factor R_mid / R_pre at the ME layer: median "
+                f"{np.median(r_mid / r_pre):.3g}; detected site: {result.location.me_event.site}",
+            )
+        )
     n_layers = jumps.shape[1]
     if me == n_layers - 1:
         out.append(CARRIED.not_applicable("the ME layer is the last layer: nothing carries it on"))

@@ -4,7 +4,9 @@
 
 * a forward *pre*-hook (``with_kwargs=True``) on the decoder layer that records the absolute positions
   of the tokens in this call: its ``position_ids`` kwarg (what HF Llama/Qwen pass every layer, also
-  at decode steps with a KV cache), else ``cache_position``, else the cache length + ``arange``;
+  at decode steps with a KV cache), else ``cache_position``, else the cache length + ``arange``; an
+  edit that finds no positions recorded for its call (a norm run outside its decoder layer) raises
+  instead of assuming ``arange(T)``;
 * a forward hook on the pre-attention RMSNorm (``input_layernorm``, site ``attn_in``) or on the decoder
   layer itself (site ``resid_post``) that returns the edited output.
 
@@ -131,8 +133,15 @@ class HFInterventions:
         if self.positions_from == "index":
             return torch.arange(T, device=device)[None, :]
         pos = self._positions.get(L)
-        if pos is None or pos.shape[-1] != T:  # norm called outside its decoder layer
-            pos = torch.arange(T, device=device)[None, :]
+        if pos is None or pos.shape[-1] != T:
+            # e.g. the norm called outside its decoder layer: assuming arange(T) here would be the
+            # released code's KV-cache bug (every decode step's token taken for position 0)
+            got = "no positions" if pos is None else f"positions for {pos.shape[-1]} tokens"
+            raise RuntimeError(
+                f"layer {L}: the decoder layer recorded {got} for this call of {T} tokens, so the "
+                "absolute positions to edit are unknown; run the hooked module inside its decoder "
+                "layer's forward (which passes position_ids or cache_position)"
+            )
         return pos.to(device)
 
     def _edit(self, module: Any, args: tuple, output: Any, *, L: int, spec: Any) -> Any:

@@ -1,22 +1,24 @@
 """Attention probes: how much attention goes to given key positions (the sink), and its entropy.
 
-For layer l, head h, prompt b, over the real query positions ``q ≥ 1`` (query 0 can only attend to
-itself, so it is left out):
+For layer l, head h, prompt b:
 
-* ``to_positions[l, b, h] = mean_q Σ_{p∈P_b} A[q, p]`` — attention mass on the positions ``P_b``
-  (default ``{0}``: the first token);
-* ``entropy[l, b, h] = mean_q ( −Σ_k A[q, k] log A[q, k] )`` in nats (uniform over n keys: ``log n``).
+* ``to_positions[l, b, h] = Σ_{p∈P_b} mean_{q>p} A[q, p]`` — attention mass on the positions ``P_b``
+  (default ``{0}``: the first token), each position averaged over the real queries *after* it (the
+  only ones that can see it, as ``patching.SinkMass``; a position needs a real token after it);
+* ``entropy[l, b, h] = mean_{q≥1} ( −Σ_k A[q, k] log A[q, k] )`` in nats over the real queries
+  ``q ≥ 1`` (query 0 can only attend to itself; uniform over n keys: ``log n``).
 
 Patterns come from ``blocks.L.attn.hook_pattern`` (eager attention), one forward, no full cache.
-:class:`AttentionRecorder` keeps ``to_key[l, b, h, k] = mean_q A[q, k]`` for *every* key ``k``, so the
-statistics of any positions chosen after the forward (the detected massive tokens) are sums over it.
+:class:`AttentionRecorder` keeps ``to_key[l, b, h, k] = mean_{q>k} A[q, k]`` for *every* key ``k``
+(NaN where no real query follows ``k``), so the statistics of any positions chosen after the forward
+(the detected massive tokens) are sums over it.
 
 :func:`attention_probe` adds, per layer and head (paper.md §3; Gu et al. 2024, "When attention sink
 emerges"):
 
-* ``to_ref[l, b, h] = mean_{q≥1} A[q, m_b]``: mean attention to the massive token ``m_b`` of prompt ``b``
-  (position 0 by default), and ``to_each[p]`` the same for each massive position ``p`` (NaN for prompts
-  where ``p`` is not massive);
+* ``to_ref[l, b, h] = mean_{q>m_b} A[q, m_b]``: mean attention to the massive token ``m_b`` of prompt
+  ``b`` (position 0 by default) from the queries after it, and ``to_each[p]`` the same for each
+  massive position ``p`` (NaN for prompts where ``p`` is not massive or is the last token);
 * sink rate ``sink_rate[l] = mean_{b,h} 1[to_ref[l, b, h] > ε]`` (ε = 0.3): the share of heads whose mean
   attention to the token exceeds ε, averaged over prompts; ``head_sink_rate[l, h]`` per head;
 * BOS-attention metric ``bos[l, b, h] = mean_{q ≥ ⌊n_b/2⌋, q≥1} A[q, 0]``: mean attention from the
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
@@ -88,17 +90,30 @@ def _query_mask(batch: Batch) -> torch.Tensor:
     return q
 
 
+def mean_to_keys(
+    pattern: Float[torch.Tensor, "batch head query_pos key_pos"],
+    query_mask: Bool[torch.Tensor, "batch query_pos"],
+) -> Float[torch.Tensor, "batch head key_pos"]:
+    """``mean_{q>k, q real} A[q, k]`` for every key ``k``: each key's attention from the real queries
+    after it (the ones that can see it). NaN where no real query follows ``k``."""
+    T = pattern.shape[-1]
+    later = torch.ones(T, T, dtype=torch.bool, device=pattern.device).tril(-1)  # [q k]: q > k
+    after = (query_mask.to(pattern.device)[:, :, None] & later).to(pattern.dtype)  # [batch q k]
+    return torch.einsum("bhqk,bqk->bhk", pattern, after) / after.sum(1)[:, None, :]
+
+
 class AttentionRecorder:
-    """Records, per layer, prompt and head, the mean attention of the real queries ``q ≥ 1`` to every
-    key position (``to_key[l, b, h, k] = mean_q A[q, k]``), the attention entropy, and the BOS metric
-    (queries of the second half to position 0), chunk by chunk (``probes.batching``). Everything the
-    sink statistics of :class:`AttentionProbe` need for *any* massive positions, chosen afterwards."""
+    """Records, per layer, prompt and head, the mean attention to every key position from the real
+    queries after it (``to_key[l, b, h, k] = mean_{q>k} A[q, k]``, NaN where none follows), the
+    attention entropy (queries ``q ≥ 1``), and the BOS metric (queries of the second half to position
+    0), chunk by chunk (``probes.batching``). Everything the sink statistics of
+    :class:`AttentionProbe` need for *any* massive positions, chosen afterwards."""
 
     def __init__(self, model: LoadedModel, batch: Batch) -> None:
         qmask = _query_mask(batch)
         L, H, (B, T) = model.n_layers, model.n_heads, batch.tokens.shape
         self.model, self.batch = model, batch
-        self.to_key = torch.zeros(L, B, H, T)
+        self.to_key = torch.full((L, B, H, T), float("nan"))
         self.entropy = torch.zeros(L, B, H)
         self.bos = torch.zeros(L, B, H)
         self._qmask = qmask.cpu()
@@ -121,9 +136,7 @@ class AttentionRecorder:
         n = qm.sum(-1)  # [n 1]
         bq = bosq[:, None, :].to(a.dtype)
         rows, w = chunk.rows, chunk.width
-        self.to_key[layer, rows, :, :w] = (
-            torch.einsum("nhqk,nzq->nhk", a, qm) / n[..., None]
-        ).cpu()
+        self.to_key[layer, rows, :, :w] = mean_to_keys(a, qmask).cpu()
         self.entropy[layer, rows] = ((attention_entropy(a) * qm).sum(-1) / n).cpu()
         self.bos[layer, rows] = ((a[..., 0] * bq).sum(-1) / bq.sum(-1)).cpu()
         return pattern
@@ -131,9 +144,9 @@ class AttentionRecorder:
     def mass_on(
         self, positions: Sequence[Sequence[int]]
     ) -> Float[torch.Tensor, "layer batch head"]:
-        """``mean_q Σ_{p∈P_b} A[q, p]`` per layer, prompt and head."""
+        """``Σ_{p∈P_b} mean_{q>p} A[q, p]`` per layer, prompt and head."""
         key_mask = _key_mask(self.batch, positions)
-        return torch.einsum("lbhk,bk->lbh", self.to_key, key_mask)
+        return torch.einsum("lbhk,bk->lbh", self.to_key.nan_to_num(0.0), key_mask)
 
     def probe(
         self,
@@ -160,6 +173,7 @@ class AttentionRecorder:
             for p in [ref[b], *mpos[b]]:
                 if not 0 <= p < lengths[b]:
                     raise ValueError(f"position {p} is outside prompt {b} (length {lengths[b]})")
+        _key_mask(self.batch, [[r] for r in ref])  # the reference needs a query after it
         to_each = {}
         for p in sorted({p for ps in mpos for p in ps}):
             has = torch.tensor([p in ps for ps in mpos])
@@ -181,9 +195,15 @@ def _key_mask(batch: Batch, positions: Sequence[Sequence[int]]) -> torch.Tensor:
         raise ValueError(f"positions has {len(positions)} rows for {B} prompts")
     key_mask = torch.zeros(B, T)
     for b, ps in enumerate(positions):
+        n = batch.lengths[b]
         for p in ps:
-            if not 0 <= p < batch.lengths[b]:
-                raise ValueError(f"position {p} is outside prompt {b} (length {batch.lengths[b]})")
+            if not 0 <= p < n:
+                raise ValueError(f"position {p} is outside prompt {b} (length {n})")
+            if p == n - 1:
+                raise ValueError(
+                    f"position {p} is the last token of prompt {b}: no query after it can attend "
+                    "to it (the attention to a position is averaged over the queries q > p)"
+                )
             key_mask[b, p] = 1.0
     return key_mask
 
@@ -194,11 +214,12 @@ def attention_stats(
     positions: Sequence[Sequence[int]] | Sequence[int] | None = None,
     fwd_hooks: Sequence = (),
 ) -> AttentionStats:
-    """Attention mass on ``positions`` and attention entropy, per layer/prompt/head.
+    """Attention mass on ``positions`` (each from the queries after it) and attention entropy, per
+    layer/prompt/head.
 
     Args:
         positions: ``None`` for position 0; a list of ints applied to every prompt; or one list
-            per prompt.
+            per prompt; none may be the last token of its prompt.
         fwd_hooks: interventions to run in the same forward.
     """
     B = len(batch)
@@ -277,7 +298,8 @@ def attention_probe(
         fwd_hooks: interventions to run in the same forward.
 
     Raises:
-        ValueError: a position outside its prompt, a one-token prompt, or ``eps`` outside [0, 1).
+        ValueError: a position outside its prompt, a reference that is its prompt's last token, a
+            one-token prompt, or ``eps`` outside [0, 1).
     """
     rec = AttentionRecorder(model, batch)
     rec.probe(reference, massive_positions, eps)  # validates the arguments before the forward
@@ -293,5 +315,6 @@ __all__ = [
     "attention_probe",
     "attention_stats",
     "head_sink_rate",
+    "mean_to_keys",
     "sink_rate",
 ]

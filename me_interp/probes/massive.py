@@ -19,6 +19,12 @@ embeddings stand in for ``R_{-1}``). Its *site* is the sub-layer that made most 
 ``log(R_mid/R_pre)`` (attention) against ``log(R_post/R_mid)`` (FFN). The **ME layer** is the start
 layer of the event with the largest jump. Every event is reported, including precursors that vanish
 before the last layer.
+
+**Scans without the block input or the attention output.** The site needs ``resid_pre`` and
+``resid_mid``; without either, both gains are NaN and the site is ``"unknown"`` (never a guess). The
+jump of an event at layer 0 needs ``resid_pre`` (the embeddings); without it the jump is NaN, and an
+event with an unknown jump ranks below every event with a measured one (it is the ME layer only when
+no event has a measured jump).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from jaxtyping import Bool, Float
 from me_interp.probes.norms import NormScan, ratio_to_others, top_ratio
 
 CriterionKind = Literal["sun", "norm", "either", "both"]
+Site = Literal["attention", "ffn", "unknown"]
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,7 @@ class Event:
     last_layer: int
     persists_to_end: bool
     jump: float
-    site: Literal["attention", "ffn"]
+    site: Site
     attn_log_gain: float
     ffn_log_gain: float
     positions: list[list[int]]
@@ -176,6 +183,20 @@ def _reference(
     return torch.where(has_ref, ref_norm.argmax(-1), torch.zeros_like(has_ref, dtype=torch.long))
 
 
+def _site(attn_gain: float, ffn_gain: float) -> Site:
+    """The sub-layer with the larger log gain (the FFN on a tie); ``"unknown"`` when a gain is NaN."""
+    if math.isnan(attn_gain) or math.isnan(ffn_gain):
+        return "unknown"
+    return "attention" if attn_gain > ffn_gain else "ffn"
+
+
+def _rank(e: Event) -> tuple[bool, float, int]:
+    """ME-layer order: a measured jump beats an unknown (NaN) one; then the larger jump; then the
+    earlier layer."""
+    known = not math.isnan(e.jump)
+    return known, e.jump if known else 0.0, -e.layer
+
+
 def massive_reference(scan: NormScan, crit: Criterion | None, layer: int) -> list[int]:
     """The *reference* massive token of each prompt at ``layer``: its largest-norm massive token
     there, position 0 where it has none (as :attr:`MELocation.reference_positions` at the ME layer).
@@ -222,12 +243,12 @@ def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation
         while layer + 1 < n_layers and has[layer + 1]:
             layer += 1
         before = r_post[start - 1] if start > 0 else (r_pre[0] if r_pre is not None else None)
-        jump = _median(r_post[start] / before) if before is not None else math.inf
+        jump = _median(r_post[start] / before) if before is not None else math.nan
         if r_pre is not None and r_mid is not None:
             attn_gain = _median(torch.log(r_mid[start] / r_pre[start]))
             ffn_gain = _median(torch.log(r_post[start] / r_mid[start]))
         else:
-            attn_gain = ffn_gain = float("nan")
+            attn_gain = ffn_gain = math.nan
         events.append(
             Event(
                 layer=start,
@@ -235,7 +256,7 @@ def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation
                 last_layer=layer,
                 persists_to_end=layer == n_layers - 1,
                 jump=jump,
-                site="ffn" if not ffn_gain < attn_gain else "attention",
+                site=_site(attn_gain, ffn_gain),
                 attn_log_gain=attn_gain,
                 ffn_log_gain=ffn_gain,
                 positions=_positions_at(massive, start),
@@ -245,7 +266,7 @@ def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation
         )
         layer += 1
 
-    me_event = max(events, key=lambda e: (e.jump, -e.layer)) if events else None
+    me_event = max(events, key=_rank) if events else None
     me_layer = None if me_event is None else me_event.layer
     if me_layer is not None:
         reference = _reference(massive, scan.site_norms("resid_post"), me_layer)

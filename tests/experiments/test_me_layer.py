@@ -196,6 +196,28 @@ def test_planted_claims_are_what_the_construction_implies(planted, many_prompts)
         assert part in line
 
 
+def test_ffn_creates_is_not_applicable_when_the_site_is_unknown(planted, many_prompts):
+    """A location from a scan without resid_pre/resid_mid has site "unknown": the FFN claim must not
+    be judged (it was "ffn" by default, and the claim held)."""
+    import dataclasses
+
+    from me_interp.probes.massive import locate_me_layer
+    from me_interp.probes.norms import scan_norms
+
+    model, plant = planted
+    res = me_layer.run(me_layer.Config(prompts=many_prompts), model)
+    prompts = open(many_prompts).read().split("\n")[:-1]
+    loc = locate_me_layer(scan_norms(model, model.tokenize(prompts), ("resid_post",)))
+    assert loc.me_layer == plant.layer and loc.me_event.site == "unknown"
+    unknown = dataclasses.replace(res, location=loc)
+    by_id = {c.id: c for c in _claims(unknown)}
+    assert by_id["me_layer.ffn_creates"].verdict == NA
+    assert "unknown" in by_id["me_layer.ffn_creates"].why
+    assert {k: v for k, v in _verdicts(unknown).items() if k != "me_layer.ffn_creates"} == {
+        k: v for k, v in PLANTED.items() if k != "me_layer.ffn_creates"
+    }
+
+
 @pytest.mark.parametrize("fixture", ["twin", "tiny_llama"])
 def test_no_claim_holds_without_a_massive_activation(fixture, request, many_prompts):
     model = request.getfixturevalue(fixture)

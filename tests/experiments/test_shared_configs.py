@@ -75,3 +75,42 @@ def test_edit_row_and_cells():
     }
     assert len(edit_cells(row)) == len(EDIT_COLUMNS)
     assert edit_cells(row) == (1, "yes", 50.0, 40.0)
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        return e
+    raise AssertionError("nothing raised")
+
+
+def test_is_bad_input_tells_validation_from_bugs():
+    import torch
+
+    from me_interp.models import ModelLoadError
+
+    assert common.is_bad_input(_raised(lambda: common.CommonConfig(bos="maybe")))
+    assert common.is_bad_input(ModelLoadError("no such model"))
+    assert common.is_bad_input(FileNotFoundError("prompts.txt"))
+    # a ValueError raised inside torch, a RuntimeError, a type-check failure: bugs
+    assert not common.is_bad_input(_raised(lambda: torch.distributions.Normal(0.0, -1.0)))
+    assert not common.is_bad_input(RuntimeError("shape mismatch"))
+    assert not common.is_bad_input(
+        _raised(lambda: claims.Spec("x.y", "§1", "s", "t", op=1, threshold="jump"))
+    )
+
+
+def test_cli_keeps_the_traceback_of_a_bug(monkeypatch, tmp_path, capsys):
+    import torch
+
+    from me_interp.experiments import me_layer
+
+    argv = ["--model", "synthetic:planted", "--out", str(tmp_path)]
+    monkeypatch.setattr(me_layer, "run", lambda cfg, model=None: torch.distributions.Normal(0.0, -1.0))
+    monkeypatch.setattr(me_layer.run, "__module__", me_layer.__name__, raising=False)
+    with pytest.raises(ValueError, match="scale"):
+        common.cli_main("me_layer", me_layer.Config, me_layer.run, None, None, argv)
+    assert me_layer.main(["--model", "synthetic:planted", "--bos", "yes", "--seed", "-1",
+                          "--out", str(tmp_path), "--threads", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: threads must be >= 1")

@@ -121,3 +121,19 @@ def test_bad_hf_inputs(plain_planted):
         hf_interventions(hf, WeMask.build(hf, [1], 0.5), positions_from="relative")
     with pytest.raises(ValueError, match="at least one"):
         hf_interventions(hf)
+
+
+def test_edit_without_recorded_positions_raises(plain_planted):
+    """A norm run outside its decoder layer has no recorded positions: the hook must not assume
+    arange(T) (the released code's KV-cache bug) but raise."""
+    hf, _, _ = plain_planted
+    norm = hf.model.layers[LAYERS[0]].input_layernorm
+    x = torch.randn(1, 3, hf.config.hidden_size)
+    with torch.no_grad(), hf_we_mask(hf, 0.5, layers=LAYERS):
+        with pytest.raises(RuntimeError, match="positions"):
+            norm(x)
+        hf(torch.tensor([[1, 5, 6]]))  # inside the decoder layer: fine
+    with hf_we_mask(hf, 0.5, layers=LAYERS) as handle:
+        handle._positions[LAYERS[0]] = torch.arange(2)[None]  # left over from a 2-token call
+        with pytest.raises(RuntimeError, match="positions for 2 tokens"):
+            handle._edit(norm, (x,), x, L=LAYERS[0], spec=handle.specs[0])

@@ -53,8 +53,8 @@ def test_sink_rate_matches_a_count():
 def test_probe_matches_a_full_capture(tiny_nobos, word_prompts, capture):
     model = tiny_nobos
     batch = model.tokenize(word_prompts)
-    ref = [1, 0, 2, 3]
-    mpos = [[1, 3], [0], [2, 0], [3]]
+    ref = [1, 0, 1, 3]
+    mpos = [[1, 3], [0], [2, 0], [3]]  # prompt 2 has 3 tokens: its massive position 2 is the last
     ap = attention_probe(model, batch, reference=ref, massive_positions=mpos, eps=0.2)
     acts = capture(model, batch, {f"p{L}": names.pattern(L) for L in range(3)})
     for L in range(3):
@@ -63,7 +63,7 @@ def test_probe_matches_a_full_capture(tiny_nobos, word_prompts, capture):
             queries = list(range(1, n))
             second = [q for q in queries if q >= n // 2]
             for h in range(model.n_heads):
-                to = np.mean([A[b, h, q, ref[b]] for q in queries])
+                to = np.mean([A[b, h, q, ref[b]] for q in range(ref[b] + 1, n)])  # q > m only
                 assert ap.to_ref[L, b, h].item() == pytest.approx(to, rel=1e-5)
                 ent = np.mean(
                     [
@@ -76,9 +76,9 @@ def test_probe_matches_a_full_capture(tiny_nobos, word_prompts, capture):
                 assert ap.bos[L, b, h].item() == pytest.approx(bos, rel=1e-5)
                 for p in (0, 1, 2, 3):
                     v = ap.to_each[p][L, b, h].item()
-                    if p in mpos[b]:
+                    if p in mpos[b] and p < n - 1:
                         assert v == pytest.approx(
-                            np.mean([A[b, h, q, p] for q in queries]), rel=1e-5
+                            np.mean([A[b, h, q, p] for q in range(p + 1, n)]), rel=1e-5
                         )
                     else:
                         assert math.isnan(v)
@@ -126,12 +126,35 @@ def test_recorder_mass_on_several_positions_matches_attention_stats(tiny_nobos, 
     from me_interp.probes import AttentionRecorder, record
 
     batch = tiny_nobos.tokenize(word_prompts)
-    positions = [[0, 2], [1], [0, 1, 2], [3]]
+    positions = [[0, 2], [1], [0, 1], [3]]
     rec = AttentionRecorder(tiny_nobos, batch)
     record(tiny_nobos, batch, [rec])
     st = attention_stats(tiny_nobos, batch, positions)
     assert torch.allclose(rec.mass_on(positions), st.to_positions, atol=1e-6)
-    # the mean attention over all keys sums to one per query, so to every key it sums to one
-    assert torch.allclose(rec.to_key.sum(-1), torch.ones_like(rec.entropy), atol=1e-5)
+    # no query follows a prompt's last token: its mean attention is undefined (NaN), not 0
+    for b, n in enumerate(batch.lengths):
+        assert torch.isnan(rec.to_key[:, b, :, n - 1 :]).all()
+        assert torch.isfinite(rec.to_key[:, b, :, : n - 1]).all()
     with pytest.raises(ValueError, match="outside prompt"):
         rec.mass_on([[0], [0], [9], [0]])
+    with pytest.raises(ValueError, match="last token of prompt 2"):
+        rec.mass_on([[0], [0], [2], [0]])
+
+
+def test_attention_to_a_later_massive_token_counts_only_the_queries_after_it(planted):
+    """The planted sink head attends to the massive "<s>" from every query after it. At m = 2 the
+    queries q = 1 cannot see it: averaging over them too (q >= 1) would dilute the sink to ~2/3."""
+    from me_interp.models import LoadedModel
+
+    model, plant = planted
+    no_bos = LoadedModel(
+        model.bridge, model.hf, model.tokenizer, "p", "no", model.dtype, model.device
+    )
+    batch = no_bos.tokenize(["w1 w2 <s> w3 w4", "w5 <s> w6 w7 w8 w9"])
+    ap = attention_probe(no_bos, batch, reference=[2, 1])
+    head = ap.to_ref[plant.layer + 1 :, :, plant.sink_head]  # [later layer, prompt]
+    assert head.min() > 0.95
+    st = attention_stats(no_bos, batch, [[2], [1]])
+    torch.testing.assert_close(st.to_positions, ap.to_ref)
+    with pytest.raises(ValueError, match="last token"):
+        attention_probe(no_bos, batch, reference=[4, 1])
