@@ -11,8 +11,9 @@ number of independent units behind it, a decision rule whose threshold comes fro
 * ``not applicable`` — the claim presupposes something this model lacks (e.g. a massive activation),
   with ``why``.
 
-Intervals are percentile bootstraps over *per-unit statistics* (prompts, partner layers, seeds), never
-over forward passes: resampling costs microseconds. The bootstrap is seeded, so a result is
+Intervals are percentile bootstraps over *per-unit statistics* (prompts, texts, partner layers),
+never over forward passes: resampling costs microseconds; random controls over seeds get a Student-t
+interval (a bootstrap over five seeds under-covers). The bootstrap is seeded, so a result is
 reproducible. A claim of kind ``"sanity"`` reports something that holds by construction (e.g. patching
 back the very cell a corruption overwrote); it is shown apart from the evidence and never counted.
 
@@ -38,7 +39,8 @@ import numpy as np
 HOLDS, FAILS, INCONCLUSIVE, NOT_APPLICABLE = "holds", "fails", "inconclusive", "not applicable"
 VERDICTS = (HOLDS, FAILS, INCONCLUSIVE, NOT_APPLICABLE)
 KINDS = ("claim", "sanity")
-OPS = (">=", ">", "<=", "<")
+OPS = (">=", ">", "<=", "<", "|x|<")
+"""``|x|<``: an equivalence claim (\"unchanged\"): the *signed* statistic lies within ``(-thr, thr)``."""
 N_BOOTSTRAP = 2000
 """Bootstrap resamples per interval (the issue asks for at least 1000)."""
 LEVEL = 0.95
@@ -58,8 +60,9 @@ class Threshold:
 THRESHOLDS: dict[str, Threshold] = {
     "jump": Threshold(
         10.0,
-        "ME layer: the norm ratio (massive token / median of the others) of the layer output must "
-        "grow at least this many times across one layer for the birth to count as sudden",
+        "ME layer: the norm ratio (the largest token norm over the mean of the other tokens' "
+        "norms) of the layer output must grow at least this many times across one layer for the "
+        "birth to count as sudden; also the FFN's factor on that ratio at the ME layer",
     ),
     "carried_fraction": Threshold(
         0.5,
@@ -91,6 +94,11 @@ THRESHOLDS: dict[str, Threshold] = {
         "a quantity 'drops' (entropy, effective rank, a sink) when it falls by at least this "
         "fraction of its reference value",
     ),
+    "relative_rise": Threshold(
+        0.2,
+        "a quantity 'appears downstream' (the sink rate) when its mean after the ME layer exceeds "
+        "its maximum before by at least this fraction of the larger of the two",
+    ),
     "restore": Threshold(
         0.5,
         "activation patching: a patch 'restores' the clean behaviour when the normalised metric "
@@ -106,14 +114,23 @@ THRESHOLDS: dict[str, Threshold] = {
     "moved_fraction": Threshold(
         0.5,
         "weight swaps / patches: the emergence moves / is copied / leaves the ME layer for at least "
-        "this fraction of the partner / target layers; also the fraction of earlier inputs for "
-        "which the ME layer's pre-FFN norm + FFN make a large output (weight_input_cross)",
+        "this fraction of the partner / target layers",
     ),
     "cross_large": Threshold(
         10.0,
         "weights x input cross: a cell C[X, Y] (the massive token's FFN output of layer X's pre-FFN "
         "norm + FFN on layer Y's input, over the other tokens' median FFN output at X) is large when "
-        "it is at least this many times an ordinary FFN output (and at least 'removed' x C[m, m])",
+        "it is at least this many times an ordinary FFN output (and at least 'cross_keep' x C[m, m])",
+    ),
+    "cross_keep": Threshold(
+        0.1,
+        "weights x input cross: a large cell must also keep at least this fraction of the ME "
+        "layer's own value C[m, m]",
+    ),
+    "cross_breadth": Threshold(
+        0.5,
+        "weights x input cross: 'any earlier depth' when the ME layer's weights make a large cell "
+        "from at least this fraction of the earlier inputs Y < m",
     ),
     "cross_share": Threshold(
         0.5,
@@ -171,7 +188,8 @@ class Estimate:
         lo, hi: the ``level`` interval (equal to ``value`` for an exact, unresampled quantity).
         n: the number of independent units (prompts, partner layers, seeds).
         unit: what one unit is.
-        method: ``"bootstrap"`` (percentile, seeded), or ``"exact"`` (no resampling possible).
+        method: ``"bootstrap"`` (percentile, seeded), ``"t"`` (Student-t, for seeds) or ``"exact"``
+            (no resampling possible).
         level: the confidence level.
         resamples: bootstrap resamples (0 for exact).
     """
@@ -197,8 +215,9 @@ class Estimate:
         v = fmt_num(self.value)
         if self.method == "exact":
             return f"{v} (exact, n = {self.n} {self.unit})"
+        how = "t interval" if self.method == "t" else "bootstrap"
         return (
-            f"{v} [{fmt_num(self.lo)}, {fmt_num(self.hi)}] ({self.level:.0%} CI, bootstrap over "
+            f"{v} [{fmt_num(self.lo)}, {fmt_num(self.hi)}] ({self.level:.0%} CI, {how} over "
             f"n = {self.n} {self.unit})"
         )
 
@@ -267,11 +286,59 @@ def bootstrap(
     return Estimate(value, float(lo), float(hi), n, unit, "bootstrap", level, n_resamples)
 
 
-def over_seeds(values: Sequence[float], **kwargs: Any) -> Estimate:
-    """The bootstrap interval of the mean over a random control's seeds (at least :data:`MIN_SEEDS`)."""
-    if len(values) < MIN_SEEDS:
-        raise ValueError(f"a random control needs >= {MIN_SEEDS} seeds, got {len(values)}")
-    return bootstrap(values, unit="seeds", **kwargs)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
+"""Student-t 97.5 % quantiles for 1..30 degrees of freedom (1.96 beyond)."""
+
+
+def over_seeds(values: Sequence[float], *, level: float = LEVEL) -> Estimate:
+    """The Student-t interval of the mean over a random control's seeds (at least
+    :data:`MIN_SEEDS`): ``mean ± t_{n-1} · sd / √n``.
+
+    With a handful of seeds a percentile bootstrap under-covers (about 88 % for a nominal 95 % with
+    5 seeds), so seeds get the t interval; only the 95 % level is tabulated.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if len(x) < MIN_SEEDS:
+        raise ValueError(f"a random control needs >= {MIN_SEEDS} finite seeds, got {len(x)}")
+    if level != LEVEL:
+        raise ValueError(f"over_seeds gives {LEVEL:.0%} intervals only")
+    df = len(x) - 1
+    t = _T975[df - 1] if df <= len(_T975) else 1.96
+    half = t * float(x.std(ddof=1)) / math.sqrt(len(x))
+    m = float(x.mean())
+    return Estimate(m, m - half, m + half, len(x), "seeds", "t", level, 0)
 
 
 def exact(value: float, n: int, unit: str) -> Estimate:
@@ -282,11 +349,19 @@ def exact(value: float, n: int, unit: str) -> Estimate:
 
 def decide(estimate: Estimate, op: str, thr: float) -> str:
     """``holds`` if the whole interval satisfies ``estimate op thr``, ``fails`` if none of it does,
-    else ``inconclusive`` (also for a NaN estimate or interval)."""
+    else ``inconclusive`` (also for a NaN estimate or interval). For ``op = "|x|<"`` (an equivalence
+    claim) the interval of the signed statistic must lie inside ``(-thr, thr)`` to hold and wholly
+    outside it to fail."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     lo, hi = estimate.lo, estimate.hi
     if any(x != x for x in (estimate.value, lo, hi)):
+        return INCONCLUSIVE
+    if op == "|x|<":  # equivalence: bootstrap the signed statistic, never its absolute value
+        if -thr < lo and hi < thr:
+            return HOLDS
+        if lo >= thr or hi <= -thr:
+            return FAILS
         return INCONCLUSIVE
     sat = {
         ">=": lambda x: x >= thr,
@@ -402,6 +477,11 @@ class Spec:
 
     def rule(self, thr: float | None = None) -> str:
         thr = self.value if thr is None else thr
+        if self.op == "|x|<":
+            return (
+                f"holds if the whole {LEVEL:.0%} interval lies within ±{thr:g} (threshold "
+                f"'{self.threshold}'), fails if it lies wholly outside, else inconclusive"
+            )
         return (
             f"holds if the whole {LEVEL:.0%} interval is {self.op} {thr:g} "
             f"(threshold '{self.threshold}'), fails if none of it is, else inconclusive"

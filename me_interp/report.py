@@ -289,7 +289,20 @@ def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str] = EXPERI
             rows.append(f"| {name} | `{c.id}` | {verdict} | {est} | {n} |")
     n = claims_mod.counts(d for e in state["experiments"].values() for d in e.get("claims") or [])
     head = ", ".join(f"{v}: {k}" for v, k in n.items())
-    return f"Claims ({head}; sanity checks not counted)\n\n" + "\n".join(rows) + "\n"
+    lines = [
+        f"- {name}: "
+        + ("(sanity check) " if d.get("kind") == "sanity" else "")
+        + claims_mod.Claim.from_dict(d).line()
+        for name in experiments
+        for d in (state["experiments"].get(name) or {}).get("claims") or []
+    ]
+    return (
+        f"Claims ({head}; sanity checks not counted)\n\n"
+        + "\n".join(rows)
+        + "\n\nEach claim in full (statistic, interval, n, rule, control, context):\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
 
 
 def _relpath(path: Path, start: Path) -> str:

@@ -65,10 +65,25 @@ def test_bootstrap_rejects_bad_settings(bad):
 
 
 def test_over_seeds_needs_five_seeds():
-    with pytest.raises(ValueError, match=">= 5 seeds"):
+    with pytest.raises(ValueError, match=">= 5 finite seeds"):
         claims.over_seeds([1.0, 2.0, 3.0, 4.0])
-    est = claims.over_seeds([1.0, 2.0, 3.0, 4.0, 5.0])
-    assert est.unit == "seeds" and est.n == 5 and est.lo <= 3.0 <= est.hi
+    x = [1.0, 2.0, 3.0, 4.0, 5.0]
+    est = claims.over_seeds(x)
+    half = 2.776 * np.std(x, ddof=1) / math.sqrt(5)  # t(0.975, 4), by hand
+    assert est.unit == "seeds" and est.n == 5 and est.method == "t"
+    assert (est.lo, est.hi) == pytest.approx((3.0 - half, 3.0 + half))
+    assert "t interval over n = 5 seeds" in est.text()
+
+
+def test_equivalence_rule_judges_the_signed_statistic():
+    spec = claims.Spec("x.same", "§4", "unchanged", "ratio − 1", "|x|<", "ppl_unchanged")
+    assert spec.judge(claims.Estimate(0.0, -0.01, 0.02, 9)).verdict == claims.HOLDS
+    assert spec.judge(claims.Estimate(-0.2, -0.3, -0.06, 9)).verdict == claims.FAILS
+    assert spec.judge(claims.Estimate(0.04, 0.01, 0.08, 9)).verdict == claims.INCONCLUSIVE
+    # a statistic near 0 keeps an interval around 0 (folding |x| would push it away from 0)
+    est = claims.bootstrap(np.random.default_rng(0).normal(0.0, 0.01, 40))
+    assert est.lo < 0 < est.hi and spec.judge(est).verdict == claims.HOLDS
+    assert "within ±0.05" in spec.rule()
 
 
 @pytest.mark.parametrize(

@@ -180,3 +180,27 @@ def test_docs_claims_md_is_current():
     assert path.read_text() == report.claims_markdown(), (
         "docs/claims.md is stale: regenerate it (see me_interp.report.claims_markdown)"
     )
+
+
+def test_forcing_the_planted_layer_on_the_twin_makes_no_claim_hold(twin, tmp_path):
+    """With ``--layer`` the experiments skip detection and measure at layer 2 of the twin, which has
+    the planted model's weights but no mechanism: nothing may hold there either."""
+    import dataclasses
+    import importlib
+
+    from me_interp.experiments.common import execute
+
+    model, _ = twin
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(synthetic.planted_prompts(N_PROMPTS, 10)) + "\n")
+    held, judged = [], []
+    for name in report.EXPERIMENTS:
+        module = importlib.import_module(f"me_interp.experiments.{name}")
+        if "layer" not in {f.name for f in dataclasses.fields(module.Config)}:
+            continue
+        cfg = module.Config(prompts=str(prompts), out=str(tmp_path), layer=2)
+        outcome = execute(module, cfg, model)
+        judged.append(name)
+        held += [c.id for c in outcome.claims if c.kind == "claim" and c.verdict == claims.HOLDS]
+    assert len(judged) >= 8, judged
+    assert held == [], f"claims hold at a forced layer of a model without the mechanism: {held}"

@@ -100,14 +100,16 @@ SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
         "activation_patching.state_causes_sink",
         "§2.6",
-        "The massive token's state after the ME layer causes the downstream attention sink: patched "
-        "from the clean run into the corrupt run (the other tokens keep their corrupt states), it "
-        "restores the sink of the later layers",
+        "Patching the massive token's whole clean state after the ME layer into the corrupt run "
+        "restores the later layers' sink (nearly true by construction: for p = 0 every later state "
+        "of p is then exactly clean, and only the ME layer's attention saw the corrupted p; a "
+        "sanity check, not evidence — sink_causality tests the cause)",
         RESTORE.format(metric="sink (attention to p, layers after the ME layer)")
         + " of the resid_pre patch at (ME layer + 1, p)",
         ">=",
         "restore",
         control="the corrupt run (0): the same prompts without the massive activation",
+        kind="sanity",
     ),
     claims.Spec(
         "activation_patching.not_rewritten",

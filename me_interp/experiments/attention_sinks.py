@@ -60,7 +60,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "the two; sink rate = share of heads whose mean attention to the massive token reaches "
         "the sink threshold (per-layer means over prompts)",
         op=">=",
-        threshold="relative_drop",
+        threshold="relative_rise",
         control="the layers up to the ME layer, whose attention runs before the massive activation",
     ),
     claims.Spec(

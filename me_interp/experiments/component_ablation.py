@@ -116,8 +116,8 @@ SPECS: tuple[claims.Spec, ...] = (
         "component_ablation.mean_dims_harmless",
         "§4; Sun et al. 2024",
         "Setting the massive activations to their mean over the prompts leaves perplexity unchanged",
-        "|" + _PPL + " − 1|",
-        "<",
+        _PPL + " − 1 (signed; judged by its size)",
+        "|x|<",
         "ppl_unchanged",
         control="zero_dims (the same dims set to 0)",
     ),
@@ -319,7 +319,8 @@ def _ppl_stat(a: np.ndarray) -> float:
 
 
 def _ppl_change_stat(a: np.ndarray) -> float:
-    return abs(_ppl_stat(a) - 1)
+    """The signed perplexity change, ratio − 1 (an equivalence claim bootstraps it unfolded)."""
+    return _ppl_stat(a) - 1
 
 
 def verdicts(result: Result) -> list[claims.Claim]:
@@ -367,7 +368,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
             )
         else:
             rows = torch.stack([m["nll_sum"], base["nll_sum"], base["n_tokens"]], 1).numpy()
-            stat = _ppl_change_stat if spec.op == "<" else _ppl_stat
+            stat = _ppl_change_stat if spec.op == "|x|<" else _ppl_stat
             est = claims.bootstrap(rows, stat, seed=r.seed)
             details = (
                 f"{ctx}; perplexity {r.perplexity('baseline'):.4g} -> {r.perplexity(cond):.4g} "

@@ -480,7 +480,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
         elif len(rows) < claims.MIN_SEEDS:
             na(name, f"{len(rows)} seeds, a random control needs at least {claims.MIN_SEEDS}")
         else:
-            est = claims.over_seeds([r["change"] for r in rows], seed=result.seed)
+            est = claims.over_seeds([r["change"] for r in rows])
             out.append(
                 _SPEC[name].judge(
                     est,

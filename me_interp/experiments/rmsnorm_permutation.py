@@ -380,7 +380,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
                 )
             )
         else:
-            est = claims.over_seeds(changes, seed=result.seed)
+            est = claims.over_seeds(changes)
             rows = result.select(norm, kind)
             out.append(
                 _SPEC[name].judge(

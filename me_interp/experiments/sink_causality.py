@@ -86,8 +86,8 @@ SPECS: tuple[claims.Spec, ...] = (
         "§2.4 (directional invariance)",
         "Control: the sink does not depend on which input's massive token it sees — the massive "
         "token's ME-layer output swapped for another prompt's (still massive) keeps the sink",
-        "|1 − " + _SINK + "|",
-        "<",
+        "1 − " + _SINK + " (signed; judged by its size)",
+        "|x|<",
         "relative_drop",
         control="the removal conditions",
     ),
@@ -328,10 +328,6 @@ def _drop_stat(a: np.ndarray) -> float:
     return float(1 - m[0] / m[1]) if m[1] else float("nan")
 
 
-def _abs_drop_stat(a: np.ndarray) -> float:
-    return abs(_drop_stat(a))
-
-
 def verdicts(result: Result) -> list[claims.Claim]:
     """One claim per condition (:data:`SPECS`)."""
     s, r = result.site, result
@@ -369,7 +365,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
                     )
                 )
                 continue
-            est = claims.bootstrap(rows, _abs_drop_stat, seed=r.seed)
+            est = claims.bootstrap(rows, _drop_stat, seed=r.seed)
         else:
             if not frac <= claims.threshold("removed"):
                 out.append(

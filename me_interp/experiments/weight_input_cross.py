@@ -21,7 +21,7 @@ actual massive-token ratio of layer ``X``'s FFN output. A cell is *large* when
 
 i.e. the FFN output is outsized (``k`` times an ordinary one; ``k`` = the threshold :data:`LARGE_KEY`)
 *and* keeps at least the fraction ``r`` of the massive output the ME layer actually makes (``r`` = the
-``removed`` threshold: below it an intervention counts as removing the massive activation). Inputs
+``cross_keep`` threshold). Inputs
 ``Y ≤ m`` come before the emergence; from ``Y > m`` on the input already carries the massive
 activation (its normalised direction is a spike on the massive dims), so those columns are shown but
 not judged.
@@ -98,7 +98,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "per prompt, the fraction of inputs Y < m whose cell (m, Y) is large (C ≥ max(k, "
         "r·C[m, m])); mean over prompts",
         ">=",
-        "moved_fraction",
+        "cross_breadth",
         "the observed input Y = m (left out); weight_swap.ffn_path, which moves the same weights",
     ),
     claims.Spec(
@@ -218,7 +218,7 @@ class Result:
             "large_factor": self.large_factor,
             "large_key": LARGE_KEY,
             "large_fraction": self.large_fraction,
-            "large_fraction_key": "removed",
+            "large_fraction_key": "cross_keep",
             "model": self.model,
             "bos": self.bos,
             "index_convention": INDEX_CONVENTION,
@@ -338,7 +338,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         prompt_lengths=batch.lengths,
         cross=cross.tolist(),
         large_factor=claims.threshold(LARGE_KEY),
-        large_fraction=claims.threshold("removed"),
+        large_fraction=claims.threshold("cross_keep"),
         seed=cfg.seed,
     )
 
@@ -356,7 +356,7 @@ def _details(result: Result) -> str:
         f"layer {result.me_layer}); median-over-prompts row m for Y ≤ m: "
         + ", ".join(f"{v:.3g}" for v in med[m, : m + 1])
         + f"; large = C ≥ max(k = {result.large_factor:g} ('{LARGE_KEY}'), r = "
-        f"{result.large_fraction:g} ('removed') × C[m, m]); large cells of the median matrix "
+        f"{result.large_fraction:g} ('cross_keep') × C[m, m]); large cells of the median matrix "
         f"(Y ≤ m): {[c for c in result.large_cells() if c[1] <= m]}"
     )
 

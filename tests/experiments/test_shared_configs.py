@@ -107,10 +107,27 @@ def test_cli_keeps_the_traceback_of_a_bug(monkeypatch, tmp_path, capsys):
     from me_interp.experiments import me_layer
 
     argv = ["--model", "synthetic:planted", "--out", str(tmp_path)]
-    monkeypatch.setattr(me_layer, "run", lambda cfg, model=None: torch.distributions.Normal(0.0, -1.0))
+    monkeypatch.setattr(
+        me_layer, "run", lambda cfg, model=None: torch.distributions.Normal(0.0, -1.0)
+    )
     monkeypatch.setattr(me_layer.run, "__module__", me_layer.__name__, raising=False)
     with pytest.raises(ValueError, match="scale"):
         common.cli_main("me_layer", me_layer.Config, me_layer.run, None, None, argv)
-    assert me_layer.main(["--model", "synthetic:planted", "--bos", "yes", "--seed", "-1",
-                          "--out", str(tmp_path), "--threads", "0"]) == 2
+    assert (
+        me_layer.main(
+            [
+                "--model",
+                "synthetic:planted",
+                "--bos",
+                "yes",
+                "--seed",
+                "-1",
+                "--out",
+                str(tmp_path),
+                "--threads",
+                "0",
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.startswith("error: threads must be >= 1")
