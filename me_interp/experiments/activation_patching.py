@@ -118,7 +118,9 @@ SPECS: tuple[claims.Spec, ...] = (
         "by later sub-layers: no single later attention or FFN output at the massive token restores it",
         "largest "
         + RESTORE.format(metric="norm ratio at the metric layer")
-        + " over the attn_out and mlp_out patches at p in the layers after the ME layer",
+        + " over the attn_out and mlp_out patches at p in the layers after the ME layer and before "
+        "the metric layer (a norm: it does not tell a write along the massive direction from one "
+        "against it)",
         "<",
         "restore",
         control="the ME layer's own FFN patch (ffn_writes)",
@@ -267,11 +269,12 @@ class Result:
         )
 
     def later_cells(self) -> list[tuple[str, int, int]]:
-        """The attn_out and mlp_out cells at ``p`` of every layer after the ME layer."""
+        """The attn_out and mlp_out cells at ``p`` of the layers after the ME layer and before the
+        metric layer (the metric layer's own sub-layers write straight into the measured cell)."""
         p = self.site.position
         return [
             (s, layer, p)
-            for layer in range(self.site.layer + 1, self.n_layers)
+            for layer in range(self.site.layer + 1, self.metric_layer)
             for s in ("attn_out", "mlp_out")
         ]
 
@@ -447,11 +450,12 @@ def verdicts(result: Result) -> list[claims.Claim]:
         evidence += [SPEC[k].not_applicable(why) for k in ("state_causes_sink", "not_rewritten")]
     else:
         evidence.append(judge("state_causes_sink", [cells["state_causes_sink"]], "sink"))
-        if r.metric_layer <= L:
+        if r.metric_layer <= L + 1:
             evidence.append(
                 SPEC["not_rewritten"].not_applicable(
-                    f"the metric layer {r.metric_layer} is not after the ME layer {L}: later "
-                    "sub-layers cannot change it (the claim would hold by construction)"
+                    f"no layer lies between the ME layer {L} and the metric layer "
+                    f"{r.metric_layer}: no later sub-layer can be patched without writing into the "
+                    "measured cell itself"
                 )
             )
         else:

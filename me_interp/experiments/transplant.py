@@ -49,8 +49,8 @@ SPECS: tuple[claims.Spec, ...] = (
         "§2.6, §3 (massive-direction transplant)",
         "The attention sink follows the massive component: moving it from the massive token into "
         "another token moves the sink heads' attention there",
-        "the sink heads' attention to dst under 'move' over their unmodified attention to p (ratio "
-        "of prompt means; 1 = the whole sink moved, 0 = none of it)",
+        "the sink heads' attention to dst under 'move' minus their unmodified attention to dst, "
+        "over their unmodified attention to p (prompt means; 1 = the whole sink moved, 0 = none)",
         ">=",
         "restore",
         control="the unmodified run (the sink heads' attention to dst before the move)",
@@ -292,9 +292,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 
 
 def _share_stat(a: np.ndarray) -> float:
-    """Columns ``[to dst after, to p before]`` → ``mean(after) / mean(before)``."""
+    """Columns ``[to dst after, to dst before, to p before]`` → the share of the sink that moved,
+    ``(mean(after) − mean(dst before)) / mean(p before)`` (the unmodified attention to dst is the
+    control, subtracted)."""
     m = a.mean(0)
-    return float(m[0] / m[1]) if m[1] else float("nan")
+    return float((m[0] - m[1]) / m[2]) if m[2] else float("nan")
 
 
 def verdicts(result: Result) -> list[claims.Claim]:
@@ -322,7 +324,11 @@ def verdicts(result: Result) -> list[claims.Claim]:
         )
 
     rows = np.stack(
-        [r.sink_per_prompt("move", 1).double().numpy(), r.sink_per_prompt("baseline", 0).numpy()],
+        [
+            r.sink_per_prompt("move", 1).double().numpy(),
+            r.sink_per_prompt("baseline", 1).double().numpy(),
+            r.sink_per_prompt("baseline", 0).double().numpy(),
+        ],
         1,
     )
     follows = SPEC["sink_follows"].judge(
