@@ -515,6 +515,18 @@ class Spec:
             details,
         )
 
+    def judge_seeds(self, values: Sequence[float], *, flag: str, details: str = "") -> Claim:
+        """The claim judged on a random control's per-seed values (:func:`over_seeds`), or not
+        applicable when this run measured fewer than :data:`MIN_SEEDS` seeds (``flag`` names the
+        option that sets the number of seeds)."""
+        n = sum(1 for v in values if math.isfinite(v))
+        if n < MIN_SEEDS:
+            return self.not_applicable(
+                f"not measured in this run: {n} random seeds, the control needs at least "
+                f"{MIN_SEEDS} ({flag})"
+            )
+        return self.judge(over_seeds(values), details=details)
+
     def not_applicable(self, why: str) -> Claim:
         """The claim marked not applicable on this model, with ``why``."""
         return Claim(

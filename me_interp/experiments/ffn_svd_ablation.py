@@ -477,13 +477,11 @@ def verdicts(result: Result) -> list[claims.Claim]:
     def seeded(name: str, rows: list[dict[str, Any]], what: str, extra: str) -> None:
         if not rows:
             na(name, what)
-        elif len(rows) < claims.MIN_SEEDS:
-            na(name, f"{len(rows)} seeds, a random control needs at least {claims.MIN_SEEDS}")
         else:
-            est = claims.over_seeds([r["change"] for r in rows])
             out.append(
-                _SPEC[name].judge(
-                    est,
+                _SPEC[name].judge_seeds(
+                    [r["change"] for r in rows],
+                    flag="--n-random",
                     details=f"{where}; survives {sum(r['survives'] for r in rows)}/{len(rows)}; "
                     f"{extra}",
                 )

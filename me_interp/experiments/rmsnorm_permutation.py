@@ -372,19 +372,12 @@ def verdicts(result: Result) -> list[claims.Claim]:
             out.append(
                 _SPEC[name].not_applicable(f"not measured in this run: no {norm} {kind} edit")
             )
-        elif len(changes) < claims.MIN_SEEDS:
-            out.append(
-                _SPEC[name].not_applicable(
-                    f"not measured in this run: {len(changes)} seeds, a random edit needs at least "
-                    f"{claims.MIN_SEEDS} (--n-random)"
-                )
-            )
         else:
-            est = claims.over_seeds(changes)
             rows = result.select(norm, kind)
             out.append(
-                _SPEC[name].judge(
-                    est,
+                _SPEC[name].judge_seeds(
+                    changes,
+                    flag="--n-random",
                     details=f"{where}; survives {sum(r['survives'] for r in rows)}/{len(rows)}"
                     f"{extra}; {control(*other)}",
                 )

@@ -639,24 +639,16 @@ def verdicts(result: Result) -> list[claims.Claim]:
     rand = result.random_rows(r0)
     if need("beats_random", w if rand else None, "the random or weight variant was not run"):
         gaps = [(r["perplexity"] - w["perplexity"]) / base["perplexity"] for r in rand]
-        if len(gaps) < claims.MIN_SEEDS:
-            out.append(
-                _SPEC["beats_random"].not_applicable(
-                    f"not measured in this run: {len(gaps)} random seeds, the control needs at "
-                    f"least {claims.MIN_SEEDS} (--n-seeds)"
-                )
+        per_text = boot(_cols(base, w, rand[0]), _gap, unit="texts")
+        out.append(
+            _SPEC["beats_random"].judge_seeds(
+                gaps,
+                flag="--n-seeds",
+                details=f"{where}; perplexity random {_fmt_list(r['perplexity'] for r in rand)} "
+                f"(seeds {[r['seed'] for r in rand]}) vs weight {w['perplexity']:.4g}, unmasked "
+                f"{base['perplexity']:.4g}; seed {rand[0]['seed']} over texts: {per_text.text()}",
             )
-        else:
-            per_text = boot(_cols(base, w, rand[0]), _gap, unit="texts")
-            out.append(
-                _SPEC["beats_random"].judge(
-                    claims.over_seeds(gaps),
-                    details=f"{where}; perplexity random {_fmt_list(r['perplexity'] for r in rand)} "
-                    f"(seeds {[r['seed'] for r in rand]}) vs weight {w['perplexity']:.4g}, unmasked "
-                    f"{base['perplexity']:.4g}; seed {rand[0]['seed']} over texts: "
-                    f"{per_text.text()}",
-                )
-            )
+        )
     # magnitude dims
     mag = result.row("wemask", "magnitude", r0)
     if need(
