@@ -27,6 +27,7 @@ from me_interp.claims import NotApplicable
 from me_interp.edits import PARTS
 from me_interp.experiments.common import CommonConfig, model_for
 from me_interp.models import Batch, LoadedModel
+from me_interp.probes.attention import mean_to_keys
 from me_interp.probes.batching import Chunk, record
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer
 from me_interp.probes.norms import NormRecorder, scan_norms, top_ratio
@@ -193,8 +194,9 @@ def edit_cells(row: dict[str, Any]) -> tuple[Any, ...]:
 
 
 class SinkRecorder:
-    """Records ``out[l, b, h] = mean_{q≥1} Σ_{p∈P_b} A_{l,b,h}[q, p]``: the attention mass every head
-    puts on the reference positions ``P_b`` (as ``probes.attention_stats``), chunk by chunk
+    """Records ``out[l, b, h] = Σ_{p∈P_b} mean_{q>p} A_{l,b,h}[q, p]``: the attention mass every head
+    puts on the reference positions ``P_b`` from the real queries that can see them (as
+    ``probes.attention``: :func:`~me_interp.probes.attention.mean_to_keys`), chunk by chunk
     (``probes.batching``), so that it shares the forward pass of the norm scan."""
 
     def __init__(
@@ -219,16 +221,13 @@ class SinkRecorder:
     def hooks(self, chunk: Chunk) -> list:
         dev = self.model.device
         key_mask = self.key_mask[chunk.rows, : chunk.width].to(dev)
-        qmask = chunk.batch.attention_mask.bool().clone()
-        qmask[:, 0] = False
-        rec = partial(self._record, rows=chunk.rows, key_mask=key_mask, qmask=qmask.to(dev))
+        qmask = chunk.batch.attention_mask.bool().to(dev)
+        rec = partial(self._record, rows=chunk.rows, key_mask=key_mask, qmask=qmask)
         return [(names.pattern(layer), partial(rec, layer=layer)) for layer in range(len(self.out))]
 
     def _record(self, pattern, hook, *, layer, rows, key_mask, qmask):
-        a = pattern.detach().float()  # [n head q k]
-        to_pos = (a * key_mask[:, None, None, :]).sum(-1)  # [n head q]
-        qm = qmask[:, None, :].to(a.dtype)  # [n 1 q]
-        self.out[layer, rows] = ((to_pos * qm).sum(-1) / qm.sum(-1)).cpu()  # [n head]
+        per_key = mean_to_keys(pattern.detach().float(), qmask).nan_to_num(0.0)  # [n head k]
+        self.out[layer, rows] = (per_key * key_mask[:, None, :]).sum(-1).cpu()  # [n head]
         return pattern
 
     def per_layer(self) -> list[float]:
