@@ -64,10 +64,23 @@ def check_fraction(value: Any, name: str) -> float:
     return v
 
 
-def n_selected(rate: float | int, d: int) -> int:
-    """``round(rate · d)`` with halves rounded up (``floor(rate·d + 0.5)``), for ``rate`` in [0, 1]."""
+#: How a rate ``r`` of ``d`` dims becomes a count (:func:`n_selected`): ``"half_up"`` rounds
+#: ``r·d`` half up, ``floor(r·d + 0.5)`` — the one rule of this package (every WeMask variant of the
+#: paper, ``probes.alignment``'s fractional ``k``); ``"int"`` truncates, Python's ``int(r·d)`` — the
+#: released WeMask code's rule, used only by its ``activation`` variant. ``d = 576``, ``r = 0.1``:
+#: 58 and 57.
+COUNT_RULES: tuple[str, ...] = ("half_up", "int")
+
+
+def n_selected(rate: float | int, d: int, rule: str = "half_up") -> int:
+    """How many of ``d`` dims a rate ``rate`` ∈ [0, 1] selects, by ``rule`` (:data:`COUNT_RULES`):
+    ``floor(rate·d + 0.5)`` (``"half_up"``) or ``int(rate·d)`` (``"int"``, the released code)."""
     rate = check_fraction(rate, "rate")
-    return min(d, int(math.floor(rate * d + 0.5)))
+    if rule == "half_up":
+        return min(d, int(math.floor(rate * d + 0.5)))
+    if rule == "int":
+        return min(d, int(rate * d))
+    raise ValueError(f"unknown count rule {rule!r}; choose one of {COUNT_RULES}")
 
 
 def check_site(site: str) -> str:

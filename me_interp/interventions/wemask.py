@@ -1,20 +1,29 @@
 """WeMask (weight-guided masking, ``paper.md`` §2.5) and the dim selections it is compared with.
 
-For every layer ``l`` from a start layer to the last, zero ``k = round(r·d)`` dims of the *massive
+For every layer ``l`` from a start layer to the last, zero ``k`` of the ``d`` dims of the *massive
 token's* attention input ``RMSNorm_attn(h_l) = h_l / rms(h_l) ⊙ w_attn^{(l)}`` — only for the massive
 token (absolute position 0 by default, or the detected massive positions), never the residual stream,
 never the other tokens::
 
     ĥ_{l,t}[S_l] ← 0   for t ∈ massive positions, l ≥ start
 
-The dim set ``S_l`` has four selections, named apart:
+The dim set ``S_l`` has four selections compared by the mask-rate study (:data:`VARIANTS`), named
+apart, and one more:
 
 * ``weight``     — ``TopK(|w_attn^{(l)}|, k)``: the paper's text (the same dims for every token/input);
-* ``activation`` — ``TopK(|ĥ_{l,t}|, k)`` of the massive token's *normalised* activation (after the
-  gain), per input: the authors' released code;
+* ``activation`` — the authors' released code: ``TopK(mean_b |ĥ_{l,b}|, int(r·d))``, the top dims of
+  the *batch mean* of the massive tokens' *normalised* activations (after the gain), one set for the
+  whole batch of the forward (every target token of the call; with the default ``positions=(0,)``
+  that is ``|ĥ_0|`` averaged over the prompts), so it depends on which prompts share the batch;
 * ``random``     — ``k`` dims drawn without replacement, seeded by ``(seed, layer)``: an ablation;
 * ``magnitude``  — ``TopK(|h_{l,t}|, k)`` of the massive token's *residual* activation (the norm's
-  input), per input: an ablation.
+  input), per token: an ablation;
+* ``activation_per_prompt`` — ``TopK(|ĥ_{l,t}|, k)`` per massive token (per prompt), not in the
+  study's set: what ``activation`` was before it followed the released code.
+
+**Dim count.** ``k = floor(r·d + 0.5)`` (``r·d`` rounded half up; :func:`core.n_selected`) for every
+variant but ``activation``, which uses the released code's ``int(r·d)`` (:data:`COUNT_RULE`). On the
+bundled model (``d = 576``) ``r = 0.1`` masks 58 dims, 57 with ``activation``.
 
 Ties are broken towards the lower dim index (stable sort). The start layer is explicit: ``start="ge"``
 masks layers ``≥ ME`` (the paper), ``"gt"`` layers ``> ME``. The ME layer is measured
@@ -38,18 +47,29 @@ from me_interp.claims import NotApplicable
 from me_interp.interventions import core
 from me_interp.interventions.core import PositionsArg
 
+#: The selections the mask-rate study compares (``experiments.wemask``).
 VARIANTS: tuple[str, ...] = ("weight", "activation", "random", "magnitude")
+#: Every selection :func:`select_dims` and :class:`WeMask` accept.
+ALL_VARIANTS: tuple[str, ...] = (*VARIANTS, "activation_per_prompt")
 STARTS: tuple[str, ...] = ("ge", "gt")
-Variant = Literal["weight", "activation", "random", "magnitude"]
+Variant = Literal["weight", "activation", "random", "magnitude", "activation_per_prompt"]
+#: Count rule per variant (``core.COUNT_RULES``): the released code's ``int(r·d)`` for its own
+#: selection, ``floor(r·d + 0.5)`` for the others.
+COUNT_RULE: dict[str, str] = {v: "int" if v == "activation" else "half_up" for v in ALL_VARIANTS}
 RANDOM_SEED_STRIDE = 1_000_003
 # variants whose dims do not depend on the input ("given": explicit dims, used by soft.dim_projection)
 FIXED_VARIANTS: tuple[str, ...] = ("weight", "random", "given")
 
 
 def check_variant(variant: str) -> str:
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown WeMask variant {variant!r}; choose one of {VARIANTS}")
+    if variant not in ALL_VARIANTS:
+        raise ValueError(f"unknown WeMask variant {variant!r}; choose one of {ALL_VARIANTS}")
     return variant
+
+
+def n_dims(variant: str, rate: float | int, d: int) -> int:
+    """How many dims ``variant`` masks at ``rate`` (see "Dim count" in the module docstring)."""
+    return core.n_selected(rate, d, COUNT_RULE[check_variant(variant)])
 
 
 def _top_abs(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -65,22 +85,26 @@ def select_dims(
     rate: float | int,
     activations: Float[torch.Tensor, "*rows d_model"] | None = None,
     seed: int = 0,
-) -> Int[torch.Tensor, "*rows k"]:
-    """The dims WeMask zeroes at ``layer``: ``k = round(rate · d_model)`` indices.
+) -> Int[torch.Tensor, "*sets k"]:
+    """The dims WeMask zeroes at ``layer``: ``k = n_dims(variant, rate, d_model)`` indices.
 
     Args:
         model: a :class:`~me_interp.models.LoadedModel` or an HF causal LM.
         layer: 0-based layer.
-        variant: ``weight`` (``TopK |w_attn|``), ``activation`` (``TopK |ĥ|`` of the given normalised
-            activations), ``random`` (seeded by ``(seed, layer)``) or ``magnitude`` (``TopK |h|`` of the
-            given residual activations).
+        variant: ``weight`` (``TopK |w_attn|``), ``activation`` (``TopK`` of the mean ``|ĥ|`` over
+            all given normalised activation rows, ``int(r·d)`` dims: the released code),
+            ``activation_per_prompt`` (``TopK |ĥ|`` per row), ``random`` (seeded by
+            ``(seed, layer)``) or ``magnitude`` (``TopK |h|`` of the given residual activations,
+            per row).
         rate: ``r ∈ [0, 1]``.
-        activations: ``[..., d_model]``; required by ``activation`` (the attention-norm *output* of the
-            massive tokens) and ``magnitude`` (the norm's *input*, the residual stream).
+        activations: ``[..., d_model]``; required by ``activation``/``activation_per_prompt`` (the
+            attention-norm *output* of the massive tokens) and ``magnitude`` (the norm's *input*, the
+            residual stream).
         seed: for ``random``.
 
     Returns:
-        ``[k]`` for ``weight``/``random`` (sorted), ``[..., k]`` (one row per activation row) otherwise.
+        ``[k]`` for ``weight``/``random``/``activation`` (sorted; one set for every token), ``[..., k]``
+        (one row per activation row) for ``activation_per_prompt``/``magnitude``.
 
     Raises:
         ValueError: bad variant, rate outside [0, 1], missing or mis-shaped activations.
@@ -88,7 +112,7 @@ def select_dims(
     check_variant(variant)
     n_layers, d = core.n_layers_of(model), core.d_model_of(model)
     core.check_layers([layer], n_layers)
-    k = core.n_selected(rate, d)
+    k = n_dims(variant, rate, d)
     if variant == "weight":
         gain = core.attn_norm_gain(model, layer)
         return _top_abs(gain, k).sort().values.cpu()
@@ -101,7 +125,16 @@ def select_dims(
         )
     if activations.shape[-1] != d:
         raise ValueError(f"activations have {activations.shape[-1]} dims, the model has {d}")
-    return _top_abs(activations, k)
+    return _dims_of(variant, activations, k)
+
+
+def _dims_of(variant: str, x: torch.Tensor, k: int) -> torch.Tensor:
+    """The input-dependent selections: one set from the batch mean of ``|x|`` (``activation``) or
+    one row of dims per row of ``x``."""
+    if variant == "activation":
+        mean_abs = x.detach().float().abs().reshape(-1, x.shape[-1]).mean(0)  # [d]
+        return _top_abs(mean_abs, k).sort().values
+    return _top_abs(x, k)
 
 
 def no_massive_activation(model: Any, n_prompts: int | None = None) -> NotApplicable:
@@ -189,7 +222,8 @@ class WeMask:
     """A WeMask spec (see module docstring); build it with :meth:`build` or :func:`we_mask`.
 
     ``fixed_dims`` holds the precomputed dims of the input-independent variants (``weight``,
-    ``random``) per layer; ``activation`` and ``magnitude`` select per input in :meth:`edit`.
+    ``random``) per layer; ``activation`` (one set per forward, from the batch mean),
+    ``activation_per_prompt`` and ``magnitude`` select from the input in :meth:`edit`.
     ``keep`` is the factor the selected coordinates are multiplied by (0 for the hard mask).
     """
 
@@ -245,11 +279,10 @@ class WeMask:
         """Dims to edit for the target tokens (``h_sel``/``resid_sel``: their rows ``[n, d]``)."""
         if self.variant in FIXED_VARIANTS:
             return self.fixed_dims[layer]
-        k = core.n_selected(self.rate, h_sel.shape[-1])
-        if self.variant == "activation":
-            return _top_abs(h_sel, k)
-        src = resid_sel if resid_sel is not None else h_sel  # magnitude
-        return _top_abs(src, k)
+        k = n_dims(self.variant, self.rate, h_sel.shape[-1])
+        if self.variant == "magnitude":
+            return _dims_of(self.variant, resid_sel if resid_sel is not None else h_sel, k)
+        return _dims_of(self.variant, h_sel, k)
 
     def edit(
         self,
@@ -292,12 +325,14 @@ def we_mask(
     seed: int = 0,
     batch: Any = None,
 ) -> list[tuple[str, Any]]:
-    """TransformerLens hooks for WeMask: zero ``round(rate·d)`` dims of the massive token's attention input.
+    """TransformerLens hooks for WeMask: zero ``n_dims(variant, rate, d)`` dims of the massive token's
+    attention input.
 
     Args:
         model: the :class:`~me_interp.models.LoadedModel`.
         rate: ``r ∈ [0, 1]``.
-        variant: ``weight`` | ``activation`` | ``random`` | ``magnitude`` (module docstring).
+        variant: ``weight`` | ``activation`` | ``random`` | ``magnitude`` |
+            ``activation_per_prompt`` (module docstring).
         layers: explicit 0-based layers; default :func:`mask_layers` (``start`` from ``me_layer``).
         start: ``"ge"`` (layers ≥ ME, the paper) or ``"gt"`` (layers > ME).
         me_layer: the ME layer; measured on ``batch`` (default built-in prompts) when ``None``.
@@ -327,12 +362,15 @@ def we_mask(
 
 
 __all__ = [
+    "ALL_VARIANTS",
+    "COUNT_RULE",
     "STARTS",
     "VARIANTS",
     "WeMask",
     "find_me_layer",
     "mask_layers",
     "massive_positions",
+    "n_dims",
     "no_massive_activation",
     "select_dims",
     "we_mask",

@@ -31,6 +31,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import names
+from me_interp.interventions.core import n_selected
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, record
 
@@ -50,7 +51,8 @@ _SITE_NORM = {
 
 
 def resolve_k(k: int | float, d: int) -> int:
-    """Number of top-gain dims: ``k`` itself if an int ≥ 1, ``max(1, round(k·d))`` if a float in (0, 1].
+    """Number of top-gain dims: ``k`` itself if an int ≥ 1, ``max(1, floor(k·d + 0.5))`` if a float in
+    (0, 1] (halves round up: the package's one count rule, ``interventions.core.n_selected``).
 
     Raises:
         ValueError: ``k`` out of range.
@@ -64,7 +66,7 @@ def resolve_k(k: int | float, d: int) -> int:
     if isinstance(k, float):
         if not (0.0 < k <= 1.0) or math.isnan(k):
             raise ValueError(f"a fractional k must be in (0, 1], got {k}")
-        return max(1, min(d, round(k * d)))
+        return max(1, n_selected(k, d))
     raise TypeError(f"k must be an int or a float, got {type(k).__name__}")
 
 

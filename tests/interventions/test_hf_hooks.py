@@ -14,7 +14,7 @@ from me_interp.interventions import (
     hf_we_mask,
     tl_hooks,
 )
-from me_interp.interventions.wemask import VARIANTS
+from me_interp.interventions.wemask import ALL_VARIANTS
 
 LAYERS = (2, 3, 4)
 
@@ -24,7 +24,7 @@ def _hf_logits(hf, batch, *specs, **kw):
         return hf(batch.tokens, attention_mask=batch.attention_mask).logits
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_hf_equals_tl_on_planted(planted, plain_planted, variant):
     model, _ = planted
     hf, _, _ = plain_planted

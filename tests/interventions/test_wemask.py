@@ -11,7 +11,7 @@ import torch
 from me_interp import names, synthetic
 from me_interp.interventions import WeMask, mask_layers, select_dims, tl_hooks, we_mask
 from me_interp.interventions.core import n_selected
-from me_interp.interventions.wemask import VARIANTS
+from me_interp.interventions.wemask import ALL_VARIANTS, n_dims
 
 LAYERS = (2, 3, 4)
 
@@ -40,6 +40,18 @@ def pbatch(planted):
 def test_k_is_round_rate_times_d():
     assert [n_selected(r, 576) for r in (0, 0.1, 0.3, 0.5, 0.7, 1.0)] == [0, 58, 173, 288, 403, 576]
     assert n_selected(0.5, 5) == 3  # halves round up
+    # the released code's rule truncates: int(r * d), float artefacts included
+    rates = (0, 0.1, 0.3, 0.5, 0.7, 1.0)
+    assert [n_selected(r, 576, "int") for r in rates] == [0, 57, 172, 288, 403, 576]
+    assert n_selected(0.29, 100, "int") == int(0.29 * 100) == 28
+    with pytest.raises(ValueError, match="count rule"):
+        n_selected(0.1, 576, "nearest")
+
+
+def test_only_the_released_variant_counts_with_int():
+    assert n_dims("activation", 0.1, 576) == 57
+    for v in ("weight", "random", "magnitude", "activation_per_prompt"):
+        assert n_dims(v, 0.1, 576) == 58
 
 
 def test_weight_dims_are_top_abs_gain(planted):
@@ -60,14 +72,27 @@ def test_random_dims_are_seeded_and_distinct(planted):
     assert len(set(a.tolist())) == a.numel() == 8
 
 
-def test_activation_and_magnitude_dims_are_top_abs_per_row(planted):
+def test_per_prompt_and_magnitude_dims_are_top_abs_per_row(planted):
     model, _ = planted
     x = torch.randn(3, model.d_model)
-    for v in ("activation", "magnitude"):
+    for v in ("activation_per_prompt", "magnitude"):
         dims = select_dims(model, 2, v, 0.25, activations=x)
         assert dims.shape == (3, 8)
         for row, d in zip(x.numpy(), dims.tolist()):
             assert sorted(d) == sorted(np.argsort(-np.abs(row), kind="stable")[:8].tolist())
+
+
+def test_activation_dims_are_the_released_rule(planted):
+    """The released code: the top int(r·d) dims of the batch mean of |ĥ|, one set for the batch."""
+    model, _ = planted
+    d = model.d_model
+    x = torch.randn(3, d)
+    k = int(0.3 * d)
+    assert k != n_selected(0.3, d)  # the two rules differ here
+    want = sorted(np.argsort(-np.abs(x.numpy()).mean(0), kind="stable")[:k].tolist())
+    dims = select_dims(model, 2, "activation", 0.3, activations=x)
+    assert dims.tolist() == want  # [k], not one row per prompt
+    assert select_dims(model, 2, "activation", 0.3, activations=x[:, None]).tolist() == want
 
 
 @pytest.mark.parametrize("rate", [-0.1, 1.01, float("nan")])
@@ -104,7 +129,7 @@ def test_mask_layers_from_detected_me_layer(planted):
 # -- identity / full mask / reference forward ------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_rate_zero_is_bit_identical(planted, pbatch, variant):
     model, _ = planted
     sites = [("attn_in", L) for L in LAYERS] + [("resid_post", L) for L in LAYERS]
@@ -115,7 +140,7 @@ def test_rate_zero_is_bit_identical(planted, pbatch, variant):
         assert torch.equal(bs[key], os_[key])
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_rate_one_equals_zeroing_the_whole_attention_input(planted, pbatch, variant):
     model, _ = planted
 
@@ -185,7 +210,7 @@ def test_per_prompt_positions(planted, pbatch):
         model.run_with_hooks(pbatch, we_mask(model, 1.0, layers=[L], positions=[[0]]))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_hooks_are_idempotent(planted, variant):
     model, _ = planted
     spec = WeMask.build(model, [2], 0.25, variant)
@@ -227,3 +252,32 @@ def test_positions_massive_uses_detected_positions(planted, pbatch):
         we_mask(model, 1.0, layers=LAYERS, positions="massive")
     with pytest.raises(ValueError, match="'massive'"):
         we_mask(model, 1.0, layers=LAYERS, positions="all")
+
+
+def test_activation_masks_one_set_for_the_whole_batch(planted, pbatch):
+    """In a forward, `activation` masks the same int(r·d) dims in every prompt's target token: the top
+    dims of the batch mean of |ĥ| there (targets at position 3, which differ between the prompts)."""
+    model, _ = planted
+    L, rate, d = 2, 0.3, model.d_model
+    _, base = _capture(model, pbatch, [("attn_in", L)])
+    h3 = base[("attn_in", L)][:, 3]  # [batch d]
+
+    def top(x, k):
+        return torch.sort(x.abs(), descending=True, stable=True).indices[:k]
+
+    def masked_exactly(variant, dims_of_prompt):
+        hooks = we_mask(model, rate, variant, layers=[L], positions=(3,))
+        _, out = _capture(model, pbatch, [("attn_in", L)], hooks)
+        got = out[("attn_in", L)][:, 3]
+        for b in range(len(pbatch)):
+            keep = torch.ones(d, dtype=torch.bool)
+            keep[dims_of_prompt[b]] = False
+            assert torch.equal(got[b, ~keep], torch.zeros(int((~keep).sum())))
+            assert torch.equal(got[b, keep], h3[b, keep])
+
+    k = int(rate * d)
+    batch_set = top(h3.abs().mean(0), k)
+    assert set(top(h3[0], k).tolist()) != set(top(h3[1], k).tolist())  # per prompt they differ
+    masked_exactly("activation", [batch_set, batch_set])
+    k_pp = n_selected(rate, d)
+    masked_exactly("activation_per_prompt", [top(h3[0], k_pp), top(h3[1], k_pp)])

@@ -134,6 +134,12 @@ def test_resolve_k():
     assert resolve_k(0.05, 100) == 5
     assert resolve_k(0.001, 100) == 1
     assert resolve_k(1.0, 100) == 100
+    # one count rule with WeMask (interventions.core.n_selected): halves round up, not to even
+    from me_interp.interventions.core import n_selected
+
+    assert resolve_k(0.5, 5) == 3 and resolve_k(0.125, 20) == 3  # 2.5 -> 3
+    for frac in (0.01, 0.05, 0.1, 0.3, 0.5):
+        assert resolve_k(frac, 576) == max(1, n_selected(frac, 576))
     for bad in (0, 101, 0.0, 1.5, float("nan")):
         with pytest.raises(ValueError):
             resolve_k(bad, 100)
