@@ -11,8 +11,12 @@ checks and records that
 * the saved model reloads (``save_pretrained`` → ``from_pretrained``) and gives the same logits under
   the same mask.
 
-    python experiments/finetune_wemask.py --out runs/finetune_wemask            # bundled model
+    python experiments/finetune_wemask.py --out runs                              # bundled model
     python experiments/finetune_wemask.py --model synthetic:planted --me-layer 2 --steps 3
+
+Every run writes a new directory ``<out>/finetune_wemask/<run_id>/`` (``me_interp.io.new_run_dir``;
+earlier runs are never overwritten) and prints it: ``config.json`` (the arguments), ``env.json``,
+``model/`` (the fine-tuned model and tokenizer) and, last, ``result.json`` (losses, edits, checks).
 
 The same hooks go into HF ``Trainer`` / TRL ``SFTTrainer`` / ``DPOTrainer`` / ``GRPOTrainer`` unchanged:
 see ``docs/wemask.md``.
@@ -33,6 +37,8 @@ from me_interp.interventions import WeMask, hf_interventions, load_hf, mask_laye
 from me_interp.interventions.wemask import STARTS, VARIANTS
 
 DATA = "finetune_wemask.json"
+EXPERIMENT = "finetune_wemask"
+MODEL_DIR = "model"
 
 
 def load_examples(path: str | None = None) -> list[dict]:
@@ -95,12 +101,24 @@ def main(argv: list[str] | None = None) -> int:
         "--data", default=None, help="JSON list of {prompt, response}; default: shipped"
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/finetune_wemask")
+    ap.add_argument(
+        "--out", default="runs", help=f"runs go to <out>/{EXPERIMENT}/<run_id>/ (default: runs)"
+    )
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be >= 2 to see the loss go down")
 
     torch.manual_seed(args.seed)
+    run_dir = io.new_run_dir(args.out, EXPERIMENT)
+    print(f"run directory: {run_dir}")
+    io.write_json(run_dir / io.CONFIG_FILE, vars(args))
+    io.write_json(
+        run_dir / io.ENV_FILE,
+        io.environment(
+            {"model": args.model or "bundled", "dtype": "float32", "device": "cpu"},
+            script="experiments/finetune_wemask.py",
+        ),
+    )
     hf, tok = load_hf(args.model)
     me = args.me_layer if args.me_layer is not None else measure_me_layer(args.model)
     layers = mask_layers(hf, args.start, me_layer=me)
@@ -127,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             ).logits
             final_loss = float(hf(**batch).loss)
 
-    out = Path(args.out)
-    model_dir = out / "model"
+    model_dir = run_dir / MODEL_DIR
     hf.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     reloaded, _ = load_hf(str(model_dir))
@@ -158,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         "reload_max_abs_logit_diff": reload_diff,
         "checks": checks,
     }
-    io.write_json(out / "finetune_metrics.json", metrics)
+    io.write_json(run_dir / io.RESULT_FILE, metrics)  # last: a run without it is incomplete
     print(f"loss per step: {[round(x, 4) for x in losses]} -> {final_loss:.4f}")
     print(
         f"mask edits per step (tokens per layer): {edits[0]} ... (every step: {checks['mask_active_every_step']})"
     )
-    print(f"reload max |logit diff|: {reload_diff:.2e}; saved to {model_dir}")
+    print(f"reload max |logit diff|: {reload_diff:.2e}; model saved to {model_dir}")
+    print(f"results in {run_dir}")
     ok = all(checks.values())
     if not ok:
         print(f"FAILED checks: {[k for k, v in checks.items() if not v]}", file=sys.stderr)

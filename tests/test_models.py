@@ -41,20 +41,97 @@ def test_bundled_bos_choices(bundled):
     # SmolLM's tokenizer adds no BOS: "auto" keeps that; "yes" prepends it; "no" is a no-op
     auto = bundled.tokenize(["Hello world"])
     assert not bundled.bos_prepended(auto)
-    yes = load_model(bundled, bos="yes")  # a LoadedModel is returned as is
-    assert yes is bundled
-    m_yes = models.LoadedModel(
-        bundled.bridge,
-        bundled.hf,
-        bundled.tokenizer,
-        bundled.name,
-        "yes",
-        bundled.dtype,
-        bundled.device,
-    )
+    m_yes = load_model(bundled, bos="yes")  # a new LoadedModel on the same bridge
+    assert m_yes is not bundled and m_yes.bos == "yes" and bundled.bos == "auto"
+    assert m_yes.bridge is bundled.bridge and m_yes.tokenizer is bundled.tokenizer
     b = m_yes.tokenize(["Hello world"])
     assert m_yes.bos_prepended(b)
     assert b.tokens[0, 1:].tolist() == auto.tokens[0].tolist()
+    assert not bundled.bos_prepended(bundled.tokenize(["Hello world"]))  # unchanged
+
+
+def test_loaded_model_keeps_its_choices_unless_told(planted):
+    model, _ = planted
+    assert load_model(model) is model
+    assert load_model(model, bos=model.bos, dtype=model.dtype, device="cpu") is model
+    assert load_model(model, dtype="float32", device=torch.device("cpu")) is model
+    with pytest.raises(ValueError, match="bos"):
+        load_model(model, bos="maybe")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="keeps its tokenizer"):
+        load_model(model, tokenizer=synthetic.word_tokenizer())
+    with pytest.raises(ModelLoadError, match="cuda:7"):
+        load_model(model, device="cuda:7")
+
+
+def test_dispatched_loaded_model_is_not_copied_or_cast():
+    model = load_model("synthetic:planted", device="cpu")
+    model.hf.hf_device_map = {"": "cpu"}  # as accelerate marks a dispatched model
+    with pytest.raises(ValueError, match="dispatched"):
+        load_model(model, dtype="bfloat16")
+    assert load_model(model, bos="no").bridge is model.bridge  # BOS alone needs no copy
+
+
+def test_loaded_model_cast_is_a_copy_equal_to_a_fresh_load(planted):
+    """Another dtype: a new model on a cast copy of the bridge, the same bits as loading in that
+    dtype; the given model is left in fp32."""
+    model, _ = planted
+    before = {k: v.clone() for k, v in model.hf.state_dict().items()}
+    bf16 = load_model(model, dtype="bfloat16")
+    assert bf16 is not model and bf16.bridge is not model.bridge
+    assert bf16.dtype == torch.bfloat16 and bf16.bos == model.bos and bf16.name == model.name
+    assert bf16.ffn_norm_gain(2).dtype == torch.bfloat16 and bf16.hf is bf16.bridge.original_model
+    assert bf16.info()["dtype"] == "bfloat16"
+    assert model.dtype == torch.float32 and model.ffn_norm_gain(2).dtype == torch.float32
+    after = model.hf.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    fresh = load_model("synthetic:planted", dtype="bfloat16", device="cpu")
+    batch = model.tokenize(["w1 w2 w3 w4"])
+    assert torch.equal(bf16.run_with_hooks(batch), fresh.run_with_hooks(batch))
+    both = load_model(model, bos="no", dtype=torch.bfloat16)
+    assert both.bos == "no" and both.tokenize(["w1"]).tokens[0].tolist() == [5]
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+
+def test_unavailable_device_says_which_devices_exist(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ModelLoadError, match=r"'cuda:7' is not available.*no CUDA.*has: cpu"):
+        load_model("synthetic:planted", device="cuda:7")
+    with pytest.raises(ModelLoadError, match=r"'gpu' is not a device.*has: cpu"):
+        load_model("synthetic:planted", device="gpu")
+    assert models.resolve_device("cpu") == torch.device("cpu")
+    assert models.resolve_device(None) == torch.device("cpu")
+
+
+def test_cuda_index_beyond_the_devices_present(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert models.available_devices()[:3] == ["cpu", "cuda:0", "cuda:1"]
+    assert models.resolve_device("cuda:1") == torch.device("cuda:1")
+    assert models.resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(ModelLoadError, match=r"'cuda:7'.*2 CUDA devices.*cpu, cuda:0, cuda:1"):
+        models.resolve_device("cuda:7")
+
+
+# -- local directories that are not models -------------------------------------------------
+
+
+def test_directory_without_config_or_tokenizer_says_so(tmp_path):
+    with pytest.raises(
+        ModelLoadError, match=r"not a saved model.*no config\.json and no tokenizer"
+    ):
+        load_model(str(tmp_path), device="cpu")
+    hf, tok, _ = synthetic.planted_llama()
+    hf.save_pretrained(tmp_path)  # the model without its tokenizer
+    with pytest.raises(ModelLoadError, match=r"has no tokenizer \(tokenizer\.json"):
+        load_model(str(tmp_path), device="cpu")
+    m = load_model(str(tmp_path), tokenizer=tok, device="cpu")  # a tokenizer given: fine
+    assert m.tokenize(["w1 w2"]).tokens[0].tolist() == [1, 5, 6]
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="is a file, not a model"):
+        load_model(str(tmp_path / "weights.bin"), device="cpu")
 
 
 def test_planted_tokenizer_bos_choices():
@@ -213,3 +290,64 @@ def test_corrupt_bundled_cache_is_rebuilt(tmp_path, monkeypatch, bundled):
     assert models.verify_cache(target)
     for layer in (0, 11):
         assert torch.equal(m.ffn_norm_gain(layer), bundled.ffn_norm_gain(layer))
+
+
+def _slow_fake_conversion(gguf, out, log):
+    """Stands in for the GGUF dequantisation: writes a small model directory slowly, logging each
+    conversion (one line per call, appended atomically)."""
+    import os
+    import time
+
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    (out / "config.json").write_text("{}")
+    time.sleep(0.4)  # long enough that a second converter, unlocked, overlaps this one
+    (out / "tokenizer_config.json").write_text("{}")
+    (out / models.WEIGHTS_FILE).write_bytes(os.urandom(1 << 16))
+
+
+def _convert_in_child(barrier, results):
+    import os
+
+    barrier.wait()  # both processes ask for the cache at the same moment
+    try:
+        path = models.ensure_bundled_cache()
+        results.put((os.getpid(), str(path), models.verify_cache(path), None))
+    except BaseException as e:  # report it to the parent instead of dying silently
+        results.put((os.getpid(), None, False, f"{type(e).__name__}: {e}"))
+
+
+def test_concurrent_conversions_convert_once_and_both_get_a_verified_cache(tmp_path, monkeypatch):
+    """Two processes converting the bundled model into an empty cache at once: the lock makes one
+    convert and the other wait for it and use its result; both get a verified cache, and nothing
+    (temporary or old directories) is left beside it."""
+    import functools
+    import multiprocessing
+
+    cache, log = tmp_path / "cache", tmp_path / "conversions.log"
+    monkeypatch.setenv(models.CACHE_ENV, str(cache))
+    monkeypatch.setattr(models, "bundled_gguf_path", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(
+        models, "_convert_bundled", functools.partial(_slow_fake_conversion, log=log)
+    )
+    ctx = multiprocessing.get_context("fork")  # the children inherit the monkeypatches
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_convert_in_child, args=(barrier, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert [g[3] for g in got] == [None, None], got
+    target = models._bundled_cache_path()
+    assert {g[1] for g in got} == {str(target)} and all(g[2] for g in got)
+    assert len(log.read_text().splitlines()) == 1  # converted once, not twice
+    assert models.verify_cache(target)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([target.name, target.name + ".lock"])
+    # a forced rebuild (a verified cache that would not load) replaces it through the same path
+    weights = (target / models.WEIGHTS_FILE).read_bytes()
+    assert models.ensure_bundled_cache(rebuild=True) == target
+    assert len(log.read_text().splitlines()) == 2 and models.verify_cache(target)
+    assert (target / models.WEIGHTS_FILE).read_bytes() != weights
+    assert sorted(p.name for p in cache.iterdir()) == sorted([target.name, target.name + ".lock"])

@@ -162,3 +162,165 @@ def test_fp16_overflow_is_detected():
         model.ffn_weights(2).down[7, 5] = 60000.0
     with pytest.raises(FloatingPointError, match="fp16"):
         scan_norms(model, model.tokenize(["w1 w2 w3"]))
+
+
+# -- where the statistics live during the forward ------------------------------------------
+
+
+class _PerHookCPURecorder:
+    """The recorder as it was before the statistics stayed on the device: every hook computes the
+    same statistics and copies them to CPU buffers at once (the reference for bit-identity)."""
+
+    def __init__(self, model, batch, sites=names.SITES, top_k=16, keep_prompt=0):
+        from me_interp.probes.norms import _row_medians
+
+        self.median = _row_medians
+        self.sites = tuple(dict.fromkeys((*sites, "resid_post")))
+        L, (B, T), d = model.n_layers, batch.tokens.shape, model.d_model
+        self.model, self.k, self.keep_prompt = model, min(top_k, d), keep_prompt
+        self.norms = torch.full((len(self.sites), L, B, T), float("nan"))
+        self.top_abs = torch.zeros(L, B, T, self.k)
+        self.top_dims = torch.zeros(L, B, T, self.k, dtype=torch.long)
+        self.median_abs = torch.zeros(L, B)
+        self.kept = torch.zeros(L, T, d)
+
+    def hooks(self, chunk):
+        from functools import partial
+
+        keep = (chunk.rows == self.keep_prompt).nonzero().flatten().tolist()
+        out = []
+        for layer in range(self.model.n_layers):
+            for si, s in enumerate(self.sites):
+                out.append((names.site(s, layer), partial(self._norm, si=si, l=layer, c=chunk)))
+            out.append((names.resid_post(layer), partial(self._resid, l=layer, c=chunk, keep=keep)))
+        return out
+
+    def _norm(self, x, hook, *, si, l, c):  # noqa: E741
+        self.norms[si, l, c.rows, : c.width] = x.detach().float().norm(dim=-1).cpu()
+        return x
+
+    def _resid(self, x, hook, *, l, c, keep):  # noqa: E741
+        a = x.detach().float().abs()
+        vals, dims = a.topk(self.k, dim=-1)
+        self.top_abs[l, c.rows, : c.width] = vals.cpu()
+        self.top_dims[l, c.rows, : c.width] = dims.cpu()
+        self.median_abs[l, c.rows] = self.median(a, c.lengths).cpu()
+        if keep:
+            self.kept[l, : c.width] = x.detach()[keep[0]].float().cpu()
+        return x
+
+
+@pytest.mark.parametrize("max_tokens", [1024, 7])
+def test_scan_is_bit_identical_to_per_hook_copies(planted, max_tokens):
+    """Keeping the statistics on the device changes no value: the same bits as copying each to the
+    CPU inside its hook (padded prompts; one chunk, and many chunks of 1–3 rows)."""
+    from me_interp.probes.batching import record
+    from me_interp.probes.norms import NormRecorder
+
+    model, _ = planted
+    batch = model.tokenize(["w1 w2 w3 w4 w5 w6", "w9 w8", "w20 w21 w22 w23", "w7"])
+    new = NormRecorder(model, batch, top_k=4, keep_prompt=2)
+    ref = _PerHookCPURecorder(model, batch, top_k=4, keep_prompt=2)
+    record(model, batch, [new], max_tokens=max_tokens)
+    record(model, batch, [ref], max_tokens=max_tokens)
+    got = new.result()
+    mask = batch.attention_mask.bool()
+    want = ref.norms.masked_fill(~mask, float("nan"))
+    assert torch.equal(got.norms.isnan(), want.isnan()) and torch.equal(
+        got.norms[:, :, mask], want[:, :, mask]
+    )
+    assert torch.equal(got.top_abs, ref.top_abs) and torch.equal(got.top_dims, ref.top_dims)
+    assert torch.equal(got.median_abs, ref.median_abs)
+    assert torch.equal(got.kept_resid, ref.kept[:, : batch.lengths[2]])
+    assert all(t.device.type == "cpu" for t in (got.norms, got.top_abs, got.kept_resid))
+
+
+def _count_host_copies(monkeypatch, model, fn) -> int:
+    """How many ``Tensor.cpu/item/tolist/numpy`` calls (each one a device sync on an accelerator)
+    ``fn()`` makes inside ``model``'s forward passes (hooks included, hook set-up not)."""
+    calls, active = [0], [False]
+    for meth in ("cpu", "item", "tolist", "numpy"):
+        real = getattr(torch.Tensor, meth)
+
+        def counted(self, *a, _real=real, **k):
+            calls[0] += active[0]
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, meth, counted)
+    forward = model.run_with_hooks
+
+    def counting_forward(*a, **k):
+        active[0] = True
+        try:
+            return forward(*a, **k)
+        finally:
+            active[0] = False
+
+    monkeypatch.setattr(model, "run_with_hooks", counting_forward)
+    try:
+        fn()
+    finally:
+        monkeypatch.undo()
+    return calls[0]
+
+
+def test_hooks_copy_nothing_to_the_host_during_the_forward(planted, monkeypatch):
+    """The hooks add no device-to-host copy to the forward (before: 8 per layer); the result is
+    moved to the CPU once, after the forward, by ``result()``."""
+    from me_interp.probes.batching import record
+    from me_interp.probes.norms import NormRecorder
+
+    model, _ = planted
+    batch = model.tokenize(["w1 w2 w3 w4 w5", "w9 w8 w7"])
+
+    class Nothing:
+        def hooks(self, chunk):
+            return []
+
+    rec = NormRecorder(model, batch)
+    plain = _count_host_copies(monkeypatch, model, lambda: record(model, batch, [Nothing()]))
+    scan = _count_host_copies(monkeypatch, model, lambda: record(model, batch, [rec]))
+    assert scan == plain, f"the norm hooks made {scan - plain} host copies inside the forward"
+    res = rec.result()
+    assert res.norms.device.type == "cpu" and torch.isfinite(res.norms[:, :, res.mask]).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_scan_adds_no_synchronisation_and_matches_cpu(planted, planted_prompts):
+    """On a GPU: the hooks add no synchronising call to the forward (CUDA sync debug mode counts
+    them), the outputs come back on the CPU, and they match the CPU scan."""
+    import warnings
+
+    from me_interp import load_model
+    from me_interp.probes.batching import record
+    from me_interp.probes.norms import NormRecorder
+
+    cpu_model, _ = planted
+    model = load_model(cpu_model, device="cuda", dtype="float32")
+    batch = model.tokenize(planted_prompts)
+
+    class Nothing:
+        def hooks(self, chunk):
+            return []
+
+    def syncs(recorders) -> int:
+        record(model, batch, recorders)  # warm-up (lazy CUDA init, cuBLAS handles)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                record(model, batch, recorders)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    plain = syncs([Nothing()])
+    rec = NormRecorder(model, batch)
+    assert syncs([rec]) == plain
+    got = rec.result()
+    want = scan_norms(cpu_model, cpu_model.tokenize(planted_prompts))
+    assert got.norms.device.type == "cpu"
+    torch.testing.assert_close(got.norms, want.norms, equal_nan=True, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.median_abs, want.median_abs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.top_abs, want.top_abs, rtol=1e-4, atol=1e-4)

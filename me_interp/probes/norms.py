@@ -9,7 +9,9 @@
   and the per-prompt median ``|a|`` over all real tokens and dims (Sun et al.'s reference value);
 * the full layer output of one prompt (``keep_prompt``), for token × dimension views.
 
-Everything is computed in fp32 from the activations, on the activations' device, then moved to CPU.
+Everything is computed in fp32 from the activations and stays on the activations' device during the
+forward: the hooks write into buffers on that device (no device-to-host copy, so no synchronisation,
+inside a hook), and :meth:`NormRecorder.result` moves the buffers to the CPU once, after the forward.
 """
 
 from __future__ import annotations
@@ -69,41 +71,69 @@ class NormRecorder:
         self.model, self.batch, self.sites = model, batch, sites
         self.k = min(top_k, d)
         self.keep_prompt = keep_prompt
-        self.norms = torch.full((len(sites), n_layers, B, T), float("nan"))
-        self.top_abs = torch.zeros(n_layers, B, T, self.k)
-        self.top_dims = torch.zeros(n_layers, B, T, self.k, dtype=torch.long)
-        self.median_abs = torch.zeros(n_layers, B)
-        self.kept = torch.zeros(n_layers, T, d)
+        self._shapes = (len(sites), n_layers, B, T, d)
+        self._buf: dict[str, torch.Tensor] | None = None  # on the first activation's device
+
+    def _buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The full-batch outputs, allocated on ``device`` when the first hook runs."""
+        if self._buf is None:
+            S, L, B, T, d = self._shapes
+            self._buf = {
+                "norms": torch.full((S, L, B, T), float("nan"), device=device),
+                "top_abs": torch.zeros(L, B, T, self.k, device=device),
+                "top_dims": torch.zeros(L, B, T, self.k, dtype=torch.long, device=device),
+                "median_abs": torch.zeros(L, B, device=device),
+                "kept": torch.zeros(L, T, d, device=device),
+            }
+        return self._buf
 
     def hooks(self, chunk: Chunk) -> list:
         out = []
         keep = (chunk.rows == self.keep_prompt).nonzero().flatten().tolist()
+        # chunk.rows on the buffers' device, copied before the forward (a copy inside a hook syncs)
+        on_model = chunk.rows.to(self.model.device)
+        rows: dict[torch.device, torch.Tensor] = {on_model.device: on_model}
         for layer in range(self.model.n_layers):
             for si, s in enumerate(self.sites):
-                fn = partial(self._norm, si=si, layer=layer, chunk=chunk)
+                fn = partial(self._norm, si=si, layer=layer, chunk=chunk, rows=rows)
                 out.append((names.site(s, layer), fn))
-            fn = partial(self._resid, layer=layer, chunk=chunk, keep=keep)
+            fn = partial(self._resid, layer=layer, chunk=chunk, keep=keep, rows=rows)
             out.append((names.resid_post(layer), fn))
         return out
 
-    def _norm(self, x: torch.Tensor, hook, *, si: int, layer: int, chunk: Chunk):
-        self.norms[si, layer, chunk.rows, : chunk.width] = x.detach().float().norm(dim=-1).cpu()
+    def _rows(self, x: torch.Tensor, chunk: Chunk, rows: dict) -> tuple[dict, torch.Tensor]:
+        buf = self._buffers(x.device)
+        dev = buf["norms"].device
+        if dev not in rows:
+            rows[dev] = chunk.rows.to(dev)
+        return buf, rows[dev]
+
+    def _norm(self, x: torch.Tensor, hook, *, si: int, layer: int, chunk: Chunk, rows: dict):
+        buf, r = self._rows(x, chunk, rows)
+        norms = buf["norms"]
+        norms[si, layer, r, : chunk.width] = x.detach().float().norm(dim=-1).to(norms.device)
         return x
 
-    def _resid(self, x: torch.Tensor, hook, *, layer: int, chunk: Chunk, keep: list[int]):
+    def _resid(
+        self, x: torch.Tensor, hook, *, layer: int, chunk: Chunk, keep: list[int], rows: dict
+    ):
+        buf, r = self._rows(x, chunk, rows)
+        dev = buf["norms"].device
         a = x.detach().float().abs()  # [n pos d_model]
         vals, dims = a.topk(self.k, dim=-1)
         w = chunk.width
-        self.top_abs[layer, chunk.rows, :w] = vals.cpu()
-        self.top_dims[layer, chunk.rows, :w] = dims.cpu()
-        self.median_abs[layer, chunk.rows] = _row_medians(a, chunk.lengths).cpu()
+        buf["top_abs"][layer, r, :w] = vals.to(dev)
+        buf["top_dims"][layer, r, :w] = dims.to(dev)
+        buf["median_abs"][layer, r] = _row_medians(a, chunk.lengths).to(dev)
         if keep:
-            self.kept[layer, :w] = x.detach()[keep[0]].float().cpu()
+            buf["kept"][layer, :w] = x.detach()[keep[0]].float().to(dev)
         return x
 
     def result(self) -> NormScan:
+        """The measurements, moved to the CPU (one copy per output, after the forward)."""
+        buf = {k: v.cpu() for k, v in self._buffers(self.model.device).items()}
         mask = self.batch.attention_mask.bool().cpu()
-        norms = self.norms.masked_fill(~mask, float("nan"))
+        norms = buf["norms"].masked_fill(~mask, float("nan"))
         if not torch.isfinite(norms[:, :, mask]).all():
             raise FloatingPointError(
                 "non-finite activations (inf/NaN) in the forward pass: the dtype overflowed "
@@ -112,12 +142,12 @@ class NormRecorder:
         return NormScan(
             sites=self.sites,
             norms=norms,
-            top_abs=self.top_abs,
-            top_dims=self.top_dims,
-            median_abs=self.median_abs,
+            top_abs=buf["top_abs"],
+            top_dims=buf["top_dims"],
+            median_abs=buf["median_abs"],
             mask=mask,
             kept_prompt=self.keep_prompt,
-            kept_resid=self.kept[:, : int(mask[self.keep_prompt].sum())],
+            kept_resid=buf["kept"][:, : int(mask[self.keep_prompt].sum())],
         )
 
 
