@@ -185,6 +185,10 @@ def test_null_z_against_a_hand_computation():
 
 def test_judge_seeds_needs_the_seeds_it_claims_over():
     na = SPEC.judge_seeds([0.9, 0.8, 1.0], flag="--n-random")
-    assert na.verdict == claims.NOT_APPLICABLE and "3 random seeds" in na.why and "--n-random" in na.why
+    assert (
+        na.verdict == claims.NOT_APPLICABLE
+        and "3 random seeds" in na.why
+        and "--n-random" in na.why
+    )
     ok = SPEC.judge_seeds([0.9, 0.8, 1.0, 0.95, 0.85], flag="--n-random")
     assert ok.verdict == claims.HOLDS and ok.estimate.method == "t"

@@ -316,7 +316,9 @@ def is_bad_input(e: BaseException) -> bool:
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(
+        _PACKAGE
+    )
 
 
 _PACKAGE = Path(__file__).resolve().parents[1]
