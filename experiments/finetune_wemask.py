@@ -81,9 +81,9 @@ def sft_batch(tok, examples: list[dict]) -> dict[str, torch.Tensor]:
 
 def measure_me_layer(model_name: str | None) -> int:
     from me_interp import load_model
-    from me_interp.interventions.wemask import find_me_layer
+    from me_interp.interventions.wemask import me_layer_index
 
-    return find_me_layer(load_model(model_name, device="cpu", dtype="float32"))
+    return me_layer_index(load_model(model_name, device="cpu", dtype="float32"))
 
 
 def main(argv: list[str] | None = None) -> int:

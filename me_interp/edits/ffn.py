@@ -46,8 +46,9 @@ def top_singular_part(W: Float[torch.Tensor, "out inp"], k: int) -> Float[torch.
     return ((U[:, :k] * S[:k]) @ Vh[:k]).to(W.dtype)
 
 
-def singular_values(model: LoadedModel, layer: int, matrix: str) -> list[float]:
-    """Singular values (descending) of ``W_matrix`` of ``layer``."""
+def ffn_singular_values(model: LoadedModel, layer: int, matrix: str) -> list[float]:
+    """Singular values (descending) of the FFN weight ``W_matrix`` of ``layer`` (for those of an
+    activation matrix see :func:`me_interp.probes.geometry.singular_values`)."""
     return torch.linalg.svdvals(ffn_matrix(model, layer, matrix).detach().double()).tolist()
 
 

@@ -20,6 +20,7 @@ import torch
 from jaxtyping import Float
 
 from me_interp.edits.core import edited_parameters
+from me_interp.interventions.core import top_abs_dims
 from me_interp.models import LoadedModel
 
 NORMS: tuple[str, ...] = ("ffn", "attn")
@@ -51,8 +52,7 @@ def top_dims(w: Float[torch.Tensor, " d"], k: int) -> list[int]:
     """The ``k`` dims with the largest ``|w|`` (ties broken by the lower index), largest first."""
     if not 1 <= k <= w.numel():
         raise ValueError(f"k must be in 1..{w.numel()}, got {k}")
-    order = torch.sort(-w.detach().abs().flatten(), stable=True).indices
-    return order[:k].tolist()
+    return top_abs_dims(w.flatten(), k).tolist()
 
 
 def top_dims_permutation(w: Float[torch.Tensor, " d"], k: int, seed: int) -> torch.Tensor:

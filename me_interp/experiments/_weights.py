@@ -359,14 +359,3 @@ def prepare(
 
 def _positions(loc) -> list[list[int]]:
     return loc.massive_positions or [[] for _ in loc.reference_positions]
-
-
-def check_layers(model: LoadedModel, layers: Sequence[int], what: str) -> list[int]:
-    """Validate layer indices (clear error naming ``what``)."""
-    out = []
-    for layer in layers:
-        try:
-            out.append(model.check_layer(layer))
-        except ValueError as e:
-            raise ValueError(f"{what}: {e}") from None
-    return out

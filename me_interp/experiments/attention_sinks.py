@@ -35,14 +35,14 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, names, plotting
-from me_interp.experiments.common import cli_main, model_for
-from me_interp.experiments.mechanism import (
+from me_interp.experiments._layer_report import (
     DetectConfig,
     LayerReport,
     as_array,
     detect,
     relative_drop,
 )
+from me_interp.experiments.common import cli_main, model_for
 from me_interp.models import LoadedModel
 from me_interp.probes.attention import AttentionRecorder
 from me_interp.probes.batching import record

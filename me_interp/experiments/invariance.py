@@ -36,8 +36,8 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, names, plotting
+from me_interp.experiments._layer_report import DetectConfig, LayerReport, detect
 from me_interp.experiments.common import cli_main, model_for
-from me_interp.experiments.mechanism import DetectConfig, LayerReport, detect
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.batching import record
 from me_interp.probes.invariance import (

@@ -49,7 +49,6 @@ from me_interp.experiments._weights import (
     Measurement,
     Setup,
     WeightConfig,
-    check_layers,
     locate,
     measure,
     no_massive_activation,
@@ -58,6 +57,7 @@ from me_interp.experiments._weights import (
     spread,
 )
 from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
+from me_interp.interventions.core import check_layers
 from me_interp.models import LoadedModel, load_model
 
 NAME = "weight_patching"
@@ -251,13 +251,13 @@ def resolve_targets(
         ValueError: a target out of range, or the source layer itself within one model.
     """
     if cfg.targets:
-        targets = check_layers(target, cfg.targets, "--targets")
+        targets = list(check_layers(cfg.targets, target.n_layers, "--targets", sort=False))
         if same_model and source_layer in targets:
             raise ValueError(
                 f"--targets contains the source layer {source_layer}: patching a layer onto itself "
                 "changes nothing"
             )
-        return list(dict.fromkeys(targets))
+        return targets
     if same_model:
         candidates = [
             t for t in eligible_targets(range(target.n_layers), me_layer) if t != source_layer

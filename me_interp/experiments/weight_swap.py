@@ -55,13 +55,13 @@ from me_interp.experiments._weights import (
     Measurement,
     Setup,
     WeightConfig,
-    check_layers,
     measure,
     prepare,
     short_batch,
     spread,
 )
 from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
+from me_interp.interventions.core import check_layers
 from me_interp.models import LoadedModel
 
 NAME = "weight_swap"
@@ -250,12 +250,12 @@ def resolve_partners(cfg: Config, model: LoadedModel, layer: int) -> list[int]:
         ValueError: a partner out of range or equal to ``layer`` (a swap with itself).
     """
     if cfg.partners:
-        partners = check_layers(model, cfg.partners, "--partners")
+        partners = list(check_layers(cfg.partners, model.n_layers, "--partners", sort=False))
         if layer in partners:
             raise ValueError(
                 f"--partners contains the swapped layer {layer}: cannot swap a layer with itself"
             )
-        return list(dict.fromkeys(partners))
+        return partners
     return spread([p for p in range(model.n_layers) if p != layer], cfg.max_partners)
 
 

@@ -32,7 +32,9 @@ from typing import Any, Protocol
 import torch
 from jaxtyping import Bool, Float, Int
 
-SITES = ("attn_in", "resid_post")
+#: Where the masking interventions edit (a subset of :data:`me_interp.names.SITES`): ``attn_in``
+#: (the pre-attention norm's output) or ``resid_post`` (the layer output).
+MASK_SITES = ("attn_in", "resid_post")
 
 PositionsArg = Sequence[int] | Sequence[Sequence[int]]
 
@@ -83,26 +85,50 @@ def n_selected(rate: float | int, d: int, rule: str = "half_up") -> int:
     raise ValueError(f"unknown count rule {rule!r}; choose one of {COUNT_RULES}")
 
 
+def top_abs_dims(x: Float[torch.Tensor, "*lead d"], k: int) -> Int[torch.Tensor, "*lead k"]:
+    """``TopK(|x|, k)``: indices of the ``k`` largest ``|x|`` along the last axis, largest first
+    (ties: lower index first, a stable sort). The one TopK-``|x|`` of the package: WeMask's dim
+    selections, :func:`me_interp.probes.alignment.top_gain_dims` and
+    :func:`me_interp.edits.gains.top_dims` all call it."""
+    order = torch.sort(x.detach().abs().float(), dim=-1, descending=True, stable=True).indices
+    return order[..., :k]
+
+
 def check_site(site: str) -> str:
-    if site not in SITES:
-        raise ValueError(f"unknown site {site!r}; choose one of {SITES}")
+    if site not in MASK_SITES:
+        raise ValueError(f"unknown site {site!r}; choose one of {MASK_SITES}")
     return site
 
 
-def check_layers(layers: Sequence[int], n_layers: int) -> tuple[int, ...]:
-    """Validate 0-based layer indices against ``n_layers``; return them sorted and unique."""
+def check_layers(
+    layers: Sequence[int], n_layers: int, what: str | None = None, *, sort: bool = True
+) -> tuple[int, ...]:
+    """Validate 0-based layer indices against ``n_layers``; return them unique.
+
+    Args:
+        layers: the indices to check.
+        n_layers: the model's layer count.
+        what: named in the error messages (e.g. a CLI flag, ``"--partners"``).
+        sort: sorted (default), or unique in the given order.
+
+    Raises:
+        TypeError: an index that is not an int.
+        ValueError: an index out of range, or no index at all.
+    """
+    pre = f"{what}: " if what else ""
     out = []
     for layer in layers:
         if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layers must be ints, got {layer!r}")
+            raise TypeError(f"{pre}layers must be ints, got {layer!r}")
         if not 0 <= layer < n_layers:
             raise ValueError(
-                f"layer {layer} is out of range: the model has {n_layers} layers (0..{n_layers - 1})"
+                f"{pre}layer {layer} is out of range: the model has {n_layers} layers "
+                f"(0..{n_layers - 1})"
             )
         out.append(layer)
     if not out:
-        raise ValueError("no layers to intervene on: give at least one layer")
-    return tuple(sorted(set(out)))
+        raise ValueError(f"{pre}no layers to intervene on: give at least one layer")
+    return tuple(sorted(set(out))) if sort else tuple(dict.fromkeys(out))
 
 
 def normalize_positions(positions: PositionsArg) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:

@@ -72,12 +72,6 @@ def n_dims(variant: str, rate: float | int, d: int) -> int:
     return core.n_selected(rate, d, COUNT_RULE[check_variant(variant)])
 
 
-def _top_abs(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest ``|x|`` along the last axis (ties: lower index first)."""
-    order = torch.sort(x.detach().abs().float(), dim=-1, descending=True, stable=True).indices
-    return order[..., :k]
-
-
 def select_dims(
     model: Any,
     layer: int,
@@ -115,7 +109,7 @@ def select_dims(
     k = n_dims(variant, rate, d)
     if variant == "weight":
         gain = core.attn_norm_gain(model, layer)
-        return _top_abs(gain, k).sort().values.cpu()
+        return core.top_abs_dims(gain, k).sort().values.cpu()
     if variant == "random":
         gen = torch.Generator().manual_seed(int(seed) * RANDOM_SEED_STRIDE + layer)
         return torch.randperm(d, generator=gen)[:k].sort().values
@@ -133,8 +127,8 @@ def _dims_of(variant: str, x: torch.Tensor, k: int) -> torch.Tensor:
     one row of dims per row of ``x``."""
     if variant == "activation":
         mean_abs = x.detach().float().abs().reshape(-1, x.shape[-1]).mean(0)  # [d]
-        return _top_abs(mean_abs, k).sort().values
-    return _top_abs(x, k)
+        return core.top_abs_dims(mean_abs, k).sort().values
+    return core.top_abs_dims(x, k)
 
 
 def no_massive_activation(model: Any, n_prompts: int | None = None) -> NotApplicable:
@@ -149,8 +143,11 @@ def no_massive_activation(model: Any, n_prompts: int | None = None) -> NotApplic
     )
 
 
-def find_me_layer(model: Any, batch: Any = None) -> int:
-    """The measured ME layer (0-based) on ``batch`` (default: the built-in prompts).
+def me_layer_index(model: Any, batch: Any = None) -> int:
+    """The measured ME layer (0-based) on ``batch`` (default: the built-in prompts), as an int.
+
+    The layer index of :func:`me_interp.probes.find_me_layer` (which returns the whole
+    :class:`~me_interp.probes.MELocation`), for callers that only need where to start masking.
 
     Raises:
         NotApplicable: when no layer meets the massive-activation criterion
@@ -183,7 +180,7 @@ def mask_layers(
     """Layers WeMask acts on: ``[ME, end]`` (``start="ge"``) or ``[ME + 1, end]`` (``"gt"``).
 
     Args:
-        me_layer: the ME layer (0-based); measured with :func:`find_me_layer` when ``None``.
+        me_layer: the ME layer (0-based); measured with :func:`me_layer_index` when ``None``.
         end: last layer (inclusive, default the model's last layer).
 
     Raises:
@@ -193,7 +190,7 @@ def mask_layers(
     if start not in STARTS:
         raise ValueError(f"start must be 'ge' (layers >= ME) or 'gt' (layers > ME), got {start!r}")
     n = core.n_layers_of(model)
-    me = find_me_layer(model, batch) if me_layer is None else me_layer
+    me = me_layer_index(model, batch) if me_layer is None else me_layer
     core.check_layers([me], n)
     last = n - 1 if end is None else end
     core.check_layers([last], n)
@@ -367,9 +364,9 @@ __all__ = [
     "STARTS",
     "VARIANTS",
     "WeMask",
-    "find_me_layer",
     "mask_layers",
     "massive_positions",
+    "me_layer_index",
     "n_dims",
     "no_massive_activation",
     "select_dims",

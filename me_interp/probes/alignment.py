@@ -31,7 +31,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import names
-from me_interp.interventions.core import n_selected
+from me_interp.interventions.core import n_selected, top_abs_dims
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, record
 
@@ -74,8 +74,7 @@ def top_gain_dims(w: Float[torch.Tensor, " d"], k: int) -> Int[torch.Tensor, " k
     """``TopK(|w|, k)``: indices of the ``k`` largest ``|w_i|`` (ties: lower index first)."""
     if not 1 <= k <= w.shape[0]:
         raise ValueError(f"k={k} must be between 1 and d={w.shape[0]}")
-    order = torch.sort(w.detach().abs().float(), descending=True, stable=True).indices
-    return order[:k]
+    return top_abs_dims(w, k)
 
 
 def energy_distribution(h: Float[torch.Tensor, "*tok d"]) -> Float[torch.Tensor, "*tok d"]:
@@ -165,12 +164,14 @@ def delta_vs_others(
     return x[..., idx, ref] - other_mean
 
 
-def others_mean(
+def mean_except_reference(
     x: Float[torch.Tensor, "*lead batch pos"],
     mask: Bool[torch.Tensor, "batch pos"],
     ref: Int[torch.Tensor, " batch"],
 ) -> Float[torch.Tensor, "*lead batch"]:
-    """``mean_{t≠ref, real} x[t]`` per prompt."""
+    """``mean_{t≠ref, real} x[t]`` per prompt: a per-token statistic averaged over the real tokens
+    other than the reference one (not :func:`me_interp.interventions.causal.others_mean`, the mean
+    residual *vector* of the tokens outside a position set)."""
     idx = torch.arange(mask.shape[0])
     return x[..., idx, ref] - delta_vs_others(x, mask, ref)
 
@@ -271,7 +272,7 @@ class AlignmentScan:
 
     def others(self, metric: str, site: str = "ffn_in") -> Float[torch.Tensor, "layer batch"]:
         """Mean of ``metric`` over the other real tokens, per layer and prompt."""
-        return others_mean(getattr(self._site(site), metric), self.mask, self.reference)
+        return mean_except_reference(getattr(self._site(site), metric), self.mask, self.reference)
 
 
 class AlignmentRecorder:
@@ -394,7 +395,7 @@ __all__ = [
     "gain_ranks",
     "kl_to_gain",
     "massive_dim_gain_ranks",
-    "others_mean",
+    "mean_except_reference",
     "reference_positions",
     "resolve_k",
     "top_gain_dims",

@@ -31,7 +31,7 @@ from jaxtyping import Bool, Float, Int
 
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
-from me_interp.probes.alignment import delta_vs_others, others_mean, reference_positions
+from me_interp.probes.alignment import delta_vs_others, mean_except_reference, reference_positions
 from me_interp.probes.batching import Chunk, record
 
 STAGES = ("input", "gate", "up", "product", "down")
@@ -74,7 +74,7 @@ class FFNScan:
         return self.conc[stage][:, torch.arange(len(self.reference)), self.reference]
 
     def others_c(self, stage: str) -> Float[torch.Tensor, "layer batch"]:
-        return others_mean(self.conc[stage], self.mask, self.reference)
+        return mean_except_reference(self.conc[stage], self.mask, self.reference)
 
     def magnification(self) -> Float[torch.Tensor, "layer batch"]:
         """``‖FFN out‖ / ‖FFN in‖`` of the massive token per layer and prompt."""
@@ -83,7 +83,7 @@ class FFNScan:
 
     def magnification_others(self) -> Float[torch.Tensor, "layer batch"]:
         """Mean over the other real tokens of ``‖FFN out‖ / ‖FFN in‖``."""
-        return others_mean(self.out_norm / self.in_norm, self.mask, self.reference)
+        return mean_except_reference(self.out_norm / self.in_norm, self.mask, self.reference)
 
 
 class FFNRecorder:

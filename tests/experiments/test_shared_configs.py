@@ -6,8 +6,8 @@ import pytest
 
 from me_interp import claims
 from me_interp.experiments import common
+from me_interp.experiments._layer_report import DetectConfig
 from me_interp.experiments._weights import EDIT_COLUMNS, Measurement, edit_cells, edit_row
-from me_interp.experiments.mechanism import DetectConfig
 
 
 def test_check_choices_accepts_known_values():
