@@ -1,0 +1,29 @@
+"""Every declared run-time dependency is used: imported by me_interp, or named here with the reason."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IMPORT_NAME = {"transformer-lens": "transformer_lens"}
+INDIRECT = {
+    "gguf": "transformers reads the bundled GGUF through it",
+    "accelerate": "transformers needs it to load GGUF checkpoints",
+    "safetensors": "transformers writes and reads the fp32 model cache with it",
+}
+
+
+def test_every_dependency_is_imported_or_explained():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    source = "\n".join(p.read_text() for p in (ROOT / "me_interp").rglob("*.py"))
+    unused = []
+    for dep in deps:
+        name = re.split(r"[<>=!~ \[]", dep, maxsplit=1)[0]
+        module = IMPORT_NAME.get(name, name.replace("-", "_"))
+        if name in INDIRECT:
+            continue
+        if not re.search(rf"^\s*(import|from) {module}\b", source, re.M):
+            unused.append(name)
+    assert unused == [], f"declared but never imported: {unused}"
