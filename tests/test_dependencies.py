@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPORT_NAME = {"transformer-lens": "transformer_lens"}
