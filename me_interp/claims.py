@@ -569,6 +569,13 @@ def check_specs(specs: Iterable[Spec]) -> None:
         seen.add(s.id)
 
 
+def index(specs: Sequence[Spec]) -> dict[str, Spec]:
+    """``{short name: spec}`` for an experiment's specs (the id after ``"<experiment>."``), after
+    :func:`check_specs`."""
+    check_specs(specs)
+    return {s.id.split(".", 1)[1]: s for s in specs}
+
+
 def null_z(values: Sequence[float] | np.ndarray, layer: int) -> float:
     """How far the value at ``layer`` lies above the other layers': ``(x_L - mean_{l≠L} x_l) /
     std_{l≠L} x_l`` (``inf`` when the others are constant and ``x_L`` above them).

@@ -25,7 +25,7 @@ import torch
 from me_interp import names
 from me_interp.claims import NotApplicable
 from me_interp.edits import PARTS
-from me_interp.experiments.common import CommonConfig, model_for
+from me_interp.experiments.common import INDEX_CONVENTION, CommonConfig, model_for
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.attention import mean_to_keys
 from me_interp.probes.batching import Chunk, record
@@ -150,6 +150,19 @@ class Measurement:
             "ratio_last": self.top_ratio[-1],
             "sink_downstream": self.sink_after(layer),
         }
+
+
+def run_header(result: Any) -> dict[str, Any]:
+    """The fields every weight experiment's ``result.json`` opens with (model, BOS, the edited
+    layer in both conventions, whether it was given)."""
+    return {
+        "model": result.model,
+        "bos": result.bos,
+        "index_convention": INDEX_CONVENTION,
+        "layer": result.layer,
+        "layer_1based": result.layer + 1,
+        "layer_given": result.layer_given,
+    }
 
 
 def edit_row(

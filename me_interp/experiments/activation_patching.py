@@ -126,8 +126,7 @@ SPECS: tuple[claims.Spec, ...] = (
         control="the ME layer's own FFN patch (ffn_writes)",
     ),
 )
-claims.check_specs(SPECS)
-SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+SPEC = claims.index(SPECS)
 
 
 @dataclass(frozen=True)

@@ -132,8 +132,7 @@ SPECS: tuple[claims.Spec, ...] = (
         control="mean_dims",
     ),
 )
-claims.check_specs(SPECS)
-SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+SPEC = claims.index(SPECS)
 #: condition each claim is about
 CLAIM_CONDITION = {
     "cap_site": "cap_ffn",

@@ -62,8 +62,9 @@ from me_interp.experiments._weights import (
     measure,
     no_massive_activation,
     prepare,
+    run_header,
 )
-from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
+from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.causal import excess_fraction, excess_stat
 from me_interp.models import LoadedModel
 
@@ -177,12 +178,7 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         b = self.baseline
         return {
-            "model": self.model,
-            "bos": self.bos,
-            "index_convention": INDEX_CONVENTION,
-            "layer": self.layer,
-            "layer_1based": self.layer + 1,
-            "layer_given": self.layer_given,
+            **run_header(self),
             "massive_at_layer": self.massive_at_layer,
             "baseline": b.at_layer(self.layer),
             "summary": {
@@ -329,8 +325,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "the same flattening of the pre-attention gain (in details)",
     ),
 )
-claims.check_specs(SPECS)
-_SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+_SPEC = claims.index(SPECS)
 
 
 def _fmt(x: Any) -> str:

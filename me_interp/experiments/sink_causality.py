@@ -92,8 +92,7 @@ SPECS: tuple[claims.Spec, ...] = (
         control="the removal conditions",
     ),
 )
-claims.check_specs(SPECS)
-SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+SPEC = claims.index(SPECS)
 
 
 @dataclass(frozen=True)
@@ -331,11 +330,10 @@ def _drop_stat(a: np.ndarray) -> float:
 def verdicts(result: Result) -> list[claims.Claim]:
     """One claim per condition (:data:`SPECS`)."""
     s, r = result.site, result
-    if not s.massive:
-        return claims.not_applicable(SPECS, s.why_not())
+    why = causal.sink_not_applicable(s, r.sink_heads)
+    if why is not None:
+        return claims.not_applicable(SPECS, why)
     heads = r.sink_heads()
-    if not heads:
-        return claims.not_applicable(SPECS, causal.no_sink_head(s.layer, s.position))
     base = r.measures["baseline"]
     before = r.sink_per_prompt("baseline").double().numpy()
     n = len(before)

@@ -65,8 +65,7 @@ SPECS: tuple[claims.Spec, ...] = (
         control="the unmodified run (the sink heads' attention to dst before the edit)",
     ),
 )
-claims.check_specs(SPECS)
-SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+SPEC = claims.index(SPECS)
 
 
 @dataclass(frozen=True)
@@ -302,11 +301,10 @@ def _share_stat(a: np.ndarray) -> float:
 def verdicts(result: Result) -> list[claims.Claim]:
     """The two claims of :data:`SPECS`."""
     s, r = result.site, result
-    if not s.massive:
-        return claims.not_applicable(SPECS, s.why_not())
+    why = causal.sink_not_applicable(s, r.sink_heads)
+    if why is not None:
+        return claims.not_applicable(SPECS, why)
     heads = r.sink_heads()
-    if not heads:
-        return claims.not_applicable(SPECS, causal.no_sink_head(s.layer, s.position))
     b_old, b_new = r.sink_to("baseline")
     n = len(r.prompts.indices)
     ctx = (

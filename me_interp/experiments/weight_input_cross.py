@@ -113,8 +113,7 @@ SPECS: tuple[claims.Spec, ...] = (
         kind="sanity",
     ),
 )
-claims.check_specs(SPECS)
-SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+SPEC = claims.index(SPECS)
 
 
 @dataclass(frozen=True)

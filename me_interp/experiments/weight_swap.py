@@ -57,10 +57,11 @@ from me_interp.experiments._weights import (
     WeightConfig,
     measure,
     prepare,
+    run_header,
     short_batch,
     spread,
 )
-from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
+from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.core import check_layers
 from me_interp.models import LoadedModel
 
@@ -218,12 +219,7 @@ class Result:
                 "baseline_ratio_at_layer": b.prompt_ratio_at(self.layer),
                 "baseline_ratio_last": b.prompt_ratio[-1],
             },
-            "model": self.model,
-            "bos": self.bos,
-            "index_convention": INDEX_CONVENTION,
-            "layer": self.layer,
-            "layer_1based": self.layer + 1,
-            "layer_given": self.layer_given,
+            **run_header(self),
             "partners": self.partners,
             "parts": self.parts,
             "n_prompts": self.n_prompts,

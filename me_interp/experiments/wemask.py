@@ -550,8 +550,7 @@ SPECS: tuple[claims.Spec, ...] = (
         kind="sanity",
     ),
 )
-claims.check_specs(SPECS)
-_SPEC = {s.id.split(".", 1)[1]: s for s in SPECS}
+_SPEC = claims.index(SPECS)
 
 
 def _cols(*rows: dict[str, Any], key: str = "nll") -> np.ndarray:

@@ -35,7 +35,7 @@ massive dims, ``h̄ = mean_{t≠p} h_t`` over the other real tokens of the promp
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -581,12 +581,18 @@ def excess_stat(a: np.ndarray) -> float:
     return excess_fraction(float(m[0]), float(m[1]))
 
 
-def no_sink_head(layer: int, position: int) -> str:
-    """Why sink claims are not applicable when no head after ``layer`` attends to ``position``."""
-    return (
-        f"no sink head: no head after layer {layer} attends to position {position} with at least "
-        f"{claims.threshold('sink_attention'):g} (threshold 'sink_attention')"
-    )
+def sink_not_applicable(site: MassiveSite, sink_heads: Callable[[], list]) -> str | None:
+    """Why the sink claims of an experiment at ``site`` are not applicable — no massive activation
+    there, or no head after the layer attends to it (``sink_heads()`` is asked only when there is one)
+    — or ``None`` when they apply."""
+    if not site.massive:
+        return site.why_not()
+    if not sink_heads():
+        return (
+            f"no sink head: no head after layer {site.layer} attends to position {site.position} "
+            f"with at least {claims.threshold('sink_attention'):g} (threshold 'sink_attention')"
+        )
+    return None
 
 
 @dataclass(frozen=True)
