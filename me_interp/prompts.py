@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from me_interp.models import LoadedModel
@@ -38,6 +38,9 @@ def _parse_lines(text: str) -> list[str]:
 
 def _data_text(name: str) -> str:
     return resources.files("me_interp.data").joinpath(name).read_text(encoding="utf-8")
+
+
+Item = TypeVar("Item")
 
 
 def builtin_prompts() -> list[str]:
@@ -148,3 +151,18 @@ def prompt_stats(model: LoadedModel, prompts: Sequence[str] | None = None) -> Pr
         lengths=lengths,
         genres=dict(Counter(builtin_genres())) if builtin else {},
     )
+
+
+def spread(items: Sequence[Item], n: int) -> list[Item]:
+    """``n`` items spread evenly over ``items`` (first and last included; ``0`` or ``n ≥ len`` = all),
+    in their order. A deterministic subsample that covers the whole set (every genre of a prompt
+    file, every depth of a layer list)."""
+    items = list(items)
+    if n < 0:
+        raise ValueError(f"n must be >= 0 (0 = all), got {n}")
+    if n == 0 or n >= len(items):
+        return items
+    if n == 1:
+        return items[:1]
+    step = (len(items) - 1) / (n - 1)
+    return [items[round(i * step)] for i in range(n)]

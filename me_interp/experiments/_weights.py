@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -31,6 +31,7 @@ from me_interp.probes.attention import mean_to_keys
 from me_interp.probes.batching import Chunk, record
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer
 from me_interp.probes.norms import NormRecorder, scan_norms, top_ratio
+from me_interp.prompts import spread
 
 SCAN_SITES = ("resid_pre", "resid_mid", "resid_post")
 PART_ORDER: tuple[str, ...] = (
@@ -65,7 +66,6 @@ PART_SECTION: dict[str, str] = {
 """The paper.md section each part's swap / patch claim tests."""
 if set(PART_ORDER) != set(PARTS):  # pragma: no cover - a new part must get a claim
     raise ImportError(f"PART_ORDER {PART_ORDER} does not list every part of {PARTS}")
-Item = TypeVar("Item")
 
 
 @dataclass(frozen=True)
@@ -286,21 +286,6 @@ def _measure(model, batch, criterion, positions, sink: bool) -> tuple[Measuremen
 def locate(model: LoadedModel, batch: Batch, criterion: Criterion) -> MELocation:
     """The ME-layer location from token norms at :data:`SCAN_SITES` (``probes.massive``)."""
     return locate_me_layer(scan_norms(model, batch, SCAN_SITES), criterion)
-
-
-def spread(items: Sequence[Item], n: int) -> list[Item]:
-    """``n`` items spread evenly over ``items`` (first and last included; ``0`` or ``n ≥ len`` = all),
-    in their order. A deterministic subsample that covers the whole set (every genre of a prompt
-    file, every depth of a layer list)."""
-    items = list(items)
-    if n < 0:
-        raise ValueError(f"n must be >= 0 (0 = all), got {n}")
-    if n == 0 or n >= len(items):
-        return items
-    if n == 1:
-        return items[:1]
-    step = (len(items) - 1) / (n - 1)
-    return [items[round(i * step)] for i in range(n)]
 
 
 def short_batch(

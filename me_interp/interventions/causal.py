@@ -46,6 +46,7 @@ from jaxtyping import Float
 
 from me_interp import claims, names
 from me_interp.models import Batch, LoadedModel
+from me_interp.prompts import spread
 
 HookList = list[tuple[str, object]]
 
@@ -521,13 +522,6 @@ class PromptBatch:
         }
 
 
-def _evenly(n: int, k: int) -> list[int]:
-    """``k`` of ``range(n)`` spread evenly (all when ``k >= n``)."""
-    if k >= n:
-        return list(range(n))
-    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)}) if k > 1 else [0]
-
-
 def prompt_batch(
     model: LoadedModel,
     prompts: Sequence[str],
@@ -558,7 +552,7 @@ def prompt_batch(
             f"no prompt has the {min_tokens} tokens this experiment needs "
             f"(longest: {max(len(r) for r in rows)})"
         )
-    keep = [ok[j] for j in _evenly(len(ok), len(ok) if max_prompts is None else max_prompts)]
+    keep = spread(ok, max_prompts or 0)
     batch = model.batch_from_ids([rows[i][:max_tokens] for i in keep])
     return PromptBatch(batch, tuple(keep), len(rows), len(rows) - len(ok), max_tokens)
 
