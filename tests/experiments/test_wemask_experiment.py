@@ -255,46 +255,6 @@ def test_cli_smoke(tmp_path, prompt_file, texts_file, capsys):
     assert rc == 0 and "not applicable" in capsys.readouterr().out
 
 
-def test_finetune_script_on_planted(tmp_path, capsys):
-    """The example fine-tuning script: loss goes down, the mask is active every step, it reloads;
-    each run writes a new run directory (printed) and never overwrites an earlier one."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "experiments" / "finetune_wemask.py"
-    spec = importlib.util.spec_from_file_location("finetune_wemask", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path / "ft"
-    args = ["--model", "synthetic:planted", "--me-layer", "2", "--steps", "3", "--lr", "1e-2",
-            "--out", str(out)]  # fmt: skip
-    runs = []
-    for _ in range(2):
-        assert mod.main(args) == 0
-        printed = capsys.readouterr().out
-        run_dir = Path(printed.split("run directory: ")[1].split("\n")[0])
-        assert run_dir.parent == out / "finetune_wemask" and f"results in {run_dir}" in printed
-        runs.append(run_dir)
-    assert runs[0] != runs[1]
-    assert sorted((out / "finetune_wemask").iterdir()) == sorted(runs)
-    for run_dir in runs:
-        assert {p.name for p in run_dir.iterdir()} == {
-            "config.json",
-            "env.json",
-            "model",
-            "result.json",
-        }
-        assert json.loads((run_dir / "config.json").read_text())["steps"] == 3
-        m = json.loads((run_dir / "result.json").read_text())
-        assert all(m["checks"].values())
-        assert m["final_loss"] < m["losses"][0]
-        assert m["masked_layers"] == [2, 3, 4]
-        assert all(
-            v == m["n_examples"] for step in m["edited_tokens_per_step"] for v in step.values()
-        )
-        assert (run_dir / "model" / "config.json").is_file()
-
-
 def test_massive_positions_option(planted, prompt_file, texts_file):
     model, _ = planted
     common = dict(
