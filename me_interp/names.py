@@ -10,6 +10,17 @@ Sites of a pre-norm decoder block L (0-based), in forward order::
     ffn_out    = blocks.L.hook_mlp_out              FFN(RMSNorm_ffn(x'))
     resid_post = blocks.L.hook_resid_post           x' + ffn_out
 
+Sandwich-norm blocks (Gemma 2/3) normalise each sub-layer's output before it joins the residual
+stream; there ``attn_out`` / ``ffn_out`` are the *residual contributions* (after the post-norm, where
+TransformerLens puts ``hook_attn_out`` / ``hook_mlp_out``), and the sub-layers' *own outputs* are::
+
+    attn_own   = blocks.L.attn.hook_out             Attn(RMSNorm_attn(x))        (before the post-norm)
+    ffn_own    = blocks.L.mlp.hook_out              FFN(RMSNorm_ffn(x'))         (before the post-norm)
+
+On every other block ``attn_own`` is ``attn_out`` and ``ffn_own`` is ``ffn_out`` (the same tensor).
+FFN magnification, ΔC at ``W_down`` and neuron shares read ``ffn_own``; interventions on what reaches
+the residual stream edit ``ffn_out`` (:mod:`me_interp.architecture`).
+
 ``*.hook_normalized`` is the standardised vector ``h / rms(h)`` *before* the gain; ``*.hook_out`` is
 after it. Inside the gated FFN: ``mlp.hook_pre`` = gate projection (pre-activation),
 ``mlp.hook_pre_linear`` = up projection, ``mlp.hook_post`` = act(gate) * up (input of W_down).
@@ -42,6 +53,8 @@ _SITE_HOOKS = {
     "ffn_up": "mlp.hook_pre_linear",
     "ffn_act": "mlp.hook_post",
     "ffn_out": "hook_mlp_out",
+    "ffn_own": "mlp.hook_out",
+    "attn_own": "attn.hook_out",
     "resid_post": "hook_resid_post",
     "pattern": "attn.hook_pattern",
     "attn_scores": "attn.hook_attn_scores",
@@ -52,6 +65,11 @@ _SITE_HOOKS = {
 }
 
 ALL_SITES: tuple[str, ...] = tuple(_SITE_HOOKS)
+
+OWN_SITES: tuple[str, ...] = ("attn_own", "ffn_own")
+"""The sub-layers' own outputs; they differ from ``attn_out`` / ``ffn_out`` only on sandwich blocks."""
+NORM_SITES: tuple[str, ...] = (*SITES, *OWN_SITES)
+"""Every ``[batch, pos, d_model]`` site whose token norms a scan can record."""
 
 
 def site(name: str, layer: int) -> str:
@@ -90,6 +108,11 @@ def ffn_in(layer: int) -> str:
 
 def ffn_out(layer: int) -> str:
     return site("ffn_out", layer)
+
+
+def ffn_own(layer: int) -> str:
+    """The FFN's own output, before any post-FFN norm (``mlp.hook_out``)."""
+    return site("ffn_own", layer)
 
 
 def pattern(layer: int) -> str:

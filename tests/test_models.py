@@ -19,8 +19,8 @@ def test_bundled_model_loads_unfolded(bundled):
     for layer in (0, 11, 29):
         hf_layer = m.hf.model.layers[layer]
         # the very same parameters, not copies, and not folded into the next linear map
-        assert m.attn_norm_gain(layer) is hf_layer.input_layernorm.weight
-        assert m.ffn_norm_gain(layer) is hf_layer.post_attention_layernorm.weight
+        assert m.attn_norm_weight(layer) is hf_layer.input_layernorm.weight
+        assert m.ffn_norm_weight(layer) is hf_layer.post_attention_layernorm.weight
         assert m.bridge.blocks[layer].ln1.w is hf_layer.input_layernorm.weight
         w = m.ffn_weights(layer)
         assert w.gate is hf_layer.mlp.gate_proj.weight
@@ -183,7 +183,7 @@ def test_synthetic_names():
 
 def test_tiny_qwen3_accessors(tiny_qwen3):
     m = tiny_qwen3
-    assert m.ffn_norm_gain(1) is m.hf.model.layers[1].post_attention_layernorm.weight
+    assert m.ffn_norm_weight(1) is m.hf.model.layers[1].post_attention_layernorm.weight
     assert m.ffn_weights(3).down.shape == (32, 64)
 
 

@@ -1,5 +1,10 @@
 """Edits of an RMSNorm gain ``w`` (``RMSNorm(h) = h / sqrt(mean(h²) + eps) ⊙ w``; paper.md §2, §3).
 
+``w`` here is always the *effective* gain (``LoadedModel.ffn_norm_gain``: the stored weight, or
+``1 + weight`` on Gemma); an edit computes a new effective gain and writes ``model.arch.weight(g)``
+(``g − offset``) into the stored parameter, so "the largest-``|w|`` dims" and "a constant gain" mean the
+same on every architecture.
+
 * :func:`permuted_gain` — ``w ← w[π]`` for a permutation ``π`` of the ``d_model`` dims: the same gain
   values, on other dims (any alignment with the residual stream is broken, the value spectrum kept).
 * :func:`flattened_gain` — ``w ← mean(w) + α (w − mean(w))``: ``α = 1`` is the identity, ``α = 0`` a
@@ -26,11 +31,32 @@ from me_interp.models import LoadedModel
 NORMS: tuple[str, ...] = ("ffn", "attn")
 
 
-def gain(model: LoadedModel, layer: int, norm: str = "ffn") -> torch.nn.Parameter:
-    """The live RMSNorm gain of ``layer``: ``norm="ffn"`` (pre-FFN) or ``"attn"`` (pre-attention)."""
+def _check_norm(norm: str) -> str:
     if norm not in NORMS:
         raise ValueError(f"unknown norm {norm!r}; choose 'ffn' (pre-FFN) or 'attn' (pre-attention)")
+    return norm
+
+
+def gain(model: LoadedModel, layer: int, norm: str = "ffn") -> torch.Tensor:
+    """The effective RMSNorm gain of ``layer`` (detached): ``norm="ffn"`` (pre-FFN) or ``"attn"``."""
+    _check_norm(norm)
     return model.ffn_norm_gain(layer) if norm == "ffn" else model.attn_norm_gain(layer)
+
+
+def gain_parameter(model: LoadedModel, layer: int, norm: str = "ffn") -> torch.nn.Parameter:
+    """The live stored weight behind :func:`gain` (``gain − model.arch.norm_offset``)."""
+    _check_norm(norm)
+    return model.ffn_norm_weight(layer) if norm == "ffn" else model.attn_norm_weight(layer)
+
+
+@contextlib.contextmanager
+def set_gain(
+    model: LoadedModel, layer: int, value: torch.Tensor, norm: str = "ffn"
+) -> Iterator[None]:
+    """Within the block, the *effective* RMSNorm gain of ``layer`` is ``value``; restored on exit."""
+    param = gain_parameter(model, layer, norm)
+    with edited_parameters({param: model.arch.weight(value.to(param.device, param.dtype))}):
+        yield
 
 
 def check_permutation(perm: Sequence[int] | torch.Tensor, n: int) -> torch.Tensor:
@@ -82,14 +108,14 @@ def top_dims_permutation(w: Float[torch.Tensor, " d"], k: int, seed: int) -> tor
 def permuted_gain(
     model: LoadedModel, layer: int, perm: Sequence[int] | torch.Tensor, norm: str = "ffn"
 ) -> Iterator[None]:
-    """Within the block, the RMSNorm gain of ``layer`` is ``w[perm]``; restored on exit.
+    """Within the block, the effective RMSNorm gain of ``layer`` is ``w[perm]``; restored on exit.
 
     Raises:
         ValueError: an unknown norm, a layer out of range, or ``perm`` not a permutation of the dims.
     """
     w = gain(model, layer, norm)
     p = check_permutation(perm, w.numel()).to(w.device)
-    with edited_parameters({w: w.detach()[p]}):
+    with set_gain(model, layer, w[p], norm):
         yield
 
 
@@ -106,6 +132,6 @@ def flattened_gain(
     if not torch.isfinite(torch.tensor(alpha)):
         raise ValueError(f"alpha must be finite, got {alpha}")
     w = gain(model, layer, norm)
-    mean = w.detach().mean()
-    with edited_parameters({w: mean + alpha * (w.detach() - mean)}):
+    mean = w.mean()
+    with set_gain(model, layer, mean + alpha * (w - mean), norm):
         yield

@@ -205,6 +205,11 @@ class Result:
                     "ffn_in_norm_ratio": ratios["ffn_in"][i],
                     "attn_out_norm_ratio": ratios["attn_out"][i],
                     "attn_in_norm_ratio": ratios["attn_in"][i],
+                    **{
+                        f"{s}_norm_ratio": ratios[s][i]
+                        for s in names.OWN_SITES
+                        if s in ratios  # sandwich norms: the sub-layer's own output as well
+                    },
                     "top_norm_ratio": loc.top_ratio[i],
                     "max_over_median": loc.max_over_median[i],
                     "has_massive": loc.layer_has_massive[i],
@@ -244,7 +249,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     model = model_for(cfg, model)
     prompts = cfg.load_prompts()
     batch = model.tokenize(prompts)
-    scan = scan_norms(model, batch, names.SITES, top_k=cfg.top_k, keep_prompt=0)  # chunked
+    # sandwich norms (Gemma 2/3): the sub-layers' own outputs too, before their post-norms
+    sites = (*names.SITES, *model.arch.own_sites())
+    scan = scan_norms(model, batch, sites, top_k=cfg.top_k, keep_prompt=0)  # chunked
     crit = cfg.detection()
     loc = locate_me_layer(scan, crit)
     ref = torch.as_tensor(loc.reference_positions)

@@ -55,6 +55,7 @@ from me_interp.probes.alignment import (
 )
 from me_interp.probes.batching import record
 from me_interp.probes.ffn import (
+    RESIDUAL_STAGE,
     STAGES,
     FFNAtRecorder,
     FFNRecorder,
@@ -254,6 +255,10 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         "magnification": mag,
         "magnification_others": mag_o,
     }
+    mag_res = fs.magnification_residual()  # sandwich norms: also after the post-FFN norm
+    if mag_res is not None:
+        per["magnification_residual"] = mag_res
+        per[f"delta_c_{RESIDUAL_STAGE}"] = fs.delta_c(RESIDUAL_STAGE)
     layers = []
     for L in range(model.n_layers):
         row: dict[str, Any] = {"layer": L, "layer_1based": L + 1}
@@ -270,6 +275,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         row["c_others"] = {s: _mean(fs.others_c(s)[L]) for s in STAGES}
         row["magnification"] = _mean(mag[L])
         row["magnification_others"] = _mean(mag_o[L])
+        if mag_res is not None:
+            row["magnification_residual"] = _mean(mag_res[L])
+            row["delta_c"][RESIDUAL_STAGE] = _mean(fs.delta_c(RESIDUAL_STAGE)[L])
         layers.append(row)
     table = top_neurons(model, fs, nl, cfg.top_neurons).to_dict()
     table["chosen_as"] = "given" if cfg.neuron_layer >= 0 else "ME layer"

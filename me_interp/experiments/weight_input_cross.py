@@ -14,7 +14,7 @@ when the prompt has none), every weights layer ``X`` and every input layer ``Y``
     C_b[X, Y]    = ‖F_X(r_{Y,b})‖ / median_{t ≠ p_b} ‖F_X(r_{X,b,t})‖
 
 The denominator is the typical FFN output norm of the prompt's *other* tokens at layer ``X`` (the
-actual ``hook_mlp_out``), so ``C ≈ 1`` is "an ordinary FFN output" and the diagonal ``C_b[X, X]`` is the
+actual FFN output ``mlp.hook_out``, site ``ffn_own``: before any post-FFN norm, like ``F_X``), so ``C ≈ 1`` is "an ordinary FFN output" and the diagonal ``C_b[X, X]`` is the
 actual massive-token ratio of layer ``X``'s FFN output. A cell is *large* when
 
     C_b[X, Y] ≥ max(k, r · C_b[m, m])
@@ -285,7 +285,7 @@ def cross_matrices(
     positions: Int[torch.Tensor, " batch"],
 ) -> Float[torch.Tensor, "batch X Y"]:
     """``C_b[X, Y]`` (module docstring) from one run's ``resid_mid`` of every layer and the norms of
-    the actual FFN outputs (``names.ffn_out``, NaN at padding), with every layer's own pre-FFN norm
+    the actual FFN outputs (site ``ffn_own``, before any post-FFN norm; NaN at padding), with every layer's own pre-FFN norm
     and FFN modules (``edits.part_module``), so the gain convention is the model's."""
     L, B = model.n_layers, len(positions)
     idx = torch.arange(B)
@@ -316,7 +316,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         model.check_layer(cfg.layer)
     batch = short_batch(model, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
     crit = Criterion(kind=cfg.criterion)
-    norms = NormRecorder(model, batch, (*SCAN_SITES, "ffn_out"))
+    norms = NormRecorder(model, batch, (*SCAN_SITES, "ffn_own"))
     resid = ResidMidRecorder(model, batch)
     record(model, batch, [norms, resid])
     scan = norms.result()
@@ -325,7 +325,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         raise no_massive_activation(model, crit, len(batch), "to test a layer anyway")
     layer = cfg.layer if cfg.layer is not None else loc.me_layer
     positions = torch.tensor(loc.reference_positions)
-    cross = cross_matrices(model, resid.out, scan.site_norms("ffn_out"), scan.mask, positions)
+    cross = cross_matrices(model, resid.out, scan.site_norms("ffn_own"), scan.mask, positions)
     return Result(
         model=model.name,
         bos=model.bos,

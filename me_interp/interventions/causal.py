@@ -453,7 +453,8 @@ def flatten_ffn_norm_gain(
     positions: Sequence[int],
     acts: Mapping[str, torch.Tensor] | None = None,
 ) -> HookList:
-    """RMSNorm-only: the pre-FFN norm output of the massive token becomes ``ĥ_p ⊙ mean(w)``.
+    """RMSNorm-only: the pre-FFN norm output of the massive token becomes ``ĥ_p ⊙ mean(w)``
+    (``w`` the effective gain, ``1 + weight`` on Gemma).
 
     ``ĥ_p = h_p / rms(h_p)`` is read at ``ln2.hook_normalized``; the hook sets ``ln2.hook_out`` at
     ``p``, so the FFN sees the token standardised but without the gain's per-dim emphasis. ``acts``

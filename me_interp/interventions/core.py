@@ -317,8 +317,19 @@ def attn_norm(model: Any, layer: int) -> torch.nn.Module:
 
 
 def attn_norm_gain(model: Any, layer: int) -> torch.Tensor:
-    """The gain ``w`` of the pre-attention RMSNorm of ``layer`` (the live parameter)."""
-    return attn_norm(model, layer).weight
+    """The *effective* gain ``g`` of the pre-attention RMSNorm of ``layer`` (detached):
+    ``RMSNorm_attn(x) = x / rms(x) ⊙ g`` — the stored weight, or ``1 + weight`` on Gemma. For a
+    :class:`~me_interp.models.LoadedModel` from its :class:`~me_interp.architecture.Architecture`;
+    for a plain HF model the offset is measured on the norm module itself."""
+    from me_interp.architecture import measure_norm_offset
+    from me_interp.models import LoadedModel
+
+    if isinstance(model, LoadedModel):
+        return model.attn_norm_gain(layer)
+    module = attn_norm(model, layer)
+    offset = measure_norm_offset(module)
+    w = module.weight.detach()
+    return w + offset if offset else w
 
 
 def n_layers_of(model: Any) -> int:
@@ -328,7 +339,7 @@ def n_layers_of(model: Any) -> int:
 
 
 def d_model_of(model: Any) -> int:
-    return int(attn_norm_gain(model, 0).shape[-1])
+    return int(attn_norm(model, 0).weight.shape[-1])
 
 
 # ------------------------------------------------------------------------------------------

@@ -12,8 +12,12 @@ For a gated FFN ``FFN(ĥ) = W_down( σ(W_gate ĥ) ⊙ W_up ĥ )`` (paper.md §2,
 
 Stages (:data:`STAGES`): ``"input"`` = ``ĥ`` (``blocks.L.ln2.hook_out``), ``"gate"`` = ``W_gate ĥ`` before
 the activation (``mlp.hook_pre``), ``"up"`` = ``W_up ĥ`` (``mlp.hook_pre_linear``), ``"product"`` =
-``σ(W_gate ĥ) ⊙ W_up ĥ`` (``mlp.hook_post``, the input of ``W_down``), ``"down"`` = the FFN output
-(``hook_mlp_out``).
+``σ(W_gate ĥ) ⊙ W_up ĥ`` (``mlp.hook_post``, the input of ``W_down``), ``"down"`` = the FFN's own output
+``W_down(…)`` (site ``ffn_own``, ``mlp.hook_out``). On sandwich-norm models (Gemma 2/3,
+``model.arch.post_ffn_norm``) the FFN's contribution to the residual stream is that output after the
+post-FFN norm (site ``ffn_out``, ``hook_mlp_out``); there the scan also records it, as the extra stage
+``"residual"`` (:data:`RESIDUAL_STAGE`) and the norms behind :meth:`FFNScan.magnification_residual`. On
+other models the two sites are one tensor and only ``"down"`` is recorded.
 
 Neuron contributions (:func:`neuron_contributions`): the massive token's FFN output is
 ``y = Σ_n a_n W_down[:, n]`` with ``a`` the product stage, so neuron ``n`` explains the share
@@ -36,12 +40,15 @@ from me_interp.probes.batching import Chunk, record
 
 STAGES = ("input", "gate", "up", "product", "down")
 PROJECTIONS = ("gate", "up", "product", "down")
+RESIDUAL_STAGE = "residual"
+"""The FFN's residual contribution after a post-FFN norm (recorded on sandwich-norm models only)."""
 _STAGE_SITE = {
     "input": "ffn_in",
     "gate": "ffn_gate",
     "up": "ffn_up",
     "product": "ffn_act",
-    "down": "ffn_out",
+    "down": "ffn_own",
+    RESIDUAL_STAGE: "ffn_out",
 }
 
 
@@ -63,11 +70,12 @@ class FFNScan:
     out_at_ref: Float[torch.Tensor, "layer batch d_model"]
     mask: Bool[torch.Tensor, "batch pos"]
     reference: Int[torch.Tensor, " batch"]
+    residual_norm: Float[torch.Tensor, "layer batch pos"] | None = None
 
     def delta_c(self, stage: str) -> Float[torch.Tensor, "layer batch"]:
         """``ΔC`` at ``stage`` per layer and prompt."""
         if stage not in self.conc:
-            raise ValueError(f"unknown FFN stage {stage!r}; choose from {STAGES}")
+            raise ValueError(f"unknown FFN stage {stage!r}; choose from {tuple(self.conc)}")
         return delta_vs_others(self.conc[stage], self.mask, self.reference)
 
     def massive_c(self, stage: str) -> Float[torch.Tensor, "layer batch"]:
@@ -85,6 +93,14 @@ class FFNScan:
         """Mean over the other real tokens of ``‖FFN out‖ / ‖FFN in‖``."""
         return mean_except_reference(self.out_norm / self.in_norm, self.mask, self.reference)
 
+    def magnification_residual(self) -> Float[torch.Tensor, "layer batch"] | None:
+        """``‖residual contribution‖ / ‖FFN in‖`` of the massive token (after the post-FFN norm);
+        ``None`` on models without one, where it equals :meth:`magnification`."""
+        if self.residual_norm is None:
+            return None
+        idx = torch.arange(len(self.reference))
+        return (self.residual_norm / self.in_norm)[:, idx, self.reference]
+
 
 class FFNRecorder:
     """Records the concentration of every token at every FFN stage and the FFN's input and output
@@ -93,17 +109,23 @@ class FFNRecorder:
     def __init__(self, model: LoadedModel, batch: Batch) -> None:
         L, (B, T) = model.n_layers, batch.tokens.shape
         self.model, self.batch = model, batch
-        self.conc = {s: torch.full((L, B, T), float("nan")) for s in STAGES}
+        sandwich = getattr(model, "arch", None) is not None and model.arch.post_ffn_norm is not None
+        self.stages = (*STAGES, RESIDUAL_STAGE) if sandwich else STAGES
+        self.conc = {s: torch.full((L, B, T), float("nan")) for s in self.stages}
         self.in_norm = torch.full((L, B, T), float("nan"))
         self.out_norm = torch.full((L, B, T), float("nan"))
+        self.residual_norm = torch.full((L, B, T), float("nan")) if sandwich else None
 
     def hooks(self, chunk: Chunk) -> list:
         out = []
+        norm_sites = [("ffn_in", self.in_norm), ("ffn_own", self.out_norm)]
+        if self.residual_norm is not None:
+            norm_sites.append(("ffn_out", self.residual_norm))
         for layer in range(self.model.n_layers):
-            for s in STAGES:
+            for s in self.stages:
                 fn = partial(self._put, out=self.conc[s], layer=layer, chunk=chunk, conc=True)
                 out.append((names.site(_STAGE_SITE[s], layer), fn))
-            for site, store in (("ffn_in", self.in_norm), ("ffn_out", self.out_norm)):
+            for site, store in norm_sites:
                 fn = partial(self._put, out=store, layer=layer, chunk=chunk, conc=False)
                 out.append((names.site(site, layer), fn))
         return out
@@ -139,7 +161,7 @@ class FFNAtRecorder:
         pos = self.positions[chunk.rows]
         out = []
         for layer in range(self.last + 1):
-            for site, store in (("ffn_act", self.act), ("ffn_out", self.out)):
+            for site, store in (("ffn_act", self.act), ("ffn_own", self.out)):
                 fn = partial(self._put, out=store, layer=layer, chunk=chunk, pos=pos)
                 out.append((names.site(site, layer), fn))
         return out
@@ -183,6 +205,9 @@ def make_scan(rec: FFNRecorder, at: FFNAtRecorder) -> FFNScan:
         conc={s: v.masked_fill(~mask, nan) for s, v in rec.conc.items()},
         in_norm=rec.in_norm.masked_fill(~mask, nan),
         out_norm=rec.out_norm.masked_fill(~mask, nan),
+        residual_norm=None
+        if rec.residual_norm is None
+        else rec.residual_norm.masked_fill(~mask, nan),
         act_at_ref=at.act,
         out_at_ref=at.out,
         mask=mask,
@@ -268,6 +293,7 @@ __all__ = [
     "FFNScan",
     "NeuronTable",
     "PROJECTIONS",
+    "RESIDUAL_STAGE",
     "STAGES",
     "concentration",
     "ffn_scan",

@@ -63,8 +63,8 @@ class NormRecorder:
     ) -> None:
         sites = tuple(dict.fromkeys((*sites, "resid_post")))
         for s in sites:
-            if s not in names.SITES:
-                raise ValueError(f"unknown site {s!r}; choose from {names.SITES}")
+            if s not in names.NORM_SITES:
+                raise ValueError(f"unknown site {s!r}; choose from {names.NORM_SITES}")
         if not 0 <= keep_prompt < len(batch):
             raise ValueError(f"keep_prompt={keep_prompt} out of range for {len(batch)} prompts")
         n_layers, (B, T), d = model.n_layers, batch.tokens.shape, model.d_model

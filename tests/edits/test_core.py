@@ -42,7 +42,7 @@ def test_every_edit_restores_bit_identical_after_exception(planted, snap, change
 
 def test_edited_parameters_positive_and_negative(tiny_llama, snap, changed, changed_ptrs):
     model = tiny_llama
-    w = model.ffn_norm_gain(1)
+    w = model.ffn_norm_weight(1)
     before = snap(model)
     new = torch.linspace(-1, 1, w.numel())
     with core.edited_parameters({w: new}):
@@ -53,7 +53,7 @@ def test_edited_parameters_positive_and_negative(tiny_llama, snap, changed, chan
 
 def test_edited_parameters_validates_before_writing(tiny_llama, snap, changed):
     model = tiny_llama
-    a, b = model.ffn_norm_gain(0), model.ffn_norm_gain(1)
+    a, b = model.ffn_norm_weight(0), model.ffn_norm_weight(1)
     before = snap(model)
     with pytest.raises(ValueError, match="shape mismatch"):
         with core.edited_parameters({a: torch.zeros_like(a), b: torch.zeros(3)}):
@@ -70,7 +70,7 @@ def test_edited_parameters_validates_before_writing(tiny_llama, snap, changed):
 def test_swap_values_are_read_before_any_write(tiny_llama):
     """A swap maps a→b and b→a in one dict: the values must be the originals, not half-swapped."""
     model = tiny_llama
-    a, b = model.attn_norm_gain(0), model.attn_norm_gain(1)
+    a, b = model.attn_norm_weight(0), model.attn_norm_weight(1)
     a0, b0 = a.detach().clone(), b.detach().clone()
     with core.edited_parameters({a: b, b: a}):
         assert torch.equal(a.detach(), b0)
