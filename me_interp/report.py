@@ -2,8 +2,9 @@
 
 ``run_battery`` loads the model once, runs each experiment module of :data:`EXPERIMENTS` in turn (each
 writes its usual ``<out>/<experiment>/<run_id>/``), records progress in ``<out>/battery.json`` after
-every experiment, and writes ``<out>/report.html``: each claim of the paper with the measured verdict
-and links to the figures. Re-running with the same settings skips experiments that already finished
+every experiment, and writes ``<out>/report.html``: a model card, each claim of the paper with the
+measured verdict beside the figure behind it (drawn inline by one local plotly.js), and links to every
+figure file. Re-running with the same settings skips experiments that already finished
 (their ``result.json`` exists), so an interrupted battery resumes where it stopped.
 
 Every experiment module provides ``NAME``, ``Config`` (a :class:`CommonConfig`), ``run(cfg, model)``,
@@ -152,6 +153,40 @@ _COLOR = {
     claims_mod.NOT_APPLICABLE: "#57606a",
 }
 
+TOP_FIGURE = ("me_layer", "norms_by_site")
+"""The figure the report opens with (experiment, figure stem): Figure 1, norms by site."""
+KEY_FIGURES: dict[str, tuple[str, ...]] = {
+    "me_layer": ("ratios",),
+    "mechanism": ("delta_frac", "delta_c"),
+    "invariance": ("cos_across_inputs",),
+    "attention_sinks": ("sink_rate",),
+    "wemask": ("mask_rate",),
+    "activation_patching": ("patching_norm_ratio",),
+    "rmsnorm_permutation": ("ratio_after_edit",),
+    "ffn_svd_ablation": ("svd_sweep",),
+    "weight_patching": ("me_layer_after_patch",),
+    "weight_swap": ("me_layer_after_swap",),
+    "weight_input_cross": ("cross_matrix",),
+    "transplant": ("attention_old_new",),
+    "component_ablation": ("norm_ratios",),
+    "sink_causality": ("attention_to_massive",),
+}
+"""Per experiment, the figures (file stems) shown inline beside its claims; the others are links. An
+experiment without an entry, or whose run lacks these figures, shows its first figure."""
+MAX_INLINE_BYTES = 1_500_000
+"""A figure whose plotly JSON is larger is linked, not embedded (keeps report.html small)."""
+
+
+def key_figures(name: str, available: Sequence[str]) -> list[str]:
+    """The figures of experiment ``name`` to show inline, among the ``available`` ones."""
+    chosen = [f for f in KEY_FIGURES.get(name, ()) if f in available]
+    return chosen or list(available[:1])
+
+
+def _verdict_badge(verdict: str, sanity: bool = False) -> str:
+    extra = " <small>(sanity check)</small>" if sanity else ""
+    return f"<span class=verdict style='color:{_COLOR[verdict]}'>{verdict}</span>{extra}"
+
 
 def _claim_rows(cs: Sequence[dict[str, Any]]) -> list[str]:
     rows = []
@@ -159,12 +194,11 @@ def _claim_rows(cs: Sequence[dict[str, Any]]) -> list[str]:
         c = claims_mod.Claim.from_dict(d)
         measured = html.escape(c.estimate.text()) if c.estimate else "&mdash;"
         sanity = c.kind == "sanity"
-        label = f"{c.verdict} <small>(sanity check)</small>" if sanity else c.verdict
         why = f"<br><i>{html.escape(c.why)}</i>" if c.why else ""
         details = f"<br><small>{html.escape(c.details)}</small>" if c.details else ""
         rows.append(
             f"<tr{' class=sanity' if sanity else ''}>"
-            f"<td style='color:{_COLOR[c.verdict]};font-weight:600'>{label}</td>"
+            f"<td>{_verdict_badge(c.verdict, sanity)}</td>"
             f"<td><code>{html.escape(c.id)}</code><br><small>{html.escape(c.section)}</small></td>"
             f"<td>{html.escape(c.statement)}{why}</td>"
             f"<td>{html.escape(c.statistic)}: <b>{measured}</b>{details}</td>"
@@ -174,48 +208,236 @@ def _claim_rows(cs: Sequence[dict[str, Any]]) -> list[str]:
     return rows
 
 
+def _claim_lines(cs: Sequence[dict[str, Any]]) -> str:
+    """The verdict lines shown beside the figure: verdict, id, statement, estimate (or the reason)."""
+    items = []
+    for d in cs:
+        c = claims_mod.Claim.from_dict(d)
+        sanity = c.kind == "sanity"
+        if c.estimate is not None:
+            measured = f"{html.escape(c.statistic)}: <b>{html.escape(c.estimate.text())}</b>"
+        else:
+            measured = f"<i>{html.escape(c.why)}</i>"
+        items.append(
+            f"<li{' class=sanity' if sanity else ''} style='border-left-color:{_COLOR[c.verdict]}'>"
+            f"{_verdict_badge(c.verdict, sanity)} "
+            f"<code>{html.escape(c.id)}</code> <small>{html.escape(c.section)}</small><br>"
+            f"{html.escape(c.statement)}<br><small>{measured}</small></li>"
+        )
+    return f"<ul class=claims>{''.join(items)}</ul>"
+
+
+WIDE_AXES = 3
+"""A figure with at least this many x axes (a grid of subplots) is drawn full width below the verdict
+lines instead of beside them (its subplot titles would overlap in a column)."""
+
+
+TITLE_WIDTH = 80
+"""Inline figures wrap the first line of their title at this many characters (a narrow column would
+cut it off: plotly does not wrap titles)."""
+
+
+def _wrap_title(layout: dict[str, Any]) -> None:
+    """Wrap the first line of ``layout``'s title at :data:`TITLE_WIDTH` characters (on spaces, with
+    ``<br>``) and make room for the added lines in the top margin."""
+    import textwrap
+
+    title = layout.get("title")
+    if isinstance(title, str):
+        title = layout["title"] = {"text": title}
+    if not isinstance(title, dict) or not isinstance(title.get("text"), str):
+        return
+    first, sep, rest = title["text"].partition("<br>")
+    lines = textwrap.wrap(first, TITLE_WIDTH, break_long_words=False) or [first]
+    title["text"] = "<br>".join(lines) + sep + rest
+    n_lines = title["text"].count("<br>") + 1
+    margin = layout.setdefault("margin", {})
+    margin["t"] = max(int(margin.get("t") or 80), 40 + 22 * n_lines)
+
+
+def _figure_json(path: Path) -> tuple[str, bool] | None:
+    """The plotly figure at ``path`` as JSON text safe inside a script (layout width dropped so it
+    fits its column) and whether it is wide (:data:`WIDE_AXES`), or ``None`` when the file is
+    missing or over :data:`MAX_INLINE_BYTES`."""
+    import json
+
+    if not path.is_file() or path.stat().st_size > MAX_INLINE_BYTES:
+        return None
+    fig = json.loads(path.read_text(encoding="utf-8"))
+    layout = fig.setdefault("layout", {})
+    layout.pop("width", None)
+    layout["autosize"] = True
+    wide = sum(1 for k in layout if k.startswith("xaxis")) >= WIDE_AXES
+    if not wide:  # a wide figure is drawn full width: its title fits as it is
+        _wrap_title(layout)
+    return json.dumps(fig, separators=(",", ":")).replace("</", "<\\/"), wide
+
+
+def _inline_figure(run_dir: Path, rel: Path, stem: str, fig_id: str) -> tuple[str, bool]:
+    """(a div that plotly.js draws from the figure's JSON with a link to the full figure file,
+    whether the figure is wide)."""
+    link = f"<a href='{html.escape(str(rel / (stem + '.html')))}'>{html.escape(stem)} (full figure)</a>"
+    path = run_dir / f"{stem}.json"
+    got = _figure_json(path)
+    if got is None:
+        size = path.stat().st_size if path.is_file() else 0
+        why = f"too large to embed ({size / 1e6:.1f} MB)" if size else "no figure data"
+        return f"<div class=figure><p><i>{why}</i>: open {link}</p></div>", False
+    text, wide = got
+    return (
+        f"<div class=figure><div class=plot id='{fig_id}'></div>"
+        f"<script type='application/json' id='{fig_id}-data'>{text}</script>"
+        f"<div class=figlink>{link}</div></div>"
+    ), wide
+
+
+_DRAW_SCRIPT = """<script>
+(function () {
+  for (const el of document.querySelectorAll("div.plot")) {
+    const fig = JSON.parse(document.getElementById(el.id + "-data").textContent);
+    Plotly.newPlot(el, fig.data, fig.layout, {responsive: true, displaylogo: false});
+  }
+})();
+</script>"""
+
+
+def _run_dir(entry: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    """(the run directory, its path relative to ``out`` for links)."""
+    run_dir = Path(entry["run_dir"])
+    return run_dir, Path(_relpath(run_dir, out))
+
+
+def _model_card(out: Path, state: dict[str, Any], experiments: Sequence[str]) -> str:
+    """The model, prompts and code the battery ran: ``env.json`` and the ME-layer result of a
+    finished run (the first one), the battery's settings."""
+    settings = state.get("settings", {})
+    env: dict[str, Any] = {}
+    me: dict[str, Any] = {}
+    for name in experiments:
+        entry = state["experiments"].get(name) or {}
+        if entry.get("status") not in FINISHED:
+            continue
+        run_dir = Path(entry["run_dir"])
+        if not env and (run_dir / io.ENV_FILE).is_file():
+            env = io.read_json(run_dir / io.ENV_FILE)
+        if name == "me_layer" and (run_dir / io.RESULT_FILE).is_file():
+            me = io.read_json(run_dir / io.RESULT_FILE)
+    model = env.get("model") or settings.get("model") or "bundled SmolLM2-135M-Instruct"
+    bos = str(env.get("bos", settings.get("bos")))
+    if "bos_prepended" in me:
+        bos += "; every prompt starts with BOS" if me["bos_prepended"] else "; no BOS prepended"
+    prompts = settings.get("prompts") or "built-in prompts (docs/prompts.md)"
+    n = f"; n = {me['n_prompts']} in the ME-layer scan" if "n_prompts" in me else ""
+    if me.get("me_layer") is not None:
+        found = (
+            f"layer {me['me_layer']} (0-based) = {me['me_layer_1based']} (1-based), made by the "
+            f"{me.get('me_site')}; dims {me.get('massive_dims', [])[:8]}"
+        )
+    elif me:
+        found = "none: no massive activation on these prompts"
+    else:
+        found = "not measured (me_layer did not run)"
+    rows = [
+        ("model", model),
+        ("architecture", env.get("architecture")),
+        ("layers", env.get("n_layers")),
+        ("d_model", env.get("d_model")),
+        ("dtype", settings.get("dtype_resolved", env.get("dtype"))),
+        ("device", settings.get("device_resolved", env.get("device"))),
+        ("BOS rule", bos),
+        ("prompts", f"{prompts}{n} (each claim gives its own n)"),
+        ("seed", settings.get("seed")),
+        ("ME layer", found),
+        (
+            "me_interp",
+            f"{settings.get('me_interp', env.get('me_interp'))}, commit "
+            f"{settings.get('git_commit', env.get('git_commit'))}",
+        ),
+        (
+            "libraries",
+            ", ".join(
+                f"{k} {env[k]}" for k in ("torch", "transformer_lens", "transformers") if env.get(k)
+            )
+            or None,
+        ),
+    ]
+    body = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
+        for k, v in rows
+        if v is not None
+    )
+    return f"<table class=card><tr><th colspan=2>model card</th></tr>{body}</table>"
+
+
 def write_report(
     out: Path, state: dict[str, Any], experiments: Sequence[str] = EXPERIMENTS
 ) -> Path:
-    """Write ``<out>/report.html`` from the battery state: a summary of the verdicts, then per
-    experiment every claim with its estimate, interval, n, rule and control."""
+    """Write ``<out>/report.html`` from the battery state, and ``<out>/report.md``.
+
+    The page opens with the model card, the verdict counts and the ME-layer figure (Figure 1: norms
+    by site); then per experiment its verdict lines beside its key figures (:data:`KEY_FIGURES`, drawn
+    inline from the figures' plotly JSON), links to every figure file, and every claim in full
+    (estimate, interval, n, rule, control). It loads plotly.js from ``<out>/plotly.min.js`` (written
+    if missing), so the folder opens offline by double-click.
+    """
+    import plotly.offline
+
     out = Path(out)
-    settings = state.get("settings", {})
+    js = out / io.PLOTLY_JS
+    if not js.is_file():
+        io.atomic_write_text(js, plotly.offline.get_plotlyjs())
     sections = []
     all_claims: list[dict[str, Any]] = []
+    top_figure = ""
     for name in experiments:
         entry = state["experiments"].get(name)
         head = f"<h2 id='{name}'>{name}</h2>"
         if entry is None:
-            sections.append(f"{head}<p><i>not run yet</i></p>")
+            sections.append(f"<section>{head}<p><i>not run yet</i></p></section>")
             continue
         if entry["status"] not in FINISHED:
             err = html.escape(entry.get("error", ""))
-            sections.append(f"{head}<p style='color:#cf222e'>failed: {err}</p>")
+            sections.append(f"<section>{head}<p style='color:#cf222e'>failed: {err}</p></section>")
             continue
         cs = entry.get("claims") or []
         all_claims.extend(cs)
-        rel = Path(_relpath(Path(entry["run_dir"]), out))
+        run_dir, rel = _run_dir(entry, out)
+        figs = list(entry.get("figures") or [])
         links = " &middot; ".join(
-            f"<a href='{html.escape(str(rel / (f + '.html')))}'>{html.escape(f)}</a>"
-            for f in entry["figures"]
+            f"<a href='{html.escape(str(rel / (f + '.html')))}'>{html.escape(f)}</a>" for f in figs
         )
         result_link = f"<a href='{html.escape(str(rel / io.RESULT_FILE))}'>result.json</a>"
+        if name == TOP_FIGURE[0] and TOP_FIGURE[1] in figs:
+            top_figure = _inline_figure(run_dir, rel, TOP_FIGURE[1], "fig-top")[0]
+        shown = [
+            _inline_figure(run_dir, rel, f, f"fig-{name}-{i}")
+            for i, f in enumerate(key_figures(name, figs))
+        ]
+        beside = "".join(h for h, wide in shown if not wide)
+        below = "".join(h for h, wide in shown if wide)
         na = (
             f"<p><b>not applicable</b>: {html.escape(entry['why'])}</p>"
             if entry["status"] == NOT_APPLICABLE
             else ""
         )
         table = (
+            "<details><summary>every claim in full: estimate, rule, control</summary>"
             "<table><tr><th>verdict</th><th>claim</th><th>statement</th><th>statistic: estimate "
             "[95% CI] (n)</th><th>rule</th><th>control</th></tr>"
             + "".join(_claim_rows(cs))
-            + "</table>"
+            + "</table></details>"
             if cs
             else ""
         )
+        row = (
+            f"<div class=row><div class=claimcol>{_claim_lines(cs)}</div>"
+            f"<div class=figcol>{beside}</div></div>"
+            if beside
+            else _claim_lines(cs)
+        ) + below
         sections.append(
-            f"{head}<p>{result_link} {('&middot; ' + links) if links else ''}</p>{na}{table}"
+            f"<section>{head}<p class=links>{result_link} "
+            f"{('&middot; figures: ' + links) if links else ''}</p>{na}{row}{table}</section>"
         )
     n = claims_mod.counts(all_claims)
     n_sanity = sum(1 for c in all_claims if c.get("kind") == "sanity")
@@ -224,33 +446,55 @@ def write_report(
         for v in claims_mod.VERDICTS
     )
     finished = sum(1 for e in state["experiments"].values() if e.get("status") in FINISHED)
+    toc = " &middot; ".join(f"<a href='#{e}'>{e}</a>" for e in experiments)
+    top = (
+        f"<div class=topfig><h3>Figure 1: token norms by site; the ME layer</h3>{top_figure}</div>"
+        if top_figure
+        else ""
+    )
     body = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>me_interp report</title>
+<script src="{io.PLOTLY_JS}"></script>
 <style>
-body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 1300px; }}
+body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 1400px; }}
 table {{ border-collapse: collapse; width: 100%; margin-bottom: 1em; }}
 td, th {{ border: 1px solid #d0d7de; padding: 6px 8px; vertical-align: top; font-size: 14px; }}
 th {{ background: #f6f8fa; text-align: left; }}
-tr.sanity td {{ background: #f6f8fa; color: #57606a; }}
+table.card {{ width: auto; min-width: 420px; }}
+table.card th {{ white-space: nowrap; }}
+tr.sanity td, li.sanity {{ background: #f6f8fa; color: #57606a; }}
 code {{ background: #f6f8fa; padding: 1px 4px; }}
+section {{ border-top: 2px solid #d0d7de; margin-top: 1.5em; }}
+.head {{ display: flex; gap: 2em; flex-wrap: wrap; align-items: flex-start; }}
+.row {{ display: flex; gap: 1.5em; align-items: flex-start; }}
+.claimcol {{ flex: 1 1 40%; min-width: 320px; }}
+.figcol {{ flex: 1 1 60%; min-width: 420px; position: sticky; top: 0; }}
+ul.claims {{ list-style: none; padding: 0; margin: 0; font-size: 14px; }}
+ul.claims li {{ border-left: 4px solid #d0d7de; padding: 4px 8px; margin-bottom: 8px; }}
+.verdict {{ font-weight: 700; }}
+.figure {{ margin-bottom: 1em; }}
+.figlink {{ font-size: 13px; text-align: right; }}
+.links {{ font-size: 13px; }}
+details {{ margin: 0.5em 0 1em; }}
+summary {{ cursor: pointer; color: #0969da; }}
 </style></head><body>
 <h1>me_interp report</h1>
-<p>Model: <code>{html.escape(str(settings.get("model") or "bundled SmolLM2-135M-Instruct"))}</code>;
-prompts: <code>{html.escape(str(settings.get("prompts") or "built-in"))}</code>;
-BOS: <code>{html.escape(str(settings.get("bos")))}</code>; dtype: <code>{html.escape(str(settings.get("dtype")))}</code>;
-seed: {settings.get("seed")}; ran on <code>{html.escape(str(settings.get("device_resolved")))}</code> in
-<code>{html.escape(str(settings.get("dtype_resolved")))}</code>; me_interp
-{html.escape(str(settings.get("me_interp")))}, commit <code>{html.escape(str(settings.get("git_commit")))}</code>. Layers are 0-based (1-based in parentheses where given).
-{finished} of {len(experiments)} experiments finished.</p>
-<table><tr><th colspan=4>claims of the paper and its critics on this model
+<div class=head>{_model_card(out, state, experiments)}
+<div><table><tr><th colspan=4>claims of the paper and its critics on this model
 ({sum(n.values())} claims; {n_sanity} sanity checks not counted)</th></tr><tr>{summary}</tr></table>
-<p>Each claim is decided by one rule: it <b>holds</b> when the whole 95% interval of its statistic
-(a seeded percentile bootstrap over prompts, partner layers or seeds) lies on the claimed side of the
-threshold, <b>fails</b> when none of it does, and is <b>inconclusive</b> when the interval straddles the
-threshold. <b>Not applicable</b>: the claim presupposes something this model lacks (the reason is
-given). Sanity checks (grey) are true by construction and are not evidence. Thresholds:
-<code>me_interp.claims.THRESHOLDS</code> (docs/claims.md).</p>
+<p>{finished} of {len(experiments)} experiments finished. Layers are 0-based (1-based in parentheses
+where given).</p>
+<p style='font-size:14px'>Each claim is decided by one rule: it <b>holds</b> when the whole 95%
+interval of its statistic (a seeded percentile bootstrap over prompts, partner layers or seeds) lies
+on the claimed side of the threshold, <b>fails</b> when none of it does, and is <b>inconclusive</b>
+when the interval straddles the threshold. <b>Not applicable</b>: the claim presupposes something this
+model lacks (the reason is given). Sanity checks (grey) are true by construction and are not
+evidence. Thresholds: <code>me_interp.claims.THRESHOLDS</code> (docs/claims.md). Each figure is
+interactive (hover, zoom); its full file is one click away.</p>
+<p style='font-size:13px'>{toc}</p></div></div>
+{top}
 {"".join(sections)}
+{_DRAW_SCRIPT}
 </body></html>
 """
     io.atomic_write_text(out / SUMMARY_FILE, verdicts_markdown(state, experiments))

@@ -1,4 +1,6 @@
-"""The attention-sink notebook: its .ipynb matches the jupytext source, and it runs top to bottom."""
+"""The notebooks: each .ipynb matches its jupytext source, and each runs top to bottom on the bundled
+model (attention_sinks: the ME layer, the CircuitsVis views and the widget controls; causal_patching:
+activation patching, a weight swap and the sink after a causal edit)."""
 
 from __future__ import annotations
 
@@ -7,45 +9,63 @@ from pathlib import Path
 import pytest
 
 NB_DIR = Path(__file__).resolve().parents[1] / "experiments" / "notebooks"
-SOURCE = NB_DIR / "attention_sinks.py"
-NOTEBOOK = NB_DIR / "attention_sinks.ipynb"
+NOTEBOOKS = ("attention_sinks", "causal_patching")
 
 
 def _cells(nb):
     return [(c.cell_type, c.source.strip()) for c in nb.cells]
 
 
-def test_ipynb_is_generated_from_the_source():
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_ipynb_is_generated_from_the_source(name):
     jupytext = pytest.importorskip("jupytext")
-    assert _cells(jupytext.read(SOURCE)) == _cells(jupytext.read(NOTEBOOK)), (
-        "attention_sinks.ipynb is out of date: run "
-        "`jupytext --to ipynb experiments/notebooks/attention_sinks.py`"
-    )
+    assert _cells(jupytext.read(NB_DIR / f"{name}.py")) == _cells(
+        jupytext.read(NB_DIR / f"{name}.ipynb")
+    ), f"{name}.ipynb is out of date: run `jupytext --to ipynb experiments/notebooks/{name}.py`"
 
 
-@pytest.mark.slow
-def test_notebook_runs_top_to_bottom(bundled):
+def _execute(name: str):
     jupytext = pytest.importorskip("jupytext")
     nbclient = pytest.importorskip("nbclient")
-    nb = jupytext.read(SOURCE)
+    pytest.importorskip("circuitsvis")
+    nb = jupytext.read(NB_DIR / f"{name}.py")
     nb.metadata["kernelspec"] = {
         "name": "python3",
         "display_name": "Python 3",
         "language": "python",
     }
     client = nbclient.NotebookClient(
-        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(NB_DIR)}}
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NB_DIR)}}
     )
     client.execute()
-    outputs = "".join(
-        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-    )
-    assert "ME layer: 11 (0-based)" in outputs
-    errors = [
-        o
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
-        if o.get("output_type") == "error"
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    errors = [o for o in outputs if o.get("output_type") == "error"]
+    assert not errors, [(o.get("ename"), o.get("evalue")) for o in errors]
+    text = "".join(o.get("text", "") for o in outputs)
+    views = [
+        o["data"]["text/html"]
+        for o in outputs
+        if "CircuitsVis.render(" in o.get("data", {}).get("text/html", "")
     ]
-    assert not errors
+    return text, views, outputs
+
+
+@pytest.mark.slow
+def test_attention_sinks_runs_top_to_bottom(bundled):
+    text, views, outputs = _execute("attention_sinks")
+    assert "ME layer: 11 (0-based)" in text
+    # the layer strip and the default-parameter WeMask view render, the massive token marked
+    assert len(views) == 2 and all("★" in v for v in views)
+    assert "WeMask weight r=0.3 (layers >= 11): attention on ★" in text
+    # the widget controls were built (ipywidgets is part of the notebook extra)
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
+
+
+@pytest.mark.slow
+def test_causal_patching_runs_top_to_bottom(bundled):
+    text, views, outputs = _execute("causal_patching")
+    assert "activation_patching.ffn_writes" in text and "weight_swap.ffn_path" in text
+    assert "massive activation removed: attention on ★" in text
+    assert len(views) == 1
+    plots = [o for o in outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert len(plots) == 2

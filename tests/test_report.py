@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +51,83 @@ def test_full_battery_on_planted_model(args, capsys):
         "report:" in printed.out
         and f"[{len(report.EXPERIMENTS)}/{len(report.EXPERIMENTS)}] sink_causality" in printed.err
     )
+    _check_report_figures(out, state, html)
+
+
+def _embedded(html: str) -> dict[str, dict]:
+    """The plotly figures embedded in a report page, by div id."""
+    return {
+        m.group(1): json.loads(m.group(2))
+        for m in re.finditer(
+            r"<script type='application/json' id='([^']+)-data'>(.*?)</script>", html
+        )
+    }
+
+
+def _check_report_figures(out: Path, state: dict, html: str) -> None:
+    """The page draws each experiment's key figures from their files with the one local plotly.js,
+    opens with the model card, and every relative link resolves."""
+    assert (out / "plotly.min.js").is_file()
+    assert '<script src="plotly.min.js"></script>' in html
+    assert not re.search(r"<script[^>]*src=[\"']?https?:", html)
+    # every key figure names a figure its experiment writes (the mapping follows the experiments)
+    for name, stems in report.KEY_FIGURES.items():
+        assert set(stems) <= set(state["experiments"][name]["figures"]), name
+    embedded = _embedded(html)
+    expected = {"fig-top": ("me_layer", report.TOP_FIGURE[1])}
+    for name in report.EXPERIMENTS:
+        for i, stem in enumerate(report.KEY_FIGURES[name]):
+            expected[f"fig-{name}-{i}"] = (name, stem)
+    assert set(embedded) == set(expected)
+    for div, (name, stem) in expected.items():
+        assert f"<div class=plot id='{div}'></div>" in html
+        on_disk = json.loads(
+            (Path(state["experiments"][name]["run_dir"]) / f"{stem}.json").read_text()
+        )
+        assert embedded[div]["data"] == on_disk["data"], div  # the figure's data, unchanged
+        assert "width" not in embedded[div]["layout"]
+    # the model card: what was loaded and which code ran
+    card = html[html.index("model card") : html.index("claims of the paper")]
+    env = json.loads(next((out / "me_layer").glob("*/env.json")).read_text())
+    for key, value in (
+        ("architecture", env["architecture"]),
+        ("layers", env["n_layers"]),
+        ("d_model", env["d_model"]),
+        ("dtype", "float32"),
+        ("device", "cpu"),
+    ):
+        assert f"<th>{key}</th><td>{value}</td>" in card, key
+    assert "layer 2 (0-based) = 3 (1-based), made by the ffn" in card
+    assert "n = 4 in the ME-layer scan" in card and state["settings"]["git_commit"] in card
+    assert "every prompt starts with BOS" in card
+    for href in re.findall(r"href='([^'#][^']*)'", html):
+        assert (out / href).is_file(), href
+
+
+def test_report_links_a_figure_too_large_to_embed(args, monkeypatch):
+    argv, out = args
+    monkeypatch.setattr(report, "MAX_INLINE_BYTES", 1000)
+    assert cli.main(argv + ["--only", "me_layer"]) == 0
+    html = (out / report.REPORT_FILE).read_text()
+    assert _embedded(html) == {}
+    assert "too large to embed" in html and "ratios (full figure)</a>" in html
+
+
+def test_inline_titles_wrap_and_subplot_grids_are_wide(tmp_path):
+    import plotly.io as pio
+    from plotly.subplots import make_subplots
+
+    for cols, wide in ((1, False), (report.WIDE_AXES, True)):
+        path = tmp_path / f"f{cols}.json"
+        path.write_text(pio.to_json(make_subplots(rows=1, cols=cols).update_layout(width=900)))
+        text, got = report._figure_json(path)
+        assert got is wide and "width" not in json.loads(text)["layout"]
+    layout = {"title": {"text": "word " * 40 + "<br><sup>sub</sup>"}}
+    report._wrap_title(layout)
+    first = layout["title"]["text"].split("<br><sup>")[0]
+    assert all(len(line) <= report.TITLE_WIDTH for line in first.split("<br>"))
+    assert first.replace("<br>", " ").split() == ["word"] * 40
+    assert layout["margin"]["t"] >= 40 + 22 * layout["title"]["text"].count("<br>")
 
 
 def test_battery_resumes_after_a_crash(args, monkeypatch, capsys):

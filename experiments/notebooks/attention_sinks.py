@@ -15,9 +15,12 @@
 # # Attention sinks and the ME layer
 #
 # This notebook loads the bundled model (SmolLM2-135M-Instruct), finds the layer where the massive
-# activation is born (the *ME layer*), looks at attention patterns and sink heads before and after it,
-# and applies WeMask (zeroing some dims of the massive token's attention input) to watch the sink and
-# the attention entropy change.
+# activation is born (the *ME layer*), looks at attention patterns and sink heads before and after it
+# in CircuitsVis (the massive token is marked ★), and applies WeMask (zeroing some dims of the massive
+# token's attention input) to watch the sink weaken and the attention entropy change. Section 4 has
+# sliders (ipywidgets) for layer, head, mask rate, variant and prompt; without ipywidgets, edit the
+# parameter cell and re-run it. Install the extras with `pip install 'me_interp[notebook]'`; the
+# viewer renders offline (the CircuitsVis JavaScript is inlined from the installed package).
 #
 # The source of this notebook is `experiments/notebooks/attention_sinks.py` (jupytext percent format);
 # the `.ipynb` is generated from it with `jupytext --to ipynb`. Layers are **0-based**.
@@ -31,7 +34,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from me_interp import load_model, names
+from me_interp import load_model
 from me_interp.interventions.wemask import we_mask
 from me_interp.probes import attention_stats, find_me_layer
 
@@ -89,56 +92,116 @@ print(
 )
 
 # %% [markdown]
-# ## 3. Attention patterns just before and just after the ME layer
+# ## 3. Watch the sink form: one head across the layers around the ME layer
 #
-# The head with the strongest sink after the ME layer, at the layer before the ME layer and two
-# layers after it, for the first prompt.
+# The head with the strongest sink two layers after the ME layer, from two layers before the ME layer
+# to two after it, for the first prompt. Click a thumbnail to lock it; hover for the values. The
+# label above each view gives that head's attention on the ★ token (mean over the queries after it).
 
 # %%
+from me_interp import viewer
+
 layer_after = min(ME + 2, model.n_layers - 1)
-head = int(to_sink[layer_after].argmax())
-patterns = {}
-
-
-def keep(pattern, hook, layer):
-    patterns[layer] = pattern[0, head].detach().clone()
-    return pattern
-
-
-from functools import partial
-
-show = [max(ME - 1, 0), layer_after]
-model.run_with_hooks(
-    model.tokenize(prompts[:1]),
-    [(names.pattern(layer), partial(keep, layer=layer)) for layer in show],
-)
-labels = [model.tokenizer.decode([t]) for t in model.tokenize(prompts[:1]).tokens[0]]
-fig = make_subplots(
-    rows=1, cols=2, subplot_titles=[f"layer {layer}, head {head}" for layer in show]
-)
-for i, layer in enumerate(show):
-    fig.add_trace(
-        go.Heatmap(z=patterns[layer].tolist(), x=labels, y=labels, coloraxis="coloraxis"), 1, i + 1
-    )
-fig.update_yaxes(autorange="reversed")
-fig.update_layout(
-    coloraxis={"colorscale": "Viridis"}, title="Attention pattern (query rows, key columns)"
-)
-fig
+SINK_HEAD = int(to_sink[layer_after].argmax())
+around = list(range(max(ME - 2, 0), min(ME + 3, model.n_layers)))
+strip = viewer.attention_view(model, prompts[0], around, [SINK_HEAD])
+print(f"head {SINK_HEAD}; massive token(s) at positions {strip.marked}")
+print(strip.panels[0].note())
+strip
 
 # %% [markdown]
 # ## 4. WeMask: zero dims of the massive token's attention input
 #
-# Change `rate` and `variant` and re-run the next cells. `weight` masks the dims with the largest
-# pre-attention RMSNorm gain (the paper's text); `activation` the dims with the largest normalised
-# activation of the massive token (the authors' released code); `random` and `magnitude` are the
-# paper's ablations.
+# `weight` masks the dims with the largest pre-attention RMSNorm gain (the paper's text); `activation`
+# the dims with the largest normalised activation of the massive token (the authors' released code);
+# `random` and `magnitude` are the paper's ablations. The view shows the unmodified run and the masked
+# run side by side at one layer (`head = -1`: every head).
+#
+# **Parameters** (the view without widgets; also what the saved notebook shows): edit and re-run.
 
 # %%
-rate = 0.3
-variant = "weight"
-hooks = we_mask(model, rate, variant, me_layer=ME)
-masked = attention_stats(model, batch, fwd_hooks=hooks)
+from IPython.display import display
+
+from me_interp.interventions.wemask import VARIANTS
+
+layer, head, rate, variant, prompt = ME + 1, SINK_HEAD, 0.3, "weight", 0
+
+
+def wemask_view(layer=layer, head=head, rate=rate, variant=variant, prompt=prompt):
+    """Unmodified vs WeMask attention at ``layer`` (``head = -1``: all heads) for ``prompts[prompt]``."""
+    return viewer.compare_view(
+        model,
+        prompts[prompt],
+        [layer],
+        None if head < 0 else [head],
+        fwd_hooks=we_mask(model, rate, variant, me_layer=ME),
+        label=f"WeMask {variant} r={rate:g} (layers >= {ME})",
+    )
+
+
+view = wemask_view(layer, head, rate, variant, prompt)
+for p in view.panels:
+    print(f"{p.title}: {p.note()}")
+view
+
+# %% [markdown]
+# **Sliders.** Scrub `layer` through the ME layer with the mask on (`rate > 0`) and off (`rate = 0`):
+# before the ME layer the two panels are identical (the mask starts there); after it the sink
+# weakens as more dims are masked. Each change re-runs the two forwards (about a second).
+
+# %%
+try:
+    import ipywidgets as widgets
+except ImportError:  # the plain-parameter view above is the fallback
+    widgets = None
+
+if widgets is None:
+    print("ipywidgets is not installed: edit the parameter cell above and re-run it")
+else:
+    controls = {
+        "layer": widgets.IntSlider(
+            value=layer, min=0, max=model.n_layers - 1, continuous_update=False, description="layer"
+        ),
+        "head": widgets.Dropdown(
+            options=[("all", -1)] + [(str(h), h) for h in range(model.n_heads)],
+            value=head,
+            description="head",
+        ),
+        "rate": widgets.FloatSlider(
+            value=rate, min=0.0, max=1.0, step=0.05, continuous_update=False, description="rate"
+        ),
+        "variant": widgets.Dropdown(options=list(VARIANTS), value=variant, description="variant"),
+        "prompt": widgets.Dropdown(
+            options=[(p[:40], i) for i, p in enumerate(prompts)], value=prompt, description="prompt"
+        ),
+    }
+    shown = widgets.HTML()
+    numbers = widgets.HTML()
+
+    def update(change=None):
+        v = wemask_view(**{k: w.value for k, w in controls.items()})
+        numbers.value = "<br>".join(f"<b>{p.title}</b>: {p.note()}" for p in v.panels)
+        shown.value = v.iframe(height=900)
+
+    for w in controls.values():
+        w.observe(update, names="value")
+    update()
+    display(
+        widgets.VBox(
+            [
+                widgets.HBox(list(controls.values())[:3]),
+                widgets.HBox(list(controls.values())[3:]),
+                numbers,
+                shown,
+            ]
+        )
+    )
+
+# %% [markdown]
+# Averaged over the prompts, every layer and head:
+
+# %%
+masked = attention_stats(model, batch, fwd_hooks=we_mask(model, rate, variant, me_layer=ME))
 
 fig = make_subplots(
     rows=1, cols=2, subplot_titles=["attention to the massive token", "attention entropy (nats)"]
