@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Bool, Float
@@ -241,25 +241,27 @@ class SweepResult:
 
 
 def _capture_block_inputs(model: LoadedModel, batch: Batch, hooks: Sequence, layers: Sequence[int]):
-    """One forward of ``batch``: the keyword arguments every block receives (masks, rotary
-    embeddings) and the residual stream entering each of ``layers``."""
-    got: dict = {}
+    """One forward of ``batch``: the keyword arguments each block receives (masks, rotary
+    embeddings), per block — Gemma 2/3 give sliding-window and global layers their own mask and
+    rotary embedding — and the residual stream entering each of ``layers``."""
+    got: dict[int, dict] = {}
 
-    def pre(module, args, kwargs):
-        got.setdefault("kwargs", kwargs)
+    def pre(module, args, kwargs, *, i):
+        got.setdefault(i, kwargs)
 
     store: dict[str, torch.Tensor] = {}
     rec = [(names.resid_pre(x), partial(_record, store=store, key=str(x))) for x in set(layers)]
-    handle = model.bridge.blocks[0].register_forward_pre_hook(pre, with_kwargs=True)
+    handles = [
+        block.register_forward_pre_hook(partial(pre, i=i), with_kwargs=True)
+        for i, block in enumerate(model.bridge.blocks)
+    ]
     try:
         model.run_with_hooks(batch, [*hooks, *rec])
     finally:
-        handle.remove()
-    kwargs = {
-        k: v
-        for k, v in got.get("kwargs", {}).items()
-        if k not in ("cache", "past_key_value", "past_key_values", "use_cache", "cache_position")
-    }
+        for h in handles:
+            h.remove()
+    drop = ("cache", "past_key_value", "past_key_values", "use_cache", "cache_position")
+    kwargs = {i: {k: v for k, v in kw.items() if k not in drop} for i, kw in got.items()}
     return kwargs, {int(k): v for k, v in store.items()}
 
 
@@ -272,12 +274,28 @@ def _tile(v, n: int, B: int):
     return v
 
 
-def _run_blocks(model: LoadedModel, resid: torch.Tensor, start: int, stop: int, kwargs, hooks):
-    """Run blocks ``start..stop`` (inclusive) on ``resid`` with ``hooks``; earlier blocks skipped."""
+def _tile_kwargs(kwargs: Mapping[int, Mapping], n: int, B: int) -> dict[int, dict]:
+    """:func:`_tile` every block's kwargs; a value shared by several blocks is tiled once."""
+    memo: dict[int, Any] = {}
+    out = {}
+    for i, kw in kwargs.items():
+        out[i] = {}
+        for k, v in kw.items():
+            if id(v) not in memo:
+                memo[id(v)] = (v, _tile(v, n, B))  # keep v alive so its id stays unique
+            out[i][k] = memo[id(v)][1]
+    return out
+
+
+def _run_blocks(
+    model: LoadedModel, resid: torch.Tensor, start: int, stop: int, kwargs: Mapping, hooks
+):
+    """Run blocks ``start..stop`` (inclusive) on ``resid`` with ``hooks`` and each block's own
+    captured ``kwargs[i]``; earlier blocks skipped."""
     with torch.no_grad(), model.bridge.hooks(fwd_hooks=list(hooks)):
         h = resid
         for i in range(start, stop + 1):
-            out = model.bridge.blocks[i](h, **kwargs)
+            out = model.bridge.blocks[i](h, **kwargs[i])
             h = out[0] if isinstance(out, tuple) else out
     return h
 
@@ -481,7 +499,7 @@ def patch_sweep(
                 _tile(resid_in[first], n, B),
                 first,
                 last_needed,
-                {k: _tile(v, n, B) for k, v in kwargs.items()},
+                _tile_kwargs(kwargs, n, B),
                 hooks,
             )
         else:

@@ -338,3 +338,34 @@ def test_fallback_raises_when_strict(pair, monkeypatch):
     monkeypatch.setenv(STRICT_ENV, "0")
     with pytest.warns(RuntimeWarning):
         _fallback_sweep(model, plant, clean)
+
+
+def test_fast_path_on_gemma3_with_sliding_and_global_layers():
+    """Gemma 3 gives its sliding-window and global layers their own mask and rotary embedding: the
+    block-suffix runs must use each block's own inputs (before, the first block's were reused, and
+    the sweep fell back to full forwards on the real Gemma-3-270m). Checked under strict mode
+    against one full forward per cell, with a window short enough to cut the prompts."""
+    import transformers as T
+
+    from me_interp import load_model, synthetic
+
+    cfg = synthetic.tiny_config("gemma3", n_layers=4)
+    cfg.layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    cfg.sliding_window = 3
+    cfg.rope_local_base_freq = 100.0
+    torch.manual_seed(0)
+    hf = T.Gemma3ForCausalLM(cfg).eval()
+    hf.config.architectures = ["Gemma3ForCausalLM"]
+    model = load_model(hf, tokenizer=synthetic.word_tokenizer(True), dtype="float32", device="cpu")
+    blocks = model.bridge.blocks
+    assert len(blocks) == 4
+    clean = model.tokenize(["w1 w2 w3 w4 w5 w6 w7", "w8 w9 w10 w11", "w20 w21 w22 w23 w24"])
+    t = clean.tokens.clone()
+    t[:, 0] = t[:, 1]
+    corrupt = Batch(t, clean.attention_mask.clone())
+    metrics = {"ratio": NormRatio(3, 0), "sink": SinkMass((2, 3), 0)}
+    fast = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=12)
+    full = patch_loop(model, clean, corrupt, "resid_pre", metrics)
+    assert fast.prefix_skipped and fast.prefix_fallback is None
+    for k in metrics:
+        torch.testing.assert_close(fast.values[k], full.values[k], rtol=1e-4, atol=1e-5)

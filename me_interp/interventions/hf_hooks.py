@@ -275,14 +275,17 @@ def load_hf(model: str | None = None, dtype: torch.dtype = torch.float32, device
     ``me_interp.load_model`` wraps the HF model in a TransformerBridge, which replaces its submodules
     in place (``model.hf`` then holds bridge components whose attention ignores HF's KV cache). Use a
     plain copy for KV-cache generation and for training. ``model``: ``None``/``"bundled"`` (the cached
-    fp32 SmolLM2-135M-Instruct), ``"synthetic:<kind>"``, a local directory or an HF name.
+    fp32 SmolLM2-135M-Instruct), a packaged model's short name (``"gemma-3-270m"``),
+    ``"synthetic:<kind>"``, a local directory or an HF name.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from me_interp import models
+    from me_interp import models, packaged
 
     if model is None or model == models.BUNDLED:
         path = str(models.ensure_bundled_cache())
+    elif packaged.is_packaged(model):
+        path = str(packaged.ensure_packaged_cache(model))
     elif isinstance(model, str) and model.startswith(models.SYNTHETIC_PREFIX):
         hf, tok = models._synthetic(model)
         return hf.to(device=device, dtype=dtype).eval(), tok

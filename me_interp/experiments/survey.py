@@ -1,0 +1,434 @@
+"""The paper's table as one command: the ME-layer scan over a list of models, one table, one figure.
+
+Runs the ME-layer scan of :mod:`me_interp.experiments.me_layer` (same prompts, criterion and claims)
+on each model in turn, freeing each (``del``, ``gc.collect()``, ``torch.cuda.empty_cache()``) before
+loading the next, so a GPU holds one model at a time. Writes ``<out>/survey/<run_id>/`` with
+``survey.md`` (the table), ``result.json`` (one row per model with the per-layer ratios and the four
+``me_layer`` claims), ``config.json``, ``env.json`` (versions, and each model's loading choices) and
+one figure, ``ratios_by_model`` (per model, the massive token's norm over the others' mean per layer).
+
+Columns: model, architecture, n_layers, ME layer 0- and 1-based (``none`` where no layer output meets
+the massive criterion), the sub-layer whose jump made it (``ffn`` / ``attention``), the jump, the
+massive dims, the positions massive in at least ``min_prompt_fraction`` of the prompts (and how many
+other positions are massive in fewer), the layer where the event ends and whether it persists to the
+last layer, the BOS rule (the choice and whether BOS was prepended), the ratio's peak, the verdict of
+``me_layer.sudden_birth``. A model that cannot be loaded (no hub, a missing package, an unsupported
+architecture) or whose scan crashes gives a row with the error, and the survey goes on.
+
+Exit status: 0 when every model was scanned (also when some have no massive activation), 1 when a
+model could not be loaded or scanned (its row says why), 2 on bad input (a bad flag or prompt file).
+
+    python -m me_interp.experiments.survey                          # bundled + gemma-3-270m
+    python -m me_interp.experiments.survey --models bundled gemma-3-270m synthetic:planted
+    python -m me_interp.experiments.survey --device cuda --models Qwen/Qwen3-4B-Instruct-2507 \\
+        Qwen/Qwen3-8B meta-llama/Llama-3.1-8B mistralai/Mistral-7B-v0.1       # docs/me_layer.md
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import traceback
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from me_interp import io
+from me_interp.experiments import me_layer
+from me_interp.experiments.common import (
+    BAD_INPUT,
+    apply_threads,
+    build_parser,
+    config_from_args,
+    fmt_verdicts,
+    is_bad_input,
+    seed_everything,
+)
+from me_interp.models import LoadedModel, ModelLoadError, load_model
+
+NAME = "survey"
+TABLE_FILE = "survey.md"
+OK, LOAD_FAILED, FAILED = "ok", "load failed", "scan failed"
+ERROR_CHARS = 240
+"""An error is cut to this many characters in the table (``result.json`` holds all of it)."""
+
+
+@dataclass(frozen=True)
+class Config(me_layer.Config):
+    """Survey settings: the ME-layer scan's (criterion, thresholds, prompts, BOS, dtype, device) for
+    every model.
+
+    Attributes:
+        models: the models to scan, in order: bundled, a packaged short name (gemma-3-270m), an HF
+            name, a local directory, or synthetic:planted / synthetic:twin / ...
+    """
+
+    models: tuple[str, ...] = ("bundled", "gemma-3-270m")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model is not None:
+            raise ValueError(
+                f"the survey scans --models (a list), not --model; got --model {self.model!r}"
+            )
+        if not self.models:
+            raise ValueError("give at least one model (--models ...)")
+        dup = [m for m, n in Counter(self.models).items() if n > 1]
+        if dup:
+            raise ValueError(f"models listed twice: {dup}")
+
+    def scan_config(self, model: str) -> me_layer.Config:
+        """The ME-layer config of one model of the survey."""
+        fields = me_layer.Config.__dataclass_fields__
+        return me_layer.Config(**{**{k: getattr(self, k) for k in fields}, "model": model})
+
+
+@dataclass
+class Row:
+    """One model of the survey (``status`` ok, or the error that stopped it; 0-based layers)."""
+
+    model: str
+    status: str
+    error: str | None = None
+    traceback: str | None = None
+    name: str | None = None
+    architecture: str | None = None
+    arch: dict[str, Any] | None = None
+    n_layers: int | None = None
+    d_model: int | None = None
+    bos: str | None = None
+    bos_prepended: bool | None = None
+    n_prompts: int | None = None
+    me_layer: int | None = None
+    me_layer_1based: int | None = None
+    site: str | None = None
+    jump: float | None = None
+    dims: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    position_fraction: dict[str, float] = field(default_factory=dict)
+    other_positions: int = 0
+    last_layer: int | None = None
+    persists_to_end: bool | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    ratio: list[float] = field(default_factory=list)
+    massive_norm: list[float] = field(default_factory=list)
+    others_norm: list[float] = field(default_factory=list)
+    peak_layer: int | None = None
+    peak_ratio: float | None = None
+    claims: list[Any] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def verdict(self, claim_id: str) -> str | None:
+        return next((c.verdict for c in self.claims if c.id == claim_id), None)
+
+    def bos_rule(self) -> str:
+        if self.bos is None:
+            return ""
+        return f"{self.bos}: {'BOS prepended' if self.bos_prepended else 'no BOS'}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "claims"}
+        return {**d, "bos_rule": self.bos_rule(), "claims": io.to_jsonable(self.claims)}
+
+
+@dataclass
+class Result:
+    """Every row, in the order of ``Config.models``."""
+
+    rows: list[Row]
+    criterion: dict[str, Any]
+    n_prompts: int
+
+    @property
+    def failed(self) -> list[Row]:
+        return [r for r in self.rows if not r.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index_convention": me_layer.INDEX_CONVENTION,
+            "criterion": self.criterion,
+            "n_prompts": self.n_prompts,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+
+def _row(spec: str, model: LoadedModel, res: me_layer.Result, min_fraction: float) -> Row:
+    """The survey row of one scanned model."""
+    loc = res.location
+    info = model.info()
+    ratio = loc.site_ratios["resid_post"]
+    peak = max(range(len(ratio)), key=lambda i: ratio[i])
+    row = Row(
+        model=spec,
+        status=OK,
+        name=model.name,
+        architecture=info.get("architecture"),
+        arch=info.get("arch"),
+        n_layers=model.n_layers,
+        d_model=model.d_model,
+        bos=res.bos,
+        bos_prepended=res.bos_prepended,
+        n_prompts=res.n_prompts,
+        events=[e.to_dict() for e in loc.events],
+        ratio=list(ratio),
+        massive_norm=res.site_norms["resid_post"]["massive"],
+        others_norm=res.site_norms["resid_post"]["others"],
+        peak_layer=peak,
+        peak_ratio=ratio[peak],
+        claims=me_layer.verdicts(res),
+    )
+    ev = loc.me_event
+    if ev is not None:
+        counts = Counter(p for ps in loc.massive_positions for p in ps)
+        n = len(loc.massive_positions)
+        common = sorted(p for p, c in counts.items() if c >= min_fraction * n)
+        row.me_layer, row.me_layer_1based = ev.layer, ev.layer_1based
+        row.site, row.jump, row.dims = ev.site, ev.jump, list(loc.massive_dims)
+        row.positions = common
+        row.position_fraction = {str(p): counts[p] / n for p in common}
+        row.other_positions = len(counts) - len(common)
+        row.last_layer, row.persists_to_end = ev.last_layer, ev.persists_to_end
+    return row
+
+
+def free_memory() -> None:
+    """Collect garbage and return cached CUDA memory (after a model was dropped)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(
+    cfg: Config,
+    models: Mapping[str, LoadedModel] | None = None,
+    *,
+    load: Callable[..., LoadedModel] = load_model,
+    progress: Callable[[str], None] | None = None,
+) -> Result:
+    """Scan every model of ``cfg.models`` in turn. No printing, no files.
+
+    Args:
+        cfg: the survey settings.
+        models: already loaded models by their entry in ``cfg.models`` (used as they are and not
+            freed: the caller owns them); the others are loaded with ``load`` and freed after their
+            scan, before the next model is loaded.
+        load: the loader (``load_model``; tests pass a recording one).
+        progress: called with one line per model.
+
+    A model that cannot be loaded (:class:`ModelLoadError`, e.g. no hub, a missing package, an
+    unsupported architecture) or whose scan raises gives a row with the error instead of stopping
+    the survey.
+    """
+    given = dict(models or {})
+    prompts = cfg.load_prompts()
+    rows = []
+    for i, spec in enumerate(cfg.models):
+        if progress:
+            progress(f"survey [{i + 1}/{len(cfg.models)}] {spec}")
+        model = given.get(spec)
+        owned = model is None
+        try:
+            if model is None:
+                model = load(spec, bos=cfg.bos, dtype=cfg.dtype, device=cfg.device)
+        except ModelLoadError as e:  # no hub, a missing package, an unsupported architecture
+            rows.append(Row(spec, LOAD_FAILED, error=f"{type(e).__name__}: {e}"))
+            continue
+        except Exception as e:  # e.g. out of memory while loading: the other models still run
+            rows.append(
+                Row(
+                    spec,
+                    LOAD_FAILED,
+                    error=f"{type(e).__name__}: {e}",
+                    traceback=traceback.format_exc(),
+                )
+            )
+            free_memory()
+            continue
+        try:
+            res = me_layer.run(cfg.scan_config(spec), model)
+            rows.append(_row(spec, model, res, cfg.min_prompt_fraction))
+        except Exception as e:  # one model's crash (e.g. out of memory) must not lose the others
+            rows.append(
+                Row(
+                    spec,
+                    FAILED,
+                    error=f"{type(e).__name__}: {e}",
+                    traceback=traceback.format_exc(),
+                    name=model.name,
+                    architecture=type(model.hf).__name__,
+                )
+            )
+        finally:
+            res = None
+            if owned:
+                model = None
+                free_memory()
+    return Result(rows=rows, criterion=cfg.detection().to_dict(), n_prompts=len(prompts))
+
+
+def _fmt(v: float | None) -> str:
+    return "" if v is None else f"{v:.3g}"
+
+
+def table(result: Result) -> str:
+    """The survey as a markdown table (one row per model)."""
+    header = [
+        "model",
+        "architecture",
+        "layers",
+        "ME layer (0-based)",
+        "ME layer (1-based)",
+        "site",
+        "jump",
+        "dims",
+        "positions",
+        "event ends at",
+        "persists to last layer",
+        "BOS rule",
+        "peak ratio (layer)",
+        "sudden_birth",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for r in result.rows:
+        if not r.ok:
+            err = " ".join((r.error or "").split()).replace("|", "\\|")
+            err = err if len(err) <= ERROR_CHARS else err[: ERROR_CHARS - 1] + "…"
+            cells = [r.model, r.architecture or "", "", f"{r.status}: {err}"] + [""] * 10
+        else:
+            has = r.me_layer is not None
+            pos = ", ".join(map(str, r.positions)) + (
+                f" (+{r.other_positions} others in fewer prompts)" if r.other_positions else ""
+            )
+            cells = [
+                r.model,
+                r.architecture or "",
+                str(r.n_layers),
+                str(r.me_layer) if has else "none",
+                str(r.me_layer_1based) if has else "none",
+                r.site or "",
+                f"×{r.jump:.3g}" if has else "",
+                ", ".join(map(str, r.dims[:4])) if has else "",
+                pos if has else "",
+                str(r.last_layer) if has else "",
+                ("yes" if r.persists_to_end else "no") if has else "",
+                r.bos_rule(),
+                f"{_fmt(r.peak_ratio)} ({r.peak_layer})",
+                r.verdict("me_layer.sudden_birth") or "",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def figures(result: Result) -> dict[str, go.Figure]:
+    """``ratios_by_model``: one subplot per scanned model, side by side (its own layer axis): the
+    massive token's layer-output norm over the others' mean (median over prompts), ME layer dashed."""
+    rows = [r for r in result.rows if r.ok]
+    if not rows:
+        return {}
+    cols = min(len(rows), 4)
+    n_rows = (len(rows) + cols - 1) // cols
+    fig = make_subplots(
+        rows=n_rows,
+        cols=cols,
+        subplot_titles=[
+            f"{r.model}<br><sup>ME layer {r.me_layer if r.me_layer is not None else 'none'}</sup>"
+            for r in rows
+        ],
+        horizontal_spacing=0.06,
+        vertical_spacing=0.18,
+    )
+    for i, r in enumerate(rows):
+        row, col = i // cols + 1, i % cols + 1
+        xs = list(range(len(r.ratio)))
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=r.ratio,
+                mode="lines+markers",
+                marker_size=4,
+                line_color="firebrick",
+                name=r.model,
+                showlegend=False,
+                customdata=[x + 1 for x in xs],
+                hovertemplate="layer %{x} (1-based %{customdata}): ratio %{y:.4g}<extra>"
+                + r.model
+                + "</extra>",
+            ),
+            row=row,
+            col=col,
+        )
+        fig.update_yaxes(
+            type="log", title_text="massive / others" if col == 1 else None, row=row, col=col
+        )
+        fig.update_xaxes(title_text="layer (0-based)", row=row, col=col)
+        if r.me_layer is not None:
+            fig.add_vline(x=r.me_layer, line_dash="dash", line_color="gray", row=row, col=col)
+    fig.update_layout(
+        title="Massive token's norm over the mean of the other tokens, per layer (median over "
+        f"{result.n_prompts} prompts)<br><sup>layer output; dashed line: ME layer</sup>",
+        template="plotly_white",
+        height=340 * n_rows + 120,
+        width=max(900, 330 * cols),
+    )
+    return {"ratios_by_model": fig}
+
+
+def summary(result: Result) -> str:
+    return table(result)
+
+
+def write(cfg: Config, result: Result) -> Path:
+    """Write ``<cfg.out>/survey/<run_id>/`` (the table, figures, config, env; ``result.json`` last)."""
+    run_dir = io.new_run_dir(cfg.out, NAME)
+    io.write_json(run_dir / io.CONFIG_FILE, cfg)
+    env = io.environment(
+        None,
+        models=[
+            {k: getattr(r, k) for k in ("model", "name", "architecture", "arch", "status")}
+            for r in result.rows
+        ],
+        dtype=cfg.dtype,
+        device=cfg.device,
+        bos=cfg.bos,
+    )
+    io.write_json(run_dir / io.ENV_FILE, env)
+    io.write_figures(run_dir, figures(result), out_root=Path(cfg.out))
+    io.atomic_write_text(run_dir / TABLE_FILE, table(result) + "\n")
+    io.write_json(run_dir / io.RESULT_FILE, result)
+    return run_dir
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(Config, f"python -m me_interp.experiments.{NAME}", __doc__)
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(Config, args)
+        apply_threads(cfg)
+        seed_everything(cfg.seed)
+        result = run(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        run_dir = write(cfg, result)
+    except BAD_INPUT as e:
+        if not is_bad_input(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary(result))
+    for r in result.rows:
+        print(f"\n{r.model}:" + (f" {r.status}: {r.error}" if not r.ok else ""))
+        if r.claims:
+            print(fmt_verdicts(r.claims))
+    print(f"results: {run_dir}")
+    return 1 if result.failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
