@@ -98,14 +98,14 @@ class Architecture:
 
     # -- gains ---------------------------------------------------------------------------------
     def gain(self, weight: torch.Tensor) -> torch.Tensor:
-        """The effective gain ``g = w + offset`` of a stored norm weight ``w`` (detached)."""
-        w = weight.detach()
-        return w + self.norm_offset if self.norm_offset else w
+        """The effective gain ``g = w + offset`` of a stored norm weight ``w``: a new detached
+        tensor on every family (never a view of the parameter), so a gain read before an edit is
+        the gain before it whatever the offset."""
+        return weight.detach() + self.norm_offset
 
     def weight(self, gain: torch.Tensor) -> torch.Tensor:
-        """The stored weight ``w = g − offset`` that makes the effective gain ``gain``."""
-        g = gain.detach()
-        return g - self.norm_offset if self.norm_offset else g
+        """The stored weight ``w = g − offset`` that makes the effective gain ``gain`` (a new tensor)."""
+        return gain.detach() - self.norm_offset
 
     # -- sites ---------------------------------------------------------------------------------
     @property

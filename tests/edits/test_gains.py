@@ -28,35 +28,33 @@ def _norm_io(model, batch, layer):
 def test_permuted_gain_positive_by_hand(planted, planted_prompts, snap, changed_ptrs):
     model, _ = planted  # its gains are not all equal (a fresh tiny Llama's are all 1)
     batch = model.tokenize(planted_prompts[:2])
-    w = model.ffn_norm_gain(1)
-    w0 = w.detach().clone()
+    w0 = model.ffn_norm_gain(1)
     perm = edits.random_permutation(model.d_model, seed=3)
     before = snap(model)
     with edits.permuted_gain(model, 1, perm, norm="ffn"):
-        assert torch.equal(w.detach(), w0[perm])
-        assert changed_ptrs(model, before) == {w.data_ptr()}
+        assert torch.equal(model.ffn_norm_gain(1), w0[perm])
+        assert changed_ptrs(model, before) == {model.ffn_norm_weight(1).data_ptr()}
         normalized, out = _norm_io(model, batch, 1)
         torch.testing.assert_close(out, normalized * w0[perm], atol=1e-6, rtol=1e-6)
 
 
 def test_permuted_attn_gain_edits_only_ln1(planted, snap, changed_ptrs):
     model, _ = planted
-    w = model.attn_norm_gain(2)
     before = snap(model)
     with edits.permuted_gain(model, 2, torch.arange(model.d_model).roll(1), norm="attn"):
-        assert changed_ptrs(model, before) == {w.data_ptr()}
+        assert changed_ptrs(model, before) == {model.attn_norm_weight(2).data_ptr()}
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 2.0])
 def test_flattened_gain_formula(planted, alpha):
     model, _ = planted
-    w = model.ffn_norm_gain(2)
-    w0 = w.detach().clone().double()
+    w0 = model.ffn_norm_gain(2).double()
     assert w0.std() > 0.1
     with edits.flattened_gain(model, 2, alpha):
+        w = model.ffn_norm_gain(2).double()
         want = w0.mean() + alpha * (w0 - w0.mean())
-        torch.testing.assert_close(w.detach().double(), want, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(w.detach().double().mean(), w0.mean(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(w, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(w.mean(), w0.mean(), atol=1e-6, rtol=1e-6)
 
 
 def test_top_dims_permutation_moves_only_the_top_dims():
