@@ -277,7 +277,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         row["magnification_others"] = _mean(mag_o[L])
         if mag_res is not None:
             row["magnification_residual"] = _mean(mag_res[L])
-            row["delta_c"][RESIDUAL_STAGE] = _mean(fs.delta_c(RESIDUAL_STAGE)[L])
+            row["delta_c"][RESIDUAL_STAGE] = _mean(per[f"delta_c_{RESIDUAL_STAGE}"][L])
         layers.append(row)
     table = top_neurons(model, fs, nl, cfg.top_neurons).to_dict()
     table["chosen_as"] = "given" if cfg.neuron_layer >= 0 else "ME layer"

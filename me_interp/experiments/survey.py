@@ -26,6 +26,7 @@ model could not be loaded or scanned (its row says why), 2 on bad input (a bad f
 
 from __future__ import annotations
 
+import argparse
 import gc
 import sys
 import traceback
@@ -409,6 +410,9 @@ def write(cfg: Config, result: Result) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(Config, f"python -m me_interp.experiments.{NAME}", __doc__)
+    for action in parser._actions:  # the common --model is refused here (--models): not offered
+        if "--model" in action.option_strings:
+            action.help = argparse.SUPPRESS
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(Config, args)

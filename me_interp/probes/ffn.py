@@ -79,15 +79,17 @@ class FFNScan:
         return delta_vs_others(self.conc[stage], self.mask, self.reference)
 
     def massive_c(self, stage: str) -> Float[torch.Tensor, "layer batch"]:
-        return self.conc[stage][:, torch.arange(len(self.reference)), self.reference]
+        return self._at_reference(self.conc[stage])
 
     def others_c(self, stage: str) -> Float[torch.Tensor, "layer batch"]:
         return mean_except_reference(self.conc[stage], self.mask, self.reference)
 
     def magnification(self) -> Float[torch.Tensor, "layer batch"]:
         """``‖FFN out‖ / ‖FFN in‖`` of the massive token per layer and prompt."""
-        idx = torch.arange(len(self.reference))
-        return (self.out_norm / self.in_norm)[:, idx, self.reference]
+        return self._at_reference(self.out_norm / self.in_norm)
+
+    def _at_reference(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, torch.arange(len(self.reference)), self.reference]
 
     def magnification_others(self) -> Float[torch.Tensor, "layer batch"]:
         """Mean over the other real tokens of ``‖FFN out‖ / ‖FFN in‖``."""
@@ -98,8 +100,7 @@ class FFNScan:
         ``None`` on models without one, where it equals :meth:`magnification`."""
         if self.residual_norm is None:
             return None
-        idx = torch.arange(len(self.reference))
-        return (self.residual_norm / self.in_norm)[:, idx, self.reference]
+        return self._at_reference(self.residual_norm / self.in_norm)
 
 
 class FFNRecorder:
@@ -109,7 +110,7 @@ class FFNRecorder:
     def __init__(self, model: LoadedModel, batch: Batch) -> None:
         L, (B, T) = model.n_layers, batch.tokens.shape
         self.model, self.batch = model, batch
-        sandwich = getattr(model, "arch", None) is not None and model.arch.post_ffn_norm is not None
+        sandwich = model.arch.post_ffn_norm is not None
         self.stages = (*STAGES, RESIDUAL_STAGE) if sandwich else STAGES
         self.conc = {s: torch.full((L, B, T), float("nan")) for s in self.stages}
         self.in_norm = torch.full((L, B, T), float("nan"))
