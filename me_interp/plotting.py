@@ -19,7 +19,25 @@ SITE_TITLES = {
     "ffn_in": "pre-FFN RMSNorm output",
     "ffn_out": "FFN output",
     "resid_post": "layer output (resid_post)",
+    "attn_own": "attention's own output (before its post-norm)",
+    "ffn_own": "FFN's own output (before the post-FFN norm)",
 }
+
+#: Titles of the residual-contribution sites on a sandwich-norm model, used when the sub-layer's own
+#: output (the key of each pair) is drawn too: there ``attn_out`` / ``ffn_out`` are after the post-norm.
+RESIDUAL_TITLES = {
+    "attn_out": ("attn_own", "attention's residual contribution (after its post-norm)"),
+    "ffn_out": ("ffn_own", "FFN's residual contribution (after the post-FFN norm)"),
+}
+
+
+def site_title(site: str, drawn: Sequence[str] = ()) -> str:
+    """The panel title of ``site``; ``drawn``: every site of the figure (to name a residual
+    contribution as such when the sub-layer's own output is drawn beside it)."""
+    own, title = RESIDUAL_TITLES.get(site, (None, None))
+    if own is not None and own in drawn:
+        return title
+    return SITE_TITLES.get(site, site)
 
 
 def mark_layer(fig: go.Figure, layer: int | None, label: str = "ME layer", **kw) -> go.Figure:
@@ -72,14 +90,19 @@ def site_norms_figure(
     me_layer: int | None,
     model_name: str,
 ) -> go.Figure:
-    """Figure-1 view: per-layer norm of the massive token vs the mean of the other tokens, per site."""
+    """Figure-1 view: per-layer norm of the massive token vs the mean of the other tokens, per site.
+
+    One panel per key of ``site_norms`` (in its order, three per row); each trace carries its site
+    in ``meta``. On a sandwich-norm model the caller adds ``attn_own`` / ``ffn_own`` and the panels of
+    ``attn_out`` / ``ffn_out`` are titled as residual contributions (:func:`site_title`).
+    """
     sites = list(site_norms)
     cols = 3
     rows = (len(sites) + cols - 1) // cols
     fig = make_subplots(
         rows=rows,
         cols=cols,
-        subplot_titles=[SITE_TITLES.get(s, s) for s in sites],
+        subplot_titles=[site_title(s, sites) for s in sites],
         horizontal_spacing=0.07,
         vertical_spacing=0.14,
     )
@@ -100,6 +123,7 @@ def site_norms_figure(
                     name=label,
                     legendgroup=key,
                     showlegend=i == 0,
+                    meta=s,
                     hovertemplate="layer %{x}: ‖h‖ = %{y:.4g}<extra>" + label + "</extra>",
                 ),
                 row=r,

@@ -13,9 +13,10 @@ by the massive activation — and not before. The *unplanted twin* (``plant=Fals
 except the boosted gains and the planted neuron, and has no massive activation anywhere.
 
 :func:`planted` does the same in every supported architecture (:data:`ARCHS`: Llama, Mistral, Qwen2 with
-q/k/v biases, Qwen3 with q/k norms, Phi-3 with fused ``qkv_proj`` / ``gate_up_proj``, Gemma 2 and Gemma 3
-with ``1 + w`` gains, ``sqrt(d_model)`` embedding scale and sandwich norms). What it writes is stated as
-*effective* values: a gain ``g`` is stored as ``g − offset`` with the offset measured on the norm module
+q/k/v biases, Qwen3 with q/k norms, Phi-3 with fused ``qkv_proj`` / ``gate_up_proj``, Gemma 1 with
+``1 + w`` gains, ``sqrt(d_model)`` embedding scale and a GeGLU FFN (``gelu_pytorch_tanh`` gate) in a
+Llama-style block, Gemma 2 and Gemma 3 with all of that plus sandwich norms). What it writes is stated
+as *effective* values: a gain ``g`` is stored as ``g − offset`` with the offset measured on the norm module
 (:func:`me_interp.architecture.measure_norm_offset`), embedding rows are divided by the measured
 embedding scale (so the residual stream is the Llama one), fused projections are written through their
 row blocks, and q/k norm gains are left at 1. On sandwich blocks the post-FFN norm would normalise the
@@ -88,7 +89,16 @@ def _llama_config(n_layers: int = 4, d_model: int = 32, d_mlp: int = 64, seed: i
     )
 
 
-ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+ARCHS: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+)
 """The architectures :func:`tiny` and :func:`planted` build (HF config classes of that family)."""
 
 #: Whether each family's tokenizer adds a BOS (Llama, Mistral, Phi-3, Gemma do; Qwen does not).
@@ -106,6 +116,7 @@ def tiny_config(arch: str, n_layers: int = 4, d_model: int = 32, d_mlp: int = 64
         "qwen2": T.Qwen2Config,
         "qwen3": T.Qwen3Config,
         "phi3": T.Phi3Config,
+        "gemma": T.GemmaConfig,
         "gemma2": T.Gemma2Config,
         "gemma3": T.Gemma3TextConfig,
     }
@@ -141,6 +152,7 @@ def _model_class(cfg):
         "Qwen2Config": "Qwen2ForCausalLM",
         "Qwen3Config": "Qwen3ForCausalLM",
         "Phi3Config": "Phi3ForCausalLM",
+        "GemmaConfig": "GemmaForCausalLM",
         "Gemma2Config": "Gemma2ForCausalLM",
         "Gemma3TextConfig": "Gemma3ForCausalLM",
     }[type(cfg).__name__]

@@ -1,6 +1,6 @@
 """Every supported architecture computed right: tiny config-built Llama, Mistral, Qwen2 (q/k/v bias),
-Qwen3 (q/k norm), Phi-3 (fused qkv / gate_up), Gemma 2 and Gemma 3 (gain ``1 + w``, sqrt(d) embedding
-scale, sandwich norms).
+Qwen3 (q/k norm), Phi-3 (fused qkv / gate_up), Gemma 1 (gain ``1 + w``, sqrt(d) embedding scale, GeGLU,
+Llama-style block), Gemma 2 and Gemma 3 (the same, plus sandwich norms).
 
 The independent computation is always the plain HF model (an untouched deep copy, since booting the
 bridge rewires the HF model it wraps): its logits, ``output_hidden_states`` and forward hooks on its own
@@ -30,6 +30,7 @@ EXPECTED = {
     "qwen2": (0.0, False, False, False, True, False),
     "qwen3": (0.0, False, False, False, False, True),
     "phi3": (0.0, False, True, True, False, False),
+    "gemma": (1.0, False, False, False, False, False),
     "gemma2": (1.0, True, False, False, False, False),
     "gemma3": (1.0, True, False, False, False, True),
 }
@@ -97,6 +98,8 @@ def test_architecture_is_described_from_the_model(pair):
     )
     assert got == EXPECTED[pair.name]
     assert arch.attn_norm == "input_layernorm" and arch.ffn_norm == FFN_NORM[pair.name]
+    # GeGLU (tanh-approximated GELU gate) in every Gemma, SwiGLU elsewhere (the HF configs' defaults)
+    assert arch.act_fn == ("gelu_pytorch_tanh" if pair.name.startswith("gemma") else "silu")
     assert (arch.post_ffn_norm is not None) == arch.sandwich
     emb = pair.ref.get_input_embeddings()
     want_scale = float(getattr(emb, "embed_scale", 1.0))  # Gemma: sqrt(d_model) = 5.657
@@ -279,18 +282,59 @@ def test_ffn_edits_match_hand_edits_in_the_hf_layout(pair):
     _close(pair.logits(), pair.ref_logits(), pair.batch, atol=1e-4)  # restored
 
 
-def test_ffn_path_swap_matches_a_hand_swap(pair):
-    """``ffn_path`` (pre-FFN norm + FFN) of layers 1 and 3 swapped equals swapping them by hand."""
+def _path_modules(part: str, arch: str) -> list[str]:
+    """The HF modules of composite ``part`` in ``arch``, written from the HF modelling code: the
+    sub-layer with its norms, from the residual stream back into it (on Gemma 2/3 the post-norm too;
+    docs/weight_experiments.md, "Sandwich-norm models")."""
+    sandwich = EXPECTED[arch][1]
+    if part == "ffn_path":
+        return [FFN_NORM[arch], "mlp"] + (["post_feedforward_layernorm"] if sandwich else [])
+    return ["input_layernorm", "self_attn"] + (["post_attention_layernorm"] if sandwich else [])
+
+
+def _hand_swap(pair: Pair, a: int, b: int, modules: list[str]) -> None:
+    """Exchange the HF modules ``modules`` of reference layers ``a`` and ``b`` in place."""
+    la, lb = pair.ref_layer(a), pair.ref_layer(b)
+    for name in modules:
+        mod_a, mod_b = getattr(la, name), getattr(lb, name)
+        sa = {k: v.clone() for k, v in mod_a.state_dict().items()}
+        mod_a.load_state_dict(mod_b.state_dict())
+        mod_b.load_state_dict(sa)
+
+
+@pytest.mark.parametrize("part", ["ffn_path", "attn_path"])
+def test_path_swap_matches_a_hand_swap(pair, part):
+    """``ffn_path`` / ``attn_path`` of layers 1 and 3 swapped equals swapping their HF modules by hand:
+    the pre-norm and the sub-layer, and on Gemma 2/3 the post-norm too. Without the post-norm the
+    hand swap differs there (so the comparison can tell the two definitions apart)."""
     model = pair.model
     saved = _ref_restored(pair)
-    ffn_norm = FFN_NORM[pair.name]
+    modules = _path_modules(part, pair.name)
+    try:
+        _hand_swap(pair, 1, 3, modules)
+        with edits.swapped_layers(model, 1, 3, part=part):
+            _close(pair.logits(), pair.ref_logits(), pair.batch, atol=1e-4)
+            if model.arch.sandwich:
+                _hand_swap(pair, 1, 3, modules[-1:])  # back: the post-norms in their own layers
+                m = _real(pair.batch)
+                assert not torch.allclose(pair.logits()[m], pair.ref_logits()[m], atol=1e-3)
+    finally:
+        pair.ref.load_state_dict(saved)
+
+
+def test_block_swap_matches_a_hand_swap_of_the_whole_layer(pair):
+    """``block`` moves every parameter of the decoder layer: on Gemma 2/3 all four norms (pre- and
+    post-attention, pre- and post-FFN), with the attention and the FFN."""
+    model = pair.model
+    saved = _ref_restored(pair)
     try:
         a, b = pair.ref_layer(1), pair.ref_layer(3)
-        for mod_a, mod_b in ((a.mlp, b.mlp), (getattr(a, ffn_norm), getattr(b, ffn_norm))):
-            sa = {k: v.clone() for k, v in mod_a.state_dict().items()}
-            mod_a.load_state_dict(mod_b.state_dict())
-            mod_b.load_state_dict(sa)
-        with edits.swapped_layers(model, 1, 3, part="ffn_path"):
+        sa = {k: v.clone() for k, v in a.state_dict().items()}
+        a.load_state_dict(b.state_dict())
+        b.load_state_dict(sa)
+        n_norms = sum(k.endswith("layernorm.weight") for k in sa)
+        assert n_norms == (4 if model.arch.sandwich else 2)
+        with edits.swapped_layers(model, 1, 3, part="block"):
             _close(pair.logits(), pair.ref_logits(), pair.batch, atol=1e-4)
     finally:
         pair.ref.load_state_dict(saved)

@@ -318,3 +318,17 @@ def test_gemma_ratio_appears_at_the_post_ffn_norm(gemma, gemma_prompts):
     assert 10.0 <= ratio(got["out"]) <= 30.0
     gain = gemma.arch.gain(post.weight.detach())
     assert int(gain.argmax()) == 400 and 100.0 <= float(gain[400]) <= 200.0
+
+
+@pytest.mark.slow
+def test_gemma_cross_diagonal_is_the_ffn_residual_contribution(gemma):
+    """Layer 0's FFN path (pre-FFN norm → FFN → post-FFN norm, gain 153 on dim 400) makes <bos>'s
+    ffn_out ~32x the others' (measured 32.8 [30.9, 34.8], 16 prompts × 32 tokens; its own FFN
+    output is only ~1.4x): the diagonal sanity check holds once the post-norm is in the path."""
+    from me_interp.experiments import weight_input_cross as wic
+
+    res = wic.run(wic.Config(n_prompts=16, max_tokens=32), gemma)
+    assert res.layer == res.me_layer == 0
+    assert res.path_modules[-1] == "post_feedforward_layernorm"
+    c = {c.id: c for c in wic.verdicts(res)}["weight_input_cross.diagonal"]
+    assert c.verdict == "holds" and 25 < c.estimate.lo < c.estimate.hi < 45

@@ -10,7 +10,9 @@ Every edit is built on :func:`edited_parameters` (save clones, write, restore in
     with neurons_ablated(model, layer, neurons): ...
 
 Parts (:data:`PARTS`): the single parts ``attn_norm``, ``ffn_norm``, ``ffn``, ``attn``; ``block``;
-and the composites ``ffn_path`` (``ffn_norm`` + ``ffn``) and ``attn_path`` (``attn_norm`` + ``attn``).
+the sandwich-norm-only ``post_ffn_norm`` / ``post_attn_norm`` (:data:`~me_interp.edits.core.ALL_PARTS`);
+and the composites ``ffn_path`` (``ffn_norm`` + ``ffn`` + ``post_ffn_norm`` where present) and
+``attn_path`` (``attn_norm`` + ``attn`` + ``post_attn_norm`` where present).
 """
 
 from me_interp.edits.core import (

@@ -5,9 +5,12 @@
 * :func:`patched_weights` copies ``part`` of ``source_layer`` (of ``source_model``, default the same
   model) over ``part`` of ``target_layer``: ``θ_target^part ← θ_source^part``.
 
-``part`` is any of :data:`me_interp.edits.core.PARTS`, including the composites ``ffn_path``
-(pre-FFN RMSNorm + FFN) and ``attn_path`` (pre-attention RMSNorm + attention), which move a norm and the
-sub-layer it feeds together. Both are context managers built on
+``part`` is any part the model has (:func:`me_interp.edits.core.model_parts`), including the
+composites ``ffn_path`` (pre-FFN RMSNorm + FFN, + the post-FFN norm on a sandwich-norm model) and
+``attn_path`` (pre-attention RMSNorm + attention, + the post-attention norm), which move a sub-layer
+and its norms together, and on sandwich-norm models the single parts ``post_ffn_norm`` /
+``post_attn_norm``; :func:`me_interp.edits.core.moved_modules` names the HF modules a part moves.
+Both are context managers built on
 :func:`me_interp.edits.core.edited_parameters`, so the weights are restored bit-identically on exit,
 also after an exception.
 """
@@ -17,18 +20,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from me_interp.edits.core import check_part, edited_parameters, part_parameters
+from me_interp.edits.core import check_model_part, edited_parameters, part_parameters
 from me_interp.models import LoadedModel
 
 
 @contextlib.contextmanager
 def swapped_layers(model: LoadedModel, a: int, b: int, part: str = "block") -> Iterator[None]:
-    """Exchange ``part`` (see :data:`me_interp.edits.core.PARTS`) between layers ``a`` and ``b``.
+    """Exchange ``part`` (see :func:`me_interp.edits.core.model_parts`) between layers ``a`` and ``b``.
 
     Raises:
-        ValueError: an unknown part, a layer out of range, or ``a == b`` (a swap with itself).
+        ValueError: an unknown part or one the model does not have (a post-norm on a model without
+            sandwich norms), a layer out of range, or ``a == b`` (a swap with itself).
     """
-    check_part(part)
+    check_model_part(model, part)
     model.check_layer(a)
     model.check_layer(b)
     if a == b:
@@ -51,11 +55,13 @@ def patched_weights(
     """Copy ``part`` of ``source_layer`` (of ``source_model``, default ``model``) into ``target_layer``.
 
     Raises:
-        ValueError: an unknown part, a layer out of range (in either model), a patch of a layer onto
-            itself within one model (a no-op), or parameters whose shapes differ between the models.
+        ValueError: an unknown part or one a model does not have, a layer out of range (in either
+            model), a patch of a layer onto itself within one model (a no-op), or parameters whose
+            shapes differ between the models.
     """
-    check_part(part)
     src = model if source_model is None else source_model
+    check_model_part(src, part)
+    check_model_part(model, part)
     src.check_layer(source_layer)
     model.check_layer(target_layer)
     if src is model and source_layer == target_layer:

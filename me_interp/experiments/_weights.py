@@ -45,10 +45,10 @@ PART_ORDER: tuple[str, ...] = (
 )
 """Every part of ``me_interp.edits.PARTS``, in the order of the swap / patch claims (headline first)."""
 PART_WHAT: dict[str, str] = {
-    "ffn_path": "pre-FFN RMSNorm and FFN together (the paper's RMSNorm–FFN pair)",
+    "ffn_path": "pre-FFN RMSNorm and FFN together, with the post-FFN norm on sandwich-norm models (the paper's RMSNorm–FFN pair)",
     "ffn_norm": "pre-FFN RMSNorm gain alone",
     "ffn": "FFN alone (without its norm gain)",
-    "attn_path": "pre-attention RMSNorm and attention together",
+    "attn_path": "pre-attention RMSNorm and attention together (with the post-attention norm on sandwich-norm models)",
     "attn_norm": "pre-attention RMSNorm gain alone",
     "attn": "attention alone",
     "block": "whole block (attention included)",

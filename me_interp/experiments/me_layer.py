@@ -7,7 +7,9 @@ Writes ``result.json`` with ``model``, ``bos``, ``me_layer``, ``me_layer_1based`
 ``massive_positions``, ``massive_dims``, per-layer ``resid_norm_ratio``, ``ffn_out_norm_ratio``,
 ``max_over_median``, the per-prompt ratios behind the claims (``per_prompt``) and the claims
 (``claims``, see :data:`SPECS`); and three figures: the Figure-1 view (massive-token norm vs the others
-at each site), a token × dimension view of the ME layer's output, and the two ratios per layer.
+at each site; on a sandwich-norm model, Gemma 2/3, also at the attention's and the FFN's own outputs
+before their post-norms, ``attn_own`` / ``ffn_own``, beside their residual contributions), a token ×
+dimension view of the ME layer's output, and the two ratios per layer.
 
 Claims (paper.md §2.1; thresholds from ``claims.THRESHOLDS``, intervals bootstrapped over prompts):
 ``me_layer.sudden_birth`` (the existence claim: it *fails* on a model without a massive activation),
@@ -29,6 +31,12 @@ import numpy as np
 import torch
 
 from me_interp import claims, names, plotting
+from me_interp.architecture import (
+    ATTN_OWN_SITE,
+    ATTN_RESIDUAL_SITE,
+    FFN_OWN_SITE,
+    FFN_RESIDUAL_SITE,
+)
 from me_interp.experiments.common import (
     INDEX_CONVENTION,
     CommonConfig,
@@ -283,9 +291,29 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     return result
 
 
+#: The sites of the Figure-1 view (``norms_by_site``), in forward order.
+FIGURE_SITES = ("attn_in", "attn_out", "ffn_in", "ffn_out", "resid_post")
+#: The sub-layer's own output drawn just before its residual contribution, where the scan recorded
+#: it (sandwich norms: ``Architecture.own_sites()``; on other blocks the two are one tensor).
+_OWN_BEFORE = {ATTN_RESIDUAL_SITE: ATTN_OWN_SITE, FFN_RESIDUAL_SITE: FFN_OWN_SITE}
+
+
+def figure_sites(recorded: Sequence[str]) -> list[str]:
+    """The panels of ``norms_by_site`` for a scan that recorded the sites ``recorded``:
+    :data:`FIGURE_SITES`, with ``attn_own`` / ``ffn_own`` before ``attn_out`` / ``ffn_out`` when
+    recorded (so on Gemma 2/3 one row is the attention, one the FFN, one the layer output)."""
+    out: list[str] = []
+    for s in FIGURE_SITES:
+        own = _OWN_BEFORE.get(s)
+        if own is not None and own in recorded:
+            out.append(own)
+        out.append(s)
+    return out
+
+
 def figures(result: Result) -> dict[str, Any]:
     loc = result.location
-    sites = ["attn_in", "attn_out", "ffn_in", "ffn_out", "resid_post"]
+    sites = figure_sites(list(result.site_norms))
     fig1 = plotting.site_norms_figure(
         {s: result.site_norms[s] for s in sites}, loc.me_layer, result.model
     )

@@ -10,12 +10,17 @@ For prompt ``b`` with massive token ``p_b`` (the detected massive position at th
 when the prompt has none), every weights layer ``X`` and every input layer ``Y``:
 
     r_{Y,b}      = resid_mid of layer Y at p_b           (the FFN-path input, before the norm)
-    F_X(h)       = FFN_X(RMSNorm_ffn,X(h))                (layer X's own modules, gain included)
+    F_X(h)       = PostNorm_ffn,X(FFN_X(RMSNorm_ffn,X(h))) (layer X's own modules, gains included)
     C_b[X, Y]    = ‖F_X(r_{Y,b})‖ / median_{t ≠ p_b} ‖F_X(r_{X,b,t})‖
 
-The denominator is the typical FFN output norm of the prompt's *other* tokens at layer ``X`` (the
-actual FFN output ``mlp.hook_out``, site ``ffn_own``: before any post-FFN norm, like ``F_X``), so ``C ≈ 1`` is "an ordinary FFN output" and the diagonal ``C_b[X, X]`` is the
-actual massive-token ratio of layer ``X``'s FFN output. A cell is *large* when
+``F_X`` is layer ``X``'s whole FFN path (``edits`` part ``ffn_path``), from the residual stream back
+into it: on a sandwich-norm model (Gemma 2/3) it ends with the post-FFN norm, elsewhere there is none
+and ``F_X(h) = FFN_X(RMSNorm_ffn,X(h))``. So ``F_X(r_{X,b,t})`` is the FFN's *residual contribution*
+``hook_mlp_out`` (site ``ffn_out``), and the denominator is its typical norm over the prompt's *other*
+tokens at layer ``X`` (read from the actual forward): ``C ≈ 1`` is "an ordinary FFN contribution" and
+the diagonal ``C_b[X, X]`` is the actual massive-token ratio of layer ``X``'s ``ffn_out``. (The
+post-FFN norm must be in the path: on Gemma-3-270m layer 0's FFN output before it is only 1.2–1.6×
+the other tokens', and the 17× ratio appears through the post-FFN norm's gain.) A cell is *large* when
 
     C_b[X, Y] ≥ max(k, r · C_b[m, m])
 
@@ -38,7 +43,7 @@ Claims (:data:`SPECS`), each a mean over prompts with a bootstrap interval over 
   is large; holds when ``≥`` ``moved_fraction`` (the forward-free analogue of ``weight_swap``'s moved
   fraction: layer ``m``'s FFN path fed another depth's input);
 * ``weight_input_cross.diagonal`` (sanity: true by the detection rule) — ``C_b[m, m]``, the ME
-  layer's actual massive-token FFN output over the others'; holds when ``≥ k``.
+  layer's actual massive-token FFN contribution (``ffn_out``) over the others'; holds when ``≥ k``.
 
 A model without a massive activation is "not applicable" unless ``--layer`` is given; an ME layer 0
 has no earlier input, so its row claims are "not applicable".
@@ -60,7 +65,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import claims, names
-from me_interp.edits import part_module
+from me_interp.architecture import FFN_RESIDUAL_SITE
+from me_interp.edits.core import moved_modules, part_members, part_module
 from me_interp.experiments._weights import SCAN_SITES, no_massive_activation, short_batch
 from me_interp.experiments.common import (
     INDEX_CONVENTION,
@@ -77,6 +83,8 @@ from me_interp.probes.norms import NormRecorder
 NAME = "weight_input_cross"
 LARGE_KEY = "cross_large"
 """The threshold key of the large-cell factor ``k``."""
+FFN_SITE = FFN_RESIDUAL_SITE
+"""The site ``F_X(resid_mid_X)`` reproduces and the denominator reads: the FFN's residual contribution."""
 
 SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
@@ -105,8 +113,8 @@ SPECS: tuple[claims.Spec, ...] = (
         f"{NAME}.diagonal",
         "§2.1",
         "The ME layer's FFN output on the massive token is large on its own input",
-        "per prompt, C[m, m]: the ME layer's actual FFN output on the massive token over the "
-        "median of the other tokens'; mean over prompts",
+        "per prompt, C[m, m]: the ME layer's actual FFN residual contribution (ffn_out, after any "
+        "post-FFN norm) on the massive token over the median of the other tokens'; mean over prompts",
         ">=",
         LARGE_KEY,
         "true by the detection rule (the ME layer is where the FFN makes the norm jump)",
@@ -157,6 +165,7 @@ class Result:
         cross: ``[prompt][X][Y]`` the matrices ``C_b`` (see the module docstring).
         large_factor: ``k``, the large-cell factor; ``large_fraction``: ``r``, the fraction of
             ``C_b[m, m]`` a large cell keeps.
+        path_modules: the HF modules (within a decoder layer) of the FFN path ``F_X``, in order.
     """
 
     model: str
@@ -172,6 +181,7 @@ class Result:
     large_fraction: float
     seed: int = 0
     per_prompt: dict[str, list[float]] = field(default_factory=dict)
+    path_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.per_prompt:
@@ -210,9 +220,12 @@ class Result:
                 "position": self.positions,
                 "length": self.prompt_lengths,
             },
-            "normalisation": "C_b[X, Y] = ||FFN_X(RMSNorm_X(resid_mid_Y[b, p_b]))|| / "
-            "median_{t != p_b} ||FFN_X(RMSNorm_X(resid_mid_X[b, t]))||; rows X = weights layer, "
-            "columns Y = input layer",
+            "normalisation": "C_b[X, Y] = ||F_X(resid_mid_Y[b, p_b])|| / median_{t != p_b} "
+            "||ffn_out_X[b, t]||, F_X = layer X's FFN path (modules path_modules, in order; "
+            "F_X(resid_mid_X) = ffn_out_X, hook_mlp_out); rows X = weights layer, columns Y = "
+            "input layer",
+            "path_modules": self.path_modules,
+            "denominator_site": FFN_SITE,
             "large_rule": "C_b[X, Y] >= max(large_factor, large_fraction * C_b[m, m])",
             "large_factor": self.large_factor,
             "large_key": LARGE_KEY,
@@ -277,6 +290,17 @@ class ResidMidRecorder:
         return x
 
 
+def ffn_path(
+    model: LoadedModel, layer: int, h: Float[torch.Tensor, "... d_model"]
+) -> Float[torch.Tensor, "... d_model"]:
+    """``F_layer(h)``: layer ``layer``'s own FFN-path modules (``edits`` part ``ffn_path``: pre-FFN
+    norm, FFN, and the post-FFN norm of a sandwich-norm model) applied to ``h`` in forward order, so
+    the gain convention is the model's; on the layer's ``resid_mid`` it gives its ``hook_mlp_out``."""
+    for single in part_members(model, "ffn_path"):
+        h = part_module(model, layer, single)(h)
+    return h
+
+
 def cross_matrices(
     model: LoadedModel,
     resid_mid: Float[torch.Tensor, "layer batch pos d_model"],
@@ -285,8 +309,8 @@ def cross_matrices(
     positions: Int[torch.Tensor, " batch"],
 ) -> Float[torch.Tensor, "batch X Y"]:
     """``C_b[X, Y]`` (module docstring) from one run's ``resid_mid`` of every layer and the norms of
-    the actual FFN outputs (site ``ffn_own``, before any post-FFN norm; NaN at padding), with every layer's own pre-FFN norm
-    and FFN modules (``edits.part_module``), so the gain convention is the model's."""
+    the FFN's actual residual contributions (site ``ffn_out``, after any post-FFN norm; NaN at
+    padding), with every layer's own FFN path (:func:`ffn_path`)."""
     L, B = model.n_layers, len(positions)
     idx = torch.arange(B)
     inputs = resid_mid[:, idx.to(resid_mid.device), positions.to(resid_mid.device)]  # [Y batch d]
@@ -294,8 +318,7 @@ def cross_matrices(
     num = torch.empty(L, L, B)  # [X Y batch]
     with torch.no_grad():
         for x in range(L):
-            norm, ffn = part_module(model, x, "ffn_norm"), part_module(model, x, "ffn")
-            num[x] = ffn(norm(flat)).float().norm(dim=-1).reshape(L, B).cpu()
+            num[x] = ffn_path(model, x, flat).float().norm(dim=-1).reshape(L, B).cpu()
     others = mask.clone()
     others[idx, positions] = False
     if not others.any(-1).all():
@@ -316,7 +339,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         model.check_layer(cfg.layer)
     batch = short_batch(model, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
     crit = Criterion(kind=cfg.criterion)
-    norms = NormRecorder(model, batch, (*SCAN_SITES, "ffn_own"))
+    norms = NormRecorder(model, batch, (*SCAN_SITES, FFN_SITE))
     resid = ResidMidRecorder(model, batch)
     record(model, batch, [norms, resid])
     scan = norms.result()
@@ -325,7 +348,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         raise no_massive_activation(model, crit, len(batch), "to test a layer anyway")
     layer = cfg.layer if cfg.layer is not None else loc.me_layer
     positions = torch.tensor(loc.reference_positions)
-    cross = cross_matrices(model, resid.out, scan.site_norms("ffn_own"), scan.mask, positions)
+    cross = cross_matrices(model, resid.out, scan.site_norms(FFN_SITE), scan.mask, positions)
     return Result(
         model=model.name,
         bos=model.bos,
@@ -339,6 +362,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         large_factor=claims.threshold(LARGE_KEY),
         large_fraction=claims.threshold("cross_keep"),
         seed=cfg.seed,
+        path_modules=moved_modules(model, "ffn_path"),
     )
 
 
@@ -385,6 +409,10 @@ def verdicts(result: Result) -> list[claims.Claim]:
 # ------------------------------------------------------------------------------------------
 
 
+def _path_text(result: Result) -> str:
+    return " → ".join(result.path_modules) if result.path_modules else "FFN path"
+
+
 def figures(result: Result) -> dict[str, go.Figure]:
     L, m = result.n_layers, result.layer
     med = result.matrix()
@@ -417,12 +445,13 @@ def figures(result: Result) -> dict[str, go.Figure]:
         annotation_position="top left",
     )
     fig.update_layout(
-        title=f"Weights × input cross: ‖FFN_X(RMSNorm_X(resid_mid_Y))‖ of the massive token over the "
-        f"other tokens' median FFN output at X — {result.model}<br><sup>median over "
+        title=f"Weights × input cross: ‖F_X(resid_mid_Y)‖ of the massive token over the other tokens' "
+        f"median FFN contribution (ffn_out) at X — {result.model}<br><sup>F_X = layer X's "
+        f"{_path_text(result)}; median over "
         f"{result.n_prompts} prompts; row X = {m} boxed; large = C ≥ max({result.large_factor:g}, "
         f"{result.large_fraction:g} × C[{m}, {m}])</sup>",
         xaxis_title="input: resid_mid of layer Y (0-based)",
-        yaxis_title="weights: pre-FFN norm + FFN of layer X (0-based)",
+        yaxis_title="weights: FFN path of layer X (0-based)",
         template="plotly_white",
     )
     cross = np.asarray(result.cross)
@@ -456,10 +485,11 @@ def figures(result: Result) -> dict[str, go.Figure]:
     )
     fig_row.update_yaxes(type="log")
     fig_row.update_layout(
-        title=f"The ME layer's pre-FFN norm + FFN fed the massive token's state of every layer — "
-        f"{result.model}<br><sup>median and interquartile range over {result.n_prompts} prompts</sup>",
+        title=f"The ME layer's FFN path fed the massive token's state of every layer — "
+        f"{result.model}<br><sup>{_path_text(result)}; median and interquartile range over "
+        f"{result.n_prompts} prompts</sup>",
         xaxis_title="input: resid_mid of layer Y (0-based)",
-        yaxis_title="C (massive-token FFN output / others' median)",
+        yaxis_title="C (massive-token FFN contribution / others' median)",
         template="plotly_white",
     )
     return {"cross_matrix": fig, "me_row": fig_row}
@@ -477,6 +507,7 @@ def summary(result: Result) -> str:
         [
             f"model: {result.model}   tested row m = {m} (1-based {m + 1})   detected ME layer "
             f"{result.me_layer}   prompts {result.n_prompts}",
+            f"FFN path F_X: {_path_text(result)} (denominator: the other tokens' {FFN_SITE})",
             "",
             "median over prompts of C[X, Y] (rows: row m and the rows with a large cell):",
             table,

@@ -3,7 +3,10 @@
 ``θ_target^part ← θ_source^part`` (:func:`me_interp.edits.patched_weights`) for each part
 (``me_interp.edits.PARTS``: ``ffn_path`` = pre-FFN RMSNorm + FFN, ``ffn_norm``, ``ffn``, ``attn_path`` =
 pre-attention RMSNorm + attention, ``attn_norm``, ``attn``, ``block``) and each target layer, then the
-massive activation is located again. Unlike a swap, the source layer keeps its own weights, so this
+massive activation is located again. On a sandwich-norm model (Gemma 2/3) ``ffn_path`` /
+``attn_path`` also copy the post-FFN / post-attention norm, and ``--parts`` also accepts
+``post_ffn_norm`` / ``post_attn_norm`` (reported, no claim); the result records the HF modules each
+part copied (``part_modules``). Unlike a swap, the source layer keeps its own weights, so this
 asks whether a component is *sufficient* to create the emergence where it is copied.
 
 Outcome of one patch: *copied* (the new ME layer is the target), *kept* (it is the unpatched ME
@@ -33,7 +36,7 @@ prompt), and the downstream attention sink.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
@@ -42,6 +45,7 @@ from tqdm.auto import tqdm
 from me_interp import claims
 from me_interp.claims import NotApplicable
 from me_interp.edits import PARTS, check_part, patched_weights
+from me_interp.edits.core import moved_modules
 from me_interp.experiments._weights import (
     PART_ORDER,
     PART_SECTION,
@@ -97,7 +101,8 @@ class Config(WeightConfig):
             with a source model, every layer; ``max_targets`` of them, spread evenly).
         max_targets: with ``targets=()``, at most this many targets, spread evenly (first and last
             included; ``0`` = all). Each target costs one forward per part.
-        parts: the components to copy, each separately (see ``me_interp.edits.PARTS``).
+        parts: the components to copy, each separately (see ``me_interp.edits.PARTS``; on a
+            sandwich-norm model also ``post_ffn_norm`` / ``post_attn_norm``).
         source_model: a second model of the same shape to copy from (loaded like ``--model``);
             ``None`` = copy within the model.
     """
@@ -130,6 +135,7 @@ class Result:
         baseline: the unpatched (target) model's :class:`Measurement`.
         rows: one per (part, target): outcome, new ME layer, ratios (also per prompt), sink.
         seed: seeds the bootstrap of the claims.
+        part_modules: per part, the HF modules (names within a decoder layer) it copied.
     """
 
     model: str
@@ -145,6 +151,7 @@ class Result:
     n_prompts: int
     prompt_lengths: list[int]
     seed: int = 0
+    part_modules: dict[str, list[str]] = field(default_factory=dict)
 
     def part_rows(self, part: str, eligible_only: bool = False) -> list[dict[str, Any]]:
         """The rows of ``part`` in target order (only eligible targets with ``eligible_only``)."""
@@ -204,6 +211,7 @@ class Result:
             "targets": self.targets,
             "eligible": self.eligible,
             "parts": self.parts,
+            "part_modules": self.part_modules,
             "n_prompts": self.n_prompts,
             "n_targets": len(self.targets),
             "seed": self.seed,
@@ -300,6 +308,9 @@ def run(
     source_layer = _source_layer(cfg, src, s)
     me0 = s.baseline.me_layer
     targets = resolve_targets(cfg, target, same, source_layer, me0)
+    for part in cfg.parts:  # a post-norm part needs it in both models
+        moved_modules(src, part)
+    part_modules = {part: moved_modules(target, part) for part in cfg.parts}
     rows = []
     todo = [(part, t) for part in cfg.parts for t in targets]
     for part, t in tqdm(todo, desc=f"{NAME} (source layer {source_layer})", disable=None):
@@ -335,6 +346,7 @@ def run(
         n_prompts=len(s.batch),
         prompt_lengths=s.batch.lengths,
         seed=cfg.seed,
+        part_modules=part_modules,
     )
 
 
@@ -426,6 +438,9 @@ def summary(result: Result) -> str:
             f"(judged: {result.eligible})   prompts {result.n_prompts}",
             "",
             fmt_table(["part", *OUTCOMES], rows),
+            "",
+            "modules copied per part (within the decoder layer):",
+            *(f"  {p}: {' + '.join(mods)}" for p, mods in result.part_modules.items()),
         ]
     )
 

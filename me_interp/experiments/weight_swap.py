@@ -5,6 +5,11 @@ For each part and each partner layer ``p``, the part of the ME layer ``m`` and o
 (``probes.massive``). Parts (``me_interp.edits.PARTS``): the single parts ``ffn_norm`` (pre-FFN RMSNorm
 gain), ``ffn``, ``attn_norm``, ``attn``; the composites ``ffn_path`` = ``ffn_norm`` + ``ffn`` (the
 paper's RMSNorm–FFN pair, §2.3) and ``attn_path`` = ``attn_norm`` + ``attn``; and the whole ``block``.
+On a sandwich-norm model (Gemma 2/3) ``ffn_path`` / ``attn_path`` also move the post-FFN /
+post-attention norm (the path ends where the residual contribution ``ffn_out`` / ``attn_out`` is
+read), and ``--parts`` also accepts the single parts ``post_ffn_norm`` / ``post_attn_norm`` (measured
+and reported; no claim is made about them). The result records the HF modules each part moved
+(``part_modules``).
 
 Outcome of one swap: *moved* when the new ME layer is ``p``, *stayed* when it is ``m``, *vanished* when
 no layer output is massive, *elsewhere* otherwise. Also measured after each swap (one forward pass):
@@ -40,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
@@ -48,6 +53,7 @@ from tqdm.auto import tqdm
 
 from me_interp import claims
 from me_interp.edits import PARTS, check_part, swapped_layers
+from me_interp.edits.core import moved_modules
 from me_interp.experiments._weights import (
     PART_ORDER,
     PART_SECTION,
@@ -96,7 +102,7 @@ NEEDED_SPEC = claims.Spec(
     f"{NAME}.ffn_path_needed",
     "§2.1, §2.3",
     "The emergence needs the ME layer's own FFN path: with another layer's pre-FFN RMSNorm + FFN "
-    "in its place, the ME layer is no longer where the massive activation emerges",
+    "(+ post-FFN norm on sandwich models) in its place, the ME layer is no longer where the massive activation emerges",
     "fraction of partner layers p for which, after swapping ffn_path of layers m ↔ p, the ME "
     "layer is not m (it moved or vanished)",
     ">=",
@@ -121,7 +127,8 @@ class Config(WeightConfig):
         max_partners: with ``partners=()``, at most this many partners, spread evenly over every
             other layer (first and last included; ``0`` = all). Each partner costs one forward per
             part; the result reports the partners used.
-        parts: the components to swap, each separately (see ``me_interp.edits.PARTS``).
+        parts: the components to swap, each separately (see ``me_interp.edits.PARTS``; on a
+            sandwich-norm model also ``post_ffn_norm`` / ``post_attn_norm``).
     """
 
     partners: tuple[int, ...] = ()
@@ -150,6 +157,7 @@ class Result:
         baseline: the unedited model's :class:`Measurement`.
         rows: one per (part, partner): outcome, new ME layer, ratios (also per prompt), sink.
         seed: seeds the bootstrap of the claims.
+        part_modules: per part, the HF modules (names within a decoder layer) it moved.
     """
 
     model: str
@@ -163,6 +171,7 @@ class Result:
     n_prompts: int
     prompt_lengths: list[int]
     seed: int = 0
+    part_modules: dict[str, list[str]] = field(default_factory=dict)
 
     def part_rows(self, part: str) -> list[dict[str, Any]]:
         """The rows of ``part``, in partner order."""
@@ -222,6 +231,7 @@ class Result:
             **run_header(self),
             "partners": self.partners,
             "parts": self.parts,
+            "part_modules": self.part_modules,
             "n_prompts": self.n_prompts,
             "n_partners": len(self.partners),
             "seed": self.seed,
@@ -266,6 +276,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     m = s.layer
     assert m is not None  # prepare(require_layer=True) raises otherwise
     partners = resolve_partners(cfg, s.model, m)
+    part_modules = {part: moved_modules(s.model, part) for part in cfg.parts}  # raises if absent
     rows = []
     todo = [(part, p) for part in cfg.parts for p in partners]
     for part, p in tqdm(todo, desc=f"{NAME} (layer {m})", disable=None):
@@ -300,6 +311,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         n_prompts=len(s.batch),
         prompt_lengths=s.batch.lengths,
         seed=cfg.seed,
+        part_modules=part_modules,
     )
 
 
@@ -456,6 +468,9 @@ def summary(result: Result) -> str:
             ["part", *OUTCOMES],
             [(p, *(f"{v:.0%}" for v in result.fractions(p).values())) for p in result.parts],
         ),
+        "",
+        "modules moved per part (within the decoder layer):",
+        *(f"  {p}: {' + '.join(mods)}" for p, mods in result.part_modules.items()),
     ]
     return "\n".join(lines)
 

@@ -1,12 +1,22 @@
-"""edited_parameters and part resolution: restore always, bit-identical; parts are architecture-neutral."""
+"""edited_parameters and part resolution: restore always, bit-identical; parts are architecture-neutral
+(Llama-style blocks and the sandwich-norm blocks of Gemma 2/3, whose post-norms join the paths)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from me_interp import edits
+from me_interp import edits, load_model, synthetic
 from me_interp.edits import core
+
+SANDWICH = ("gemma2", "gemma3")
+
+
+@pytest.fixture(scope="module", params=SANDWICH)
+def sandwich(request):
+    """A planted tiny Gemma 2 / Gemma 3 (its post-norm gains differ between layers)."""
+    hf, tok, _ = synthetic.planted(request.param)
+    return load_model(hf, tokenizer=tok, device="cpu")
 
 
 def _all_edits(model):
@@ -108,6 +118,70 @@ def test_part_names_match_across_layers(tiny_llama):
         assert list(core.part_parameters(tiny_llama, 0, part)) == list(
             core.part_parameters(tiny_llama, 3, part)
         )
+
+
+def test_sandwich_parts_resolve_to_the_hf_modules(sandwich):
+    """On Gemma 2/3 the paths end with the post-norms: ffn_path = pre_feedforward_layernorm + mlp +
+    post_feedforward_layernorm, attn_path = input_layernorm + self_attn + post_attention_layernorm,
+    and the six single parts tile the decoder layer."""
+    model = sandwich
+    hf_layer = model.block_module(1)  # the HF Gemma2/3DecoderLayer
+    assert type(hf_layer).__name__.startswith("Gemma")
+    ids = lambda ps: [id(p) for p in ps]  # noqa: E731
+    hf = {
+        "attn_norm": ("input_layernorm",),
+        "ffn_norm": ("pre_feedforward_layernorm",),
+        "ffn": ("mlp",),
+        "attn": ("self_attn",),
+        "post_attn_norm": ("post_attention_layernorm",),
+        "post_ffn_norm": ("post_feedforward_layernorm",),
+        "ffn_path": ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
+        "attn_path": ("input_layernorm", "self_attn", "post_attention_layernorm"),
+    }
+    for part, mods in hf.items():
+        want = [i for m in mods for i in ids(getattr(hf_layer, m).parameters())]
+        assert ids(core.part_parameters(model, 1, part).values()) == want, part
+        assert core.moved_modules(model, part) == list(mods), part
+    singles = (*core.SINGLE_PARTS, *core.POST_NORM_PARTS)
+    tiled = [i for p in singles for i in ids(core.part_parameters(model, 1, p).values())]
+    assert sorted(tiled) == sorted(ids(hf_layer.parameters()))  # each parameter exactly once
+    assert core.part_members(model, "block") == singles
+    assert sorted(core.moved_modules(model, "block")) == sorted(
+        n for n, _ in hf_layer.named_children()
+    )
+    assert core.model_parts(model) == (*edits.PARTS, *core.POST_NORM_PARTS)
+    for part in core.model_parts(model):  # the same names in every layer
+        assert list(core.part_parameters(model, 0, part)) == list(
+            core.part_parameters(model, 3, part)
+        )
+
+
+def test_llama_parts_are_unchanged(tiny_llama):
+    """Without post-norms the paths are what they were: the pre-norm and the sub-layer only."""
+    model = tiny_llama
+    assert core.model_parts(model) == edits.PARTS
+    assert core.part_members(model, "ffn_path") == ("ffn_norm", "ffn")
+    assert core.part_members(model, "attn_path") == ("attn_norm", "attn")
+    assert core.moved_modules(model, "ffn_path") == ["post_attention_layernorm", "mlp"]
+    assert core.moved_modules(model, "attn_path") == ["input_layernorm", "self_attn"]
+    ffn = [f"ffn.{n}" for n in core.part_parameters(model, 1, "ffn")]
+    assert list(core.part_parameters(model, 1, "ffn_path")) == ["ffn_norm.weight", *ffn]
+
+
+@pytest.mark.parametrize("part", core.POST_NORM_PARTS)
+def test_post_norm_part_on_a_model_without_one(tiny_llama, part):
+    """Asked for on Llama, a post-norm part is refused with the architecture named; nothing is
+    written."""
+    msg = rf"part '{part}' .* LlamaForCausalLM .* has no such norm"
+    for call in (
+        lambda: core.part_parameters(tiny_llama, 0, part),
+        lambda: core.moved_modules(tiny_llama, part),
+        lambda: core.check_model_part(tiny_llama, part),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            call()
+    assert core.check_part(part) == part  # a known part name, just not on this model
+    assert "post_ffn_norm" in str(pytest.raises(ValueError, core.check_part, "post_mlp").value)
 
 
 def test_unknown_part_and_bad_layer(tiny_llama):

@@ -1,13 +1,17 @@
 """swapped_layers / patched_weights: positive (moves exactly the part), negative (nothing else), reference
 forward (an HF copy edited by hand gives the same logits), bit-identical restore (also after an
-exception, also for the composite parts ffn_path / attn_path), planted answers, bad inputs."""
+exception, also for the composite parts ffn_path / attn_path), planted answers, bad inputs; on the
+sandwich-norm Gemma 2/3 the paths carry the post-norms (hand-edited HF reference) and the weight
+experiments record the modules each part moved."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from me_interp import edits, synthetic
+from me_interp import edits, load_model, synthetic
+from me_interp.edits import core
+from me_interp.experiments import weight_patching, weight_swap
 from me_interp.probes import find_me_layer
 
 HF_PART = {
@@ -18,6 +22,24 @@ HF_PART = {
     "ffn_path": ("post_attention_layernorm", "mlp"),
     "attn_path": ("input_layernorm", "self_attn"),
 }
+HF_PART_SANDWICH = {
+    "ffn": ("mlp",),
+    "ffn_norm": ("pre_feedforward_layernorm",),
+    "post_ffn_norm": ("post_feedforward_layernorm",),
+    "post_attn_norm": ("post_attention_layernorm",),
+    "ffn_path": ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
+    "attn_path": ("input_layernorm", "self_attn", "post_attention_layernorm"),
+}
+"""The HF modules of Gemma 2/3 each part must move (written from the HF Gemma decoder layers)."""
+SANDWICH = ("gemma2", "gemma3")
+
+
+@pytest.fixture(scope="module", params=SANDWICH)
+def sandwich(request):
+    """(arch, LoadedModel, Plant) of a planted tiny Gemma 2 / Gemma 3: post-FFN gain 400 on the
+    massive dim in every layer, other norm gains differing between layers."""
+    hf, tok, plant = synthetic.planted(request.param)
+    return request.param, load_model(hf, tokenizer=tok, device="cpu"), plant
 
 
 @pytest.mark.parametrize("part", edits.PARTS)
@@ -94,17 +116,22 @@ def test_planted_swap_answers(planted, planted_prompts):
 
 
 @pytest.mark.parametrize("composite", sorted(edits.COMPOSITE_PARTS))
-def test_composite_part_is_the_union_of_its_single_parts(planted, composite):
-    model, _ = planted
+@pytest.mark.parametrize("which", ["llama", "sandwich"])
+def test_composite_part_is_the_union_of_its_single_parts(planted, sandwich, composite, which):
+    model = planted[0] if which == "llama" else sandwich[1]
+    members = core.part_members(model, composite)
     got = edits.part_parameters(model, 2, composite)
     want = {
         f"{single}.{name}": p
-        for single in edits.COMPOSITE_PARTS[composite]
+        for single in members
         for name, p in edits.part_parameters(model, 2, single).items()
     }
     assert list(got) == list(want)
     assert all(got[n] is want[n] for n in got)  # the live parameters, not copies
     assert composite in edits.PARTS and edits.check_part(composite) == composite
+    post = "post_ffn_norm" if composite == "ffn_path" else "post_attn_norm"
+    assert members == edits.COMPOSITE_PARTS[composite][: 3 if which == "sandwich" else 2]
+    assert (post in members) == (which == "sandwich")
 
 
 @pytest.mark.parametrize("part", sorted(edits.COMPOSITE_PARTS))
@@ -192,3 +219,126 @@ def test_patch_bad_inputs(tiny_llama, tiny_qwen3):
     with pytest.raises(ValueError, match="out of range"):
         with edits.patched_weights(tiny_llama, 0, 7, "ffn"):
             pass
+
+
+# ------------------------------------------------------------------------------------------
+# sandwich-norm models (Gemma 2/3): the paths carry the post-norms
+# ------------------------------------------------------------------------------------------
+
+
+def test_sandwich_swap_positive_and_negative(sandwich, snap, changed_ptrs):
+    _, model, _ = sandwich
+    for part in core.model_parts(model):  # PARTS and the two post-norms
+        pa, pb = edits.part_parameters(model, 0, part), edits.part_parameters(model, 3, part)
+        b0 = {n: p.detach().clone() for n, p in pb.items()}
+        before = snap(model)
+        with edits.swapped_layers(model, 0, 3, part):
+            assert all(torch.equal(pa[n].detach(), b0[n]) for n in pa), part
+            touched = {p.data_ptr() for p in [*pa.values(), *pb.values()]}
+            assert changed_ptrs(model, before) <= touched, part
+            assert changed_ptrs(model, before), part
+        assert changed_ptrs(model, before) == set(), part
+
+
+def _hand_swapped(arch: str, modules: tuple[str, ...] | None, a: int, b: int):
+    """A fresh HF copy of the planted ``arch`` model with ``modules`` of layers a, b swapped by hand
+    (``None``: the whole decoder layer)."""
+    ref, _, _ = synthetic.planted(arch)  # same seed: the same weights, a plain HF model
+    layers = ref.model.layers
+    pairs = (
+        [(layers[a], layers[b])]
+        if modules is None
+        else [(getattr(layers[a], m), getattr(layers[b], m)) for m in modules]
+    )
+    with torch.no_grad():
+        for ma, mb in pairs:
+            for (na, pa), (nb, pb) in zip(ma.named_parameters(), mb.named_parameters()):
+                assert na == nb
+                tmp = pa.detach().clone()
+                pa.copy_(pb)
+                pb.copy_(tmp)
+    return ref
+
+
+@pytest.mark.parametrize("part", [*HF_PART_SANDWICH, "block"])
+def test_sandwich_swap_matches_a_hand_edited_hf_reference(sandwich, part):
+    """me_interp's swap of ``part`` on Gemma 2/3 gives the logits of an HF copy whose modules
+    (HF_PART_SANDWICH: ffn_path = pre_feedforward_layernorm + mlp + post_feedforward_layernorm) were
+    swapped by hand; for ffn_path that differs from swapping the pre-norm and the FFN only."""
+    arch, model, _ = sandwich
+    batch = model.tokenize(synthetic.planted_prompts(3))
+    with edits.swapped_layers(model, 0, 2, part):
+        got = model.run_with_hooks(batch)
+    want = _hf_logits(_hand_swapped(arch, HF_PART_SANDWICH.get(part), 0, 2), batch)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)  # measured: bit-identical
+    assert (model.run_with_hooks(batch) - want).abs().max() > 1e-3  # the swap changed the logits
+    if part == "ffn_path":  # the post-FFN norm travelled too (measured difference ~1e-2)
+        pre_only = _hf_logits(_hand_swapped(arch, HF_PART_SANDWICH["ffn_path"][:2], 0, 2), batch)
+        assert (got - pre_only).abs().max() > 1e-3
+
+
+def test_sandwich_planted_swap_answers(sandwich, planted_prompts):
+    """Construction: every layer's post-FFN norm has the same gain (400) on the massive dim, and only
+    layer L has the neuron that writes it; so the FFN path (with or without the rest of the block)
+    moves the emergence, while the post-FFN norm alone and the attention parts move nothing."""
+    _, model, plant = sandwich
+    batch = model.tokenize(planted_prompts)
+    L = plant.layer
+    assert find_me_layer(model, batch).me_layer == L
+    for partner in (0, 4):
+        for part in ("block", "ffn_path"):
+            with edits.swapped_layers(model, L, partner, part):
+                assert find_me_layer(model, batch).me_layer == partner, part
+        for part in ("post_ffn_norm", "attn_path", "post_attn_norm"):
+            with edits.swapped_layers(model, L, partner, part):
+                assert find_me_layer(model, batch).me_layer == L, part
+    assert find_me_layer(model, batch).me_layer == L
+
+
+def test_sandwich_parts_between_architectures(planted, sandwich):
+    """A post-norm part is refused on Llama with the architecture named, in a swap and in a patch
+    from a Gemma model; ffn_path differs in its parameters between the two and is refused too."""
+    llama, _ = planted
+    _, gemma, _ = sandwich
+    with pytest.raises(ValueError, match="LlamaForCausalLM .* has no such norm"):
+        with edits.swapped_layers(llama, 0, 1, "post_ffn_norm"):
+            pass
+    with pytest.raises(ValueError, match="LlamaForCausalLM .* has no such norm"):
+        with edits.patched_weights(llama, 0, 0, "post_attn_norm", source_model=gemma):
+            pass
+    with pytest.raises(ValueError, match="different parameters"):
+        with edits.patched_weights(llama, 0, 0, "ffn_path", source_model=gemma):
+            pass
+
+
+def test_weight_experiments_record_the_modules_moved(planted, sandwich, planted_prompts, tmp_path):
+    """weight_swap / weight_patching results say which HF modules each part moved (on Gemma the
+    post-norms with the paths); a post-norm part on Llama stops with the architecture named."""
+    _, gemma, plant = sandwich
+    llama, _ = planted
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(planted_prompts[:3]) + "\n")
+    parts = ("ffn_path", "post_ffn_norm", "attn_path")
+    want = {p: list(HF_PART_SANDWICH[p]) for p in parts}
+    cfg = weight_swap.Config(prompts=str(prompts), partners=(0,), parts=parts, sink=False)
+    res = weight_swap.run(cfg, gemma)
+    assert res.part_modules == want and res.to_dict()["part_modules"] == want
+    assert [r["outcome"] for r in res.rows] == ["moved", "stayed", "stayed"]
+    assert "post_ffn_norm: post_feedforward_layernorm" in weight_swap.summary(res)
+    assert "ffn_path: pre_feedforward_layernorm + mlp + post_feedforward_layernorm" in (
+        weight_swap.summary(res)
+    )
+    assert {c.id for c in weight_swap.verdicts(res)} == {s.id for s in weight_swap.SPECS}
+    pcfg = weight_patching.Config(prompts=str(prompts), targets=(0,), parts=("ffn_path",))
+    pres = weight_patching.run(pcfg, gemma)
+    assert pres.to_dict()["part_modules"] == {"ffn_path": want["ffn_path"]}
+    lres = weight_swap.run(
+        weight_swap.Config(prompts=str(prompts), partners=(0,), parts=("ffn_path",)), llama
+    )
+    assert lres.part_modules == {"ffn_path": ["post_attention_layernorm", "mlp"]}
+    with pytest.raises(ValueError, match="LlamaForCausalLM .* has no such norm"):
+        weight_swap.run(weight_swap.Config(prompts=str(prompts), parts=("post_ffn_norm",)), llama)
+    with pytest.raises(ValueError, match="LlamaForCausalLM .* has no such norm"):
+        weight_patching.run(
+            weight_patching.Config(prompts=str(prompts), parts=("post_attn_norm",)), llama
+        )

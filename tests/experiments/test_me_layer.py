@@ -10,7 +10,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from me_interp import claims, io, synthetic
+from me_interp import claims, io, load_model, names, plotting, synthetic
 from me_interp.experiments import me_layer
 
 H, F, NA = claims.HOLDS, claims.FAILS, claims.NOT_APPLICABLE
@@ -63,10 +63,67 @@ def test_run_on_planted(planted, word_prompts):
     assert d["layers"][plant.layer - 1]["resid_norm_ratio"] < 2
     figs = me_layer.figures(res)
     assert set(figs) == {"norms_by_site", "me_layer_tokens_by_dim", "ratios"}
+    # no sandwich norms: the five panels of the paper's Figure 1, nothing else
+    assert _panel_sites(figs["norms_by_site"]) == list(me_layer.FIGURE_SITES)
+    titles = [a.text for a in figs["norms_by_site"].layout.annotations]
+    assert titles == [plotting.SITE_TITLES[s] for s in me_layer.FIGURE_SITES]
     heat = figs["me_layer_tokens_by_dim"].data[0]
     row0 = list(heat.z[0])
     assert row0.index(max(row0)) == plant.massive_dim  # the massive dim lights up on token 0
     assert "ME layer" in me_layer.summary(res)
+
+
+def _panel_sites(fig) -> list[str]:
+    """The site of each panel of a ``norms_by_site`` figure, in panel order (from the traces' meta)."""
+    return list(dict.fromkeys(t.meta for t in fig.data))
+
+
+def _panel(fig, site: str) -> dict[str, list[float]]:
+    """The two lines (massive token, mean of the others) of ``site``'s panel."""
+    lines = [t for t in fig.data if t.meta == site]
+    assert [t.legendgroup for t in lines] == ["massive", "others"]
+    return {t.legendgroup: list(t.y) for t in lines}
+
+
+def test_sandwich_figure_draws_the_own_outputs_as_cached(word_prompts):
+    """On planted Gemma 3 (post-attention and post-FFN norms) ``norms_by_site`` also has panels for
+    the attention's and the FFN's own outputs, and their lines are the norms of ``attn.hook_out`` /
+    ``mlp.hook_out`` from ``run_with_cache``: the median over prompts (3, odd, so one middle value)
+    of token 0's norm and of the mean norm of the other real tokens."""
+    model = load_model("synthetic:planted-gemma3", device="cpu")
+    assert model.arch.own_sites() == ("attn_own", "ffn_own")
+    res = me_layer.run(me_layer.Config(prompts=word_prompts), model)
+    assert res.location.reference_positions == [0, 0, 0]
+    fig = me_layer.figures(res)["norms_by_site"]
+    sites = ["attn_in", "attn_own", "attn_out", "ffn_in", "ffn_own", "ffn_out", "resid_post"]
+    assert _panel_sites(fig) == sites  # one row per sub-layer, then the layer output
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles[sites.index("ffn_out")] == plotting.RESIDUAL_TITLES["ffn_out"][1]
+    assert titles[sites.index("ffn_own")] == plotting.SITE_TITLES["ffn_own"]
+
+    batch = model.tokenize(open(word_prompts).read().split("\n")[:-1])
+    hooks = {s: [names.site(s, L) for L in range(model.n_layers)] for s in ("attn_own", "ffn_own")}
+    _, cache = model.bridge.run_with_cache(
+        batch.tokens,
+        attention_mask=batch.attention_mask,
+        names_filter=[h for hs in hooks.values() for h in hs],
+    )
+    for site, hook_names in hooks.items():
+        norms = np.stack([cache[h].double().norm(dim=-1).numpy() for h in hook_names])  # [L b p]
+        real = batch.attention_mask.bool().numpy()
+        others = real.copy()
+        others[:, 0] = False
+        want_massive = np.median(norms[:, :, 0], axis=1)
+        want_others = np.median((norms * others).sum(-1) / others.sum(-1), axis=1)
+        got = _panel(fig, site)
+        np.testing.assert_allclose(got["massive"], want_massive, rtol=1e-5)
+        np.testing.assert_allclose(got["others"], want_others, rtol=1e-5)
+    # the FFN's own output at the planted layer is not its residual contribution (the post-FFN norm
+    # rescales it), and the panels say so
+    L = res.me_layer
+    assert L == synthetic.planted("gemma3")[2].layer
+    own, resid = _panel(fig, "ffn_own")["massive"][L], _panel(fig, "ffn_out")["massive"][L]
+    assert abs(own / resid - 1) > 0.1
 
 
 def test_cli_writes_a_complete_run(tmp_path, word_prompts, capsys):

@@ -1,6 +1,8 @@
 """weight_input_cross: the cross matrix against a hand computation from raw weights, the cells the
 planted construction makes large (computed from the plant), "not applicable" / "fails" on models
-without the mechanism, CLI smoke, and the bundled model with two-sided bounds."""
+without the mechanism, CLI smoke, and the bundled model with two-sided bounds. On the sandwich-norm
+Gemma 2/3 the FFN path ends with the post-FFN norm, so the diagonal reproduces hook_mlp_out; on
+Llama the path is the pre-norm and the FFN, exactly as before."""
 
 from __future__ import annotations
 
@@ -32,6 +34,14 @@ def prompt_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def planted_result(planted, prompt_file):
     return wic.run(wic.Config(prompts=prompt_file), planted[0])
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def sandwich(request, prompt_file):
+    """(LoadedModel, Plant, Result) of a planted tiny Gemma 2 / Gemma 3."""
+    hf, tok, plant = synthetic.planted(request.param)
+    model = load_model(hf, tokenizer=tok, device="cpu")
+    return model, plant, wic.run(wic.Config(prompts=prompt_file), model)
 
 
 def _grab(x, hook, *, store, key):
@@ -213,3 +223,103 @@ def test_bundled(bundled):
     share, breadth = v["weight_input_cross.row_share"], v["weight_input_cross.row_breadth"]
     assert share.verdict == HOLDS and 0.75 < share.estimate.lo < share.estimate.hi < 1.0  # 0.93
     assert breadth.verdict == FAILS and breadth.estimate.hi < 0.2  # measured 1/11 on every prompt
+
+
+def _hf_rmsnorm(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm by hand from the HF module's raw weight: h / sqrt(mean h² + eps) ⊙ (1 + w)."""
+    return h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight.detach())
+
+
+def _hand_gemma_ffn(layer: torch.nn.Module, h: torch.Tensor, post: bool = True) -> torch.Tensor:
+    """pre_feedforward_layernorm → GELU-tanh gated FFN → post_feedforward_layernorm, from the HF
+    decoder layer's raw weights (``post=False``: stop before the post-norm)."""
+    x = _hf_rmsnorm(layer.pre_feedforward_layernorm, h)
+    mlp = layer.mlp
+    w = {n: getattr(mlp, n).weight.detach() for n in ("gate_proj", "up_proj", "down_proj")}
+    act = torch.nn.functional.gelu(x @ w["gate_proj"].T, approximate="tanh") * (x @ w["up_proj"].T)
+    out = act @ w["down_proj"].T
+    return _hf_rmsnorm(layer.post_feedforward_layernorm, out) if post else out
+
+
+def test_sandwich_cross_matches_hand_computation_and_hook_mlp_out(sandwich):
+    """On Gemma 2/3: C_b[X, Y] from hooked resid_mid / hook_mlp_out and the hand-written pre-norm →
+    FFN → post-norm of the HF layer; the diagonal C_b[X, X] equals the actual hook_mlp_out ratio of
+    the massive token for every layer X, and leaving the post-norm out would not reproduce it."""
+    model, _, res = sandwich
+    assert res.path_modules == [
+        "pre_feedforward_layernorm",
+        "mlp",
+        "post_feedforward_layernorm",
+    ]
+    assert res.to_dict()["path_modules"] == res.path_modules
+    assert res.to_dict()["denominator_site"] == "ffn_out"
+    batch = model.tokenize(synthetic.planted_prompts(5))
+    store: dict = {}
+    hooks = []
+    for L in range(model.n_layers):
+        hooks.append((names.resid_mid(L), partial(_grab, store=store, key=("mid", L))))
+        hooks.append((names.ffn_out(L), partial(_grab, store=store, key=("out", L))))
+    model.run_with_hooks(batch, hooks)
+    hf_layers = [model.block_module(x) for x in range(model.n_layers)]
+    L = model.n_layers
+    worst_without_post = 0.0
+    for b, p in enumerate(res.positions):
+        others = [t for t in range(batch.lengths[b]) if t != p]
+        want = np.zeros((L, L))
+        for x in range(L):
+            den = store[("out", x)][b, others].norm(dim=-1).median()
+            actual = store[("out", x)][b, p].norm()
+            assert res.cross[b][x][x] == pytest.approx(float(actual / den), rel=1e-4)
+            for y in range(L):
+                h = store[("mid", y)][b, p]
+                want[x, y] = float(_hand_gemma_ffn(hf_layers[x], h).norm() / den)
+            pre_only = float(_hand_gemma_ffn(hf_layers[x], store[("mid", x)][b, p], False).norm())
+            worst_without_post = max(worst_without_post, abs(pre_only / float(actual) - 1))
+        np.testing.assert_allclose(np.asarray(res.cross[b]), want, rtol=1e-4)
+    assert worst_without_post > 0.5  # the FFN's own output is not the residual contribution
+
+
+def test_sandwich_planted_cross(sandwich):
+    """Construction: only layer m has the neuron that writes the massive dim, and every post-FFN norm
+    has gain g = 400 there; for inputs Y ≤ m (no massive dim yet) layer m's FFN output is dominated by
+    that dim, so its post-norm output is ≈ g·sqrt(d_model) e_massive: C[m, Y] · den ≈ 400 · sqrt(32).
+    The other rows stay ordinary (< k), and the claims hold as on the planted Llama."""
+    model, plant, res = sandwich
+    m = plant.layer
+    assert res.layer == res.me_layer == m and res.positions == [0] * 5
+    cross = np.asarray(res.cross)  # [prompt X Y]
+    num_diag = cross[:, m, m]
+    for y in range(m + 1):  # the same saturated value from every pre-emergence input
+        np.testing.assert_allclose(cross[:, m, y], num_diag, rtol=1e-3)
+    post_gain = float(model.arch.gain(model.post_ffn_norm_module(m).weight)[plant.massive_dim])
+    assert post_gain == pytest.approx(400.0)
+    batch = model.tokenize(synthetic.planted_prompts(5))
+    store: dict = {}
+    model.run_with_hooks(batch, [(names.ffn_out(m), partial(_grab, store=store, key="out"))])
+    for b in range(len(batch)):
+        den = float(store["out"][b, 1 : batch.lengths[b]].norm(dim=-1).median())
+        assert cross[b, m, 0] * den == pytest.approx(post_gain * model.d_model**0.5, rel=1e-2)
+    others = np.delete(cross[:, :, : m + 1], m, axis=1)  # rows X != m, inputs Y <= m
+    assert others.max() < res.large_factor
+    assert {c.id: c.verdict for c in wic.verdicts(res)} == PLANTED
+
+
+def test_llama_cross_path_is_the_pre_norm_and_ffn_exactly(planted, planted_result):
+    """Without a post-FFN norm the path is RMSNorm_ffn then FFN, bit for bit, and the denominator
+    site ffn_out is the FFN's own output (ffn_own) there: Llama results are unchanged."""
+    model, _ = planted
+    assert planted_result.path_modules == ["post_attention_layernorm", "mlp"]
+    h = torch.randn(7, model.d_model) * 3
+    for x in range(model.n_layers):
+        ref = model.bridge.blocks[x].mlp.original_component(model.ffn_norm_module(x)(h))
+        assert torch.equal(wic.ffn_path(model, x, h), ref)
+    batch = model.tokenize(synthetic.planted_prompts(2))
+    store: dict = {}
+    model.run_with_hooks(
+        batch,
+        [
+            (names.ffn_out(1), partial(_grab, store=store, key="out")),
+            (names.ffn_own(1), partial(_grab, store=store, key="own")),
+        ],
+    )
+    assert torch.equal(store["out"], store["own"])
