@@ -37,6 +37,8 @@ from me_interp.training import wemask_training
 
 EXPERIMENT = "train_wemask_trl"
 TRAINERS = ("sft", "dpo", "grpo")
+#: Where the ME layer is measured when ``--me-layer`` is not given (a separate me_interp copy).
+SCAN_DEVICE, SCAN_DTYPE = "cpu", "float32"
 
 
 def load_pairs() -> list[dict]:
@@ -74,14 +76,12 @@ def model_dir(name: str | None, tmp: Path) -> str:
     from me_interp import models
     from me_interp.interventions import load_hf
 
-    if name in (None, models.BUNDLED):
-        return str(models.ensure_bundled_cache())
-    if name.startswith(models.SYNTHETIC_PREFIX):
+    if isinstance(name, str) and name.startswith(models.SYNTHETIC_PREFIX):
         hf, tok = load_hf(name)
         hf.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         return str(tmp)
-    return name
+    return models.local_path(name) or name  # bundled / packaged: the converted cache
 
 
 def build_trainer(kind: str, path: str, args, out: Path):
@@ -101,7 +101,9 @@ def build_trainer(kind: str, path: str, args, out: Path):
     if args.lora:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+        # every linear layer but the LM head, whatever the projections are called (Phi-3 fuses
+        # q/k/v into qkv_proj and gate/up into gate_up_proj)
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
     data = datasets_for(kind, load_pairs())
     if kind == "sft":
         cfg = SFTConfig(**common)
@@ -115,6 +117,26 @@ def build_trainer(kind: str, path: str, args, out: Path):
                      beta=0.05)  # fmt: skip
     return GRPOTrainer(model=path, reward_funcs=word_overlap, args=cfg, train_dataset=data,
                        processing_class=tok, peft_config=peft_config)  # fmt: skip
+
+
+def training_env(trainer, model: str | None, me_layer_given: bool) -> dict:
+    """What ``env.json`` records about the model: the device and dtype of the policy's parameters
+    as the trainer holds them, the trainer's mixed precision, and where the ME layer came from."""
+    params = list(trainer.model.parameters())
+    trained = [p for p in params if p.requires_grad]
+    args = trainer.args
+    mixed = (
+        "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
+    )
+    return {
+        "model": model or "bundled",
+        "device": str(params[0].device),
+        "trainer_device": str(args.device),
+        "dtype": str(params[0].dtype).removeprefix("torch."),
+        "trained_dtype": str(trained[0].dtype).removeprefix("torch.") if trained else None,
+        "mixed_precision": mixed,
+        "me_layer_scan": None if me_layer_given else {"device": SCAN_DEVICE, "dtype": SCAN_DTYPE},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,21 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = io.new_run_dir(args.out, EXPERIMENT)
     print(f"run directory: {run_dir}")
     io.write_json(run_dir / io.CONFIG_FILE, vars(args))
-    io.write_json(
-        run_dir / io.ENV_FILE,
-        io.environment(
-            {"model": args.model or "bundled", "dtype": "float32", "device": "cpu"},
-            script="experiments/train_wemask_trl.py",
-        ),
-    )
     if args.me_layer is None:
         from me_interp import load_model
 
-        me = me_layer_index(load_model(args.model, device="cpu", dtype="float32"))
+        me = me_layer_index(load_model(args.model, device=SCAN_DEVICE, dtype=SCAN_DTYPE))
     else:
         me = args.me_layer
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainer(args.trainer, model_dir(args.model, Path(tmp)), args, run_dir)
+        io.write_json(
+            run_dir / io.ENV_FILE,
+            io.environment(
+                training_env(trainer, args.model, me_layer_given=args.me_layer is not None),
+                script="experiments/train_wemask_trl.py",
+            ),
+        )
         layers = mask_layers(trainer.model, args.start, me_layer=me)
         spec = WeMask.build(trainer.model, layers, args.rate, args.variant, seed=args.seed)
         before = {

@@ -204,6 +204,27 @@ def measure_embed_scale(embedding: torch.nn.Module) -> float:
     return float((out[keep] / rows[keep]).median())
 
 
+#: The HF name of the pre-attention RMSNorm in the decoder layer of every supported family (Llama,
+#: Mistral, Qwen2/3, Phi-3, Gemma 1/2/3); what the bridge's ``ln1`` wraps (``Architecture.attn_norm``).
+HF_ATTN_NORM = "input_layernorm"
+
+
+def hf_attn_norm(layer: torch.nn.Module) -> torch.nn.Module:
+    """The pre-attention RMSNorm of a *plain* HF decoder layer (no bridge to ask; for a
+    ``LoadedModel`` use ``model.attn_norm_module(L)``).
+
+    Raises:
+        ArchitectureError: the layer has no :data:`HF_ATTN_NORM` module (not a supported pre-norm
+            decoder layer).
+    """
+    norm = getattr(layer, HF_ATTN_NORM, None)
+    if not isinstance(norm, torch.nn.Module):
+        raise ArchitectureError(
+            [f"{type(layer).__name__} has no pre-attention norm ({HF_ATTN_NORM})"]
+        )
+    return norm
+
+
 # ------------------------------------------------------------------------------------------
 # the description, from a bridge
 # ------------------------------------------------------------------------------------------
@@ -309,8 +330,10 @@ __all__ = [
     "ArchitectureError",
     "FFN_OWN_SITE",
     "FFN_RESIDUAL_SITE",
+    "HF_ATTN_NORM",
     "NORM_OFFSETS",
     "describe",
+    "hf_attn_norm",
     "measure_embed_scale",
     "measure_norm_offset",
     "norm_eps",

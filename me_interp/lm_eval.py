@@ -7,7 +7,8 @@
 ``python -m me_interp.lm_eval`` takes lm-eval's own command line (lm-eval 0.4.13 has no plugin flag):
 it registers the model ``me_interp`` (:class:`WeMaskLM`, an ``HFLM`` subclass), adds
 ``--include_path`` for the local tasks of :mod:`me_interp.tasks` (``me_interp_mc``,
-``me_interp_gsm8k``, ``me_interp_aime25``, ``me_interp_humaneval``) and calls lm-eval's CLI. Any
+``me_interp_gsm8k``, ``me_interp_aime25``, ``me_interp_humaneval``) to every subcommand (``run``,
+``ls tasks``, ``validate``; :func:`cli_args`) and calls lm-eval's CLI. Any
 ``HFLM`` argument (``pretrained``, ``dtype``, ``device``, ``batch_size``, ``peft``, ...) works; the
 WeMask ones are
 
@@ -40,16 +41,27 @@ never edits a generated token (tested: exactly one edited token per row and mask
 
 **What the results record.** lm-eval writes the ``model_args`` string into ``config.model_args``;
 :meth:`WeMaskLM.get_model_info` adds ``config.me_interp`` with the resolved settings: the ME layer
-and where it came from, the masked layers, the dims count per layer, the spec.
+and where it came from, the masked layers, the dims count per layer, the spec, and ``device``, the
+device the model ran on.
+
+**Device.** Without ``--device`` the model runs on CUDA when there is one, else on the CPU with a
+warning (the command line then passes ``--device cpu`` on, so lm-eval's ``config.device`` says
+``cpu`` too; from Python ``config.device`` is whatever was passed to ``simple_evaluate``).
+``config.me_interp.device`` is always the device used. A device this machine lacks (``--device
+cuda`` without CUDA) is refused with an error, never switched.
+
+**Packaged models.** ``pretrained=bundled`` (the default) and ``pretrained=gemma-3-270m`` (any
+short name of :mod:`me_interp.packaged`) evaluate the converted copy in me_interp's cache
+(:func:`me_interp.models.local_path`).
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
@@ -58,6 +70,12 @@ from me_interp.interventions.hf_hooks import HFInterventions
 
 INTERVENTIONS = ("wemask", "dim_projection", "direction_projection", "none")
 MODEL_NAME = "me_interp"
+#: lm-eval's subcommands (anything else is the implicit ``run``).
+SUBCOMMANDS = ("run", "ls", "validate")
+NO_CUDA_WARNING = (
+    "no device given and this machine has no CUDA device: evaluating on the CPU "
+    "(config.me_interp.device in the results is the device used)"
+)
 
 
 def parse_layers(value: Any) -> str | tuple[int, ...]:
@@ -103,15 +121,34 @@ def parse_positions(value: Any) -> tuple[int, ...]:
 
 
 def _source(pretrained: Any) -> tuple[Any, Any]:
-    """What to hand HFLM (a path/name, or a model object and its tokenizer for synthetic models)."""
+    """What to hand HFLM: the cache directory of the bundled or a packaged model
+    (:func:`me_interp.models.local_path`), a model object and its tokenizer for synthetic models, else
+    ``pretrained`` itself (a directory, an HF name, a model object)."""
     from me_interp import models
     from me_interp.interventions.hf_hooks import load_hf
 
-    if pretrained in (None, models.BUNDLED):
-        return str(models.ensure_bundled_cache()), None
     if isinstance(pretrained, str) and pretrained.startswith(models.SYNTHETIC_PREFIX):
         return load_hf(pretrained)
-    return pretrained, None
+    return models.local_path(pretrained) or pretrained, None
+
+
+def _device(device: Any) -> str:
+    """The device to hand HFLM: ``device`` itself when this machine has it; without one, CUDA when
+    available, else the CPU with a warning (HFLM's own default, ``cuda``, would fail there).
+
+    Raises:
+        me_interp.models.ModelLoadError: ``device`` names a device this machine lacks (``cuda`` on a
+            machine without CUDA): no silent switch to the CPU.
+    """
+    from me_interp import models
+
+    if device is None:
+        dev = models.default_device()
+        if dev.type == "cpu":
+            warnings.warn(NO_CUDA_WARNING, stacklevel=3)
+        return str(dev)
+    models.resolve_device(device)  # raises for a device this machine does not have
+    return str(device)
 
 
 @register_model(MODEL_NAME, "wemask")
@@ -156,8 +193,7 @@ class WeMaskLM(HFLM):
         src, tok = _source(pretrained)
         if tok is not None:
             kwargs.setdefault("tokenizer", tok)
-        if not torch.cuda.is_available() and str(kwargs.get("device") or "cuda").startswith("cuda"):
-            kwargs["device"] = "cpu"  # lm-eval's CLI default is cuda:0
+        kwargs["device"] = _device(kwargs.get("device"))
         self._me_layer_given = me_layer is not None
         super().__init__(pretrained=src, **kwargs)
         detector = None
@@ -237,22 +273,68 @@ def _spec(hf, intervention, layers, variant, rate, alpha, pos, seed, detector):
     return wm.WeMask.build(hf, layers, rate, variant, pos, seed, keep=keep)
 
 
-USAGE = __doc__.split("\n\n", 2)[1]
+def _option(args: Sequence[str], name: str) -> str | None:
+    """The value of ``--name X`` or ``--name=X`` in ``args`` (the last one), or ``None``."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def cli_args(args: Sequence[str]) -> list[str]:
+    """lm-eval's command line for ``args`` (after ``python -m me_interp.lm_eval``).
+
+    * ``--include_path`` of the local tasks (:data:`me_interp.tasks.TASK_DIR`) is added to every
+      subcommand (``run``, the implicit run, ``ls``, ``validate``), unless ``args`` give their own
+      (lm-eval takes one path from the command line); not to a bare ``run`` (lm-eval prints its help);
+    * for a run without ``--device`` on a machine without CUDA, ``--device cpu`` is added (with a
+      warning) so that lm-eval's ``config.device`` records the device used, not its default ``cuda:0``.
+
+    Raises:
+        me_interp.models.ModelLoadError: ``--device`` names a device this machine lacks (``cuda``
+            without CUDA).
+    """
+    from me_interp import models
+    from me_interp.tasks import TASK_DIR
+
+    out = list(args)
+    if out == ["run"]:
+        return out
+    is_run = not out or out[0] not in SUBCOMMANDS or out[0] == "run"
+    if is_run and not {"-h", "--help"} & set(out):
+        device = _option(out, "--device")
+        if device is None:
+            if models.default_device().type == "cpu":
+                warnings.warn(NO_CUDA_WARNING, stacklevel=2)
+                out += ["--device", "cpu"]
+        else:
+            models.resolve_device(device)
+    if _option(out, "--include_path") is None:
+        out += ["--include_path", str(TASK_DIR)]
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """lm-eval's CLI with the ``me_interp`` model registered and the local tasks included."""
+    """lm-eval's CLI with the ``me_interp`` model registered, the local tasks included and the
+    device checked (:func:`cli_args`); returns the exit status (2: a device this machine lacks)."""
     from lm_eval.__main__ import cli_evaluate
 
-    from me_interp.tasks import TASK_DIR
+    from me_interp.models import ModelLoadError
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args in ([], ["-h"], ["--help"]):
         print(f"python -m me_interp.lm_eval: lm-eval with WeMask.\n\n{__doc__}\n")
         print("lm-eval's own options follow (python -m me_interp.lm_eval run --help for all):\n")
         args = ["--help"]
-    elif args[0] not in ("ls", "validate") and "--include_path" not in args:
-        args += ["--include_path", str(TASK_DIR)]
+    else:
+        try:
+            args = cli_args(args)
+        except ModelLoadError as e:
+            print(f"python -m me_interp.lm_eval: error: {e}", file=sys.stderr)
+            return 2
     old = sys.argv
     sys.argv = ["lm-eval", *args]
     try:
@@ -264,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["INTERVENTIONS", "WeMaskLM", "main", "parse_layers", "parse_positions"]
+__all__ = ["INTERVENTIONS", "WeMaskLM", "cli_args", "main", "parse_layers", "parse_positions"]
 
 
 if __name__ == "__main__":

@@ -597,6 +597,24 @@ def ensure_bundled_cache(rebuild: bool = False) -> Path:
     return ensure_cache(_bundled_cache_path(), convert, rebuild=rebuild)
 
 
+def local_path(model: Any) -> str | None:
+    """The HF directory of a model that me_interp converts and caches itself: the bundled model
+    (``None`` / ``"bundled"``) or a packaged model's short name (``"gemma-3-270m"``), converted on
+    first use; ``None`` for anything else (a directory, an HF name, ``"synthetic:..."``, an object),
+    which the caller passes on as it is. For code that hands a path to HF / lm-eval / TRL.
+
+    Raises:
+        ModelLoadError: the bundled or packaged model's package is missing or broken.
+    """
+    from me_interp import packaged
+
+    if model is None or (isinstance(model, str) and model == BUNDLED):
+        return str(ensure_bundled_cache())
+    if packaged.is_packaged(model):
+        return str(packaged.ensure_packaged_cache(model))
+    return None
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 """Files of which a saved tokenizer has at least one (``save_pretrained`` writes the first two)."""
 
@@ -879,6 +897,7 @@ __all__ = [
     "ensure_bundled_cache",
     "ensure_cache",
     "load_model",
+    "local_path",
     "resolve_device",
     "verify_cache",
 ]

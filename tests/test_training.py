@@ -110,7 +110,8 @@ def _run(trainer):
     wm = wemask_training(trainer, rec)
     rec.run = wm
     with wm:
-        assert [_n_hooks(m) for m in models] > before_hooks
+        during = [_n_hooks(m) for m in models]
+        assert all(a > b for a, b in zip(during, before_hooks, strict=True))
         trainer.train()
     assert not wm.active
     assert [_n_hooks(m) for m in models] == before_hooks == [0] * len(models)  # none left
@@ -120,17 +121,45 @@ def _run(trainer):
     return wm, rec, changed
 
 
+class LeftPadding:
+    """TRL's SFT collator (which pads right) with every row turned into a left-padded one: each
+    row's tokens, labels and mask are rolled right by its number of pad slots."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        self.right = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
+
+    def __call__(self, examples):
+        out = self.right(examples)
+        mask = out["attention_mask"]
+        for b in range(mask.shape[0]):
+            shift = int((mask[b] == 0).sum())
+            for key in ("input_ids", "labels", "attention_mask"):
+                out[key][b] = out[key][b].roll(shift)
+        return out
+
+
+def test_left_padding_collator():
+    out = LeftPadding(0)([{"input_ids": [5, 6, 7]}, {"input_ids": [8]}])
+    assert out["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert out["labels"].tolist() == [[5, 6, 7], [-100, -100, 8]]
+
+
 def test_sft_left_padding_gradient_checkpointing(tiny_dir, tmp_path):
+    """SFT with left-padded batches (TRL's collator pads right, so the test's collator pads left)
+    and gradient checkpointing: every forward edits each row's first real token only."""
     path, tok = tiny_dir
-    tok = tok.__class__.from_pretrained(path)
-    tok.padding_side = "left"  # the collator pads right; the left-padded case is GRPO's
     texts = Dataset.from_dict({"text": ["w1 w2 w3 w4 w5", "w6 w7", "w8 w9 w10", "w11 w12 w13"]})
     tr = SFTTrainer(
         model=path, args=_args(SFTConfig, tmp_path, gradient_checkpointing=True),
-        train_dataset=texts, processing_class=tok,
+        train_dataset=texts, processing_class=tok, data_collator=LeftPadding(tok.pad_token_id),
     )  # fmt: skip
     wm, rec, _ = _run(tr)
     fwd = [c for c in rec.calls if c["role"] == "policy"]
+    # the Recorder checked each edit against the mask; some rows did not start at index 0
+    assert any(c["left_padded"] for c in fwd)
     again = [c for c in rec.calls if c["role"] == "recompute"]
     assert len(fwd) == 2 * len(LAYERS) and all(c["grad"] and c["requires_grad"] for c in fwd)
     assert all(c["n"] == 2 for c in fwd)  # one token per row per masked layer
@@ -237,27 +266,77 @@ def test_needs_a_spec():
         wemask_training(SimpleNamespace(model=hf, args=None))
 
 
-@pytest.mark.parametrize("kind, extra", [("sft", []), ("dpo", ["--lora"]), ("grpo", [])])
-def test_example_script(kind, extra, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def script():
+    """experiments/train_wemask_trl.py as a module."""
     import importlib.util
-    import json
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "experiments" / "train_wemask_trl.py"
     spec = importlib.util.spec_from_file_location("train_wemask_trl", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("kind, extra", [("sft", []), ("dpo", ["--lora"]), ("grpo", [])])
+def test_example_script(script, kind, extra, tmp_path, capsys):
+    import json
+    from pathlib import Path
+
     args = ["--trainer", kind, "--model", "synthetic:planted", "--me-layer", "2", "--steps", "2",
             "--lr", "1e-2", "--batch-size", "4", "--max-completion", "3", "--out", str(tmp_path),
             *extra]  # fmt: skip
-    assert mod.main(args) == 0
+    assert script.main(args) == 0
     run_dir = Path(capsys.readouterr().out.split("results in ")[1].strip())
     assert run_dir.parent == tmp_path / "train_wemask_trl"
     assert {p.name for p in run_dir.iterdir()} >= {"config.json", "env.json", "result.json"}
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["device"] == env["trainer_device"] == "cpu" and env["dtype"] == "float32"
+    assert env["me_layer_scan"] is None  # --me-layer given
     res = json.loads((run_dir / "result.json").read_text())
     assert all(res["checks"].values()) and res["masked_layers"] == [2, 3, 4]
     assert len(res["losses"]) == 2
     assert res["wemask"]["reference"] == {"sft": "none", "dpo": "policy", "grpo": "ref_model"}[kind]
+
+
+def test_script_env_records_the_trainer_model(script):
+    """env.json's device and dtype are read from the model the trainer holds (a bf16 model on the
+    CPU here, not the float32 the script used to write for every run) and its mixed precision."""
+    hf, _ = synthetic.tiny_llama(2)
+    hf = hf.to(torch.bfloat16)
+    hf.model.embed_tokens.weight.requires_grad_(False)
+    args = SimpleNamespace(device=torch.device("cpu"), bf16=False, fp16=True)
+    env = script.training_env(SimpleNamespace(model=hf, args=args), None, me_layer_given=False)
+    assert env == {
+        "model": "bundled", "device": "cpu", "trainer_device": "cpu", "dtype": "bfloat16",
+        "trained_dtype": "bfloat16", "mixed_precision": "fp16",
+        "me_layer_scan": {"device": script.SCAN_DEVICE, "dtype": script.SCAN_DTYPE},
+    }  # fmt: skip
+
+
+def test_script_lora_targets_fused_projections(script, tmp_path):
+    """--lora on a Phi-3 (fused qkv_proj / gate_up_proj, no q_proj / v_proj): adapters on every
+    linear layer of the blocks, none on the LM head (before: peft found no target module)."""
+    hf, tok = synthetic.tiny("phi3", n_layers=2)
+    hf.save_pretrained(tmp_path / "phi3")
+    tok.save_pretrained(tmp_path / "phi3")
+    args = SimpleNamespace(steps=1, lr=1e-3, batch_size=2, seed=0, gradient_checkpointing=False,
+                           lora=True, max_completion=4)  # fmt: skip
+    tr = script.build_trainer("sft", str(tmp_path / "phi3"), args, tmp_path)
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in tr.model.named_parameters()
+               if ".lora_A" in n}  # fmt: skip
+    assert adapted == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+
+
+def test_script_model_dir_packaged(script, tmp_path, monkeypatch):
+    """A packaged model's short name goes to TRL as its cache directory (before: passed on as a hub
+    name, OSError); the cache function is replaced by one returning a fixed path."""
+    from me_interp import packaged
+
+    monkeypatch.setattr(packaged, "ensure_packaged_cache", lambda name, rebuild=False: tmp_path)
+    assert script.model_dir("gemma-3-270m", tmp_path / "unused") == str(tmp_path)
+    assert script.model_dir("some/hub-name", tmp_path / "unused") == "some/hub-name"
 
 
 @pytest.mark.parametrize("mode", ["absolute", "mask"])

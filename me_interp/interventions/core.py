@@ -306,14 +306,17 @@ def decoder_layers(model: Any) -> Any:
 
 
 def attn_norm(model: Any, layer: int) -> torch.nn.Module:
-    """The pre-attention RMSNorm module of ``layer`` (HF ``input_layernorm``)."""
+    """The pre-attention RMSNorm module of ``layer``: ``model.attn_norm_module(layer)`` for a
+    :class:`~me_interp.models.LoadedModel`, :func:`me_interp.architecture.hf_attn_norm` of the
+    decoder layer for a plain HF model."""
+    from me_interp.architecture import hf_attn_norm
     from me_interp.models import LoadedModel
 
     if isinstance(model, LoadedModel):
         return model.attn_norm_module(layer)
     layers = decoder_layers(model)
     check_layers([layer], len(layers))
-    return layers[layer].input_layernorm
+    return hf_attn_norm(layers[layer])
 
 
 def attn_norm_gain(model: Any, layer: int) -> torch.Tensor:

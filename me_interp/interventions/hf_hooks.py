@@ -7,8 +7,9 @@
   at decode steps with a KV cache), else ``cache_position``, else the cache length + ``arange``; an
   edit that finds no positions recorded for its call (a norm run outside its decoder layer) raises
   instead of assuming ``arange(T)``;
-* a forward hook on the pre-attention RMSNorm (``input_layernorm``, site ``attn_in``) or on the decoder
-  layer itself (site ``resid_post``) that returns the edited output.
+* a forward hook on the pre-attention RMSNorm (site ``attn_in``; the module
+  :func:`me_interp.interventions.core.attn_norm` names: ``model.attn_norm_module(L)`` for a
+  ``LoadedModel``) or on the decoder layer itself (site ``resid_post``) that returns the edited output.
 
 The edit is the spec's own :meth:`edit` — the very code the TransformerLens hooks run — so the two
 backends agree (tested to 1e-5 on the bundled model). No ``torch.no_grad`` anywhere: gradients flow
@@ -108,10 +109,7 @@ class HFInterventions:
                     if L not in spec.layers:
                         continue
                     fn = partial(self._edit, L=L, spec=spec)
-                    if spec.site == "attn_in":
-                        mod = layer.input_layernorm
-                    else:
-                        mod = layer
+                    mod = core.attn_norm(self.model, L) if spec.site == "attn_in" else layer
                     self._handles.append(mod.register_forward_hook(fn))
                 self._handles.append(layer.register_forward_hook(partial(self._forget, L=L)))
         except BaseException:
@@ -166,10 +164,16 @@ class HFInterventions:
 
     def _record_mask(self, module: Any, args: tuple, kwargs: dict) -> None:
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        if mask is not None and mask.dim() != 2:
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            if isinstance(mask, torch.Tensor):
+                got = f"a {mask.dim()}-D tensor"
+            elif isinstance(mask, dict):  # Gemma 2/3 decoders accept prebuilt masks per layer type
+                got = f"a dict of prebuilt masks (keys {sorted(map(str, mask))})"
+            else:
+                got = f"a {type(mask).__name__}"
             raise ValueError(
-                f"positions_from='mask' needs the 2-D [batch, pos] attention mask, got a "
-                f"{mask.dim()}-D one; pass the padding mask (or position_ids and no mask)"
+                f"positions_from='mask' needs the 2-D [batch, pos] attention mask, got {got}; "
+                "pass the padding mask (or position_ids and no mask)"
             )
         self._mask2d = mask
 
@@ -280,17 +284,12 @@ def load_hf(model: str | None = None, dtype: torch.dtype = torch.float32, device
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from me_interp import models, packaged
+    from me_interp import models
 
-    if model is None or model == models.BUNDLED:
-        path = str(models.ensure_bundled_cache())
-    elif packaged.is_packaged(model):
-        path = str(packaged.ensure_packaged_cache(model))
-    elif isinstance(model, str) and model.startswith(models.SYNTHETIC_PREFIX):
+    if isinstance(model, str) and model.startswith(models.SYNTHETIC_PREFIX):
         hf, tok = models._synthetic(model)
         return hf.to(device=device, dtype=dtype).eval(), tok
-    else:
-        path = str(model)
+    path = models.local_path(model) or str(model)
     tok = AutoTokenizer.from_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     return hf.to(device).eval(), tok

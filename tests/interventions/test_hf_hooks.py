@@ -137,3 +137,86 @@ def test_edit_without_recorded_positions_raises(plain_planted):
         handle._positions[LAYERS[0]] = torch.arange(2)[None]  # left over from a 2-token call
         with pytest.raises(RuntimeError, match="positions for 2 tokens"):
             handle._edit(norm, (x,), x, L=LAYERS[0], spec=handle.specs[0])
+
+
+def test_loaded_model_hooks_sit_on_its_attn_norm_module(planted):
+    """On a LoadedModel the attn_in hook goes on ``model.attn_norm_module(L)`` (the Architecture's
+    module, not a name looked up on the HF layer) and the logits equal the TransformerLens hooks'."""
+    model, _ = planted
+    batch = model.tokenize(synthetic.planted_prompts(3))
+    spec = WeMask.build(model, LAYERS, 0.3, "weight")
+    with torch.no_grad(), hf_interventions(model, spec):
+        assert all(model.attn_norm_module(L)._forward_hooks for L in LAYERS)
+        hfl = model.hf(batch.tokens, attention_mask=batch.attention_mask).logits
+    assert not any(model.attn_norm_module(L)._forward_hooks for L in LAYERS)
+    real = batch.attention_mask.bool()
+    tl = model.run_with_hooks(batch, tl_hooks(spec))
+    torch.testing.assert_close(hfl[real], tl[real], atol=1e-5, rtol=1e-5)
+    assert (tl - model.run_with_hooks(batch))[real].abs().max() > 1e-5
+
+
+def test_hf_attn_norm_names_the_module_once(plain_planted):
+    from me_interp.architecture import ArchitectureError, hf_attn_norm
+    from me_interp.interventions import core
+
+    hf, _, _ = plain_planted
+    assert core.attn_norm(hf, 1) is hf_attn_norm(hf.model.layers[1])
+    assert hf_attn_norm(hf.model.layers[1]) is hf.model.layers[1].input_layernorm
+    with pytest.raises(ArchitectureError, match="pre-attention norm"):
+        hf_attn_norm(torch.nn.Linear(2, 2))
+
+
+@pytest.fixture(scope="module")
+def plain_gemma3():
+    hf, tok = synthetic.tiny("gemma3")
+    return hf.eval(), tok
+
+
+def test_mask_positions_on_gemma3(plain_gemma3):
+    """positions_from='mask' on a Gemma-3 decoder (sliding + global layers): a 2-D padding mask
+    gives the first real token of each left-padded row; a dict of prebuilt masks (which Gemma 2/3
+    decoders accept) is refused with the same clear error as a 4-D mask (before: AttributeError)."""
+    hf, tok = plain_gemma3
+    tok.padding_side = "left"
+    b = tok(["w1 w2 w3 w4", "w5 w6"], return_tensors="pt", padding=True)
+    spec = WeMask.build(hf, [1, 2], 0.5, "weight")
+    seen = []
+    edit = spec.edit
+
+    def recording(h, layer, target, resid):
+        seen.append(target.nonzero().tolist())
+        return edit(h, layer, target, resid)
+
+    object.__setattr__(spec, "edit", recording)
+    first = b["attention_mask"].argmax(-1).tolist()
+    assert first[1] > 0  # the short row is left-padded
+    with torch.no_grad(), hf_interventions(hf, spec, positions_from="mask"):
+        hf(**b)
+        assert seen == [[[0, first[0]], [1, first[1]]]] * 2
+        m4 = torch.ones(2, 1, b["input_ids"].shape[1], b["input_ids"].shape[1], dtype=torch.bool)
+        for bad, what in (
+            ({"full_attention": m4, "sliding_attention": m4}, "dict of prebuilt masks"),
+            (m4, "4-D tensor"),
+        ):
+            with pytest.raises(ValueError, match=f"needs the 2-D .*got a {what}"):
+                hf(b["input_ids"], attention_mask=bad)
+
+
+def test_load_hf_and_local_path_resolve_packaged_names(tmp_path, monkeypatch):
+    """``load_hf("gemma-3-270m")`` loads the packaged model's cache directory, which
+    :func:`me_interp.models.local_path` gives (the cache functions replaced by a saved tiny model)."""
+    from me_interp import models, packaged
+    from me_interp.interventions import load_hf
+
+    hf, tok = synthetic.tiny_llama(2)
+    hf.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    monkeypatch.setattr(packaged, "ensure_packaged_cache", lambda name, rebuild=False: tmp_path)
+    monkeypatch.setattr(models, "ensure_bundled_cache", lambda rebuild=False: tmp_path / "b")
+    assert models.local_path("gemma-3-270m") == str(tmp_path)
+    assert models.local_path(None) == models.local_path("bundled") == str(tmp_path / "b")
+    for other in ("some/hub-name", "synthetic:planted", str(tmp_path), hf):
+        assert models.local_path(other) is None
+    loaded, _ = load_hf("gemma-3-270m")
+    for (k, v), (k2, v2) in zip(hf.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
