@@ -180,26 +180,7 @@ def tiny_llama(n_layers: int = 4, seed: int = 0, add_bos: bool = True):
 
 def tiny_qwen3(n_layers: int = 4, seed: int = 0, add_bos: bool = False):
     """A randomly initialised (seeded) tiny Qwen3 (q/k norms) and its word tokenizer."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=vocab_size(),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=n_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        attn_implementation="eager",
-    )
-    return Qwen3ForCausalLM(cfg).eval(), word_tokenizer(add_bos)
+    return tiny("qwen3", n_layers, seed, add_bos)
 
 
 @dataclass(frozen=True)
