@@ -469,7 +469,21 @@ GEMMA3_VS_LLAMA = {
 }
 
 
-def test_battery_on_planted_gemma3_finds_what_was_planted(tmp_path):
+#: Measured, Gemma 2 against Gemma 3: the attention entropy after the ME layer drops by 0.156
+#: [0.151, 0.160] of its value before (Gemma 3: 0.25), short of the 0.2 threshold, although the sink
+#: itself is the same (``sink_downstream`` 1 [1, 1]). Not the attention-logit soft cap nor the query
+#: scale (each set to Gemma 3's value leaves 0.156); Gemma 3's q/k norms are the remaining difference.
+GEMMA2_VS_GEMMA3 = {"attention_sinks.entropy_drop": "fails"}
+
+#: The whole battery runs on the planted model of every architecture (Llama's in test_verdict_meta).
+BATTERY_ARCHS = tuple(a for a in synthetic.ARCHS if a != "llama")
+
+
+@pytest.mark.parametrize("arch", BATTERY_ARCHS)
+def test_battery_on_planted_model_finds_what_was_planted(arch, tmp_path):
+    """Every claim of the battery gets the verdict planted Llama gets (``test_verdict_meta.PLANTED``,
+    reasoned claim by claim), except on sandwich-norm models where the post-FFN norm changes
+    exactly the claims of :data:`GEMMA3_VS_LLAMA`."""
     import importlib.util
     import json
     from pathlib import Path
@@ -487,7 +501,7 @@ def test_battery_on_planted_gemma3_finds_what_was_planted(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(synthetic.planted_prompts(N_PROMPTS, 10)) + "\n")
     out = tmp_path / "out"
-    argv = ["--model", "synthetic:planted-gemma3", "--prompts", str(prompts), "--out", str(out)]
+    argv = ["--model", f"synthetic:planted-{arch}", "--prompts", str(prompts), "--out", str(out)]
     assert cli.main(argv) == 0
     state = json.loads((out / report.STATE_FILE).read_text())
     got = {
@@ -495,17 +509,23 @@ def test_battery_on_planted_gemma3_finds_what_was_planted(tmp_path):
         for name in report.EXPERIMENTS
         for c in state["experiments"][name]["claims"]
     }
-    want = {**PLANTED, **GEMMA3_VS_LLAMA}
+    sandwich = arch in ("gemma2", "gemma3")
+    want = {**PLANTED, **GEMMA3_VS_LLAMA} if sandwich else dict(PLANTED)
+    if arch == "gemma2":
+        want.update(GEMMA2_VS_GEMMA3)
     wrong = {i: (got.get(i), v) for i, v in want.items() if got.get(i) != v}
     assert not wrong, f"(got, expected): {wrong}"
     me = json.loads(next((out / "me_layer").glob("*/result.json")).read_text())
     assert (me["me_layer"], me["massive_dims"], me["me_site"]) == (2, [7], "ffn")
     # the site table reports the FFN's own output beside its residual contribution
     row = me["layers"][2]
-    assert "ffn_own_norm_ratio" in row and row["ffn_own_norm_ratio"] != row["ffn_out_norm_ratio"]
     mech = json.loads(next((out / "mechanism").glob("*/result.json")).read_text())
     assert mech["neurons"]["neurons"][0]["neuron"] == 5
-    assert "magnification_residual" in mech["layers"][2]
+    if sandwich:
+        assert row["ffn_own_norm_ratio"] != row["ffn_out_norm_ratio"]
+        assert "magnification_residual" in mech["layers"][2]
+    else:
+        assert "magnification_residual" not in mech["layers"][2]
 
 
 # ------------------------------------------------------------------------------------------
