@@ -472,7 +472,7 @@ GEMMA3_VS_LLAMA = {
 #: Measured, Gemma 2 against Gemma 3: the attention entropy after the ME layer drops by 0.156
 #: [0.151, 0.160] of its value before (Gemma 3: 0.25), short of the 0.2 threshold, although the sink
 #: itself is the same (``sink_downstream`` 1 [1, 1]). Not the attention-logit soft cap nor the query
-#: scale (each set to Gemma 3's value leaves 0.156); Gemma 3's q/k norms are the remaining difference.
+#: scale (each set to Gemma 3's value leaves 0.156); the cause is not pinned down (untested: q/k norms).
 GEMMA2_VS_GEMMA3 = {"attention_sinks.entropy_drop": "fails"}
 
 #: The whole battery runs on the planted model of every architecture (Llama's in test_verdict_meta).
