@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from me_interp.edits.core import check_model_part, edited_parameters, part_parameters
+from me_interp.edits.core import check_model_part, edited_parameters, part_members, part_parameters
 from me_interp.models import LoadedModel
 
 
@@ -57,7 +57,8 @@ def patched_weights(
     Raises:
         ValueError: an unknown part or one a model does not have, a layer out of range (in either
             model), a patch of a layer onto itself within one model (a no-op), or parameters whose
-            shapes differ between the models.
+            shapes differ between the models, or models whose norm gains are stored differently
+            (``w`` vs ``1 + w``) when the part moves a norm gain.
     """
     src = model if source_model is None else source_model
     check_model_part(src, part)
@@ -71,6 +72,14 @@ def patched_weights(
         )
     ps, pt = part_parameters(src, source_layer, part), part_parameters(model, target_layer, part)
     _check_same_shapes(ps, pt, f"source layer {source_layer}", f"target layer {target_layer}", part)
+    moves_a_gain = any(m.endswith("norm") for m in part_members(model, part))
+    if moves_a_gain and src.arch.norm_offset != model.arch.norm_offset:
+        stored = {0.0: "w = g", 1.0: "w = g - 1"}
+        raise ValueError(
+            f"the source model stores its norm gains g as {stored[src.arch.norm_offset]} and the "
+            f"target as {stored[model.arch.norm_offset]}: copying the stored weights would change "
+            "the effective gains; patch between models of one norm convention"
+        )
     with edited_parameters({pt[n]: ps[n] for n in pt}):
         yield
 

@@ -342,3 +342,17 @@ def test_weight_experiments_record_the_modules_moved(planted, sandwich, planted_
         weight_patching.run(
             weight_patching.Config(prompts=str(prompts), parts=("post_attn_norm",)), llama
         )
+
+
+def test_patch_between_gain_conventions_is_refused():
+    """A Llama stores g, a Gemma g − 1: copying the stored weights across would change the gains."""
+    from me_interp import load_model
+
+    llama = load_model("synthetic:planted-llama")
+    gemma = load_model("synthetic:planted-gemma")
+    for part in ("ffn_norm", "ffn_path", "block"):
+        with pytest.raises(ValueError, match="w = g - 1"):
+            with edits.patched_weights(llama, 1, 1, part, source_model=gemma):
+                pass
+    with edits.patched_weights(llama, 1, 1, "ffn", source_model=gemma):  # no gain moves: allowed
+        torch.testing.assert_close(llama.ffn_weights(1).down, gemma.ffn_weights(1).down)
