@@ -160,14 +160,11 @@ class LoadedModel:
 
     def check_layer(self, layer: int) -> int:
         """Return ``layer`` if it is a valid 0-based layer index, else raise ``ValueError``."""
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
-        if not 0 <= layer < self.n_layers:
-            raise ValueError(
-                f"layer {layer} is out of range: this model has {self.n_layers} layers "
-                f"(0-based indices 0..{self.n_layers - 1})"
-            )
-        return layer
+        return _check_index("layer", layer, self.n_layers)
+
+    def check_head(self, head: int) -> int:
+        """Return ``head`` if it is a valid 0-based attention-head index, else raise ``ValueError``."""
+        return _check_index("head", head, self.n_heads)
 
     # -- parameters --------------------------------------------------------------------------
     def attn_norm_gain(self, layer: int) -> Float[torch.Tensor, " d_model"]:
@@ -330,6 +327,16 @@ class LoadedModel:
             f"LoadedModel({self.name!r}, n_layers={self.n_layers}, d_model={self.d_model}, "
             f"bos={self.bos!r}, dtype={self.dtype}, device={self.device})"
         )
+
+
+def _check_index(kind: str, i: int, n: int) -> int:
+    if isinstance(i, bool) or not isinstance(i, int):
+        raise TypeError(f"{kind} must be an int, got {type(i).__name__}")
+    if not 0 <= i < n:
+        raise ValueError(
+            f"{kind} {i} is out of range: this model has {n} {kind}s (0-based indices 0..{n - 1})"
+        )
+    return i
 
 
 def _check_architecture(model: LoadedModel) -> Architecture:

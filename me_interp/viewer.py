@@ -119,15 +119,7 @@ def _check_heads(model: LoadedModel, heads: Sequence[int] | None) -> list[int]:
     heads = list(heads)
     if not heads:
         raise ValueError("heads is empty: give at least one head (or None for all)")
-    for h in heads:
-        if isinstance(h, bool) or not isinstance(h, int):
-            raise TypeError(f"heads must be ints, got {h!r}")
-        if not 0 <= h < model.n_heads:
-            raise ValueError(
-                f"head {h} is out of range: this model has {model.n_heads} heads "
-                f"(0-based 0..{model.n_heads - 1})"
-            )
-    return heads
+    return [model.check_head(h) for h in heads]
 
 
 def _check_layers(model: LoadedModel, layers: Sequence[int] | int) -> list[int]:

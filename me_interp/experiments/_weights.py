@@ -201,6 +201,11 @@ def edit_cells(row: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
+def fmt_value(x: Any) -> str:
+    """A summary-line number in four significant digits, ``n/a`` for a missing or NaN value."""
+    return "n/a" if x is None or x != x else f"{x:.4g}"
+
+
 # ------------------------------------------------------------------------------------------
 # measuring
 # ------------------------------------------------------------------------------------------

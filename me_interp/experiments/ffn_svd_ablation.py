@@ -49,6 +49,7 @@ from me_interp.experiments._weights import (
     WeightConfig,
     edit_cells,
     edit_row,
+    fmt_value,
     measure,
     no_massive_activation,
     prepare,
@@ -433,10 +434,6 @@ SPECS: tuple[claims.Spec, ...] = (
 _SPEC = claims.index(SPECS)
 
 
-def _fmt(x: Any) -> str:
-    return "n/a" if x is None or x != x else f"{x:.4g}"
-
-
 def verdicts(result: Result) -> list[claims.Claim]:
     """Every claim of :data:`SPECS` on this result (see the module docstring)."""
     m = result.layer
@@ -447,7 +444,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
             "detected): there is nothing for the ablations to remove",
         )
     r_m = float(np.mean(result.baseline.prompt_ratio_at(m)))
-    where = f"layer {m} (1-based {m + 1}); unedited R_m = {_fmt(r_m)} (mean over {result.n_prompts} prompts)"
+    where = f"layer {m} (1-based {m + 1}); unedited R_m = {fmt_value(r_m)} (mean over {result.n_prompts} prompts)"
     out: list[claims.Claim] = []
 
     def na(name: str, what: str) -> None:
@@ -464,7 +461,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
         out.append(
             _SPEC[name].judge(
                 est,
-                details=f"{where}; {_label(row)}: R_m after {_fmt(row['ratio_at_layer'])}, "
+                details=f"{where}; {_label(row)}: R_m after {fmt_value(row['ratio_at_layer'])}, "
                 f"survives {'yes' if row['survives'] else 'no'}; {extra}",
             )
         )
@@ -489,7 +486,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
         deterministic(f"svd_{mat}_removes", result.svd_row(mat, k), f"W_{mat} not ablated", extra)
     for mat in MATRICES:
         top = result.svd_row(mat, k)
-        extra = f"top-{k} removal: c {_fmt(top['change']) if top else 'not run'}"
+        extra = f"top-{k} removal: c {fmt_value(top['change']) if top else 'not run'}"
         seeded(f"svd_{mat}_random_keeps", result.select("svd_random", mat), f"W_{mat}", extra)
     scores = dict(zip(result.neurons, result.neuron_scores))
     about = (
@@ -505,7 +502,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
         "random_neurons_keep",
         rand,
         "no neuron ablated (--n-neurons 0)",
-        f"{len(result.neurons)} neurons per draw; top score {_fmt(max(scores.values(), default=None))}",
+        f"{len(result.neurons)} neurons per draw; top score {fmt_value(max(scores.values(), default=None))}",
     )
     return out
 

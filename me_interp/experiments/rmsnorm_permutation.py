@@ -59,6 +59,7 @@ from me_interp.experiments._weights import (
     WeightConfig,
     edit_cells,
     edit_row,
+    fmt_value,
     measure,
     no_massive_activation,
     prepare,
@@ -328,10 +329,6 @@ SPECS: tuple[claims.Spec, ...] = (
 _SPEC = claims.index(SPECS)
 
 
-def _fmt(x: Any) -> str:
-    return "n/a" if x is None or x != x else f"{x:.4g}"
-
-
 def _paired(row: dict[str, Any], base: Measurement, layer: int) -> np.ndarray:
     """``[prompt, 2]``: the edited and unedited ratio of each prompt at ``layer``."""
     return np.column_stack([row["ratio_at_layer_per_prompt"], base.prompt_ratio_at(layer)])
@@ -348,7 +345,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
         )
     base = result.baseline
     where = (
-        f"layer {m} (1-based {m + 1}); unedited R_m = {_fmt(float(np.mean(base.prompt_ratio_at(m))))} "
+        f"layer {m} (1-based {m + 1}); unedited R_m = {fmt_value(float(np.mean(base.prompt_ratio_at(m))))} "
         f"(mean over {result.n_prompts} prompts of {max(result.prompt_lengths)} tokens at most)"
     )
 
@@ -357,7 +354,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
         if not rows:
             return f"{norm} {kind}: not run"
         return (
-            f"{norm} {kind}: mean c {_fmt(float(np.mean([r['change'] for r in rows])))}, "
+            f"{norm} {kind}: mean c {fmt_value(float(np.mean([r['change'] for r in rows])))}, "
             f"survives {sum(r['survives'] for r in rows)}/{len(rows)}"
         )
 
@@ -392,7 +389,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
     else:
         ctrl = result.flatten_row("attn", 0.0)
         ctrl_text = "attn flatten α=0: " + (
-            "not run" if ctrl is None else f"c {_fmt(ctrl['change'])}"
+            "not run" if ctrl is None else f"c {fmt_value(ctrl['change'])}"
         )
         est = claims.bootstrap(
             _paired(flat, base, m), excess_stat, unit="prompts", seed=result.seed
@@ -400,7 +397,7 @@ def verdicts(result: Result) -> list[claims.Claim]:
         out.append(
             _SPEC["flatten_removes"].judge(
                 est,
-                details=f"{where}; R_m after {_fmt(flat['ratio_at_layer'])}, survives "
+                details=f"{where}; R_m after {fmt_value(flat['ratio_at_layer'])}, survives "
                 f"{'yes' if flat['survives'] else 'no'}; {ctrl_text}",
             )
         )
