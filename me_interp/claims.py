@@ -38,7 +38,10 @@ import numpy as np
 
 HOLDS, FAILS, INCONCLUSIVE, NOT_APPLICABLE = "holds", "fails", "inconclusive", "not applicable"
 VERDICTS = (HOLDS, FAILS, INCONCLUSIVE, NOT_APPLICABLE)
-KINDS = ("claim", "sanity")
+KINDS = ("claim", "control", "sanity")
+"""``claim``: evidence, counted; ``control``: a comparison that must come out as designed for the
+claims beside it to mean anything (e.g. random neurons keep the activation), shown apart and never
+counted; ``sanity``: true by construction, shown apart and never counted."""
 OPS = (">=", ">", "<=", "<", "|x|<")
 """``|x|<``: an equivalence claim (\"unchanged\"): the *signed* statistic lies within ``(-thr, thr)``."""
 N_BOOTSTRAP = 2000
@@ -73,6 +76,13 @@ THRESHOLDS: dict[str, Threshold] = {
         3.0,
         "a per-layer statistic 'peaks at the ME layer' when the ME layer's value lies at least this "
         "many standard deviations (of the other layers' values) above the other layers' mean",
+    ),
+    "peak_fraction": Threshold(
+        0.5,
+        "a per-layer statistic 'peaks at the ME layer' when, on held-out prompts (the ME layer "
+        "chosen on the other half), the ME layer is the statistic's largest layer on at least this "
+        "fraction of them (Clopper-Pearson interval; under the null of exchangeable layers the "
+        "chance is 1 / L)",
     ),
     "concentration_share": Threshold(
         0.9,
@@ -192,6 +202,8 @@ class Estimate:
             (no resampling possible).
         level: the confidence level.
         resamples: bootstrap resamples (0 for exact).
+        n_eff: the effective n, the number of *distinct* measurements among the units (``None``:
+            not counted); a verdict is not decided on fewer than two.
     """
 
     value: float
@@ -202,6 +214,7 @@ class Estimate:
     method: str = "bootstrap"
     level: float = LEVEL
     resamples: int = 0
+    n_eff: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -215,11 +228,11 @@ class Estimate:
         v = fmt_num(self.value)
         if self.method == "exact":
             return f"{v} (exact, n = {self.n} {self.unit})"
-        how = "t interval" if self.method == "t" else "bootstrap"
-        return (
-            f"{v} [{fmt_num(self.lo)}, {fmt_num(self.hi)}] ({self.level:.0%} CI, {how} over "
-            f"n = {self.n} {self.unit})"
-        )
+        how = "t interval" if self.method == "t" else self.method
+        n = f"n = {self.n} {self.unit}"
+        if self.n_eff is not None and self.n_eff != self.n:
+            n += f", {self.n_eff} distinct"
+        return f"{v} [{fmt_num(self.lo)}, {fmt_num(self.hi)}] ({self.level:.0%} CI, {how} over {n})"
 
 
 def fmt_num(x: float) -> str:
@@ -397,6 +410,8 @@ class Claim:
     threshold: float | None = None
     kind: str = "claim"
     details: str = ""
+    p: float | None = None
+    outcomes: dict[str, bool] | None = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -426,6 +441,10 @@ class Claim:
             return f"{head} — {self.why}"
         parts = [head, f"{self.statistic} = {self.estimate.text() if self.estimate else 'n/a'}"]
         parts.append(f"rule: {self.rule}")
+        if self.outcomes:
+            parts.append(
+                "per unit: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in self.outcomes.items())
+            )
         if self.control:
             parts.append(f"control: {self.control}")
         if self.details:
@@ -451,7 +470,15 @@ class Spec:
         op: the comparison the claim asserts: ``statistic op threshold``.
         threshold: a key of :data:`THRESHOLDS`.
         control: the condition that could have made the claim come out the other way.
-        kind: ``"claim"`` (evidence) or ``"sanity"`` (true by construction; never counted).
+        kind: ``"claim"`` (evidence), ``"control"`` or ``"sanity"`` (see :data:`KINDS`; the last
+            two are shown apart and never counted).
+        stat: the statistic as a function of the experiment's typed result, returning a
+            :class:`Sample`, :class:`Nested` or :class:`Outcomes` (it may raise
+            :class:`NotApplicable`); judged by :func:`judge`.
+        unit: the resampling unit (what one row / outcome is), unless the measurement names its own.
+        applies: ``result -> None`` when the claim applies, else the reason it does not.
+        details: ``result -> str``, context printed with the verdict (where, what else was seen).
+        thr: ``result -> float`` for a threshold relative to a measured reference (else the table's).
     """
 
     id: str
@@ -462,6 +489,11 @@ class Spec:
     threshold: str
     control: str = ""
     kind: str = "claim"
+    stat: Callable[[Any], Measure] | None = None
+    unit: str = "prompts"
+    applies: Callable[[Any], str | None] | None = None
+    details: Callable[[Any], str] | None = None
+    thr: Callable[[Any], float] | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -515,6 +547,52 @@ class Spec:
             details,
         )
 
+    def evaluate(self, result: Any, seed: int = 0) -> Claim:
+        """This spec's claim on ``result`` (see :func:`judge`, which is how experiments call it)."""
+        if self.stat is None:
+            raise ValueError(f"{self.id}: a spec judged by the engine needs a stat")
+        why = self.applies(result) if self.applies is not None else None
+        if why:
+            return self.not_applicable(why)
+        try:
+            m = self.stat(result)
+            t = self.value if self.thr is None else float(self.thr(result))
+        except NotApplicable as e:
+            return self.not_applicable(str(e))
+        est, p_hold, p_fail, outcomes = measure_estimate(m, self.unit, self.op, t, seed)
+        verdict = decide(est, self.op, t)
+        notes = []
+        if est.value != est.value:
+            notes.append("the statistic is undefined")
+        if verdict in (HOLDS, FAILS):
+            if est.n_eff is not None and est.n_eff < 2:
+                notes.append(
+                    f"not decided: the {est.n} {est.unit} give {est.n_eff} distinct measurement "
+                    f"(one measurement repeated), so the interval says nothing about variation"
+                )
+                verdict = INCONCLUSIVE
+            elif est.method != "clopper-pearson" and est.lo == est.hi:
+                notes.append("not decided: the bootstrap interval has zero width")
+                verdict = INCONCLUSIVE
+        p = p_hold if verdict == HOLDS else p_fail if verdict == FAILS else min(p_hold, p_fail)
+        details = self.details(result) if self.details is not None else ""
+        return Claim(
+            self.id,
+            self.section,
+            self.statement,
+            self.statistic,
+            self.rule(t),
+            self.control,
+            verdict,
+            "; ".join(notes),
+            est,
+            t,
+            self.kind,
+            details,
+            None if p != p else float(p),
+            outcomes,
+        )
+
     def judge_seeds(self, values: Sequence[float], *, flag: str, details: str = "") -> Claim:
         """The claim judged on a random control's per-seed values (:func:`over_seeds`), or not
         applicable when this run measured fewer than :data:`MIN_SEEDS` seeds (``flag`` names the
@@ -542,6 +620,289 @@ class Spec:
             self.value,
             self.kind,
         )
+
+
+# ------------------------------------------------------------------------------------------
+# the engine: measurements, declarative specs, one judge
+# ------------------------------------------------------------------------------------------
+
+ALPHA = 1 - LEVEL
+"""Family-wise error rate of the Holm adjustment (two-sided, as the intervals)."""
+DISTINCT_RTOL = 1e-6
+"""Two units whose statistics agree to this relative tolerance are one measurement (effective n)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Per-unit values for a (percentile) bootstrap over units.
+
+    Attributes:
+        values: one row per unit, shape ``(n,)`` or ``(n, k)`` (rows resampled together).
+        statistic: maps a resampled array to a float; ``None`` = the mean (1-D values only).
+        unit: what a row is (``None``: the spec's ``unit``).
+        keys: what makes two units *distinct measurements* (e.g. the first token id when the
+            statistic depends on token 0 only); ``None`` = distinct rows of ``values``.
+    """
+
+    values: Any
+    statistic: Callable[[np.ndarray], float] | None = None
+    unit: str | None = None
+    keys: Sequence[Any] | None = None
+
+
+@dataclass(frozen=True)
+class Nested:
+    """A random control measured on units × seeds: a hierarchical bootstrap that resamples the units
+    (prompts, texts) and then the seeds within each unit, so the interval carries both the data's and
+    the draw's variance (a t interval over seeds ignores which texts were drawn).
+
+    Attributes:
+        values: shape ``(n_units, n_seeds)``; the statistic is the mean over all cells unless
+            ``statistic`` (on a resampled ``(n_units, n_seeds)`` array) is given.
+    """
+
+    values: Any
+    statistic: Callable[[np.ndarray], float] | None = None
+    unit: str | None = None
+    inner: str = "seeds"
+
+
+@dataclass(frozen=True)
+class Outcomes:
+    """k-of-n yes/no outcomes, one per unit (partner layers, held-out prompts): the estimate is
+    k / n with an exact Clopper–Pearson interval, and every unit's outcome is listed in the claim.
+
+    Attributes:
+        outcomes: one bool per unit.
+        labels: one label per unit (e.g. ``"partner 3 (depth -8)"``).
+        unit: what a unit is (``None``: the spec's ``unit``).
+    """
+
+    outcomes: Sequence[bool]
+    labels: Sequence[str]
+    unit: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.outcomes) != len(self.labels):
+            raise ValueError(f"{len(self.outcomes)} outcomes but {len(self.labels)} labels")
+
+
+Measure = Sample | Nested | Outcomes
+
+
+def _distinct(arr: np.ndarray) -> int:
+    """How many rows of ``arr`` differ beyond :data:`DISTINCT_RTOL` of the largest |value|."""
+    if len(arr) == 0:
+        return 0
+    flat = arr.reshape(len(arr), -1)
+    scale = float(np.max(np.abs(flat))) or 1.0
+    q = np.round(flat / (scale * DISTINCT_RTOL))
+    return len(np.unique(q, axis=0))
+
+
+def _norm_sf(z: float) -> float:
+    """P(Z > z) for a standard normal Z."""
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k), X ~ Binomial(n, p)."""
+    if k < 0:
+        return 0.0
+    if k >= n:
+        return 1.0
+    return float(sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k + 1)))
+
+
+def clopper_pearson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
+    """The exact (Clopper–Pearson) two-sided interval of a binomial rate with ``k`` of ``n``."""
+    if n <= 0:
+        return float("nan"), float("nan")
+    a = (1 - level) / 2
+
+    def solve(f: Callable[[float], float]) -> float:  # f increasing in p, root by bisection
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
+        return (lo + hi) / 2
+
+    lower = 0.0 if k == 0 else solve(lambda p: (1 - _binom_cdf(k - 1, n, p)) - a)
+    upper = 1.0 if k == n else solve(lambda p: a - _binom_cdf(k, n, p))
+    return lower, upper
+
+
+def _boot_stats(m: Sample | Nested, seed: int) -> tuple[float, np.ndarray, int, int]:
+    """(point value, bootstrap statistics, n units, effective n) of a sample or nested measure."""
+    arr = np.asarray(m.values, dtype=np.float64)
+    if arr.ndim == 0:
+        raise ValueError("a measurement needs one value per unit, got a scalar")
+    rng = np.random.default_rng(seed)
+    if isinstance(m, Nested):
+        if arr.ndim != 2:
+            raise ValueError(f"Nested values must be (units, seeds), got shape {arr.shape}")
+        arr = arr[np.isfinite(arr).all(axis=1)]
+        n, s = arr.shape
+        if n == 0 or s == 0:
+            return float("nan"), np.array([]), 0, 0
+        stat = m.statistic or (lambda a: float(a.mean()))
+        iu = rng.integers(0, n, size=(N_BOOTSTRAP, n))
+        iseed = rng.integers(0, s, size=(N_BOOTSTRAP, n, s))
+        res = arr[iu[..., None], iseed]  # [boot unit seed]
+        if m.statistic is None:
+            stats = res.mean(axis=(1, 2))
+        else:
+            stats = np.array([stat(r) for r in res])
+        return float(stat(arr)), stats, n, _distinct(arr.mean(1))
+    finite = np.isfinite(arr).reshape(len(arr), -1).all(axis=1)
+    keys = None if m.keys is None else [k for k, f in zip(m.keys, finite, strict=True) if f]
+    arr = arr[finite]
+    n = len(arr)
+    if n == 0:
+        return float("nan"), np.array([]), 0, 0
+    idx = rng.integers(0, n, size=(N_BOOTSTRAP, n))
+    if m.statistic is None:
+        if arr.ndim != 1:
+            raise ValueError("the default statistic (mean) needs 1-D values")
+        value, stats = float(arr.mean()), arr[idx].mean(axis=1)
+    else:
+        value = float(m.statistic(arr))
+        stats = np.array([m.statistic(arr[i]) for i in idx], dtype=np.float64)
+    n_eff = len(set(keys)) if keys is not None else _distinct(arr)
+    return value, stats, n, n_eff
+
+
+def _p_values(value: float, se: float, op: str, thr: float) -> tuple[float, float]:
+    """One-sided p-values (normal approximation with the bootstrap standard error) of "holds" and
+    of "fails": the chance of a statistic this far on the claimed (failed) side if the truth were at
+    the threshold. Holm adjusts these; the verdicts themselves come from the intervals."""
+    if not (math.isfinite(value) and math.isfinite(se)):
+        return float("nan"), float("nan")
+    if se == 0:
+        sat = decide(Estimate(value, value, value, 1), op, thr)
+        return (0.0, 1.0) if sat == HOLDS else (1.0, 0.0)
+    if op == "|x|<":  # two one-sided tests for "inside", the nearer side for "outside"
+        p_hold = max(_norm_sf((value + thr) / se), _norm_sf((thr - value) / se))
+        p_fail = min(_norm_sf((value - thr) / se), _norm_sf((-thr - value) / se))
+        return p_hold, p_fail
+    up = op in (">=", ">")
+    z = (value - thr) / se if up else (thr - value) / se
+    return _norm_sf(z), _norm_sf(-z)
+
+
+def _binom_p(k: int, n: int, op: str, thr: float) -> tuple[float, float]:
+    """Exact one-sided binomial p-values of "holds" and "fails" for a rate compared with ``thr``."""
+    ge = 1 - _binom_cdf(k - 1, n, thr)  # P(X >= k)
+    le = _binom_cdf(k, n, thr)  # P(X <= k)
+    if op in (">=", ">"):
+        return ge, le
+    if op in ("<=", "<"):
+        return le, ge
+    raise ValueError(f"k-of-n outcomes take >=, >, <= or <, not {op!r}")
+
+
+def measure_estimate(
+    m: Measure, unit: str, op: str, thr: float, seed: int = 0
+) -> tuple[Estimate, float, float, dict[str, bool] | None]:
+    """The estimate of a measurement, its one-sided p-values (holds, fails) and, for k-of-n
+    outcomes, each unit's outcome."""
+    unit = m.unit or unit
+    if isinstance(m, Outcomes):
+        o = [bool(x) for x in m.outcomes]
+        n, k = len(o), sum(o)
+        if n == 0:
+            nan = float("nan")
+            return Estimate(nan, nan, nan, 0, unit, "clopper-pearson", LEVEL, 0, 0), nan, nan, {}
+        lo, hi = clopper_pearson(k, n)
+        est = Estimate(k / n, lo, hi, n, unit, "clopper-pearson", LEVEL, 0, n)
+        p_hold, p_fail = _binom_p(k, n, op, thr)
+        return est, p_hold, p_fail, dict(zip(m.labels, o, strict=True))
+    value, stats, n, n_eff = _boot_stats(m, seed)
+    method = "hierarchical bootstrap" if isinstance(m, Nested) else "bootstrap"
+    if isinstance(m, Nested):
+        unit = f"{unit} × {m.inner}"
+    nan = float("nan")
+    stats = stats[np.isfinite(stats)]
+    if n == 0 or len(stats) == 0:
+        return Estimate(value, nan, nan, n, unit, method, LEVEL, N_BOOTSTRAP, n_eff), nan, nan, None
+    a = (1 - LEVEL) / 2
+    lo, hi = (float(x) for x in np.quantile(stats, [a, 1 - a]))
+    est = Estimate(value, lo, hi, n, unit, method, LEVEL, N_BOOTSTRAP, n_eff)
+    p_hold, p_fail = _p_values(value, float(stats.std(ddof=1)) if len(stats) > 1 else 0.0, op, thr)
+    return est, p_hold, p_fail, None
+
+
+def judge(specs: Iterable[Spec], result: Any, *, seed: int | None = None) -> list[Claim]:
+    """Every spec of ``specs`` judged on ``result``: the one place a verdict is computed.
+
+    For each spec: not applicable when ``spec.applies(result)`` gives a reason (or ``spec.stat``
+    raises :class:`NotApplicable`); else the measurement ``spec.stat(result)`` is resampled by its
+    kind (bootstrap over units, hierarchical bootstrap over units × seeds, Clopper–Pearson for k of
+    n), decided against the threshold, and *not decided* (inconclusive, saying why) when it rests on
+    fewer than two distinct measurements or, for a bootstrap, on a zero-width interval. ``seed``
+    defaults to ``result.seed`` (0 without one).
+    """
+    specs = tuple(specs)
+    check_specs(specs)
+    seed = int(getattr(result, "seed", 0) or 0) if seed is None else seed
+    return [s.evaluate(result, seed) for s in specs]
+
+
+def halves(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded split of ``n`` units into a selection half and a held-out half (sizes ``⌈n/2⌉``,
+    ``⌊n/2⌋``): what is chosen on the first (a layer, neurons) is tested on the second, so a
+    selection never scores itself."""
+    if n < 2:
+        raise NotApplicable(f"a held-out test needs at least 2 units, got {n}")
+    perm = np.random.default_rng(seed).permutation(n)
+    k = (n + 1) // 2
+    return np.sort(perm[:k]), np.sort(perm[k:])
+
+
+def peak_outcomes(values: Any, layer: int, units: Sequence[int] | np.ndarray) -> Outcomes:
+    """Per held-out unit (prompt), whether ``layer`` is where ``values[unit]`` (one value per layer)
+    peaks: the outcomes of a permutation null under which each layer is the peak with chance 1 / L.
+    ``layer`` must have been chosen on *other* units (:func:`halves`). Units whose values are all
+    NaN are left out."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.ndim != 2:
+        raise ValueError(f"values must be (units, layers), got shape {v.shape}")
+    if not 0 <= layer < v.shape[1]:
+        raise ValueError(f"layer {layer} out of range for {v.shape[1]} layers")
+    out, labels = [], []
+    for u in units:
+        row = v[int(u)]
+        if not np.isfinite(row).any():
+            continue
+        out.append(int(np.nanargmax(np.where(np.isfinite(row), row, -np.inf))) == layer)
+        labels.append(f"prompt {int(u)}")
+    return Outcomes(out, labels, unit="held-out prompts")
+
+
+def holm(claims: Sequence[Claim | Mapping[str, Any]], alpha: float = ALPHA) -> list[str]:
+    """Holm-adjusted verdicts (one per claim, in order) over the family of claims of kind
+    ``claim`` with a p-value: a decided verdict stays decided when its one-sided p-value passes
+    Holm's step-down at ``alpha / 2`` (the one-sided level of the 95 % intervals), else it becomes
+    inconclusive. Controls, sanity checks and not-applicable claims keep their verdict and are not
+    in the family."""
+
+    def get(c: Any, k: str) -> Any:
+        return getattr(c, k) if isinstance(c, Claim) else c.get(k)
+
+    out = [get(c, "verdict") for c in claims]
+    fam = [
+        (float(get(c, "p")), i)
+        for i, c in enumerate(claims)
+        if get(c, "kind") == "claim" and get(c, "p") is not None and math.isfinite(float(get(c, "p")))
+    ]
+    fam.sort()
+    m = len(fam)
+    passed = True
+    for j, (p, i) in enumerate(fam):
+        passed = passed and p <= (alpha / 2) / (m - j)
+        if not passed and out[i] in (HOLDS, FAILS):
+            out[i] = INCONCLUSIVE
+    return out
 
 
 def not_applicable(specs: Iterable[Spec], why: str) -> list[Claim]:
