@@ -30,3 +30,21 @@ def test_every_dependency_is_imported_or_explained():
         if not re.search(rf"^\s*(import|from) {module}\b", source, re.M):
             unused.append(name)
     assert unused == [], f"declared but never imported: {unused}"
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("probes", ("interventions", "edits", "experiments", "patching", "report")),
+        ("selection.py", ("probes", "interventions", "edits", "experiments")),
+        ("claims.py", ("probes", "interventions", "edits", "experiments", "models")),
+    ],
+)
+def test_dependencies_point_one_way(package, forbidden):
+    """Probes never import an intervention (the selection rules are on the ground floor) nor an
+    experiment; the claim engine and the selection rules import no model code."""
+    path = ROOT / "me_interp" / package
+    files = [path] if path.is_file() else sorted(path.rglob("*.py"))
+    pattern = re.compile(rf"^\s*(from|import) me_interp\.({'|'.join(forbidden)})\b", re.M)
+    bad = [f"{f.name}: {m.group(0).strip()}" for f in files for m in pattern.finditer(f.read_text())]
+    assert bad == []

@@ -31,9 +31,9 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import names
-from me_interp.interventions.core import n_selected, top_abs_dims
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, record
+from me_interp.selection import n_selected, top_abs_dims
 
 NORMS = ("ffn", "attn")
 ALIGN_SITES = ("ffn_in", "ffn_normalized", "attn_in", "attn_normalized")
@@ -52,7 +52,7 @@ _SITE_NORM = {
 
 def resolve_k(k: int | float, d: int) -> int:
     """Number of top-gain dims: ``k`` itself if an int ≥ 1, ``max(1, floor(k·d + 0.5))`` if a float in
-    (0, 1] (halves round up: the package's one count rule, ``interventions.core.n_selected``).
+    (0, 1] (halves round up: the package's one count rule, ``selection.n_selected``).
 
     Raises:
         ValueError: ``k`` out of range.
