@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from me_interp.claims import Claim
+from me_interp.claims import Claim, tally_text
 from me_interp.experiments.common import (
     BAD_INPUT,
     CommonConfig,
@@ -24,7 +24,14 @@ from me_interp.experiments.common import (
     config_from_args,
     is_bad_input,
 )
-from me_interp.report import EXPERIMENTS, FINISHED, NOT_APPLICABLE, REPORT_FILE, run_battery
+from me_interp.report import (
+    EXPERIMENTS,
+    FINISHED,
+    KIND_LABEL,
+    NOT_APPLICABLE,
+    REPORT_FILE,
+    run_battery,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,9 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         for d in e.get("claims", []):
             c = Claim.from_dict(d)
-            print(f"{n:22s} {'(sanity check) ' if c.kind == 'sanity' else ''}{c.line()}")
+            label = f"({KIND_LABEL[c.kind]}) " if c.kind != "claim" else ""
+            print(f"{n:22s} {label}{c.line()}")
         if e.get("status") == "failed":
             print(f"{n:22s} FAILED         {e['error']}")
+    if "tally" in state:
+        print(tally_text(state["tally"]))
     print(f"report: {cfg.out}/{REPORT_FILE}")
     return 1 if failed else 0
 

@@ -11,20 +11,31 @@ number of independent units behind it, a decision rule whose threshold comes fro
 * ``not applicable`` — the claim presupposes something this model lacks (e.g. a massive activation),
   with ``why``.
 
-Intervals are percentile bootstraps over *per-unit statistics* (prompts, texts, partner layers),
-never over forward passes: resampling costs microseconds; random controls over seeds get a Student-t
-interval (a bootstrap over five seeds under-covers). The bootstrap is seeded, so a result is
-reproducible. A claim of kind ``"sanity"`` reports something that holds by construction (e.g. patching
-back the very cell a corruption overwrote); it is shown apart from the evidence and never counted.
+Every claim is a :class:`Spec`, a *declaration*: its statistic as a function of the experiment's
+typed result, returning a measurement (:class:`Sample`: per-unit values for a percentile bootstrap;
+:class:`Nested`: units × seeds for a two-way bootstrap, for random controls; :class:`Outcomes`: k of
+n yes/no outcomes for an exact Clopper–Pearson interval, each listed), its resampling unit, its
+comparison (``op`` and a threshold of :data:`THRESHOLDS`), when it applies, and its kind (``claim``,
+``control`` or ``sanity``, :data:`KINDS`). One engine, :func:`judge`, turns specs and a result into
+claims; no experiment computes a verdict. The engine also counts the *effective n* (the distinct
+measurements: a shared-BOS first token at layer 0 is one measurement however many prompts repeat
+it) and leaves a claim or control undecided when it rests on fewer than two, or on a zero-width
+bootstrap interval. Resampling is over per-unit statistics, never forward passes, and seeded, so a
+result is reproducible. :func:`holm` adjusts the verdicts of a whole battery for multiplicity, and
+:func:`tally` gives the raw and adjusted counts with controls and sanity checks apart.
 
 Typical use inside an experiment module::
 
-    SPECS = (claims.Spec("weight_swap.ffn_path", "§2.1, §3", "The emergence moves with ...",
-                         statistic="fraction of partner layers ...", op=">=", threshold="moved_fraction",
-                         control="swaps of the single parts, of attn_path and of the whole block"),)
-    def verdicts(result):
-        est = claims.bootstrap(result.moved_per_partner(), unit="partner layers")
-        return [SPECS[0].judge(est, details="...")]
+    SPECS = (
+        claims.Spec(
+            "weight_swap.ffn_path", "§2.1, §3", "The emergence moves with ...",
+            statistic="fraction of partner layers ...", op=">=", threshold="moved_fraction",
+            control="swaps of the single parts, of attn_path and of the whole block",
+            stat=lambda r: claims.Outcomes(r.moved("ffn_path"), r.partner_labels()),
+            unit="partner layers",
+        ),
+    )
+    # common.execute: claims.judge(module.SPECS, result)
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ KINDS = ("claim", "control", "sanity")
 """``claim``: evidence, counted; ``control``: a comparison that must come out as designed for the
 claims beside it to mean anything (e.g. random neurons keep the activation), shown apart and never
 counted; ``sanity``: true by construction, shown apart and never counted."""
+KIND_LABEL = {"claim": "", "control": "control", "sanity": "sanity check"}
+"""How a claim's kind is marked beside its verdict (controls and sanity checks are never counted)."""
 OPS = (">=", ">", "<=", "<", "|x|<")
 """``|x|<``: an equivalence claim (\"unchanged\"): the *signed* statistic lies within ``(-thr, thr)``."""
 N_BOOTSTRAP = 2000
@@ -72,11 +85,6 @@ THRESHOLDS: dict[str, Threshold] = {
         "after the ME layer the norm ratio must stay at least this fraction of its ME-layer value "
         "(the residual stream carries it)",
     ),
-    "null_z": Threshold(
-        3.0,
-        "a per-layer statistic 'peaks at the ME layer' when the ME layer's value lies at least this "
-        "many standard deviations (of the other layers' values) above the other layers' mean",
-    ),
     "peak_fraction": Threshold(
         0.5,
         "a per-layer statistic 'peaks at the ME layer' when, on held-out prompts (the ME layer "
@@ -87,7 +95,8 @@ THRESHOLDS: dict[str, Threshold] = {
     "concentration_share": Threshold(
         0.9,
         "a few units carry the effect: the share of the top-3 FFN neurons (or dims) in the massive "
-        "token's FFN output must reach this",
+        "token's FFN output must reach this (mechanism.few_neurons: the held-out share of the "
+        "neurons chosen on the other half, minus the share of 3 random neurons)",
     ),
     "invariance_cos": Threshold(
         0.9,
@@ -106,7 +115,8 @@ THRESHOLDS: dict[str, Threshold] = {
     ),
     "relative_rise": Threshold(
         0.2,
-        "a quantity 'appears downstream' (the sink rate) when its mean after the ME layer exceeds "
+        "a quantity 'appears downstream' (the attention to the massive token) when its mean after "
+        "the ME layer exceeds "
         "its maximum before by at least this fraction of the larger of the two",
     ),
     "restore": Threshold(
@@ -118,8 +128,9 @@ THRESHOLDS: dict[str, Threshold] = {
     "removed": Threshold(
         0.1,
         "an intervention 'removes' the massive activation when the excess norm ratio (R - 1, "
-        "R = the massive token's norm over the other tokens' mean norm; 1 = an ordinary token) left "
-        "after it is at most this fraction of the unedited excess",
+        "R = the massive token's norm over the other tokens' mean (or median, where a claim says "
+        "so) norm; 1 = an ordinary token) left after it is at most this fraction of the unedited "
+        "excess",
     ),
     "moved_fraction": Threshold(
         0.5,
@@ -176,7 +187,8 @@ def threshold(name: str) -> float:
 
 
 class NotApplicable(Exception):
-    """Raised by an experiment's ``run`` when its claims presuppose something the model lacks.
+    """Raised by an experiment's ``run`` when its claims presuppose something the model lacks, or by
+    a spec's ``stat`` when that one claim does.
 
     The CLI and the battery turn it into "not applicable" verdicts (with this message as the why) for
     every claim the experiment states, and exit 0: on a model without a massive activation that is
@@ -198,8 +210,8 @@ class Estimate:
         lo, hi: the ``level`` interval (equal to ``value`` for an exact, unresampled quantity).
         n: the number of independent units (prompts, partner layers, seeds).
         unit: what one unit is.
-        method: ``"bootstrap"`` (percentile, seeded), ``"t"`` (Student-t, for seeds) or ``"exact"``
-            (no resampling possible).
+        method: ``"bootstrap"`` (percentile, seeded, over units), ``"two-way bootstrap (crossed)"`` /
+            ``"two-way bootstrap (nested)"`` (units × seeds) or ``"clopper-pearson"`` (k of n).
         level: the confidence level.
         resamples: bootstrap resamples (0 for exact).
         n_eff: the effective n, the number of *distinct* measurements among the units (``None``:
@@ -226,138 +238,25 @@ class Estimate:
 
     def text(self) -> str:
         v = fmt_num(self.value)
-        if self.method == "exact":
-            return f"{v} (exact, n = {self.n} {self.unit})"
-        how = "t interval" if self.method == "t" else self.method
+        lo, hi = fmt_num(self.lo), fmt_num(self.hi)
+        for digits in (4, 5, 6):  # a narrow interval that rounds to [v, v] gets the digits it needs
+            if self.lo == self.hi or len({lo, v, hi}) == 3:
+                break
+            v, lo, hi = (fmt_num(x, digits) for x in (self.value, self.lo, self.hi))
+        how = self.method
         n = f"n = {self.n} {self.unit}"
         if self.n_eff is not None and self.n_eff != self.n:
             n += f", {self.n_eff} distinct"
-        return f"{v} [{fmt_num(self.lo)}, {fmt_num(self.hi)}] ({self.level:.0%} CI, {how} over {n})"
+        return f"{v} [{lo}, {hi}] ({self.level:.0%} CI, {how} over {n})"
 
 
-def fmt_num(x: float) -> str:
-    """A number in three significant digits (``nan``/``inf`` spelled out)."""
+def fmt_num(x: float, digits: int = 3) -> str:
+    """A number in ``digits`` significant digits (``nan``/``inf`` spelled out)."""
     if x != x:
         return "nan"
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
-    return f"{x:.3g}"
-
-
-def bootstrap(
-    values: Sequence[float] | np.ndarray,
-    statistic: Callable[[np.ndarray], float] | None = None,
-    *,
-    unit: str = "prompts",
-    n_resamples: int = N_BOOTSTRAP,
-    seed: int = 0,
-    level: float = LEVEL,
-) -> Estimate:
-    """Percentile bootstrap of ``statistic`` over the rows of ``values`` (one row per unit).
-
-    Args:
-        values: per-unit statistics, shape ``(n,)`` or ``(n, k)`` (rows are resampled together, so
-            paired quantities stay paired).
-        statistic: maps a resampled ``(n, ...)`` array to a float; ``None`` = the mean over rows
-            (then ``values`` must be 1-D), computed for all resamples at once.
-        unit: what a row is (reported).
-        n_resamples: resamples (at least 1000).
-        seed: seeds the resampling (a fixed seed makes the interval reproducible).
-        level: two-sided confidence level.
-
-    Non-finite rows are dropped first (and ``n`` counts the rest); with no finite row the estimate is
-    NaN, which :func:`decide` calls inconclusive.
-    """
-    if n_resamples < 1000:
-        raise ValueError(f"n_resamples must be >= 1000, got {n_resamples}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    arr = np.asarray(values, dtype=np.float64)
-    if arr.ndim == 0:
-        raise ValueError("bootstrap needs one value per unit, got a scalar")
-    finite = np.isfinite(arr).reshape(len(arr), -1).all(axis=1)
-    arr = arr[finite]
-    n = len(arr)
-    nan = float("nan")
-    if n == 0:
-        return Estimate(nan, nan, nan, 0, unit, "bootstrap", level, n_resamples)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(n_resamples, n))
-    if statistic is None:
-        if arr.ndim != 1:
-            raise ValueError("the default statistic (mean) needs 1-D values")
-        value = float(arr.mean())
-        stats = arr[idx].mean(axis=1)
-    else:
-        value = float(statistic(arr))
-        stats = np.array([statistic(arr[i]) for i in idx], dtype=np.float64)
-    stats = stats[np.isfinite(stats)]
-    if len(stats) == 0:
-        return Estimate(value, nan, nan, n, unit, "bootstrap", level, n_resamples)
-    a = (1 - level) / 2
-    lo, hi = np.quantile(stats, [a, 1 - a])
-    return Estimate(value, float(lo), float(hi), n, unit, "bootstrap", level, n_resamples)
-
-
-_T975 = (
-    12.706,
-    4.303,
-    3.182,
-    2.776,
-    2.571,
-    2.447,
-    2.365,
-    2.306,
-    2.262,
-    2.228,
-    2.201,
-    2.179,
-    2.160,
-    2.145,
-    2.131,
-    2.120,
-    2.110,
-    2.101,
-    2.093,
-    2.086,
-    2.080,
-    2.074,
-    2.069,
-    2.064,
-    2.060,
-    2.056,
-    2.052,
-    2.048,
-    2.045,
-    2.042,
-)
-"""Student-t 97.5 % quantiles for 1..30 degrees of freedom (1.96 beyond)."""
-
-
-def over_seeds(values: Sequence[float], *, level: float = LEVEL) -> Estimate:
-    """The Student-t interval of the mean over a random control's seeds (at least
-    :data:`MIN_SEEDS`): ``mean ± t_{n-1} · sd / √n``.
-
-    With a handful of seeds a percentile bootstrap under-covers (about 88 % for a nominal 95 % with
-    5 seeds), so seeds get the t interval; only the 95 % level is tabulated.
-    """
-    x = np.asarray(values, dtype=np.float64)
-    x = x[np.isfinite(x)]
-    if len(x) < MIN_SEEDS:
-        raise ValueError(f"a random control needs >= {MIN_SEEDS} finite seeds, got {len(x)}")
-    if level != LEVEL:
-        raise ValueError(f"over_seeds gives {LEVEL:.0%} intervals only")
-    df = len(x) - 1
-    t = _T975[df - 1] if df <= len(_T975) else 1.96
-    half = t * float(x.std(ddof=1)) / math.sqrt(len(x))
-    m = float(x.mean())
-    return Estimate(m, m - half, m + half, len(x), "seeds", "t", level, 0)
-
-
-def exact(value: float, n: int, unit: str) -> Estimate:
-    """A quantity with no resampling unit (e.g. a rank among layers): its interval is the value."""
-    v = float(value)
-    return Estimate(v, v, v, int(n), unit, "exact", LEVEL, 0)
+    return f"{x:.{digits}g}"
 
 
 def decide(estimate: Estimate, op: str, thr: float) -> str:
@@ -443,7 +342,8 @@ class Claim:
         parts.append(f"rule: {self.rule}")
         if self.outcomes:
             parts.append(
-                "per unit: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in self.outcomes.items())
+                "per unit: "
+                + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in self.outcomes.items())
             )
         if self.control:
             parts.append(f"control: {self.control}")
@@ -519,34 +419,6 @@ class Spec:
             f"(threshold '{self.threshold}'), fails if none of it is, else inconclusive"
         )
 
-    def judge(
-        self,
-        estimate: Estimate,
-        *,
-        details: str = "",
-        control: str | None = None,
-        thr: float | None = None,
-    ) -> Claim:
-        """The claim with its verdict for ``estimate`` (``thr`` overrides the table for a threshold
-        that is relative to a measured reference, e.g. a fraction of the baseline)."""
-        t = self.value if thr is None else float(thr)
-        verdict = decide(estimate, self.op, t)
-        why = "the statistic is undefined" if estimate.value != estimate.value else ""
-        return Claim(
-            self.id,
-            self.section,
-            self.statement,
-            self.statistic,
-            self.rule(t),
-            self.control if control is None else control,
-            verdict,
-            why,
-            estimate,
-            t,
-            self.kind,
-            details,
-        )
-
     def evaluate(self, result: Any, seed: int = 0) -> Claim:
         """This spec's claim on ``result`` (see :func:`judge`, which is how experiments call it)."""
         if self.stat is None:
@@ -564,7 +436,7 @@ class Spec:
         notes = []
         if est.value != est.value:
             notes.append("the statistic is undefined")
-        if verdict in (HOLDS, FAILS):
+        if verdict in (HOLDS, FAILS) and self.kind != "sanity":  # a sanity check may be exact
             if est.n_eff is not None and est.n_eff < 2:
                 notes.append(
                     f"not decided: the {est.n} {est.unit} give {est.n_eff} distinct measurement "
@@ -592,18 +464,6 @@ class Spec:
             None if p != p else float(p),
             outcomes,
         )
-
-    def judge_seeds(self, values: Sequence[float], *, flag: str, details: str = "") -> Claim:
-        """The claim judged on a random control's per-seed values (:func:`over_seeds`), or not
-        applicable when this run measured fewer than :data:`MIN_SEEDS` seeds (``flag`` names the
-        option that sets the number of seeds)."""
-        n = sum(1 for v in values if math.isfinite(v))
-        if n < MIN_SEEDS:
-            return self.not_applicable(
-                f"not measured in this run: {n} random seeds, the control needs at least "
-                f"{MIN_SEEDS} ({flag})"
-            )
-        return self.judge(over_seeds(values), details=details)
 
     def not_applicable(self, why: str) -> Claim:
         """The claim marked not applicable on this model, with ``why``."""
@@ -652,19 +512,24 @@ class Sample:
 
 @dataclass(frozen=True)
 class Nested:
-    """A random control measured on units × seeds: a hierarchical bootstrap that resamples the units
-    (prompts, texts) and then the seeds within each unit, so the interval carries both the data's and
-    the draw's variance (a t interval over seeds ignores which texts were drawn).
+    """A random control measured on units × seeds: a two-way bootstrap that resamples the units
+    (prompts, texts) and the seeds, so the interval carries both the data's and the draw's variance
+    (a t interval over seeds ignores which texts were drawn).
 
     Attributes:
         values: shape ``(n_units, n_seeds)``; the statistic is the mean over all cells unless
             ``statistic`` (on a resampled ``(n_units, n_seeds)`` array) is given.
+        crossed: ``True`` (the default) when a seed's draw is shared by every unit (a random edit of
+            the model, a random dim set applied to every text): one resample of the seeds per
+            replicate, for all units. ``False`` when each unit draws its own seeds (nested): the seeds
+            are resampled within each unit.
     """
 
     values: Any
     statistic: Callable[[np.ndarray], float] | None = None
     unit: str | None = None
     inner: str = "seeds"
+    crossed: bool = True
 
 
 @dataclass(frozen=True)
@@ -711,7 +576,16 @@ def _binom_cdf(k: int, n: int, p: float) -> float:
         return 0.0
     if k >= n:
         return 1.0
-    return float(sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k + 1)))
+    if p <= 0.0 or p >= 1.0:
+        return 1.0 if p <= 0.0 else 0.0
+    lp, lq, lg = math.log(p), math.log1p(-p), math.lgamma
+    return min(
+        1.0,
+        sum(
+            math.exp(lg(n + 1) - lg(i + 1) - lg(n - i + 1) + i * lp + (n - i) * lq)
+            for i in range(k + 1)
+        ),
+    )  # log space: exact enough, and no overflow for large n
 
 
 def clopper_pearson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
@@ -747,7 +621,12 @@ def _boot_stats(m: Sample | Nested, seed: int) -> tuple[float, np.ndarray, int, 
             return float("nan"), np.array([]), 0, 0
         stat = m.statistic or (lambda a: float(a.mean()))
         iu = rng.integers(0, n, size=(N_BOOTSTRAP, n))
-        iseed = rng.integers(0, s, size=(N_BOOTSTRAP, n, s))
+        if m.crossed:  # one seed resample per replicate, shared by its units
+            iseed = np.broadcast_to(
+                rng.integers(0, s, size=(N_BOOTSTRAP, 1, s)), (N_BOOTSTRAP, n, s)
+            )
+        else:
+            iseed = rng.integers(0, s, size=(N_BOOTSTRAP, n, s))
         res = arr[iu[..., None], iseed]  # [boot unit seed]
         if m.statistic is None:
             stats = res.mean(axis=(1, 2))
@@ -818,7 +697,9 @@ def measure_estimate(
         p_hold, p_fail = _binom_p(k, n, op, thr)
         return est, p_hold, p_fail, dict(zip(m.labels, o, strict=True))
     value, stats, n, n_eff = _boot_stats(m, seed)
-    method = "hierarchical bootstrap" if isinstance(m, Nested) else "bootstrap"
+    method = "bootstrap"
+    if isinstance(m, Nested):
+        method = "two-way bootstrap (crossed)" if m.crossed else "two-way bootstrap (nested)"
     if isinstance(m, Nested):
         unit = f"{unit} × {m.inner}"
     nan = float("nan")
@@ -837,7 +718,7 @@ def judge(specs: Iterable[Spec], result: Any, *, seed: int | None = None) -> lis
 
     For each spec: not applicable when ``spec.applies(result)`` gives a reason (or ``spec.stat``
     raises :class:`NotApplicable`); else the measurement ``spec.stat(result)`` is resampled by its
-    kind (bootstrap over units, hierarchical bootstrap over units × seeds, Clopper–Pearson for k of
+    kind (bootstrap over units, two-way bootstrap over units × seeds, Clopper–Pearson for k of
     n), decided against the threshold, and *not decided* (inconclusive, saying why) when it rests on
     fewer than two distinct measurements or, for a bootstrap, on a zero-width interval. ``seed``
     defaults to ``result.seed`` (0 without one).
@@ -846,6 +727,17 @@ def judge(specs: Iterable[Spec], result: Any, *, seed: int | None = None) -> lis
     check_specs(specs)
     seed = int(getattr(result, "seed", 0) or 0) if seed is None else seed
     return [s.evaluate(result, seed) for s in specs]
+
+
+def too_few_seeds(n: int, flag: str) -> str | None:
+    """Why a random control measured on ``n`` seeds is not applicable (fewer than
+    :data:`MIN_SEEDS`; ``flag`` names the option that sets the number), else ``None``."""
+    if n >= MIN_SEEDS:
+        return None
+    return (
+        f"not measured in this run: {n} random seeds, the control needs at least {MIN_SEEDS} "
+        f"({flag})"
+    )
 
 
 def halves(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -893,7 +785,9 @@ def holm(claims: Sequence[Claim | Mapping[str, Any]], alpha: float = ALPHA) -> l
     fam = [
         (float(get(c, "p")), i)
         for i, c in enumerate(claims)
-        if get(c, "kind") == "claim" and get(c, "p") is not None and math.isfinite(float(get(c, "p")))
+        if get(c, "kind") == "claim"
+        and get(c, "p") is not None
+        and math.isfinite(float(get(c, "p")))
     ]
     fam.sort()
     m = len(fam)
@@ -910,15 +804,48 @@ def not_applicable(specs: Iterable[Spec], why: str) -> list[Claim]:
     return [s.not_applicable(why) for s in specs]
 
 
-def counts(claims: Iterable[Claim | Mapping[str, Any]]) -> dict[str, int]:
-    """How many claims (kind ``claim`` only) hold / fail / are inconclusive / not applicable."""
+def counts(claims: Iterable[Claim | Mapping[str, Any]], kind: str = "claim") -> dict[str, int]:
+    """How many claims of ``kind`` (default: evidence only) hold / fail / are inconclusive / not
+    applicable."""
     out = dict.fromkeys(VERDICTS, 0)
     for c in claims:
-        kind = c.kind if isinstance(c, Claim) else c.get("kind", "claim")
+        k = c.kind if isinstance(c, Claim) else c.get("kind", "claim")
         verdict = c.verdict if isinstance(c, Claim) else c["verdict"]
-        if kind == "claim":
+        if k == kind:
             out[verdict] += 1
     return out
+
+
+def tally(claims: Iterable[Claim | Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """The counts a summary reports: ``raw`` and ``holm`` (Holm-adjusted, :func:`holm`) for the
+    claims of kind ``claim``, and the controls and sanity checks apart (never counted as evidence)."""
+    cs = list(claims)
+    adjusted = holm(cs)
+    kinds = [c.kind if isinstance(c, Claim) else c.get("kind", "claim") for c in cs]
+    holm_counts = dict.fromkeys(VERDICTS, 0)
+    for k, v in zip(kinds, adjusted, strict=True):
+        if k == "claim":
+            holm_counts[v] += 1
+    return {
+        "raw": counts(cs),
+        "holm": holm_counts,
+        "control": counts(cs, "control"),
+        "sanity": counts(cs, "sanity"),
+    }
+
+
+def tally_text(t: Mapping[str, Mapping[str, int]]) -> str:
+    """One line for :func:`tally`: raw and Holm-adjusted claim counts, controls and sanity apart."""
+
+    def fmt(c: Mapping[str, int]) -> str:
+        return ", ".join(f"{c[v]} {v}" for v in VERDICTS if c.get(v)) or "none"
+
+    n = sum(t["raw"].values())
+    return (
+        f"{n} claims: {fmt(t['raw'])}; Holm-adjusted: {fmt(t['holm'])} | "
+        f"{sum(t['control'].values())} controls: {fmt(t['control'])} | "
+        f"{sum(t['sanity'].values())} sanity checks: {fmt(t['sanity'])}"
+    )
 
 
 def check_specs(specs: Iterable[Spec]) -> None:
@@ -935,24 +862,3 @@ def index(specs: Sequence[Spec]) -> dict[str, Spec]:
     :func:`check_specs`."""
     check_specs(specs)
     return {s.id.split(".", 1)[1]: s for s in specs}
-
-
-def null_z(values: Sequence[float] | np.ndarray, layer: int) -> float:
-    """How far the value at ``layer`` lies above the other layers': ``(x_L - mean_{l≠L} x_l) /
-    std_{l≠L} x_l`` (``inf`` when the others are constant and ``x_L`` above them).
-
-    Used to judge "peaks at the ME layer" against the null of every other layer, so that a statistic
-    the detection rule nearly implies still has to stand out from the rest of the model.
-    """
-    x = np.asarray(values, dtype=np.float64)
-    if not 0 <= layer < len(x):
-        raise ValueError(f"layer {layer} out of range for {len(x)} values")
-    others = np.delete(x, layer)
-    others = others[np.isfinite(others)]
-    if len(others) < 2 or not np.isfinite(x[layer]):
-        return float("nan")
-    sd = others.std(ddof=1)
-    gap = x[layer] - others.mean()
-    if sd == 0:
-        return float("inf") if gap > 0 else (0.0 if gap == 0 else float("-inf"))
-    return float(gap / sd)

@@ -20,7 +20,12 @@ Sources, in the order they are tried:
 * an HF hub name (works wherever the hub or a local HF cache is reachable);
 * an already-built HF ``PreTrainedModel`` (pass its tokenizer too);
 * ``"synthetic:planted"``, ``"synthetic:twin"``, ``"synthetic:tiny-llama"``, ``"synthetic:tiny-qwen3"``:
-  the tiny models of :mod:`me_interp.synthetic` (tests, demos; their prompts are words ``w0 … w59``).
+  the tiny models of :mod:`me_interp.synthetic` (tests, demos; their prompts are words ``w0 … w59``);
+  ``"synthetic:planted-nobos"`` and the decoys ``"synthetic:decoy-<kind>"`` have no BOS (prompts:
+  ``synthetic.distinct_first_prompts``); ``"synthetic:planted-deep"``, ``"synthetic:twin-deep"``
+  and ``"synthetic:planted-deep-late"`` are 8-layer planted models with BOS (``synthetic.DEEP``);
+  the deep decoys ``"synthetic:decoy-<kind>-deep"`` are 8-layer decoys without BOS, made at layer 6
+  (``synthetic.DEEP_DECOYS``).
 
 Supported: pre-norm decoder-only models with RMSNorm and a gated FFN — Llama, Mistral, Qwen2/2.5/3,
 Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``), Gemma 1/2/3 (gain ``1 + w``; Gemma 2/3 sandwich norms),
@@ -247,10 +252,20 @@ class LoadedModel:
         ``"yes"`` makes the first token BOS (prepending it if the tokenizer did not); ``"no"`` removes a
         BOS the tokenizer added.
 
+        Experiment prompts (:class:`me_interp.prompts.Prompt`, from ``CommonConfig.load_prompts``)
+        of fewer than :data:`me_interp.prompts.MIN_PROMPT_TOKENS` tokens are dropped here, the one
+        place prompts become tokens, with a warning; ``self.prompt_filter`` then records the given,
+        kept and dropped prompts of the last call with experiment prompts. Plain strings are never
+        dropped (one row per input).
+
         Raises:
-            ValueError: for an empty prompt list, an empty prompt, or ``bos="yes"`` on a tokenizer
-                without a BOS token.
+            ValueError: for an empty prompt list, an empty prompt, ``bos="yes"`` on a tokenizer
+                without a BOS token, or experiment prompts that are all too short.
         """
+        import warnings
+
+        from me_interp.prompts import MIN_PROMPT_TOKENS, Prompt
+
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -270,6 +285,38 @@ class LoadedModel:
         for i, r in enumerate(rows):
             if not r:
                 raise ValueError(f"prompt {i} ({prompts[i]!r}) has no tokens")
+        marked = [isinstance(p, Prompt) for p in prompts]
+        if any(marked):
+            short = [i for i, r in enumerate(rows) if marked[i] and len(r) < MIN_PROMPT_TOKENS]
+            self.prompt_filter = {
+                "min_tokens": MIN_PROMPT_TOKENS,
+                "n_given": len(rows),
+                "n_kept": len(rows) - len(short),
+                "dropped": [
+                    {
+                        "index": prompts[i].index,
+                        "prompt": str(prompts[i])[:80],
+                        "tokens": len(rows[i]),
+                    }
+                    for i in short
+                ],
+            }
+            if len(short) == len(rows):
+                raise ValueError(
+                    f"every one of the {len(rows)} prompts tokenises to fewer than "
+                    f"{MIN_PROMPT_TOKENS} tokens with the tokenizer of {self.name} (bos={self.bos!r}); "
+                    "the experiments compare a token with the other tokens of its prompt: give "
+                    "longer prompts"
+                )
+            if short:
+                warnings.warn(
+                    f"dropped {len(short)} of {len(rows)} prompts that tokenise to fewer than "
+                    f"{MIN_PROMPT_TOKENS} tokens with {self.name} (prompt set indices "
+                    f"{[prompts[i].index for i in short]}); {len(rows) - len(short)} kept",
+                    stacklevel=2,
+                )
+                keep = [i for i in range(len(rows)) if i not in set(short)]
+                rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
         return self.batch_from_ids(rows, prompts=tuple(prompts))
 
     def batch_from_ids(
@@ -320,6 +367,7 @@ class LoadedModel:
             "weights_folded": False,
             "arch": self.arch.to_dict(),
             "layer_index": "0-based (layer L = blocks.L = HF model.layers[L]); 1-based given alongside",
+            "prompt_filter": getattr(self, "prompt_filter", None),
         }
 
     def __repr__(self) -> str:
@@ -828,17 +876,49 @@ def _reload(
 
 
 SYNTHETIC_PREFIX = "synthetic:"
-SYNTHETIC_MODELS = ("planted", "twin", "tiny-llama", "tiny-qwen3")
-"""The historical names; every architecture ``a`` of :data:`me_interp.synthetic.ARCHS` also has
-``planted-a``, ``twin-a`` and ``tiny-a`` (e.g. ``synthetic:planted-gemma3``)."""
+SYNTHETIC_MODELS = (
+    "planted",
+    "twin",
+    "tiny-llama",
+    "tiny-qwen3",
+    "planted-nobos",
+    "twin-nobos",
+    "planted-deep",
+    "twin-deep",
+    "planted-deep-late",
+    "planted-needsink",
+    "planted-needsink-wide",
+    "planted-needsink-mild",
+)
+"""The historical names, the no-BOS planted model and twin, the deep planted models (8 layers,
+:data:`me_interp.synthetic.DEEP`: enough partner layers for a k-of-n claim to be decided), the
+planted models whose language model needs its sink (:data:`me_interp.synthetic.NEEDSINK`); every
+architecture ``a`` of
+:data:`me_interp.synthetic.ARCHS` also has ``planted-a``, ``twin-a`` and ``tiny-a`` (e.g.
+``synthetic:planted-gemma3``), and every kind ``k`` of :data:`me_interp.synthetic.DECOYS`
+``decoy-k`` (e.g. ``synthetic:decoy-attention``)."""
 
 
 def _synthetic(spec: str):
-    """``synthetic:planted`` / ``twin`` / ``tiny-llama`` / ``tiny-qwen3``, and ``planted-<arch>`` /
-    ``twin-<arch>`` / ``tiny-<arch>`` for every architecture of :data:`me_interp.synthetic.ARCHS`."""
+    """``synthetic:planted`` / ``twin`` / ``tiny-llama`` / ``tiny-qwen3``, ``planted-nobos`` /
+    ``twin-nobos`` (:func:`me_interp.synthetic.planted_nobos`), ``planted-deep`` / ``twin-deep`` /
+    ``planted-deep-late`` (:func:`me_interp.synthetic.planted_deep`), ``planted-needsink`` /
+    ``planted-needsink-wide`` / ``planted-needsink-mild``
+    (:func:`me_interp.synthetic.planted_needsink`), ``decoy-<kind>``
+    (:func:`me_interp.synthetic.decoy`; its ``-deep`` kinds go to
+    :func:`me_interp.synthetic.decoy_deep`), and ``planted-<arch>`` / ``twin-<arch>`` /
+    ``tiny-<arch>`` for every architecture of :data:`me_interp.synthetic.ARCHS`."""
     from me_interp import synthetic
 
     kind = spec.removeprefix(SYNTHETIC_PREFIX)
+    if kind in ("planted-nobos", "twin-nobos"):
+        return synthetic.planted_nobos(plant=kind == "planted-nobos")[:2]
+    if kind in synthetic.DEEP:
+        return synthetic.planted_deep(kind)[:2]
+    if kind in synthetic.NEEDSINK:
+        return synthetic.planted_needsink(kind)[:2]
+    if kind.startswith("decoy-") and kind.removeprefix("decoy-") in synthetic.DECOYS:
+        return synthetic.decoy(kind.removeprefix("decoy-"))[:2]
     if kind == "planted":
         return synthetic.planted_llama()[:2]
     if kind == "twin":
@@ -855,11 +935,15 @@ def _synthetic(spec: str):
             return synthetic.planted(arch, plant=False)[:2]
         if what == "tiny":
             return synthetic.tiny(arch)
-    names = [*SYNTHETIC_MODELS, *(f"{w}-<arch>" for w in ("planted", "twin", "tiny"))]
+    names = [
+        *SYNTHETIC_MODELS,
+        *(f"{w}-<arch>" for w in ("planted", "twin", "tiny")),
+        "decoy-<kind>",
+    ]
     raise ModelLoadError(
         f"unknown synthetic model {spec!r}; choose one of "
         + ", ".join(SYNTHETIC_PREFIX + k for k in names)
-        + f" (<arch>: {', '.join(synthetic.ARCHS)})"
+        + f" (<arch>: {', '.join(synthetic.ARCHS)}; <kind>: {', '.join(synthetic.DECOYS)})"
     )
 
 

@@ -7,7 +7,10 @@ massive activation and the sink it causes, so the metrics read activations, not 
 * :class:`NormRatio` — ``R = ‖h_p‖ / mean_{t≠p} ‖h_t‖`` at ``blocks.L.hook_resid_post`` (the massive
   token ``p`` against the other real tokens of its prompt);
 * :class:`SinkMass` — ``S = mean_{l∈layers} mean_{h} mean_{q>p} A^{(l,h)}[q, p]``, the attention mass on
-  ``p`` (queries after ``p`` only: earlier queries cannot see it).
+  ``p`` (queries after ``p`` only: earlier queries cannot see it);
+* :class:`Projection` — ``P = ⟨h_p, u⟩`` at ``blocks.L.hook_resid_post`` for a fixed unit direction
+  ``u`` (e.g. the clean massive direction): *signed*, so a write against ``u`` (one that erases the
+  massive activation) lowers it, where a norm would rise.
 
 The normalised score of a patch is ARENA's ``(m_patched − m_corrupt) / (m_clean − m_corrupt)`` on the
 prompt-mean metric: 1 = the patch restores the clean value, 0 = it does nothing.
@@ -95,6 +98,32 @@ class NormRatio:
         norms = acts[names.resid_post(self.layer)].float().norm(dim=-1).cpu()  # [batch pos]
         ref = torch.full((norms.shape[0],), self.position, dtype=torch.long)
         return ratio_to_others(norms, mask.cpu(), ref)
+
+
+@dataclass(frozen=True, eq=False)
+class Projection:
+    """``⟨h_p, u⟩`` at the output of ``layer``: the signed component of token ``p``'s state along the
+    fixed direction ``direction`` (normalised to a unit vector here)."""
+
+    layer: int
+    direction: torch.Tensor
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        u = torch.as_tensor(self.direction, dtype=torch.float32).flatten().cpu()
+        n = float(u.norm())
+        if not math.isfinite(n) or n == 0:
+            raise ValueError("Projection needs a finite, non-zero direction")
+        object.__setattr__(self, "direction", u / n)
+
+    def hook_names(self) -> tuple[str, ...]:
+        return (names.resid_post(self.layer),)
+
+    def __call__(
+        self, acts: Mapping[str, torch.Tensor], mask: Bool[torch.Tensor, "batch pos"]
+    ) -> Float[torch.Tensor, " batch"]:
+        h = acts[names.resid_post(self.layer)][:, self.position].float().cpu()  # [batch d]
+        return h @ self.direction
 
 
 @dataclass(frozen=True)
@@ -562,6 +591,7 @@ __all__ = [
     "STRICT_ENV",
     "NormRatio",
     "PatchMetric",
+    "Projection",
     "SinkMass",
     "SweepResult",
     "evaluate_metrics",

@@ -6,6 +6,7 @@ with a dashed vertical line; norms are on log axes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -82,7 +83,21 @@ def layer_lines(
     )
     if log_y:
         fig.update_yaxes(type="log")
+    else:
+        _pad_flat_range(fig, [y for ys in series.values() for y in ys])
     return mark_layer(fig, me_layer)
+
+
+def _pad_flat_range(fig: go.Figure, ys: Sequence[float | None]) -> None:
+    """Give the y axis a range when every finite value is (nearly) the same: plotly's autorange of a
+    span of ~1e-16 (a cosine of exactly 1 in float noise) draws ticks and the axis title at infinity."""
+    finite = [float(y) for y in ys if y is not None and math.isfinite(float(y))]
+    if not finite:
+        return
+    lo, hi = min(finite), max(finite)
+    if hi - lo <= 1e-9 * max(1.0, abs(hi)):
+        pad = max(0.05 * abs(hi), 1e-3)
+        fig.update_yaxes(range=[lo - pad, hi + pad])
 
 
 def site_norms_figure(

@@ -9,6 +9,15 @@ with its genre. ``wemask_texts.txt`` holds the natural texts of the perplexity /
 
 A prompt file is plain text, one prompt per line (``\\n`` inside a line is a newline), or a JSON list of
 strings.
+
+**Short prompts.** Every experiment compares a token with the other tokens of its prompt, so a prompt
+needs at least :data:`MIN_PROMPT_TOKENS` tokens. Whether it has them depends on the tokenizer (a
+sentence without spaces is one token of a word-level tokenizer) and the BOS choice, so the prompts of an
+experiment are :class:`Prompt` strings (:func:`as_prompts`, what ``CommonConfig.load_prompts`` returns),
+and :meth:`me_interp.models.LoadedModel.tokenize`, the one place prompts become tokens, drops a
+``Prompt`` that tokenises shorter, with a warning, and records what it dropped and kept
+(``LoadedModel.prompt_filter``). Plain strings (texts, MC contexts) are never dropped: their rows stay
+aligned with their inputs. When every prompt is too short, tokenising fails with a clear error.
 """
 
 from __future__ import annotations
@@ -41,6 +50,35 @@ def _data_text(name: str) -> str:
 
 
 Item = TypeVar("Item")
+
+MIN_PROMPT_TOKENS = 2
+"""Fewest tokens (BOS included when added) an experiment prompt may have: the probes compare a token
+with the *other* tokens of its prompt."""
+
+
+class Prompt(str):
+    """An experiment prompt: a ``str`` that remembers its place in the prompt set, and that
+    :meth:`me_interp.models.LoadedModel.tokenize` drops (with a note) when it tokenises to fewer than
+    :data:`MIN_PROMPT_TOKENS` tokens (see the module docstring).
+
+    Attributes:
+        index: the prompt's 0-based position in the loaded prompt set (the file's order).
+    """
+
+    index: int
+
+    def __new__(cls, text: str, index: int = 0) -> Prompt:
+        out = super().__new__(cls, text)
+        out.index = int(index)
+        return out
+
+    def __reduce__(self):  # pickles (and copies) as a Prompt, with its index
+        return (Prompt, (str(self), self.index))
+
+
+def as_prompts(prompts: Sequence[str]) -> list[Prompt]:
+    """``prompts`` as :class:`Prompt` strings, indexed by their position (what the experiments run)."""
+    return [Prompt(p, i) for i, p in enumerate(prompts)]
 
 
 def builtin_prompts() -> list[str]:

@@ -8,7 +8,7 @@ figure file. Re-running with the same settings skips experiments that already fi
 (their ``result.json`` exists), so an interrupted battery resumes where it stopped.
 
 Every experiment module provides ``NAME``, ``Config`` (a :class:`CommonConfig`), ``run(cfg, model)``,
-``figures(result)``, ``SPECS`` and ``verdicts(result) -> list[claims.Claim]``. An experiment whose
+``figures(result)`` and ``SPECS`` (judged by :func:`claims.judge`). An experiment whose
 claims presuppose a massive activation that the model lacks is recorded as "not applicable" (with the
 reason), not as a failure.
 """
@@ -16,14 +16,30 @@ reason), not as a failure.
 from __future__ import annotations
 
 import html
-import importlib
 import traceback
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from me_interp import claims as claims_mod
 from me_interp import io
+from me_interp.experiments import (
+    activation_patching,
+    attention_sinks,
+    component_ablation,
+    ffn_svd_ablation,
+    invariance,
+    me_layer,
+    mechanism,
+    rmsnorm_permutation,
+    sink_causality,
+    transplant,
+    weight_input_cross,
+    weight_patching,
+    weight_swap,
+    wemask,
+)
 from me_interp.experiments.common import (
     CommonConfig,
     execute,
@@ -31,23 +47,28 @@ from me_interp.experiments.common import (
     seed_everything,
     write_outcome,
 )
+from me_interp.probes.massive import site_text
 
-EXPERIMENTS: tuple[str, ...] = (
-    "me_layer",
-    "mechanism",
-    "invariance",
-    "attention_sinks",
-    "wemask",
-    "activation_patching",
-    "rmsnorm_permutation",
-    "ffn_svd_ablation",
-    "weight_patching",
-    "weight_swap",
-    "weight_input_cross",
-    "transplant",
-    "component_ablation",
-    "sink_causality",
+MODULES: tuple[types.ModuleType, ...] = (
+    me_layer,
+    mechanism,
+    invariance,
+    attention_sinks,
+    wemask,
+    activation_patching,
+    rmsnorm_permutation,
+    ffn_svd_ablation,
+    weight_patching,
+    weight_swap,
+    weight_input_cross,
+    transplant,
+    component_ablation,
+    sink_causality,
 )
+"""The battery's experiments, registered by module, in the order they run."""
+EXPERIMENTS: tuple[str, ...] = tuple(m.NAME for m in MODULES)
+"""Their names (``--only`` / ``--skip`` choices, battery.json keys)."""
+_BY_NAME: dict[str, types.ModuleType] = {m.NAME: m for m in MODULES}
 NOT_APPLICABLE = claims_mod.NOT_APPLICABLE
 FINISHED = ("done", NOT_APPLICABLE)
 """Battery statuses of an experiment that ran to the end (and is skipped on resume)."""
@@ -84,6 +105,7 @@ def run_battery(
     model: Any = None,
     progress: Callable[[str], None] | None = None,
     fresh: bool = False,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Run ``experiments`` with the shared settings ``common``; returns the battery state.
 
@@ -93,6 +115,8 @@ def run_battery(
         model: an already loaded model (else loaded from ``common``), loaded at most once.
         progress: called with a line of text before each experiment (the CLI prints it to stderr).
         fresh: ignore finished experiments of an earlier battery in the same ``out``.
+        overrides: per experiment, config fields beyond the shared ones (e.g. ``{"wemask":
+            {"texts": FILE}}``); part of the battery's fingerprint.
     """
     unknown = [e for e in experiments if e not in EXPERIMENTS]
     if unknown:
@@ -103,7 +127,11 @@ def run_battery(
     out.mkdir(parents=True, exist_ok=True)
     state = {"experiments": {}} if fresh else _load_state(out)
     model = model_for(common, model)
-    fp = _fingerprint(common, model)
+    overrides = {k: dict(v) for k, v in (overrides or {}).items()}
+    unknown = [e for e in overrides if e not in EXPERIMENTS]
+    if unknown:
+        raise ValueError(f"overrides for unknown experiments {unknown}")
+    fp = {**_fingerprint(common, model), "overrides": overrides}
     if state.get("settings") not in (None, fp):
         state = {"experiments": {}}  # other settings: start over, keep the old runs on disk
     state["settings"] = fp
@@ -120,8 +148,8 @@ def run_battery(
         if progress:
             progress(f"[{i + 1}/{len(experiments)}] {name} ...")
         try:
-            module = importlib.import_module(f"me_interp.experiments.{name}")
-            cfg = module.Config(**common.to_dict())
+            module = _BY_NAME[name]
+            cfg = module.Config(**common.to_dict(), **overrides.get(name, {}))
             seed_everything(cfg.seed)
             outcome = execute(module, cfg, model)
             run_dir = write_outcome(name, cfg, model, outcome)
@@ -140,6 +168,7 @@ def run_battery(
                 "traceback": traceback.format_exc(limit=8),
             }
         state["experiments"][name] = entry
+        state["tally"] = claims_mod.tally(_finished_claims(state, experiments))
         io.write_json(out / STATE_FILE, state)
         write_report(out, state, experiments)
     write_report(out, state, experiments)
@@ -161,7 +190,7 @@ KEY_FIGURES: dict[str, tuple[str, ...]] = {
     "invariance": ("cos_across_inputs",),
     "attention_sinks": ("sink_rate",),
     "wemask": ("mask_rate",),
-    "activation_patching": ("patching_norm_ratio",),
+    "activation_patching": ("patching_projection",),
     "rmsnorm_permutation": ("ratio_after_edit",),
     "ffn_svd_ablation": ("svd_sweep",),
     "weight_patching": ("me_layer_after_patch",),
@@ -183,22 +212,29 @@ def key_figures(name: str, available: Sequence[str]) -> list[str]:
     return chosen or list(available[:1])
 
 
-def _verdict_badge(verdict: str, sanity: bool = False) -> str:
-    extra = " <small>(sanity check)</small>" if sanity else ""
-    return f"<span class=verdict style='color:{_COLOR[verdict]}'>{verdict}</span>{extra}"
+KIND_LABEL = claims_mod.KIND_LABEL
 
 
-def _claim_rows(cs: Sequence[dict[str, Any]]) -> list[str]:
+def _verdict_badge(c: claims_mod.Claim, adjusted: dict[str, str] | None = None) -> str:
+    label = KIND_LABEL[c.kind]
+    extra = f" <small>({label})</small>" if label else ""
+    holm = (adjusted or {}).get(c.id, c.verdict)
+    if holm != c.verdict:
+        extra += f" <small>(Holm-adjusted: {holm})</small>"
+    return f"<span class=verdict style='color:{_COLOR[c.verdict]}'>{c.verdict}</span>{extra}"
+
+
+def _claim_rows(cs: Sequence[dict[str, Any]], adjusted: dict[str, str] | None = None) -> list[str]:
     rows = []
     for d in cs:
         c = claims_mod.Claim.from_dict(d)
         measured = html.escape(c.estimate.text()) if c.estimate else "&mdash;"
-        sanity = c.kind == "sanity"
+        apart = c.kind != "claim"
         why = f"<br><i>{html.escape(c.why)}</i>" if c.why else ""
         details = f"<br><small>{html.escape(c.details)}</small>" if c.details else ""
         rows.append(
-            f"<tr{' class=sanity' if sanity else ''}>"
-            f"<td>{_verdict_badge(c.verdict, sanity)}</td>"
+            f"<tr{' class=sanity' if apart else ''}>"
+            f"<td>{_verdict_badge(c, adjusted)}</td>"
             f"<td><code>{html.escape(c.id)}</code><br><small>{html.escape(c.section)}</small></td>"
             f"<td>{html.escape(c.statement)}{why}</td>"
             f"<td>{html.escape(c.statistic)}: <b>{measured}</b>{details}</td>"
@@ -208,19 +244,19 @@ def _claim_rows(cs: Sequence[dict[str, Any]]) -> list[str]:
     return rows
 
 
-def _claim_lines(cs: Sequence[dict[str, Any]]) -> str:
+def _claim_lines(cs: Sequence[dict[str, Any]], adjusted: dict[str, str] | None = None) -> str:
     """The verdict lines shown beside the figure: verdict, id, statement, estimate (or the reason)."""
     items = []
     for d in cs:
         c = claims_mod.Claim.from_dict(d)
-        sanity = c.kind == "sanity"
+        apart = c.kind != "claim"
         if c.estimate is not None:
             measured = f"{html.escape(c.statistic)}: <b>{html.escape(c.estimate.text())}</b>"
         else:
             measured = f"<i>{html.escape(c.why)}</i>"
         items.append(
-            f"<li{' class=sanity' if sanity else ''} style='border-left-color:{_COLOR[c.verdict]}'>"
-            f"{_verdict_badge(c.verdict, sanity)} "
+            f"<li{' class=sanity' if apart else ''} style='border-left-color:{_COLOR[c.verdict]}'>"
+            f"{_verdict_badge(c, adjusted)} "
             f"<code>{html.escape(c.id)}</code> <small>{html.escape(c.section)}</small><br>"
             f"{html.escape(c.statement)}<br><small>{measured}</small></li>"
         )
@@ -330,8 +366,8 @@ def _model_card(out: Path, state: dict[str, Any], experiments: Sequence[str]) ->
     n = f"; n = {me['n_prompts']} in the ME-layer scan" if "n_prompts" in me else ""
     if me.get("me_layer") is not None:
         found = (
-            f"layer {me['me_layer']} (0-based) = {me['me_layer_1based']} (1-based), made by the "
-            f"{me.get('me_site')}; dims {me.get('massive_dims', [])[:8]}"
+            f"layer {me['me_layer']} (0-based) = {me['me_layer_1based']} (1-based), made by "
+            f"{site_text(str(me.get('me_site')))}; dims {me.get('massive_dims', [])[:8]}"
         )
     elif me:
         found = "none: no massive activation on these prompts"
@@ -387,7 +423,8 @@ def write_report(
     if not js.is_file():
         io.atomic_write_text(js, plotly.offline.get_plotlyjs())
     sections = []
-    all_claims: list[dict[str, Any]] = []
+    all_claims = _finished_claims(state, experiments)
+    adjusted = dict(zip((d["id"] for d in all_claims), claims_mod.holm(all_claims), strict=True))
     top_figure = ""
     for name in experiments:
         entry = state["experiments"].get(name)
@@ -400,7 +437,6 @@ def write_report(
             sections.append(f"<section>{head}<p style='color:#cf222e'>failed: {err}</p></section>")
             continue
         cs = entry.get("claims") or []
-        all_claims.extend(cs)
         run_dir, rel = _run_dir(entry, out)
         figs = list(entry.get("figures") or [])
         links = " &middot; ".join(
@@ -424,26 +460,35 @@ def write_report(
             "<details><summary>every claim in full: estimate, rule, control</summary>"
             "<table><tr><th>verdict</th><th>claim</th><th>statement</th><th>statistic: estimate "
             "[95% CI] (n)</th><th>rule</th><th>control</th></tr>"
-            + "".join(_claim_rows(cs))
+            + "".join(_claim_rows(cs, adjusted))
             + "</table></details>"
             if cs
             else ""
         )
         row = (
-            f"<div class=row><div class=claimcol>{_claim_lines(cs)}</div>"
+            f"<div class=row><div class=claimcol>{_claim_lines(cs, adjusted)}</div>"
             f"<div class=figcol>{beside}</div></div>"
             if beside
-            else _claim_lines(cs)
+            else _claim_lines(cs, adjusted)
         ) + below
         sections.append(
             f"<section>{head}<p class=links>{result_link} "
             f"{('&middot; figures: ' + links) if links else ''}</p>{na}{row}{table}</section>"
         )
-    n = claims_mod.counts(all_claims)
-    n_sanity = sum(1 for c in all_claims if c.get("kind") == "sanity")
+    t = claims_mod.tally(all_claims)
     summary = "".join(
-        f"<td style='color:{_COLOR[v]};font-weight:600'>{v}: {n[v]}</td>"
-        for v in claims_mod.VERDICTS
+        f"<tr><th>{label}</th>"
+        + "".join(
+            f"<td style='color:{_COLOR[v]};font-weight:600'>{v}: {t[key][v]}</td>"
+            for v in claims_mod.VERDICTS
+        )
+        + "</tr>"
+        for key, label in (
+            ("raw", "claims"),
+            ("holm", "claims, Holm-adjusted"),
+            ("control", "controls (not counted)"),
+            ("sanity", "sanity checks (not counted)"),
+        )
     )
     finished = sum(1 for e in state["experiments"].values() if e.get("status") in FINISHED)
     toc = " &middot; ".join(f"<a href='#{e}'>{e}</a>" for e in experiments)
@@ -480,16 +525,20 @@ summary {{ cursor: pointer; color: #0969da; }}
 </style></head><body>
 <h1>me_interp report</h1>
 <div class=head>{_model_card(out, state, experiments)}
-<div><table><tr><th colspan=4>claims of the paper and its critics on this model
-({sum(n.values())} claims; {n_sanity} sanity checks not counted)</th></tr><tr>{summary}</tr></table>
+<div><table><tr><th colspan=5>claims of the paper and its critics on this model
+({sum(t["raw"].values())} claims; {sum(t["control"].values())} controls and
+{sum(t["sanity"].values())} sanity checks shown apart)</th></tr>{summary}</table>
 <p>{finished} of {len(experiments)} experiments finished. Layers are 0-based (1-based in parentheses
 where given).</p>
 <p style='font-size:14px'>Each claim is decided by one rule: it <b>holds</b> when the whole 95%
-interval of its statistic (a seeded percentile bootstrap over prompts, partner layers or seeds) lies
-on the claimed side of the threshold, <b>fails</b> when none of it does, and is <b>inconclusive</b>
-when the interval straddles the threshold. <b>Not applicable</b>: the claim presupposes something this
-model lacks (the reason is given). Sanity checks (grey) are true by construction and are not
-evidence. Thresholds: <code>me_interp.claims.THRESHOLDS</code> (docs/claims.md). Each figure is
+interval of its statistic (a seeded percentile bootstrap over prompts or texts, a two-way one over
+prompts &times; seeds for random controls, an exact Clopper&ndash;Pearson interval for k-of-n outcomes
+such as partner layers) lies on the claimed side of the threshold, <b>fails</b> when none of it does,
+and is <b>inconclusive</b> when the interval straddles the threshold or rests on fewer than two
+distinct measurements. <b>Not applicable</b>: the claim presupposes something this model lacks (the
+reason is given). The Holm-adjusted counts keep a decided verdict only when its p-value survives
+Holm's step-down over all the claims of this report. Controls (comparisons that must come out as
+designed) and sanity checks (true by construction), in grey, are not evidence. Thresholds: <code>me_interp.claims.THRESHOLDS</code> (docs/claims.md). Each figure is
 interactive (hover, zoom); its full file is one click away.</p>
 <p style='font-size:13px'>{toc}</p></div></div>
 {top}
@@ -501,6 +550,16 @@ interactive (hover, zoom); its full file is one click away.</p>
     return io.atomic_write_text(out / REPORT_FILE, body)
 
 
+def _finished_claims(state: dict[str, Any], experiments: Sequence[str]) -> list[dict[str, Any]]:
+    """Every claim (as stored in battery.json) of the experiments that finished, in order."""
+    out: list[dict[str, Any]] = []
+    for name in experiments:
+        entry = state["experiments"].get(name) or {}
+        if entry.get("status") in FINISHED:
+            out.extend(entry.get("claims") or [])
+    return out
+
+
 def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -509,19 +568,21 @@ def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str] = EXPERI
     """``<out>/report.md``: one table row per claim (verdict, estimate with interval, n), ready to
     paste; sanity checks are marked and not-applicable rows give the reason."""
 
+    all_claims = _finished_claims(state, experiments)
+    adjusted = dict(zip((d["id"] for d in all_claims), claims_mod.holm(all_claims), strict=True))
     rows = [
-        "| experiment | claim | verdict | estimate [95% CI] | n |",
-        "| --- | --- | --- | --- | --- |",
+        "| experiment | claim | kind | verdict | Holm-adjusted | estimate [95% CI] | n |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in experiments:
         entry = state["experiments"].get(name)
         if entry is None or entry.get("status") not in FINISHED:
             status = "not run" if entry is None else f"failed: {entry.get('error', '')}"
-            rows.append(f"| {name} | | {_md_cell(status)} | | |")
+            rows.append(f"| {name} | | | {_md_cell(status)} | | | |")
             continue
         for d in entry.get("claims") or []:
             c = claims_mod.Claim.from_dict(d)
-            verdict = f"**{c.verdict}**" + (" (sanity check)" if c.kind == "sanity" else "")
+            verdict = f"**{c.verdict}**"
             if c.estimate is None:
                 est, n = _md_cell(c.why), ""
             else:
@@ -529,19 +590,23 @@ def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str] = EXPERI
                 est = claims_mod.fmt_num(e.value)
                 if e.method != "exact":
                     est += f" [{claims_mod.fmt_num(e.lo)}, {claims_mod.fmt_num(e.hi)}]"
-                n = f"{e.n} {e.unit}"
-            rows.append(f"| {name} | `{c.id}` | {verdict} | {est} | {n} |")
-    n = claims_mod.counts(d for e in state["experiments"].values() for d in e.get("claims") or [])
-    head = ", ".join(f"{v}: {k}" for v, k in n.items())
+                n = f"{e.n} {e.unit}" + (
+                    f" ({e.n_eff} distinct)" if e.n_eff is not None and e.n_eff != e.n else ""
+                )
+            rows.append(
+                f"| {name} | `{c.id}` | {c.kind} | {verdict} | {adjusted.get(c.id, c.verdict)} | "
+                f"{est} | {n} |"
+            )
+    head = claims_mod.tally_text(claims_mod.tally(all_claims))
     lines = [
         f"- {name}: "
-        + ("(sanity check) " if d.get("kind") == "sanity" else "")
+        + (f"({KIND_LABEL[d.get('kind', 'claim')]}) " if d.get("kind", "claim") != "claim" else "")
         + claims_mod.Claim.from_dict(d).line()
         for name in experiments
         for d in (state["experiments"].get(name) or {}).get("claims") or []
     ]
     return (
-        f"Claims ({head}; sanity checks not counted)\n\n"
+        f"{head}\n\n"
         + "\n".join(rows)
         + "\n\nEach claim in full (statistic, interval, n, rule, control, context):\n\n"
         + "\n".join(lines)
@@ -568,17 +633,28 @@ def claims_markdown(experiments: Sequence[str] = EXPERIMENTS) -> str:
         "Generated from `me_interp.claims.THRESHOLDS` and each experiment's `SPECS` by",
         "`me_interp.report.claims_markdown()`; do not edit by hand.",
         "",
-        "Every claim is decided by one rule: it **holds** when the whole "
-        f"{claims_mod.LEVEL:.0%} interval of its statistic",
-        "lies on the claimed side of its threshold, **fails** when none of it does, and is "
-        "**inconclusive** when the",
-        "interval straddles the threshold. Intervals are seeded percentile bootstraps "
-        f"({claims_mod.N_BOOTSTRAP} resamples) over",
-        "per-unit statistics (prompts, texts, partner layers), or over at least "
-        f"{claims_mod.MIN_SEEDS} seeds for random controls.",
-        "**Not applicable**: the claim presupposes something the model lacks (e.g. a massive "
-        "activation). Claims of kind",
-        "*sanity* hold by construction; they are reported, never counted as evidence.",
+        "Every claim is decided by one engine (`me_interp.claims.judge`) and one rule: it **holds** "
+        "when the whole",
+        f"{claims_mod.LEVEL:.0%} interval of its statistic lies on the claimed side of its "
+        "threshold, **fails** when none of it",
+        "does, and is **inconclusive** when the interval straddles the threshold. Intervals are "
+        f"seeded percentile bootstraps ({claims_mod.N_BOOTSTRAP}",
+        "resamples) over per-unit statistics (prompts, texts), two-way bootstraps over prompts "
+        "× seeds for random",
+        "controls, and exact Clopper–Pearson intervals for k-of-n outcomes (partner layers, held-out "
+        "prompts), each outcome",
+        "listed. A verdict that rests on fewer than two *distinct* measurements (the effective n: "
+        "e.g. every prompt's",
+        "first token is the same BOS) or on a zero-width bootstrap interval is not decided. The "
+        "battery's summary gives",
+        "the raw counts and the Holm-adjusted ones (each decided verdict's one-sided p-value through "
+        "Holm's step-down at",
+        f"{claims_mod.ALPHA / 2:g}). **Not applicable**: the claim presupposes something the model "
+        "lacks (e.g. a massive activation).",
+        "Kinds: *claim* (evidence, counted), *control* (a comparison that must come out as designed "
+        "for the claims beside",
+        "it to mean anything) and *sanity* (true by construction); controls and sanity checks are "
+        "reported, never counted.",
         "",
         "## Thresholds",
         "",
@@ -587,19 +663,38 @@ def claims_markdown(experiments: Sequence[str] = EXPERIMENTS) -> str:
     ]
     for name, t in claims_mod.THRESHOLDS.items():
         lines.append(f"| `{name}` | {t.value:g} | {_md_cell(t.doc)} |")
-    lines += ["", "## Claims by experiment", ""]
+    from me_interp import falsifiability
+
+    shown = falsifiability.read_table()
+    lines += [
+        "",
+        "## Claims by experiment",
+        "",
+        "*Holds on* / *fails on*: the constructed models (`synthetic:<name>`, see",
+        "`me_interp.falsifiability`) on whose battery the claim holds / fails, from",
+        "`docs/falsifiability.json` (`python -m me_interp.falsifiability` re-runs them). Every claim of",
+        "kind *claim* holds on one and fails on another; a check that cannot do both is a control or",
+        "a sanity check.",
+        "",
+    ]
     for name in experiments:
-        module = importlib.import_module(f"me_interp.experiments.{name}")
+        module = _BY_NAME[name]
         lines += [
             f"### {name}",
             "",
-            "| id | section | kind | statement | statistic | rule | control |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| id | section | kind | statement | statistic | rule | control | holds on | fails on |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for s in module.SPECS:
+            row = shown.get(s.id, {})
+            on = {
+                k: ", ".join(m.removeprefix("synthetic:") for m in row.get(k, [])) or "—"
+                for k in ("holds", "fails")
+            }
             lines.append(
                 f"| `{s.id}` | {_md_cell(s.section)} | {s.kind} | {_md_cell(s.statement)} | "
-                f"{_md_cell(s.statistic)} | {s.op} `{s.threshold}` ({s.value:g}) | {_md_cell(s.control)} |"
+                f"{_md_cell(s.statistic)} | {s.op} `{s.threshold}` ({s.value:g}) | "
+                f"{_md_cell(s.control)} | {on['holds']} | {on['fails']} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -72,3 +72,20 @@ def planted_prompts():
     from me_interp import synthetic
 
     return synthetic.planted_prompts()
+
+
+@pytest.fixture(scope="session")
+def constructed_battery(tmp_path_factory):
+    """``get(model)``: the battery state of a constructed model (``me_interp.falsifiability``), run
+    once per session and shared by the meta-tests and the falsifiability test."""
+    from me_interp import falsifiability
+
+    cache: dict[str, dict] = {}
+
+    def get(model: str) -> dict:
+        if model not in cache:
+            root = tmp_path_factory.mktemp(model.replace(":", "_"))
+            cache[model] = falsifiability.battery_state(model, root)
+        return cache[model]
+
+    return get

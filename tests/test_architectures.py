@@ -461,11 +461,9 @@ GEMMA3_VS_LLAMA = {
     "rmsnorm_permutation.flatten_removes": "fails",
     "ffn_svd_ablation.svd_gate_removes": "fails",
     "ffn_svd_ablation.svd_up_removes": "fails",
-    "component_ablation.normalize_product": "fails",
     "component_ablation.flatten_gain": "fails",
-    # the FFN alone, without the boosted gain, still writes (a smaller) massive-dim output
-    "weight_patching.ffn": "holds",
-    "weight_swap.ffn": "holds",
+    # the FFN alone, without the boosted gain, still writes (a smaller) massive-dim output: with 4
+    # partners and 2 targets that is inconclusive, as every swap and patch claim of planted Llama
 }
 
 
@@ -489,17 +487,17 @@ def test_battery_on_planted_model_finds_what_was_planted(arch, tmp_path):
     from pathlib import Path
 
     from me_interp import __main__ as cli
-    from me_interp import report
+    from me_interp import falsifiability, report
 
     spec = importlib.util.spec_from_file_location(
         "_verdict_meta", Path(__file__).with_name("test_verdict_meta.py")
     )
     meta = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(meta)  # the planted Llama's expected verdicts, claim by claim
-    N_PROMPTS, PLANTED = meta.N_PROMPTS, meta.PLANTED
+    PLANTED = meta.PLANTED
 
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(synthetic.planted_prompts(N_PROMPTS, 10)) + "\n")
+    prompts.write_text("\n".join(falsifiability.prompts("synthetic:planted")) + "\n")
     out = tmp_path / "out"
     argv = ["--model", f"synthetic:planted-{arch}", "--prompts", str(prompts), "--out", str(out)]
     assert cli.main(argv) == 0

@@ -22,68 +22,67 @@ SPEC = claims.Spec(
 )
 
 
+class _Result:
+    def __init__(self, seed=0, **kw):
+        self.seed = seed
+        self.__dict__.update(kw)
+
+
+def _spec(stat, op=">=", thr="moved_fraction", **kw):
+    return claims.Spec("demo.x", "§0", "x", "x", op, thr, stat=stat, **kw)
+
+
+def _judge(stat, op=">=", thr="moved_fraction", seed=0, **kw):
+    (c,) = claims.judge([_spec(stat, op, thr, **kw)], _Result(seed))
+    return c
+
+
 def test_bootstrap_mean_matches_the_normal_interval():
     rng = np.random.default_rng(1)
     x = rng.normal(3.0, 2.0, size=400)
-    est = claims.bootstrap(x, seed=0)
+    est = _judge(lambda r: claims.Sample(x)).estimate
     half = 1.96 * x.std(ddof=1) / math.sqrt(len(x))  # independent: the CLT interval
     assert est.value == pytest.approx(x.mean())
     assert est.lo == pytest.approx(x.mean() - half, abs=0.25 * half)
     assert est.hi == pytest.approx(x.mean() + half, abs=0.25 * half)
-    assert est.n == 400 and est.resamples == claims.N_BOOTSTRAP >= 1000
+    assert est.n == est.n_eff == 400 and est.resamples == claims.N_BOOTSTRAP >= 1000
 
 
 def test_bootstrap_is_seeded_and_resamples_rows_together():
     x = np.arange(20, dtype=float)
-    assert claims.bootstrap(x, seed=3) == claims.bootstrap(x, seed=3)
-    assert claims.bootstrap(x, seed=3) != claims.bootstrap(x, seed=4)
+    same = [_judge(lambda r: claims.Sample(x), seed=3).estimate for _ in range(2)]
+    assert same[0] == same[1] != _judge(lambda r: claims.Sample(x), seed=4).estimate
     # paired rows: the difference of columns is constant, so its interval has no width
     pairs = np.stack([x, x + 2.0], axis=1)
-    est = claims.bootstrap(pairs, lambda a: float((a[:, 1] - a[:, 0]).mean()))
-    assert est.value == est.lo == est.hi == pytest.approx(2.0)
+    c = _judge(lambda r: claims.Sample(pairs, lambda a: float((a[:, 1] - a[:, 0]).mean())))
+    assert c.estimate.value == c.estimate.lo == c.estimate.hi == pytest.approx(2.0)
+    assert c.verdict == claims.INCONCLUSIVE and "zero width" in c.why  # not evidence
 
 
 def test_bootstrap_by_hand_loop_equals_vectorised_mean():
     x = np.random.default_rng(0).exponential(size=30)
-    fast = claims.bootstrap(x, seed=5)
-    slow = claims.bootstrap(x, lambda a: float(a.mean()), seed=5)
+    fast = _judge(lambda r: claims.Sample(x), seed=5).estimate
+    slow = _judge(lambda r: claims.Sample(x, lambda a: float(a.mean())), seed=5).estimate
     assert (fast.lo, fast.hi) == pytest.approx((slow.lo, slow.hi), rel=1e-12)
 
 
 def test_bootstrap_drops_non_finite_units_and_handles_none_left():
-    est = claims.bootstrap([1.0, float("nan"), 3.0, float("inf")])
+    est = _judge(lambda r: claims.Sample([1.0, float("nan"), 3.0, float("inf")])).estimate
     assert est.n == 2 and est.value == 2.0
-    empty = claims.bootstrap([float("nan")])
-    assert empty.n == 0 and empty.value != empty.value
-    assert claims.decide(empty, ">=", 0.0) == claims.INCONCLUSIVE
-
-
-@pytest.mark.parametrize("bad", [{"n_resamples": 999}, {"level": 1.0}])
-def test_bootstrap_rejects_bad_settings(bad):
-    with pytest.raises(ValueError):
-        claims.bootstrap([1.0, 2.0], **bad)
-
-
-def test_over_seeds_needs_five_seeds():
-    with pytest.raises(ValueError, match=">= 5 finite seeds"):
-        claims.over_seeds([1.0, 2.0, 3.0, 4.0])
-    x = [1.0, 2.0, 3.0, 4.0, 5.0]
-    est = claims.over_seeds(x)
-    half = 2.776 * np.std(x, ddof=1) / math.sqrt(5)  # t(0.975, 4), by hand
-    assert est.unit == "seeds" and est.n == 5 and est.method == "t"
-    assert (est.lo, est.hi) == pytest.approx((3.0 - half, 3.0 + half))
-    assert "t interval over n = 5 seeds" in est.text()
+    empty = _judge(lambda r: claims.Sample([float("nan")]))
+    assert empty.estimate.n == 0 and empty.estimate.value != empty.estimate.value
+    assert empty.verdict == claims.INCONCLUSIVE and "undefined" in empty.why
 
 
 def test_equivalence_rule_judges_the_signed_statistic():
-    spec = claims.Spec("x.same", "§4", "unchanged", "ratio − 1", "|x|<", "ppl_unchanged")
-    assert spec.judge(claims.Estimate(0.0, -0.01, 0.02, 9)).verdict == claims.HOLDS
-    assert spec.judge(claims.Estimate(-0.2, -0.3, -0.06, 9)).verdict == claims.FAILS
-    assert spec.judge(claims.Estimate(0.04, 0.01, 0.08, 9)).verdict == claims.INCONCLUSIVE
-    # a statistic near 0 keeps an interval around 0 (folding |x| would push it away from 0)
-    est = claims.bootstrap(np.random.default_rng(0).normal(0.0, 0.01, 40))
-    assert est.lo < 0 < est.hi and spec.judge(est).verdict == claims.HOLDS
-    assert "within ±0.05" in spec.rule()
+    x = np.random.default_rng(7).normal(0.0, 0.05, 400)
+    x -= x.mean()  # centred on 0: within ±0.05; shifted by 0.05, on the edge
+    assert _judge(lambda r: claims.Sample(x), "|x|<", "ppl_unchanged").verdict == claims.HOLDS
+    assert _judge(lambda r: claims.Sample(x - 0.2), "|x|<", "ppl_unchanged").verdict == claims.FAILS
+    assert _judge(lambda r: claims.Sample(x + 0.05), "|x|<", "ppl_unchanged").verdict == (
+        claims.INCONCLUSIVE
+    )
+    assert "within ±0.05" in _spec(None, "|x|<", "ppl_unchanged").rule()
 
 
 @pytest.mark.parametrize(
@@ -104,14 +103,14 @@ def test_decide_at_the_threshold(lo, hi, op, verdict):
 
 
 def test_a_constructed_straddling_case_is_inconclusive():
-    # per-unit outcomes whose mean (0.5) sits on the threshold: the interval must straddle it
-    outcomes = [1.0, 0.0] * 8
-    claim = SPEC.judge(claims.bootstrap(outcomes, unit="partner layers"))
+    # per-unit outcomes whose rate (0.5) sits on the threshold: the exact interval must straddle it
+    outcomes = [True, False] * 8
+    claim = _judge(lambda r: claims.Outcomes(outcomes, [str(i) for i in range(16)]))
     assert claim.estimate.lo < SPEC.value < claim.estimate.hi
     assert claim.verdict == claims.INCONCLUSIVE
-    # the same mean with no spread is decided
-    assert SPEC.judge(claims.bootstrap([0.5] * 16)).verdict == claims.HOLDS
-    assert SPEC.judge(claims.bootstrap([0.0] * 16)).verdict == claims.FAILS
+    # a constant per-unit statistic is one measurement repeated: never decided, either side
+    for v in (0.9, 0.0):
+        assert _judge(lambda r, v=v: claims.Sample([v] * 16)).verdict == claims.INCONCLUSIVE
 
 
 def test_spec_validates_its_rule():
@@ -119,8 +118,12 @@ def test_spec_validates_its_rule():
         claims.Spec("x.y", "§1", "s", "t", ">=", "no_such_threshold")
     with pytest.raises(ValueError, match="op must be"):
         claims.Spec("x.y", "§1", "s", "t", "=>", "jump")
+    with pytest.raises(ValueError, match="kind must be"):
+        claims.Spec("x.y", "§1", "s", "t", ">=", "jump", kind="finding")
     with pytest.raises(ValueError, match="share the id"):
         claims.check_specs([SPEC, SPEC])
+    with pytest.raises(ValueError, match="needs a stat"):
+        claims.judge([SPEC], _Result())
 
 
 def test_every_threshold_is_documented():
@@ -129,15 +132,19 @@ def test_every_threshold_is_documented():
 
 
 def test_claim_line_names_statistic_interval_n_rule_and_control():
-    claim = SPEC.judge(claims.bootstrap([1.0, 1.0, 0.0, 1.0, 1.0]), details="layer 11")
-    line = claim.line()
+    spec = claims.Spec(
+        "demo.moves", "§2.1", "The thing moves", "fraction moved", ">=", "moved_fraction",
+        control="an unplanted twin", stat=lambda r: claims.Sample([1.0, 1.0, 0.0, 1.0, 1.0]),
+        details=lambda r: "layer 11",
+    )  # fmt: skip
+    line = claims.judge([spec], _Result())[0].line()
     for part in (
         "[",
         "demo.moves",
         "§2.1",
         "fraction moved",
         "95% CI",
-        "n = 5 prompts",
+        "n = 5 prompts, 2 distinct",
         "0.5",
         "an unplanted twin",
         "layer 11",
@@ -149,46 +156,142 @@ def test_not_applicable_and_counts():
     na = SPEC.not_applicable("no massive activation on this model")
     assert na.verdict == claims.NOT_APPLICABLE and na.estimate is None
     assert "no massive activation" in na.line()
-    sanity = claims.Spec("demo.by_construction", "§3", "s", "t", ">=", "restore", kind="sanity")
+    x = np.linspace(0.8, 1.0, 8)
     cs = [
         na,
-        SPEC.judge(claims.bootstrap([1.0] * 4)),
-        sanity.judge(claims.exact(1.0, 4, "prompts")),
+        _judge(lambda r: claims.Sample(x)),
+        _judge(lambda r: claims.Sample(x), kind="control"),
+        _judge(lambda r: claims.Sample(np.ones(4)), kind="sanity"),  # exact: a sanity check may be
     ]
+    assert cs[3].verdict == claims.HOLDS
     assert claims.counts(cs) == {
         claims.HOLDS: 1,
         claims.FAILS: 0,
         claims.INCONCLUSIVE: 0,
         claims.NOT_APPLICABLE: 1,
     }
+    assert (
+        claims.counts(cs, "control")[claims.HOLDS] == claims.counts(cs, "sanity")[claims.HOLDS] == 1
+    )
 
 
 def test_claim_round_trips_through_json():
-    claim = SPEC.judge(claims.bootstrap([0.2, float("nan"), 0.9]))
-    d = json.loads(json.dumps(io.to_jsonable(claim)))
-    back = claims.Claim.from_dict(d)
-    assert back == claim
-    nan_claim = SPEC.judge(claims.bootstrap([float("nan")]))
+    outcomes = claims.Outcomes([True, False, True], ["a", "b", "c"])
+    for stat in (lambda r: claims.Sample([0.2, float("nan"), 0.9]), lambda r: outcomes):
+        claim = _judge(stat)
+        d = json.loads(json.dumps(io.to_jsonable(claim)))
+        assert claims.Claim.from_dict(d) == claim
+    nan_claim = _judge(lambda r: claims.Sample([float("nan")]))
     d = json.loads(json.dumps(io.to_jsonable(nan_claim)))
     assert claims.Claim.from_dict(d).verdict == claims.INCONCLUSIVE
 
 
-def test_null_z_against_a_hand_computation():
-    x = [1.0, 2.0, 9.0, 3.0]
-    others = np.array([1.0, 2.0, 3.0])
-    assert claims.null_z(x, 2) == pytest.approx((9.0 - others.mean()) / others.std(ddof=1))
-    assert claims.null_z([1.0, 1.0, 5.0], 2) == math.inf
-    assert claims.null_z([1.0, 1.0, 1.0], 2) == 0.0
-    with pytest.raises(ValueError):
-        claims.null_z(x, 4)
+def test_narrow_intervals_print_the_digits_that_tell_them_apart():
+    est = claims.Estimate(1.0, 0.9991, 1.0004, 10)
+    assert "[0.9991, 1.0004]" in est.text()
 
 
-def test_judge_seeds_needs_the_seeds_it_claims_over():
-    na = SPEC.judge_seeds([0.9, 0.8, 1.0], flag="--n-random")
-    assert (
-        na.verdict == claims.NOT_APPLICABLE
-        and "3 random seeds" in na.why
-        and "--n-random" in na.why
+def test_clopper_pearson_matches_published_values():
+    # textbook exact intervals (e.g. Clopper & Pearson 1934 tables; any statistics package)
+    assert claims.clopper_pearson(3, 10) == pytest.approx((0.0667, 0.6525), abs=5e-5)
+    assert claims.clopper_pearson(0, 5) == pytest.approx((0.0, 0.5218), abs=5e-5)
+    assert claims.clopper_pearson(5, 5) == pytest.approx((0.4782, 1.0), abs=5e-5)
+    assert claims.clopper_pearson(50, 100) == pytest.approx((0.3983, 0.6017), abs=5e-5)
+
+
+def test_outcomes_are_judged_exactly_and_listed():
+    labels = [f"layer {i}" for i in range(9)]
+    spec = _spec(lambda r: claims.Outcomes([True] * 8 + [False], labels), unit="partner layers")
+    (c,) = claims.judge([spec], _Result())
+    assert c.verdict == claims.HOLDS and c.estimate.method == "clopper-pearson"
+    assert c.estimate.value == pytest.approx(8 / 9) and c.estimate.unit == "partner layers"
+    assert c.outcomes == {**dict.fromkeys(labels[:8], True), "layer 8": False}
+    assert c.p == pytest.approx(10 / 512)  # P(Bin(9, 1/2) >= 8), by hand
+    # all-or-nothing outcomes give a real interval, not [1, 1]
+    (c,) = claims.judge([_spec(lambda r: claims.Outcomes([True] * 3, ["a", "b", "c"]))], _Result())
+    assert c.estimate.lo < 0.3 and c.verdict == claims.INCONCLUSIVE
+
+
+def test_one_repeated_measurement_is_not_decided():
+    spec = _spec(lambda r: claims.Sample(np.full(40, 0.978)))
+    (c,) = claims.judge([spec], _Result())
+    assert c.estimate.n == 40 and c.estimate.n_eff == 1
+    assert c.verdict == claims.INCONCLUSIVE and "1 distinct measurement" in c.why
+    # keys say which units are the same measurement, whatever the values
+    x = np.random.default_rng(0).normal(1.0, 0.01, 40)
+    (c,) = claims.judge([_spec(lambda r: claims.Sample(x, keys=[1] * 40))], _Result())
+    assert c.estimate.n_eff == 1 and c.verdict == claims.INCONCLUSIVE
+    (c,) = claims.judge([_spec(lambda r: claims.Sample(x, keys=list(range(40))))], _Result())
+    assert c.estimate.n_eff == 40 and c.verdict == claims.HOLDS
+
+
+def test_sample_p_value_is_the_normal_tail_of_the_bootstrap():
+    x = np.random.default_rng(2).normal(0.6, 0.3, 200)
+    (c,) = claims.judge([_spec(lambda r: claims.Sample(x))], _Result())
+    se = x.std(ddof=1) / math.sqrt(len(x))  # independent: the CLT standard error
+    z = (x.mean() - 0.5) / se
+    assert c.p == pytest.approx(0.5 * math.erfc(z / math.sqrt(2)), rel=0.3)
+
+
+def test_two_way_bootstrap_carries_unit_and_seed_variance():
+    rng = np.random.default_rng(3)
+    n, s = 40, 5
+    a = rng.normal(0.0, 1.0, (n, 1))  # unit effects
+    b = rng.normal(0.0, 0.4, (1, s))  # seed effects, shared by every unit (a random edit)
+    v = 0.5 + a + b + rng.normal(0.0, 0.2, (n, s))
+
+    def width(m):
+        (c,) = claims.judge([_spec(lambda r: m, thr="removed", op="<=")], _Result())
+        return c, c.estimate.hi - c.estimate.lo
+
+    c, crossed = width(claims.Nested(v))
+    # crossed two-way standard error, by hand: unit, seed and cell variance of the grand mean
+    se = math.sqrt(a.var(ddof=1) / n + b.var(ddof=1) / s + 0.04 / (n * s))
+    assert crossed == pytest.approx(2 * 1.96 * se, rel=0.35)
+    assert c.estimate.unit == "prompts × seeds" and "crossed" in c.estimate.method
+    # nested resampling treats the shared seed effect as noise within units: it averages away
+    c, nested = width(claims.Nested(v, crossed=False))
+    se_nested = math.sqrt(a.var(ddof=1) / n + (b.var(ddof=1) + 0.04) / (n * s))
+    assert nested == pytest.approx(2 * 1.96 * se_nested, rel=0.35) and nested < crossed
+    # a t interval over the 5 seed means ignores the unit variance: far narrower than either
+    seed_means = v.mean(0)
+    t_half = 2.776 * seed_means.std(ddof=1) / math.sqrt(s)
+    assert 2 * t_half < nested
+
+
+def test_holm_step_down_by_hand():
+    def claim(p, verdict=claims.HOLDS, kind="claim"):
+        return {"id": str(p), "kind": kind, "verdict": verdict, "p": p}
+
+    cs = [claim(0.001), claim(0.015), claim(0.02), claim(1e-9, kind="control")]
+    # m = 3 claims: 0.001 <= 0.025/3; 0.015 > 0.025/2 stops the step-down; the control is not in it
+    assert claims.holm(cs) == [claims.HOLDS, claims.INCONCLUSIVE, claims.INCONCLUSIVE, claims.HOLDS]
+    cs = [claim(0.001), claim(0.01), claim(0.02, claims.FAILS)]
+    assert claims.holm(cs) == [claims.HOLDS, claims.HOLDS, claims.FAILS]
+    t = claims.tally([*cs, claim(0.5, claims.HOLDS, "sanity")])
+    assert t["raw"][claims.HOLDS] == 2 and t["sanity"][claims.HOLDS] == 1
+    assert "3 claims" in claims.tally_text(t)
+
+
+def test_applicability_and_not_applicable_from_the_statistic():
+    def stat(r):
+        raise claims.NotApplicable("no massive token")
+
+    (c,) = claims.judge(
+        [_spec(lambda r: claims.Sample([1.0, 2.0]), applies=lambda r: "why")], _Result()
     )
-    ok = SPEC.judge_seeds([0.9, 0.8, 1.0, 0.95, 0.85], flag="--n-random")
-    assert ok.verdict == claims.HOLDS and ok.estimate.method == "t"
+    assert c.verdict == claims.NOT_APPLICABLE and c.why == "why"
+    (c,) = claims.judge([_spec(stat)], _Result())
+    assert c.verdict == claims.NOT_APPLICABLE and c.why == "no massive token"
+
+
+def test_halves_and_held_out_peaks():
+    a, b = claims.halves(11, seed=4)
+    assert len(a) == 6 and len(b) == 5 and not set(a) & set(b) and set(a) | set(b) == set(range(11))
+    values = np.zeros((4, 5))
+    values[:, 2] = 1.0
+    values[3, 4] = 2.0  # prompt 3 peaks elsewhere
+    o = claims.peak_outcomes(values, 2, [0, 3])
+    assert list(o.outcomes) == [True, False] and o.labels == ["prompt 0", "prompt 3"]
+    with pytest.raises(claims.NotApplicable):
+        claims.halves(1)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from me_interp.probes import massive
 from me_interp.probes.massive import Criterion, locate_me_layer, massive_tokens
 from me_interp.probes.norms import NormScan, scan_norms
 
@@ -161,6 +162,59 @@ def test_only_an_unknown_jump_event_is_still_the_me_layer():
     loc = locate_me_layer(_without(scan, "resid_pre", "resid_mid"))
     assert [e.layer for e in loc.events] == [0] and loc.me_layer == 0
     assert math.isnan(loc.me_event.jump) and loc.me_event.site == "unknown"
+
+
+def _gains_at_layer_0(pre: float, mid: float, post: float) -> NormScan:
+    """4 layers, 2 prompts, 4 tokens: token 0's norm is ``pre`` at the block input of layer 0,
+    ``mid`` after its attention and ``post`` at its output (and there on); the others' are 1."""
+    L, B, T = 4, 2, 4
+    norms = torch.ones(3, L, B, T)
+    for i, v in enumerate((pre, mid, post)):
+        norms[i, 0, :, 0] = v
+    norms[:, 1:, :, 0] = post
+    top = torch.full((L, B, T), 0.5)
+    top[:, :, 0] = 1500.0  # massive (Sun) at every layer output
+    return NormScan(
+        sites=("resid_pre", "resid_mid", "resid_post"),
+        norms=norms,
+        top_abs=top[..., None].expand(L, B, T, 2).clone(),
+        top_dims=torch.tensor([5, 9]).expand(L, B, T, 2).clone(),
+        median_abs=torch.full((L, B), 0.3),
+        mask=torch.ones(B, T, dtype=torch.bool),
+        kept_prompt=0,
+        kept_resid=torch.zeros(L, T, 3),
+    )
+
+
+def test_site_is_none_when_neither_sub_layer_makes_the_jump():
+    # massive at the block input (the embeddings): the old tie-break said "ffn; jump x1"
+    (ev,) = locate_me_layer(_gains_at_layer_0(1000.0, 1000.0, 1000.0)).events
+    assert ev.layer == 0 and ev.jump == pytest.approx(1.0)
+    assert ev.attn_log_gain == pytest.approx(0.0) and ev.ffn_log_gain == pytest.approx(0.0)
+    assert ev.site == "none"
+    # the rule is a factor of SITE_MIN_FACTOR (2) on the norm ratio, by hand: R = norm / 1
+    assert massive.SITE_MIN_FACTOR == 2.0
+    below = locate_me_layer(_gains_at_layer_0(600.0, 600.0, 1140.0)).events[0]  # x1.9: none
+    assert below.ffn_log_gain == pytest.approx(math.log(1.9)) and below.site == "none"
+    above = locate_me_layer(_gains_at_layer_0(500.0, 500.0, 1050.0)).events[0]  # x2.1: the FFN
+    assert above.ffn_log_gain == pytest.approx(math.log(2.1)) and above.site == "ffn"
+    attn = locate_me_layer(_gains_at_layer_0(300.0, 1000.0, 1000.0)).events[0]
+    assert attn.site == "attention"
+    # and without the sub-layer sites it is still "unknown", not "none"
+    for drop in (("resid_pre",), ("resid_mid",)):
+        scan = _without(_gains_at_layer_0(1000.0, 1000.0, 1000.0), *drop)
+        assert locate_me_layer(scan).events[0].site == "unknown"
+
+
+def test_decoy_embedding_event_site_is_none():
+    from me_interp import load_model, synthetic
+
+    model = load_model("synthetic:decoy-embedding", device="cpu")
+    loc = locate_me_layer(scan_norms(model, model.tokenize(synthetic.distinct_first_prompts())))
+    assert [e.layer for e in loc.events] == [0] and loc.me_layer == 0
+    ev = loc.me_event
+    assert ev.site == "none" and ev.jump == pytest.approx(1.0, abs=0.05)
+    assert max(abs(ev.attn_log_gain), abs(ev.ffn_log_gain)) < 0.05
 
 
 # -- planted models: the answer is known by construction -----------------------------------

@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 
-from me_interp import load_model, models, packaged
+from me_interp import claims, load_model, models, packaged
 from me_interp.models import ModelLoadError
 from me_interp.packaged import GEMMA_3_270M, PackagedGGUF
 
@@ -330,5 +330,5 @@ def test_gemma_cross_diagonal_is_the_ffn_residual_contribution(gemma):
     res = wic.run(wic.Config(n_prompts=16, max_tokens=32), gemma)
     assert res.layer == res.me_layer == 0
     assert res.path_modules[-1] == "post_feedforward_layernorm"
-    c = {c.id: c for c in wic.verdicts(res)}["weight_input_cross.diagonal"]
+    c = {c.id: c for c in claims.judge(wic.SPECS, res)}["weight_input_cross.diagonal"]
     assert c.verdict == "holds" and 25 < c.estimate.lo < c.estimate.hi < 45

@@ -6,8 +6,11 @@ with the bundled SmolLM2 tokenizer, the one the experiments use by default.
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import statistics
+import warnings
 from collections import Counter
 from importlib import resources
 
@@ -82,6 +85,92 @@ def test_prompt_stats_matches_a_manual_count(tiny_llama):
     assert (st.total_tokens, st.padded_tokens) == (13, 18)
     assert st.genres == {}
     assert set(st.to_dict()) >= {"n", "lengths", "genres"}
+
+
+# ------------------------------------------------------------------------------------------
+# short prompts: dropped in one place (LoadedModel.tokenize), with a note
+# ------------------------------------------------------------------------------------------
+
+
+def test_prompt_is_a_str_that_keeps_its_index():
+    p = prompts.Prompt("w4 w5", 7)
+    assert p == "w4 w5" and isinstance(p, str) and p.index == 7
+    assert json.loads(json.dumps([p])) == ["w4 w5"]
+    back = pickle.loads(pickle.dumps(p))
+    assert isinstance(back, prompts.Prompt) and back.index == 7 and back == p
+    assert copy.deepcopy(p).index == 7
+    ps = prompts.as_prompts(["a", "b c"])
+    assert [(q, q.index) for q in ps] == [("a", 0), ("b c", 1)]
+    assert [q.index for q in prompts.spread(prompts.as_prompts(list("abcdef")), 3)] == [0, 2, 5]
+
+
+def test_load_prompts_gives_prompts(tmp_path):
+    from me_interp.experiments.common import CommonConfig
+
+    path = tmp_path / "p.txt"
+    path.write_text("w4 w5\nw6\n")
+    got = CommonConfig(prompts=str(path)).load_prompts()
+    assert got == ["w4 w5", "w6"] and all(isinstance(p, prompts.Prompt) for p in got)
+    assert [p.index for p in got] == [0, 1]
+    assert len(CommonConfig().load_prompts()) == len(prompts.builtin_prompts())
+
+
+def test_tokenize_drops_short_prompts_only(tiny_qwen3):
+    """Without BOS a one-word prompt is one token: an experiment prompt is dropped with a warning and
+    recorded; the same string as a plain str (a text, an MC context) keeps its row."""
+    model = tiny_qwen3
+    ps = prompts.as_prompts(["w4 w5 w6", "w7", "w8 w9", "w10"])
+    with pytest.warns(UserWarning, match=r"dropped 2 of 4 prompts .* indices \[1, 3\]\); 2 kept"):
+        batch = model.tokenize(ps)
+    assert batch.prompts == ("w4 w5 w6", "w8 w9") and batch.lengths == [3, 2]
+    assert batch.tokens[1, :2].tolist() == model.tokenize("w8 w9").tokens[0].tolist()
+    assert model.prompt_filter == {
+        "min_tokens": 2,
+        "n_given": 4,
+        "n_kept": 2,
+        "dropped": [
+            {"index": 1, "prompt": "w7", "tokens": 1},
+            {"index": 3, "prompt": "w10", "tokens": 1},
+        ],
+    }
+    plain = model.tokenize([str(p) for p in ps])
+    assert plain.lengths == [3, 1, 2, 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing short: no warning, and the record says so
+        model.tokenize(prompts.as_prompts(["w4 w5", "w6 w7"]))
+    assert model.prompt_filter["n_kept"] == 2 and model.prompt_filter["dropped"] == []
+    with pytest.raises(ValueError, match="every one of the 2 prompts tokenises to fewer than 2"):
+        model.tokenize(prompts.as_prompts(["w4", "w5"]))
+
+
+def test_with_bos_no_prompt_is_short(tiny_llama):
+    """The word tokenizer with BOS gives every non-empty prompt at least 2 tokens: nothing dropped."""
+    batch = tiny_llama.tokenize(prompts.as_prompts(["w4", "w5 w6"]))
+    assert batch.lengths == [2, 3] and tiny_llama.prompt_filter["dropped"] == []
+
+
+@pytest.mark.parametrize("name", ["me_layer", "attention_sinks", "wemask", "sink_causality"])
+def test_builtin_prompts_run_on_a_word_tokenizer_without_bos(name, tiny_qwen3):
+    """The built-in prompts hold sentences without spaces, one token each under the word tokenizer
+    without BOS: they are dropped and the experiment runs (it used to fail with "prompt 24 has a
+    single token"); the kept number is recorded."""
+    import importlib
+
+    from me_interp.experiments.common import execute
+
+    module = importlib.import_module(f"me_interp.experiments.{name}")
+    short = [
+        i
+        for i, p in enumerate(prompts.builtin_prompts())
+        if len(tiny_qwen3.tokenizer(p)["input_ids"]) < 2
+    ]
+    assert short  # the premise: some built-in prompts are one word
+    with pytest.warns(UserWarning, match=f"dropped {len(short)} of"):
+        outcome = execute(module, module.Config(), tiny_qwen3)
+    assert outcome.claims
+    assert tiny_qwen3.prompt_filter["n_given"] == len(prompts.builtin_prompts())
+    assert tiny_qwen3.prompt_filter["n_kept"] == len(prompts.builtin_prompts()) - len(short)
+    assert [d["index"] for d in tiny_qwen3.prompt_filter["dropped"]] == short
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ def args(tmp_path):
 def test_full_battery_on_planted_model(args, capsys):
     argv, out = args
     assert cli.main(argv) == 0
+    printed = capsys.readouterr()
     state = json.loads((out / report.STATE_FILE).read_text())
     assert [state["experiments"][n]["status"] for n in report.EXPERIMENTS] == ["done"] * len(
         report.EXPERIMENTS
@@ -45,8 +46,15 @@ def test_full_battery_on_planted_model(args, capsys):
     md = (out / report.SUMMARY_FILE).read_text()
     n_claims = sum(len(e["claims"]) for e in state["experiments"].values())
     assert md.count("\n| ") == n_claims + 2  # header, rule, one row per claim
-    assert "| me_layer | `me_layer.sudden_birth` | **holds** |" in md
-    printed = capsys.readouterr()
+    assert "| me_layer | `me_layer.sudden_birth` | claim | **holds** | holds |" in md
+    # raw and Holm-adjusted counts, controls and sanity checks apart: the same numbers everywhere
+    t = state["tally"]
+    assert t == claims.tally([c for e in state["experiments"].values() for c in e["claims"]])
+    assert sum(t["raw"].values()) == sum(
+        c["kind"] == "claim" for e in state["experiments"].values() for c in e["claims"]
+    )
+    assert claims.tally_text(t) in md and claims.tally_text(t) in printed.out
+    assert "claims, Holm-adjusted" in html and "controls (not counted)" in html
     assert (
         "report:" in printed.out
         and f"[{len(report.EXPERIMENTS)}/{len(report.EXPERIMENTS)}] sink_causality" in printed.err

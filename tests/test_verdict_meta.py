@@ -3,60 +3,49 @@ about it, and on the planted model it must answer exactly what was planted, clai
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from me_interp import __main__ as cli
-from me_interp import claims, report, synthetic
-
-N_PROMPTS = 16
+from me_interp import claims, falsifiability, report
 
 HOLDS, FAILS, NA = claims.HOLDS, claims.FAILS, claims.NOT_APPLICABLE
+INC = claims.INCONCLUSIVE
 
 PLANTED = {
-    # layer 2 creates it through its pre-FFN gain dims and one FFN neuron; nothing later writes dim 7
+    # every prompt starts with <s>: what rests on token 0 alone (the peaks, the held-out neurons,
+    # the alignment of a one-hot token) is one distinct measurement there, so it is not decided
+    # (planted-nobos, with distinct first tokens, decides them: docs/falsifiability.json)
     "me_layer.sudden_birth": HOLDS,
-    "me_layer.one_layer": HOLDS,
+    "me_layer.one_layer": INC,
     "me_layer.ffn_creates": HOLDS,
     "me_layer.carried": HOLDS,
-    # the gain dims carry the massive token's energy at layer 2 only
-    "mechanism.frac_aligned": HOLDS,
-    "mechanism.frac_peak": HOLDS,
+    "mechanism.frac_aligned": INC,
+    "mechanism.frac_peak": INC,
     "mechanism.kl_aligned": HOLDS,
-    # after layer 2 the token is one-hot on dim 7, whose gain is flat: ΔKL is large at layers 3-4 too,
-    # so layer 2 does not stand 3 SDs above the other layers
-    "mechanism.kl_peak": FAILS,
-    "mechanism.dc_gate_peak": HOLDS,
-    "mechanism.dc_up_peak": HOLDS,
-    "mechanism.dc_down_peak": HOLDS,
-    "mechanism.magnification_peak": HOLDS,
-    "mechanism.few_neurons": HOLDS,  # one planted neuron
-    # every prompt starts with <s>: the cross-input test has no inputs with different first tokens
+    "mechanism.kl_peak": INC,
+    "mechanism.dc_gate_peak": INC,
+    "mechanism.dc_up_peak": INC,
+    "mechanism.dc_down_peak": INC,
+    "mechanism.magnification_peak": INC,
+    "mechanism.few_neurons": INC,
     "invariance.state": NA,
     "invariance.beyond_others": NA,
     "invariance.key": NA,
     "invariance.created_at_me": NA,
-    "invariance.control": HOLDS,
-    # head 0's key reads dim 7 in every layer: the sink exists only after layer 2
+    "invariance.control": INC,
     "attention_sinks.sink_downstream": HOLDS,
     "attention_sinks.entropy_drop": HOLDS,
     "attention_sinks.rank_drop_all": HOLDS,
-    "attention_sinks.rank_drop_others": FAILS,  # nothing planted collapses the other tokens
+    "attention_sinks.rank_drop_others": FAILS,
     # the planted language model is random: it does not need the sink, so no mask hurts it
     "wemask.small_rate_ppl_unchanged": HOLDS,
-    "wemask.small_rate_mc_unchanged": HOLDS,
+    "wemask.small_rate_mc_unchanged": INC,
     "wemask.beats_random": FAILS,
     "wemask.beats_magnitude": FAILS,
     "wemask.activation_like_weight": HOLDS,
     "wemask.full_mask_collapses": FAILS,
     "wemask.full_mask_removes_sink": HOLDS,  # the sink head reads the masked attention input
-    "activation_patching.removal": HOLDS,
-    "activation_patching.undo": HOLDS,
-    "activation_patching.ffn_writes": HOLDS,
-    "activation_patching.state_causes_sink": HOLDS,
-    "activation_patching.not_rewritten": HOLDS,
     # the mechanism needs the gain on dims 3, 11 and neuron 5: moving either away kills it
     "rmsnorm_permutation.ffn_permutation_removes": HOLDS,
     "rmsnorm_permutation.attn_permutation_keeps": HOLDS,
@@ -72,61 +61,56 @@ PLANTED = {
     "ffn_svd_ablation.top_neuron_removes": HOLDS,
     "ffn_svd_ablation.top_neurons_remove": HOLDS,
     "ffn_svd_ablation.random_neurons_keep": HOLDS,
-    # both the gain and the neuron are needed: only the pair (or the whole block) carries it
-    "weight_patching.ffn_path": HOLDS,
-    "weight_patching.ffn_norm": FAILS,
-    "weight_patching.ffn": FAILS,
-    "weight_patching.attn_path": FAILS,
-    "weight_patching.attn_norm": FAILS,
-    "weight_patching.attn": FAILS,
-    "weight_patching.block": HOLDS,
-    "weight_swap.ffn_path": HOLDS,
-    "weight_swap.ffn_norm": FAILS,
-    "weight_swap.ffn": FAILS,
-    "weight_swap.attn_path": FAILS,
-    "weight_swap.attn_norm": FAILS,
-    "weight_swap.attn": FAILS,
-    "weight_swap.block": HOLDS,
-    "weight_swap.ffn_path_needed": HOLDS,
-    # the marker on the gain dims is in the embedding: every depth's input works with layer 2's weights
-    "weight_input_cross.row_share": HOLDS,
-    "weight_input_cross.row_breadth": HOLDS,
+    # 4 swap partners and 2 patch targets: k of n is never decided (4 of 4 is [0.40, 1]); the
+    # 8-layer planted-deep models decide them (tests/experiments/test_weight_swap_patch.py)
+    "weight_patching.ffn_path": INC,
+    "weight_patching.ffn_norm": INC,
+    "weight_patching.ffn": INC,
+    "weight_patching.attn_path": INC,
+    "weight_patching.attn_norm": INC,
+    "weight_patching.attn": INC,
+    "weight_patching.block": INC,
+    "weight_swap.ffn_path": INC,
+    "weight_swap.ffn_norm": INC,
+    "weight_swap.ffn": INC,
+    "weight_swap.attn_path": INC,
+    "weight_swap.attn_norm": INC,
+    "weight_swap.attn": INC,
+    "weight_swap.block": INC,
+    "weight_swap.ffn_path_needed": INC,
+    # 2 earlier inputs: not decided (planted-deep-late decides them)
+    "weight_input_cross.row_share": INC,
+    "weight_input_cross.row_breadth": INC,
     "weight_input_cross.diagonal": HOLDS,
+    "activation_patching.removal": HOLDS,
+    "activation_patching.undo": HOLDS,
+    "activation_patching.ffn_writes": NA,
+    "activation_patching.ffn_is_state": HOLDS,
+    "activation_patching.state_causes_sink": HOLDS,
+    "activation_patching.not_rewritten": HOLDS,
     "transplant.sink_follows": HOLDS,
     "transplant.second_sink": HOLDS,
     "component_ablation.cap_site": HOLDS,
-    "component_ablation.cap_ffn": HOLDS,
-    "component_ablation.normalize_product": HOLDS,
+    "component_ablation.cap_removes": HOLDS,
     "component_ablation.flatten_gain": HOLDS,
-    "component_ablation.cap_ffn_hurts": FAILS,  # the random LM does not use the sink
-    "component_ablation.mean_dims_harmless": NA,  # the same <s> everywhere: the mean is the value
+    "component_ablation.cap_ffn_hurts": FAILS,
+    "component_ablation.mean_dims_harmless": NA,
     "component_ablation.zero_dims_hurts": FAILS,
-    "sink_causality.remove_ffn": HOLDS,
+    "sink_causality.remove_ffn": NA,
     "sink_causality.remove_all": HOLDS,
     "sink_causality.remove_dims": HOLDS,
-    "sink_causality.patch_other": NA,  # the same <s> everywhere: the swap is the identity
+    "sink_causality.patch_other": NA,
 }
 
 
-def _battery(tmp_path_factory, model: str) -> dict:
-    root = tmp_path_factory.mktemp(model.replace(":", "_"))
-    prompts = root / "prompts.txt"
-    prompts.write_text("\n".join(synthetic.planted_prompts(N_PROMPTS, 10)) + "\n")
-    out = root / "out"
-    assert cli.main(["--model", model, "--prompts", str(prompts), "--out", str(out)]) == 0
-    state = json.loads((out / report.STATE_FILE).read_text())
-    state["out"] = str(out)
-    return state
-
-
 @pytest.fixture(scope="module", params=["synthetic:twin", "synthetic:tiny-llama"])
-def null_battery(request, tmp_path_factory):
-    return request.param, _battery(tmp_path_factory, request.param)
+def null_battery(request, constructed_battery):
+    return request.param, constructed_battery(request.param)
 
 
 @pytest.fixture(scope="module")
-def planted_battery(tmp_path_factory):
-    return _battery(tmp_path_factory, "synthetic:planted")
+def planted_battery(constructed_battery):
+    return constructed_battery("synthetic:planted")
 
 
 def _claims(state: dict) -> dict[str, dict]:
@@ -186,21 +170,24 @@ def test_forcing_the_planted_layer_on_the_twin_makes_no_claim_hold(twin, tmp_pat
     """With ``--layer`` the experiments skip detection and measure at layer 2 of the twin, which has
     the planted model's weights but no mechanism: nothing may hold there either."""
     import dataclasses
-    import importlib
 
     from me_interp.experiments.common import execute
 
     model, _ = twin
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(synthetic.planted_prompts(N_PROMPTS, 10)) + "\n")
+    prompts.write_text("\n".join(falsifiability.prompts("synthetic:twin")) + "\n")
     held, judged = [], []
-    for name in report.EXPERIMENTS:
-        module = importlib.import_module(f"me_interp.experiments.{name}")
-        if "layer" not in {f.name for f in dataclasses.fields(module.Config)}:
-            continue
-        cfg = module.Config(prompts=str(prompts), out=str(tmp_path), layer=2)
+    for module in report.MODULES:
+        fields = {f.name for f in dataclasses.fields(module.Config)}
+        # the layer is forced where an experiment takes one (wemask: its me_layer); me_layer itself
+        # detects, and must find nothing to claim
+        force = (
+            {"layer": 2} if "layer" in fields else {"me_layer": 2} if "me_layer" in fields else {}
+        )
+        cfg = module.Config(prompts=str(prompts), out=str(tmp_path), **force)
+        name = module.NAME
         outcome = execute(module, cfg, model)
         judged.append(name)
         held += [c.id for c in outcome.claims if c.kind == "claim" and c.verdict == claims.HOLDS]
-    assert len(judged) >= 8, judged
+    assert len(judged) == len(report.MODULES), judged
     assert held == [], f"claims hold at a forced layer of a model without the mechanism: {held}"

@@ -25,8 +25,8 @@
 #    FFN (the paper's pair) with another layer's — does the emergence move with them?
 #
 # Every experiment has a `Config` (a dataclass; `python -m me_interp.experiments.NAME --help` lists the
-# same fields), `run(cfg, model) -> Result` (no files, no printing), `verdicts(result)` (the claims,
-# each with its interval, rule and control) and `figures(result)` (plotly figures). Layers are
+# same fields), `run(cfg, model) -> Result` (no files, no printing), `SPECS` (its claims, judged by
+# `claims.judge(SPECS, result)`, each with its interval, rule, control and kind) and `figures(result)` (plotly figures). Layers are
 # 0-based. The source of this notebook is `causal_patching.py` (jupytext percent format).
 
 # %%
@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from me_interp import load_model, viewer
+from me_interp import claims, load_model, viewer
 from me_interp.experiments import activation_patching, weight_swap
 from me_interp.interventions.causal import remove_massive
 from me_interp.probes import find_me_layer
@@ -49,19 +49,21 @@ model
 # ## 1. Activation patching
 #
 # `corruption="auto"` replaces token 0 by token 1 when that removes the massive activation (else it
-# removes the massive token's input to the ME layer). The metric is the massive token's norm ratio at
-# the last layer, normalised so that clean = 1 and corrupt = 0.
+# removes the massive token's input to the ME layer). The metric is the signed projection of the
+# massive token's state onto the clean massive direction, normalised so that clean = 1 and corrupt = 0:
+# a negative cell erases the massive activation, a cell above 1 overshoots it.
 
 # %%
 cfg = activation_patching.Config(max_prompts=4, max_tokens=16)
 patching = activation_patching.run(cfg, model)
-for claim in activation_patching.verdicts(patching):
-    print(("(sanity check) " if claim.kind == "sanity" else "") + claim.line(), end="\n\n")
+for claim in claims.judge(activation_patching.SPECS, patching):
+    kind = f"({claims.KIND_LABEL[claim.kind]}) " if claim.kind != "claim" else ""
+    print(kind + claim.line(), end="\n\n")
 
 # %%
 patch_figs = activation_patching.figures(patching)
 print(sorted(patch_figs))
-patch_figs["patching_norm_ratio"]
+patch_figs["patching_projection"]
 
 # %% [markdown]
 # ## 2. Weight swap
@@ -72,7 +74,7 @@ patch_figs["patching_norm_ratio"]
 # %%
 swap_cfg = weight_swap.Config(n_prompts=4, max_partners=6, parts=("ffn_path", "attn_path"))
 swap = weight_swap.run(swap_cfg, model)
-for claim in weight_swap.verdicts(swap):
+for claim in claims.judge(weight_swap.SPECS, swap):
     print(claim.line(), end="\n\n")
 
 # %%

@@ -1,15 +1,29 @@
-"""What the per-layer reports (``mechanism``, ``invariance``, ``attention_sinks``) share.
+"""What the per-layer reports (``me_layer``, ``mechanism``, ``invariance``, ``attention_sinks``) share.
 
 :class:`DetectConfig` holds the fields of the experiments that detect the ME layer and the massive
 token themselves, :func:`detect` turns a norm scan into a :class:`Detection`, :class:`LayerReport` is
-the common part of their results (one dict of measures per layer), and :func:`peak_z` /
-:func:`relative_drop` are the bootstrapped statistics their claims are judged on.
+the common part of their results (one dict of measures per layer).
+
+**Units.** Every claim about the massive token is resampled over *distinct measurements of it*: the
+massive token's state depends only on its prefix ``x[: m + 1]`` (causal attention), so prompts whose
+massive token has the same prefix (e.g. every prompt starting with a shared BOS, the massive token at
+position 0) measure it once. :class:`Units` groups the prompts by that prefix; its keys are the
+``Sample.keys`` of the claims (the engine counts the distinct measurements, and a verdict resting on
+one is not decided), and its seeded halves (``claims.halves`` over the distinct prefixes) are what the
+held-out claims select on and test on.
+
+**Peaks.** "X peaks at the ME layer" (:func:`peak_measure`): the ME layer is chosen on the selection
+half (the ME layer detected on those prompts alone; ``me_layer.one_layer``: their largest mean jump),
+and each held-out unit is one outcome: is that layer the argmax of its per-layer curve (the mean over
+the unit's prompts)? Under the null of exchangeable layers the chance is 1 / L; the claims ask for
+``THRESHOLDS['peak_fraction']`` (Clopper–Pearson interval). With ``--layer`` the layer is given, not
+selected, and every unit is tested (the details say so).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -17,8 +31,7 @@ import torch
 
 from me_interp import claims
 from me_interp.experiments.common import INDEX_CONVENTION, CommonConfig, fmt_table
-from me_interp.experiments.me_layer import no_massive_why
-from me_interp.models import LoadedModel
+from me_interp.models import Batch, LoadedModel
 from me_interp.probes.massive import (
     Criterion,
     MELocation,
@@ -29,6 +42,120 @@ from me_interp.probes.massive import (
 from me_interp.probes.norms import NormScan
 
 PositionChoice = Literal["detected", "zero"]
+
+
+def no_massive_why(loc: MELocation, n_prompts: int) -> str:
+    """Why the mechanism claims are not applicable on a model without a massive activation."""
+    c = loc.criterion
+    rule = {
+        "sun": f"some |a| > {c.abs_threshold:g} and ≥ {c.rel_threshold:g} × the median |a|",
+        "norm": f"a token norm ≥ {c.norm_ratio:g} × the median of the others",
+        "either": "the value or the norm criterion",
+        "both": "the value and the norm criterion",
+    }[c.kind]
+    return (
+        f"no massive activation on this model: no layer output has a massive token ({c.kind} "
+        f"criterion: {rule}) in at least {c.min_prompt_fraction:.0%} of the {n_prompts} prompts"
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# units: distinct measurements of the massive token
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Units:
+    """The prompts grouped by their massive token's prefix, and the seeded halves of the groups.
+
+    Attributes:
+        keys: per prompt, the token ids of ``x[: m + 1]`` (``m`` its massive token) as a string: what
+            makes two prompts distinct measurements of the massive token (``claims.Sample.keys``).
+        groups: per unit (distinct key, in order of first appearance), its prompts.
+        select: the units the held-out claims select on (``claims.halves``; all units when there are
+            fewer than 2, then nothing is held out).
+        heldout: the units they are tested on.
+    """
+
+    keys: tuple[str, ...]
+    groups: tuple[tuple[int, ...], ...]
+    select: tuple[int, ...]
+    heldout: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        """The number of distinct measurements (units)."""
+        return len(self.groups)
+
+    @property
+    def held_out(self) -> bool:
+        """Whether selection and test are on different units (at least 2 units)."""
+        return self.n >= 2
+
+    def prompts(self, units: Sequence[int]) -> list[int]:
+        """The prompts of ``units``, sorted."""
+        return sorted(p for u in units for p in self.groups[u])
+
+    def label(self, u: int) -> str:
+        g = self.groups[u]
+        if len(g) == 1:
+            return f"prompt {g[0]}"
+        return f"prompts {g[0]}…{g[-1]} ({len(g)}, one massive-token prefix)"
+
+    def text(self) -> str:
+        """How the prompts were split, for a claim's details."""
+        n_prompts = len(self.keys)
+        if not self.held_out:
+            return (
+                f"every one of the {n_prompts} prompts has the same massive-token prefix: one "
+                "distinct measurement, nothing to hold out (not decided)"
+            )
+        same = "" if self.n == n_prompts else f" ({self.n} distinct massive-token prefixes)"
+        return (
+            f"selected on {len(self.prompts(self.select))} prompts, tested on the other "
+            f"{len(self.prompts(self.heldout))}{same}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "n_units": self.n,
+            "select_prompts": self.prompts(self.select),
+            "heldout_prompts": self.prompts(self.heldout),
+        }
+
+
+def massive_units(tokens: torch.Tensor, reference: Sequence[int], seed: int) -> Units:
+    """:class:`Units` of a batch (``tokens[b, : reference[b] + 1]`` is prompt ``b``'s key)."""
+    keys = tuple(
+        " ".join(str(int(t)) for t in tokens[b, : int(r) + 1].tolist())
+        for b, r in enumerate(reference)
+    )
+    order = list(dict.fromkeys(keys))
+    groups = tuple(tuple(b for b, k in enumerate(keys) if k == u) for u in order)
+    if len(groups) < 2:
+        every = tuple(range(len(groups)))
+        return Units(keys, groups, every, every)
+    sel, held = claims.halves(len(groups), seed)
+    return Units(keys, groups, tuple(int(u) for u in sel), tuple(int(u) for u in held))
+
+
+def subset_scan(scan: NormScan, rows: Sequence[int]) -> NormScan:
+    """The norm scan of the prompts ``rows`` only (the prompt kept for the heatmap is dropped)."""
+    idx = torch.as_tensor(list(rows), dtype=torch.long)
+    return replace(
+        scan,
+        norms=scan.norms[:, :, idx],
+        top_abs=scan.top_abs[:, idx],
+        top_dims=scan.top_dims[:, idx],
+        median_abs=scan.median_abs[:, idx],
+        mask=scan.mask[idx],
+        kept_prompt=-1,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# detection
+# ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -70,6 +197,10 @@ class Detection:
         reference: the massive token of each prompt (its largest-norm massive token at ``me_layer``,
             position 0 where none; all 0 with ``--position zero``).
         massive_positions: every massive position of each prompt at ``me_layer``.
+        units: the prompts grouped by their massive token's prefix, and the halves.
+        selected_layer: the layer the held-out claims test: the ME layer detected on the selection
+            half alone (``None`` when that half has none), ``me_layer`` when given or when nothing
+            can be held out.
     """
 
     location: MELocation
@@ -77,9 +208,21 @@ class Detection:
     given: bool
     reference: list[int]
     massive_positions: list[list[int]]
+    units: Units
+    selected_layer: int | None
+
+    def report_fields(self) -> dict[str, Any]:
+        """The :class:`LayerReport` fields this detection fills."""
+        return {
+            "me_layer": self.me_layer,
+            "detected_me_layer": self.location.me_layer,
+            "units": self.units,
+            "selected_layer": self.selected_layer,
+            "given": self.given,
+        }
 
 
-def detect(cfg: DetectConfig, model: LoadedModel, scan: NormScan) -> Detection:
+def detect(cfg: DetectConfig, model: LoadedModel, scan: NormScan, batch: Batch) -> Detection:
     """The ME layer and massive tokens of a norm scan (see :class:`Detection`).
 
     Raises:
@@ -101,13 +244,21 @@ def detect(cfg: DetectConfig, model: LoadedModel, scan: NormScan) -> Detection:
         me, ref, mpos = loc.me_layer, list(loc.reference_positions), loc.massive_positions
     if cfg.position == "zero":
         ref = [0] * B
-    return Detection(loc, me, cfg.layer is not None, [int(r) for r in ref], mpos)
+    ref = [int(r) for r in ref]
+    units = massive_units(batch.tokens, ref, cfg.seed)
+    if cfg.layer is not None or not units.held_out:
+        selected: int | None = me
+    else:
+        selected = locate_me_layer(subset_scan(scan, units.prompts(units.select)), crit).me_layer
+    return Detection(loc, me, cfg.layer is not None, ref, mpos, units, selected)
 
 
 @dataclass
 class LayerReport:
     """What the per-layer reports (mechanism, invariance, attention_sinks) share: the run, the
-    tested ME layer (given or detected), and one dict of measures per layer."""
+    tested ME layer (``given`` by ``--layer`` or detected), the units of the massive token with the
+    layer the held-out claims test (``selected_layer``, see :class:`Detection`), and one dict of
+    measures per layer."""
 
     model: str
     bos: str
@@ -116,6 +267,9 @@ class LayerReport:
     me_layer: int | None
     detected_me_layer: int | None
     layers: list[dict[str, Any]]
+    units: Units
+    selected_layer: int | None
+    given: bool
 
     def series(self, key: str, sub: str | None = None) -> list:
         """``layers[i][key]`` (or ``layers[i][key][sub]``) for every layer."""
@@ -148,7 +302,32 @@ class LayerReport:
             "me_layer": self.me_layer,
             "me_layer_1based": None if self.me_layer is None else self.me_layer + 1,
             "detected_me_layer": self.detected_me_layer,
+            "selected_me_layer": self.selected_layer,
+            "layer_given": self.given,
+            "units": self.units.to_dict(),
         }
+
+    def peak(self, values: np.ndarray) -> claims.Outcomes:
+        """:func:`peak_measure` of ``values[prompt, layer]`` at the selected layer.
+
+        Raises:
+            claims.NotApplicable: the selection half has no ME layer.
+        """
+        if self.selected_layer is None:
+            raise claims.NotApplicable(
+                f"the selection half ({len(self.units.prompts(self.units.select))} prompts) has no "
+                "ME layer of its own, so there is no layer chosen apart from the tested prompts"
+            )
+        return peak_measure(values, self.selected_layer, self.units, self.given)
+
+    def peak_details(self, values: np.ndarray) -> str:
+        """Where the selected layer is, how the prompts were split, and where the curve peaks."""
+        return peak_details(values, self.selected_layer, self.units, self.given, self.me_text())
+
+
+# ------------------------------------------------------------------------------------------
+# statistics shared by the claims
+# ------------------------------------------------------------------------------------------
 
 
 def as_array(per_prompt: dict[str, Any], key: str) -> np.ndarray:
@@ -156,27 +335,59 @@ def as_array(per_prompt: dict[str, Any], key: str) -> np.ndarray:
     return np.asarray(per_prompt[key], dtype=np.float64)
 
 
-def peak_z(values: np.ndarray, layer: int, seed: int, unit: str = "prompts") -> claims.Estimate:
-    """How far ``layer`` stands out from every other layer: ``claims.null_z`` of the per-layer means of
-    ``values[prompt, layer]``, bootstrapped over prompts. Layers that are not finite for every prompt
-    are left out of the null (a NaN estimate when ``layer`` itself is not finite)."""
-    ok = np.isfinite(values).all(axis=0)
-    if not ok[layer]:
-        nan = float("nan")
-        return claims.Estimate(nan, nan, nan, values.shape[0], unit)
-    keep = np.flatnonzero(ok)
-    at = int(np.flatnonzero(keep == layer)[0])
-    return claims.bootstrap(
-        values[:, keep], lambda a: claims.null_z(a.mean(0).tolist(), at), unit=unit, seed=seed
+def unit_curves(values: np.ndarray, units: Units) -> np.ndarray:
+    """``[unit, layer]``: the mean over each unit's prompts of ``values[prompt, layer]`` (NaN where
+    all of them are)."""
+    out = np.full((units.n, values.shape[1]), np.nan)
+    for u, g in enumerate(units.groups):
+        rows = values[list(g)]
+        ok = np.isfinite(rows)
+        n = ok.sum(0)
+        out[u] = np.where(n > 0, np.where(ok, rows, 0.0).sum(0) / np.maximum(n, 1), np.nan)
+    return out
+
+
+def peak_measure(values: np.ndarray, layer: int, units: Units, given: bool) -> claims.Outcomes:
+    """Per tested unit, whether ``layer`` is where its curve (:func:`unit_curves`) peaks.
+
+    The tested units are the held-out half (``layer`` chosen on the other half), or every unit when
+    the layer is ``given`` or when fewer than 2 units leave nothing to hold out (one outcome, which
+    the engine does not decide on). Units whose curve is all NaN are left out.
+    """
+    curves = unit_curves(np.asarray(values, dtype=np.float64), units)
+    tested = range(units.n) if given or not units.held_out else units.heldout
+    ok = [u for u in tested if np.isfinite(curves[u]).any()]
+    o = claims.peak_outcomes(curves, layer, ok)
+    unit = "prompts (layer given)" if given else "held-out prompts"
+    return claims.Outcomes(o.outcomes, [units.label(u) for u in ok], unit=unit)
+
+
+def peak_details(
+    values: np.ndarray, layer: int | None, units: Units, given: bool, me_text: str
+) -> str:
+    """The context of a peak claim: the layer and how it was chosen, the split, the chance level,
+    and where the mean curve peaks."""
+    means = np.nanmean(unit_curves(np.asarray(values, dtype=np.float64), units), axis=0)
+    L = len(means)
+    best = int(np.nanargmax(np.where(np.isfinite(means), means, -np.inf)))
+    if given:
+        how = f"layer {layer} given (--layer), not selected: all {units.n} units tested"
+    else:
+        how = f"ME layer of the selection half: {layer}; {units.text()}"
+    at = "nan" if layer is None else f"{means[layer]:.3g}"
+    return (
+        f"ME layer {me_text}; {how}; chance of a given layer under the null of exchangeable "
+        f"layers 1/{L} = {1 / L:.3g}; mean curve {at} at the tested layer, largest at layer {best} "
+        f"({means[best]:.3g})"
     )
 
 
-def relative_drop(
-    reference: np.ndarray, value: np.ndarray, seed: int, unit: str = "prompts"
-) -> claims.Estimate:
-    """``1 − mean(value) / mean(reference)`` over paired per-prompt values, bootstrapped over
-    prompts: how far ``value`` lies below ``reference``, as a fraction of it."""
-    rows = np.stack([reference, value], axis=1)
-    return claims.bootstrap(
-        rows, lambda a: 1.0 - a[:, 1].mean() / a[:, 0].mean(), unit=unit, seed=seed
-    )
+def relative_drop(a: np.ndarray) -> float:
+    """``1 − mean(a[:, 1]) / mean(a[:, 0])`` of paired rows ``(reference, value)``: how far the value
+    lies below the reference, as a fraction of it (a ``claims.Sample`` statistic)."""
+    return float(1.0 - a[:, 1].mean() / a[:, 0].mean())
+
+
+def paired(reference: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """``[n, 2]`` rows ``(reference, value)`` for :func:`relative_drop`."""
+    return np.stack([np.asarray(reference, float), np.asarray(value, float)], axis=1)

@@ -6,7 +6,8 @@ massive activation again. :func:`prepare` loads the model and prompts, measures 
 resolves the layer to edit (raising :class:`me_interp.claims.NotApplicable` when the model has no
 massive activation and no layer was given); :func:`measure` measures the model as it is (inside an
 edit) in **one** forward pass; :func:`edit_row` and :func:`edit_cells` are the per-edit result row and
-summary cells of the experiments that edit the ME layer itself.
+summary cells of the experiments that edit the ME layer itself; :func:`depth_label` and
+:func:`majority` are how the swap / patch claims name and decide one partner layer's outcome.
 
 Every edit needs a forward, so these experiments subsample: ``n_prompts`` prompts spread evenly over
 the set (:func:`spread`), each cut to ``max_tokens`` tokens. The result reports how many were used.
@@ -14,6 +15,7 @@ the set (:func:`spread`), each cut to ``max_tokens`` tokens. The result reports 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,7 +32,7 @@ from me_interp.models import Batch, LoadedModel
 from me_interp.probes.attention import mean_to_keys
 from me_interp.probes.batching import Chunk, record
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer
-from me_interp.probes.norms import NormRecorder, scan_norms, top_ratio
+from me_interp.probes.norms import NormRecorder, NormScan, scan_norms, top_ratio
 from me_interp.prompts import spread
 
 SCAN_SITES = ("resid_pre", "resid_mid", "resid_post")
@@ -115,6 +117,8 @@ class Measurement:
         sink: per layer, mean over prompts of the largest head's attention mass (queries ``q ≥ 1``)
             on the reference positions (empty without ``sink``).
         prompt_ratio: ``[layer][prompt]`` the per-prompt ``R_{l,b}`` behind ``top_ratio``.
+        prompt_me_layer: per prompt, the ME layer located on that prompt alone (``None``: none);
+            the units of a per-prompt majority (:func:`majority`).
     """
 
     me_layer: int | None
@@ -124,6 +128,7 @@ class Measurement:
     max_over_median: list[float]
     sink: list[float] = field(default_factory=list)
     prompt_ratio: list[list[float]] = field(default_factory=list)
+    prompt_me_layer: list[int | None] = field(default_factory=list)
 
     def ratio_at(self, layer: int) -> float:
         return self.top_ratio[layer]
@@ -198,6 +203,27 @@ def edit_cells(row: dict[str, Any]) -> tuple[Any, ...]:
         "yes" if row["survives"] else "no",
         row["ratio_at_layer"],
         row["ratio_last"],
+    )
+
+
+def depth_label(layer: int, ref: int, name: str = "m") -> str:
+    """A layer named with its depth relative to ``ref`` (the ME layer): ``"layer 3 (m-8)"``."""
+    return f"layer {layer} ({name}{layer - ref:+d})"
+
+
+def majority(flags: Sequence[bool]) -> bool:
+    """Whether more than half of ``flags`` (one per prompt) are true: how the swap / patch claims
+    decide one partner layer's outcome from its prompts (a tie is no)."""
+    return 2 * sum(bool(f) for f in flags) > len(flags)
+
+
+def where_edited(result: Any) -> str:
+    """Where an edit experiment acted: the layer, its unedited mean norm ratio and the prompts."""
+    m = result.layer
+    r_m = sum(result.baseline.prompt_ratio_at(m)) / len(result.baseline.prompt_ratio_at(m))
+    return (
+        f"layer {m} (1-based {m + 1}); unedited R_m = {fmt_value(r_m)} (mean over "
+        f"{result.n_prompts} prompts of {max(result.prompt_lengths)} tokens at most)"
     )
 
 
@@ -284,8 +310,27 @@ def _measure(model, batch, criterion, positions, sink: bool) -> tuple[Measuremen
         max_over_median=loc.max_over_median,
         sink=[] if sinks is None else sinks.per_layer(),
         prompt_ratio=top_ratio(scan.site_norms("resid_post"), scan.mask).tolist(),  # [layer][b]
+        prompt_me_layer=prompt_me_layers(scan, criterion),
     )
     return m, loc
+
+
+def prompt_me_layers(scan: NormScan, criterion: Criterion) -> list[int | None]:
+    """Per prompt, the ME layer :func:`~me_interp.probes.massive.locate_me_layer` finds on that
+    prompt alone (its scan rows; no forward pass): a layer "has" the massive activation when the
+    prompt has a massive token there."""
+    out = []
+    for b in range(scan.mask.shape[0]):
+        one = dataclasses.replace(
+            scan,
+            norms=scan.norms[:, :, b : b + 1],
+            top_abs=scan.top_abs[:, b : b + 1],
+            top_dims=scan.top_dims[:, b : b + 1],
+            median_abs=scan.median_abs[:, b : b + 1],
+            mask=scan.mask[b : b + 1],
+        )
+        out.append(locate_me_layer(one, criterion).me_layer)
+    return out
 
 
 def locate(model: LoadedModel, batch: Batch, criterion: Criterion) -> MELocation:

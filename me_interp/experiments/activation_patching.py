@@ -21,19 +21,34 @@ Clean run: the prompts (``--max-prompts`` of them spread over the prompt list, e
 For each site (``resid_pre``, ``attn_out``, ``mlp_out``; any of ``patching.PATCH_SITES``) every layer
 (``resid_pre``: up to the layer after the ME layer — later, patching the massive token's whole state
 restores it trivially) is patched at the massive position ``p`` from the clean run (every layer and
-position with ``--all-positions``), batched (``me_interp.patching.patch_sweep``), and two metrics are read per
-prompt: the massive token's norm ratio ``‖h_p‖ / mean_{t≠p}‖h_t‖`` at the output of
-``--metric-layer`` (default: the last layer) and its attention sink (mean attention to ``p`` over the
-heads, queries ``q > p`` and the layers after the ME layer). A patch's *restore* is ARENA's
-``(m_patched − m_corrupt) / (m_clean − m_corrupt)`` on prompt means (clean = 1, corrupt = 0),
-bootstrapped over prompts.
+position with ``--all-positions``), batched (``me_interp.patching.patch_sweep``), and two metrics are
+read per prompt:
 
-Claims (:data:`SPECS`): the corruption removed the activation (precondition, a sanity check);
-patching back the cell the corruption overwrote restores the clean run (sanity: true by
-construction); the ME layer's FFN output alone restores the massive token downstream
-(``ffn_writes``); the massive token's state after the ME layer restores the downstream sink
-(``state_causes_sink``); no later attention or FFN output restores it (``not_rewritten``). None is
-decided by a cell the corruption overwrote.
+* ``projection`` — the *signed* projection ``⟨h_p, u⟩`` of the massive token's state at the output of
+  ``--metric-layer`` (default: the last layer) onto the clean massive direction ``u`` (the unit
+  prompt-mean of the clean massive token's state at the ME-layer output; ``patching.Projection``). A
+  norm cannot tell a write along ``u`` from one against it: a late FFN that *erases* the massive
+  activation (output cosine ≈ −1 with ``u``) inflates ``‖h_p‖`` when patched into a run where the
+  activation never formed, but lowers the projection;
+* ``sink`` — mean attention to ``p`` over the heads, queries ``q > p`` and the layers after the ME
+  layer.
+
+A patch's normalised value is ARENA's ``(m_patched − m_corrupt) / (m_clean − m_corrupt)`` on prompt
+means (clean = 1, corrupt = 0), bootstrapped over prompts. A value above 1 is an *overshoot* (the
+patched run has more of the massive direction than the clean run): the details say so, and it is not
+called a restore.
+
+Claims (:data:`SPECS`; kinds in brackets): the corruption removed the activation (``removal``, a
+precondition) [sanity]; patching back the cell the corruption overwrote gives 1 (``undo``) [sanity];
+the ME layer's FFN output alone brings the massive direction back downstream (``ffn_writes``)
+[claim] — unless that output *is* the massive token's state (cosine > 0.99 and 95–105 % of its norm,
+``interventions.causal.ffn_share``), as on the planted model and on SmolLM2 (cosine 0.99998),
+where the activation appears suddenly in one FFN: then the same patch is patching the state back,
+and it is judged as ``ffn_is_state`` [sanity] instead; the massive token's clean state after the
+ME layer restores the downstream sink (``state_causes_sink``) [sanity]; no later attention or FFN output brings the massive direction back
+(``not_rewritten``) [claim] — a later sub-layer that writes *against* it (erases it) gives a negative
+value and is named in the details. None is decided by a cell the corruption overwrote, and none but
+the precondition applies when the corruption did not remove the activation.
 
     python -m me_interp.experiments.activation_patching
     python -m me_interp.experiments.activation_patching --model synthetic:planted --prompts p.txt
@@ -54,12 +69,141 @@ from me_interp import claims, names, plotting
 from me_interp.experiments.common import CommonConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.models import Batch, LoadedModel
-from me_interp.patching import PATCH_SITES, NormRatio, SinkMass, SweepResult, patch_sweep
+from me_interp.patching import PATCH_SITES, Projection, SinkMass, SweepResult, patch_sweep
 
 NAME = "activation_patching"
 CORRUPTIONS = ("auto", "first_token", "remove_input", "remove_ffn")
 FFN_SITES = ("mlp_out", "ffn_out")
-RESTORE = "normalised {metric} (clean = 1, corrupt = 0; ratio of prompt means)"
+PROJECTION = "projection"
+OVERSHOOT = 1 + 1e-6
+"""A normalised value above this (1 up to float noise) is an overshoot, not a restore."""
+RESTORE = "normalised {metric} (clean = 1, corrupt = 0; ratio of prompt means; above 1: overshoot)"
+_PROJ = "signed projection ⟨h_p, u⟩ at the metric layer onto the clean massive direction u"
+
+
+def _why_massive(r: Result) -> str | None:
+    return None if r.site.massive else r.site.why_not()
+
+
+def _why_removed(r: Result) -> str | None:
+    """Why the patching claims do not apply: no massive activation, or the corruption did not remove
+    it (the ``removed`` rule on the point estimate: there is nothing for a patch to restore)."""
+    why = _why_massive(r)
+    if why is None and not r.removal_fraction() <= claims.threshold("removed"):
+        why = (
+            f"the corruption ({r.corruption}) did not remove the massive activation (ME-layer "
+            f"(R − 1) corrupt / clean = {r.removal_fraction():.3g} > "
+            f"{claims.threshold('removed'):g}, threshold 'removed'): there is nothing for a patch "
+            "to restore"
+        )
+    return why
+
+
+def _why_ffn(r: Result, *, state: bool) -> str | None:
+    """``ffn_writes`` (``state=False``) applies when the FFN output is not the state,
+    ``ffn_is_state`` (``state=True``) when it is; neither when the corruption overwrote that cell or
+    the metric is read before the ME layer."""
+    why = _why_removed(r)
+    if why is not None:
+        return why
+    L = r.site.layer
+    if r.corruption == "remove_ffn":
+        return (
+            "the remove_ffn corruption overwrote this very cell: its restore is the 'undo' sanity "
+            "check (use --corruption remove_input or first_token)"
+        )
+    if r.metric_layer < L:
+        return f"the metric layer {r.metric_layer} is before the ME layer {L}: the patch cannot change it"
+    if r.ffn.is_state() != state:
+        if state:
+            return f"{r.ffn.text()}: it is not the state, so the patch is evidence (ffn_writes)"
+        return (
+            f"{r.ffn.text()}: the FFN output is the state itself, so patching it is patching the "
+            "state back — judged as the sanity check ffn_is_state"
+        )
+    return None
+
+
+def _why_sink(r: Result) -> str | None:
+    why = _why_removed(r)
+    if why is None and r.site.layer + 1 >= r.n_layers:
+        why = f"the ME layer {r.site.layer} is the last layer: no later layer, no downstream sink"
+    return why
+
+
+def _why_later(r: Result) -> str | None:
+    why = _why_sink(r)
+    if why is None and r.metric_layer <= r.site.layer + 1:
+        why = (
+            f"no layer lies between the ME layer {r.site.layer} and the metric layer "
+            f"{r.metric_layer}: no later sub-layer can be patched without writing into the measured "
+            "cell itself"
+        )
+    return why
+
+
+def _cells_stat(key: str, metric: str):
+    """The statistic of a claim decided by the cells ``Result.cells(key)``: per prompt
+    ``[clean, corrupt, patched …]``, the largest normalised value over the cells."""
+
+    def stat(r: Result) -> claims.Sample:
+        cells = r.cells(key)
+        rows = r.cell_rows(cells, metric)
+        if rows is None:
+            shown = ", ".join(f"{c} at layer {x}" for c, x, _ in cells[:3])
+            raise claims.NotApplicable(
+                f"the cells it needs ({shown}{', …' if len(cells) > 3 else ''}; metric {metric}) "
+                "were not swept (see --sites)"
+            )
+        return claims.Sample(rows, _restore_stat)
+
+    return stat
+
+
+def _details(key: str, metric: str):
+    def details(r: Result) -> str:
+        s = r.site
+        out = (
+            f"corruption {r.corruption}; ME layer {s.layer} (1-based {s.layer + 1}), position "
+            f"{s.position}; metric layer {r.metric_layer}; n = {len(r.me_ratio_clean)} prompts of "
+            f"<= {r.prompts.max_tokens} tokens"
+        )
+        if key == "removal":
+            return (
+                f"{out}; ME-layer R clean {np.mean(r.me_ratio_clean):.4g}, corrupt "
+                f"{np.mean(r.me_ratio_corrupt):.4g}"
+            )
+        rows = r.cell_rows(r.cells(key), metric)
+        if rows is None:
+            return out
+        m = rows.mean(0)
+        out += f"; {metric} clean {m[0]:.4g}, corrupt {m[1]:.4g}"
+        if metric == PROJECTION:
+            out += (
+                f"; the clean state of p at the metric layer has cosine {r.direction_cos:.3g} with "
+                "the ME-layer massive direction u"
+            )
+        if key in ("ffn_writes", "ffn_is_state"):
+            out += f"; {r.ffn.text()}"
+        norm = (m[2:] - m[1]) / (m[0] - m[1]) if m[0] != m[1] else np.full(len(m) - 2, np.nan)
+        cells = r.cells(key)
+        if len(cells) > 1 and np.isfinite(norm).any():
+            hi, lo = int(np.nanargmax(norm)), int(np.nanargmin(norm))
+            out += f"; largest {norm[hi]:.3g} at {cells[hi][0]} of layer {cells[hi][1]}"
+            if norm[lo] < 0:
+                out += f"; most negative {norm[lo]:.3g} at {cells[lo][0]} of layer {cells[lo][1]}"
+                if norm[lo] <= -claims.threshold("restore"):
+                    out += " (it writes against the massive direction: it erases it)"
+        best = float(np.nanmax(norm)) if np.isfinite(norm).any() else float("nan")
+        if best > OVERSHOOT:
+            out += (
+                f"; overshoot: {best:.3g} > 1 — the patched run has more along the massive direction "
+                "than the clean run, which is not a restore"
+            )
+        return out
+
+    return details
+
 
 SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
@@ -73,29 +217,55 @@ SPECS: tuple[claims.Spec, ...] = (
         "removed",
         control="the clean run",
         kind="sanity",
+        stat=lambda r: claims.Sample(
+            np.stack([r.me_ratio_corrupt, r.me_ratio_clean], 1), causal.excess_stat
+        ),
+        applies=_why_massive,
+        details=_details("removal", ""),
     ),
     claims.Spec(
         "activation_patching.undo",
         "§3 (activation patching)",
-        "Patching back the very cell the corruption overwrote restores the clean run (true by "
+        "Patching back the very cell the corruption overwrote gives the clean run (true by "
         "construction: the fixed point of the metric)",
-        RESTORE.format(metric="last-layer norm ratio") + " of that patch",
+        RESTORE.format(metric=_PROJ) + " of that patch",
         ">=",
         "restore",
         control="the corrupt run (0)",
         kind="sanity",
+        stat=_cells_stat("undo", PROJECTION),
+        applies=_why_removed,
+        details=_details("undo", PROJECTION),
     ),
     claims.Spec(
         "activation_patching.ffn_writes",
         "§2.1, §3",
         "The ME layer's FFN writes the massive activation: its output at the massive token, patched "
-        "alone from the clean run into a run where the activation never formed, restores the "
-        "massive token downstream",
-        RESTORE.format(metric="norm ratio at the metric layer")
-        + " of the mlp_out patch at (ME layer, p)",
+        "alone from the clean run into a run where the activation never formed, brings back at "
+        "least half of the clean massive direction downstream (applies only where that output is "
+        "not the massive token's whole state)",
+        RESTORE.format(metric=_PROJ) + " of the mlp_out patch at (ME layer, p)",
         ">=",
         "restore",
         control="the corrupt run (0); the mlp_out patches of the other layers (figure)",
+        stat=_cells_stat("ffn_writes", PROJECTION),
+        applies=lambda r: _why_ffn(r, state=False),
+        details=_details("ffn_writes", PROJECTION),
+    ),
+    claims.Spec(
+        "activation_patching.ffn_is_state",
+        "§2.1, §3",
+        "Where the ME layer's FFN output at the massive token is its whole state (cosine > 0.99, "
+        "95–105 % of the norm), patching that output back is patching the state back: it brings the "
+        "clean massive direction back downstream (a sanity check, not evidence about the FFN)",
+        RESTORE.format(metric=_PROJ) + " of the mlp_out patch at (ME layer, p)",
+        ">=",
+        "restore",
+        control="the corrupt run (0)",
+        kind="sanity",
+        stat=_cells_stat("ffn_writes", PROJECTION),
+        applies=lambda r: _why_ffn(r, state=True),
+        details=_details("ffn_writes", PROJECTION),
     ),
     claims.Spec(
         "activation_patching.state_causes_sink",
@@ -110,20 +280,27 @@ SPECS: tuple[claims.Spec, ...] = (
         "restore",
         control="the corrupt run (0): the same prompts without the massive activation",
         kind="sanity",
+        stat=_cells_stat("state_causes_sink", "sink"),
+        applies=_why_sink,
+        details=_details("state_causes_sink", "sink"),
     ),
     claims.Spec(
         "activation_patching.not_rewritten",
         "§2.1",
         "After the ME layer the massive activation is carried by the residual stream, not rewritten "
-        "by later sub-layers: no single later attention or FFN output at the massive token restores it",
+        "by later sub-layers: no single later attention or FFN output at the massive token, patched "
+        "into the run where it never formed, brings back half of the clean massive direction (a "
+        "sub-layer that erases it reads negative)",
         "largest "
-        + RESTORE.format(metric="norm ratio at the metric layer")
+        + RESTORE.format(metric=_PROJ)
         + " over the attn_out and mlp_out patches at p in the layers after the ME layer and before "
-        "the metric layer (a norm: it does not tell a write along the massive direction from one "
-        "against it)",
+        "the metric layer",
         "<",
         "restore",
-        control="the ME layer's own FFN patch (ffn_writes)",
+        control="the ME layer's own FFN patch (ffn_writes / ffn_is_state)",
+        stat=_cells_stat("not_rewritten", PROJECTION),
+        applies=_why_later,
+        details=_details("not_rewritten", PROJECTION),
     ),
 )
 SPEC = claims.index(SPECS)
@@ -150,7 +327,7 @@ class Config(CommonConfig):
         all_positions: sweep every position and every layer of every site (heat maps) instead of
             the massive position (and ``resid_pre`` only up to the layer after the ME layer); costs
             ``max_tokens`` times more.
-        metric_layer: layer (0-based) whose output gives the norm-ratio metric; ``None`` = the last
+        metric_layer: layer (0-based) whose output gives the projection metric; ``None`` = the last
             layer.
         layer: the ME layer (0-based); ``None`` = detected on the prompts.
         batch_size: rows (patched prompts) per forward of the sweep.
@@ -213,19 +390,30 @@ def _restore_stat(a: np.ndarray) -> float:
 
 @dataclass
 class Result:
+    """The clean/corrupt pair, the sweeps, and what the claims need to know about the FFN output.
+
+    Attributes:
+        undo_cell: the (site, layer, position) the corruption overwrote.
+        ffn: the ME layer's FFN output at ``p`` against the massive token's state there (clean run).
+        direction_cos: mean over prompts of the cosine between the clean massive token's state at the
+            metric layer and the massive direction ``u`` (ME-layer output) it is projected on.
+    """
+
     model: str
     bos: str
     site: causal.MassiveSite
     prompts: causal.PromptBatch
     corruption: str
     corruption_note: str
-    undo_cell: tuple[str, int, int]  # (site, layer, position) the corruption overwrote
+    undo_cell: tuple[str, int, int]
     n_layers: int
     metric_layer: int
     me_ratio_clean: list[float]
     me_ratio_corrupt: list[float]
     sweeps: dict[str, SweepResult]
     tokens: list[str]
+    ffn: causal.FfnShare
+    direction_cos: float
     seed: int = 0
 
     def _sweep(self, site: str) -> SweepResult | None:
@@ -248,8 +436,9 @@ class Result:
             cols.append(sw.cell_values(metric, layer, pos))
         return torch.stack(cols, 1).double().numpy() if cols else None
 
-    def restore(self, cell: tuple[str, int, int], metric: str) -> float:
-        """Point estimate of the normalised restore of one cell (NaN when not swept)."""
+    def restore(self, cell: tuple[str, int, int], metric: str = PROJECTION) -> float:
+        """Point estimate of the normalised value of one cell (clean = 1, corrupt = 0; NaN when not
+        swept)."""
         rows = self.cell_rows([cell], metric)
         return float("nan") if rows is None else _restore_stat(rows)
 
@@ -261,6 +450,10 @@ class Result:
             "ffn_writes": ("mlp_out", L, p),
             "state_causes_sink": ("resid_pre", L + 1, p),
         }
+
+    def cells(self, key: str) -> list[tuple[str, int, int]]:
+        """The cells claim ``key`` is decided by."""
+        return self.later_cells() if key == "not_rewritten" else [self.claim_cells()[key]]
 
     def removal_fraction(self) -> float:
         return causal.excess_fraction(
@@ -280,15 +473,17 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         cells = self.claim_cells()
         restore = {
-            k: {"cell": list(c), **{m: self.restore(c, m) for m in ("norm_ratio", "sink")}}
+            k: {"cell": list(c), **{m: self.restore(c, m) for m in (PROJECTION, "sink")}}
             for k, c in cells.items()
         }
+        for v in restore.values():
+            v["overshoot"] = bool(v[PROJECTION] > OVERSHOOT or v["sink"] > OVERSHOOT)
         per_prompt: dict[str, Any] = {
             "me_ratio_clean": self.me_ratio_clean,
             "me_ratio_corrupt": self.me_ratio_corrupt,
         }
         for k, c in cells.items():
-            for m in ("norm_ratio", "sink"):
+            for m in (PROJECTION, "sink"):
                 rows = self.cell_rows([c], m)
                 if rows is not None:
                     per_prompt[f"{k}.{m}"] = {
@@ -305,6 +500,8 @@ class Result:
             "corruption_note": self.corruption_note,
             "removal_fraction": self.removal_fraction(),
             "metric_layer": self.metric_layer,
+            "ffn_share": self.ffn.to_dict(),
+            "direction_cos_at_metric_layer": self.direction_cos,
             "restore": restore,
             "per_prompt": per_prompt,
             "tokens_prompt0": self.tokens,
@@ -326,7 +523,15 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     clean = pb.batch
     last = model.n_layers - 1
     metric_layer = last if cfg.metric_layer is None else model.check_layer(cfg.metric_layer)
-    metrics: dict[str, Any] = {"norm_ratio": NormRatio(metric_layer, p)}
+    acts = causal.capture(
+        model, clean, [names.ffn_out(L), names.resid_post(L), names.resid_post(metric_layer)]
+    )
+    h_me = acts[names.resid_post(L)][:, p].float().cpu()  # [B d]
+    u = h_me.mean(0)
+    u = u / u.norm()  # the clean massive direction
+    h_metric = acts[names.resid_post(metric_layer)][:, p].float().cpu()
+    direction_cos = float(torch.nn.functional.cosine_similarity(h_metric, u[None], dim=-1).mean())
+    metrics: dict[str, Any] = {PROJECTION: Projection(metric_layer, u, p)}
     if L < last:
         metrics["sink"] = SinkMass(tuple(range(L + 1, model.n_layers)), p)
 
@@ -389,84 +594,10 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         me_ratio_corrupt=corrupt_me.tolist(),
         sweeps=sweeps,
         tokens=tokens,
+        ffn=causal.ffn_share(model, clean, L, p, acts=acts),
+        direction_cos=direction_cos,
         seed=cfg.seed,
     )
-
-
-def verdicts(result: Result) -> list[claims.Claim]:
-    """One claim per :data:`SPECS` entry (see the module docstring)."""
-    s, r = result.site, result
-    if not s.massive:
-        return claims.not_applicable(SPECS, s.why_not())
-    L, p, n = s.layer, s.position, len(r.me_ratio_clean)
-    ctx = (
-        f"corruption {r.corruption}; ME layer {L} (1-based {L + 1}), position {p}; metric layer "
-        f"{r.metric_layer}; n = {n} prompts of <= {r.prompts.max_tokens} tokens"
-    )
-    rows = np.stack([r.me_ratio_corrupt, r.me_ratio_clean], 1)
-    removal = SPEC["removal"].judge(
-        claims.bootstrap(rows, causal.excess_stat, seed=r.seed),
-        details=f"{ctx}; R clean {np.mean(r.me_ratio_clean):.4g}, corrupt "
-        f"{np.mean(r.me_ratio_corrupt):.4g}",
-    )
-
-    def judge(key: str, cells: list[tuple[str, int, int]], metric: str) -> claims.Claim:
-        rows = r.cell_rows(cells, metric)
-        if rows is None:
-            shown = ", ".join(f"{c} at layer {x}" for c, x, _ in cells[:3])
-            return SPEC[key].not_applicable(
-                f"the cells it needs ({shown}{', …' if len(cells) > 3 else ''}; metric {metric}) "
-                "were not swept (see --sites)"
-            )
-        m = rows.mean(0)
-        extra = f"{metric} clean {m[0]:.4g}, corrupt {m[1]:.4g}"
-        if len(cells) > 1 and m[0] != m[1]:
-            site_, layer_, _ = cells[int(np.argmax((m[2:] - m[1]) / (m[0] - m[1])))]
-            extra += f"; largest at {site_} of layer {layer_}"
-        est = claims.bootstrap(rows, _restore_stat, seed=r.seed)
-        return SPEC[key].judge(est, details=f"{ctx}; {extra}")
-
-    cells = r.claim_cells()
-    evidence = [judge("undo", [cells["undo"]], "norm_ratio")]
-    if r.corruption == "remove_ffn":
-        evidence.append(
-            SPEC["ffn_writes"].not_applicable(
-                "the remove_ffn corruption overwrote this very cell: its restore is the 'undo' "
-                "sanity check (use --corruption remove_input or first_token)"
-            )
-        )
-    elif r.metric_layer < L:
-        evidence.append(
-            SPEC["ffn_writes"].not_applicable(
-                f"the metric layer {r.metric_layer} is before the ME layer {L}: the patch cannot "
-                "change it"
-            )
-        )
-    else:
-        evidence.append(judge("ffn_writes", [cells["ffn_writes"]], "norm_ratio"))
-    if L + 1 >= r.n_layers:
-        why = f"the ME layer {L} is the last layer: no later layer, no downstream sink"
-        evidence += [SPEC[k].not_applicable(why) for k in ("state_causes_sink", "not_rewritten")]
-    else:
-        evidence.append(judge("state_causes_sink", [cells["state_causes_sink"]], "sink"))
-        if r.metric_layer <= L + 1:
-            evidence.append(
-                SPEC["not_rewritten"].not_applicable(
-                    f"no layer lies between the ME layer {L} and the metric layer "
-                    f"{r.metric_layer}: no later sub-layer can be patched without writing into the "
-                    "measured cell itself"
-                )
-            )
-        else:
-            evidence.append(judge("not_rewritten", r.later_cells(), "norm_ratio"))
-    if removal.verdict != claims.HOLDS:
-        why = (
-            f"the corruption ({r.corruption}) did not remove the massive activation "
-            f"(removal: {removal.estimate.text() if removal.estimate else 'n/a'}): there is "
-            "nothing for a patch to restore"
-        )
-        evidence = [SPEC[c.id.split(".", 1)[1]].not_applicable(why) for c in evidence]
-    return [removal, *evidence]
 
 
 def figures(result: Result) -> dict[str, Any]:
@@ -482,7 +613,7 @@ def figures(result: Result) -> dict[str, Any]:
             series,
             f"Activation patching at position {p}, metric {metric} (clean = 1, corrupt = 0) — "
             f"{result.model}<br><sup>corruption: {result.corruption}</sup>",
-            "normalised restore",
+            "normalised (clean = 1, corrupt = 0)",
             L,
         )
         figs[f"patching_{metric}"] = fig
@@ -532,13 +663,26 @@ def summary(result: Result) -> str:
         for metric in sw.metric_names:
             grid = sw.normalized(metric)[:, sw.positions.index(s.position)]
             li = int(grid.nan_to_num(-1e9).argmax())
-            rows.append((name, metric, sw.layers[li], float(grid[li]), sw.n_forwards))
+            v = float(grid[li])
+            rows.append(
+                (
+                    name,
+                    metric,
+                    sw.layers[li],
+                    v,
+                    "overshoot" if v > OVERSHOOT else "",
+                    sw.n_forwards,
+                )
+            )
     return "\n".join(
         [
             f"model: {result.model}   ME layer {s.layer} (1-based {s.layer + 1}), position "
             f"{s.position}; {len(result.me_ratio_clean)} prompts; corruption {result.corruption} "
-            f"({result.corruption_note or 'chosen'})",
-            fmt_table(["site", "metric", "best layer", "restore", "forwards"], rows),
+            f"({result.corruption_note or 'chosen'}); {result.ffn.text()}",
+            fmt_table(
+                ["site", "metric", "largest at layer", "normalised (1 = clean)", "", "forwards"],
+                rows,
+            ),
         ]
     )
 

@@ -16,8 +16,12 @@ Cost: one forward over every prompt records the norms (detection), the attention
 every key position and the geometry without position 0; prompts whose massive token is elsewhere are
 re-run for the geometry without it (``probes.batching``).
 
-Claims (:data:`SPECS`; thresholds from ``claims.THRESHOLDS``; intervals bootstrapped over prompts). On
-a model without a massive activation ``run`` raises ``claims.NotApplicable``.
+Claims (:data:`SPECS`, judged by ``claims.judge``; thresholds from ``claims.THRESHOLDS``; intervals
+bootstrapped over prompts), stated in the paper's direction: the sink *appears* downstream of the ME
+layer, the attention entropy *drops*, the other tokens' effective rank *drops*; ``rank_drop_all`` is a
+sanity check (one huge token makes the states low-rank by construction). The attention claims are not
+applicable when the ME layer is the last layer (no attention reads it), the geometry claims when it
+is layer 0. On a model without a massive activation ``run`` raises ``claims.NotApplicable``.
 
     python -m me_interp.experiments.attention_sinks            # bundled model, built-in prompts
 
@@ -26,7 +30,7 @@ a model without a massive activation ``run`` raises ``claims.NotApplicable``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +44,7 @@ from me_interp.experiments._layer_report import (
     LayerReport,
     as_array,
     detect,
+    paired,
     relative_drop,
 )
 from me_interp.experiments.common import cli_main, model_for
@@ -50,54 +55,6 @@ from me_interp.probes.geometry import METRICS, GeometryRecorder
 from me_interp.probes.norms import NormRecorder
 
 NAME = "attention_sinks"
-
-SPECS: tuple[claims.Spec, ...] = (
-    claims.Spec(
-        "attention_sinks.sink_downstream",
-        "§2.4, §2.6",
-        "The attention sink on the massive token appears downstream of the ME layer and not before",
-        statistic="(mean sink rate over layers > ME − max sink rate over layers ≤ ME) / the larger of "
-        "the two; sink rate = share of heads whose mean attention to the massive token reaches "
-        "the sink threshold (per-layer means over prompts)",
-        op=">=",
-        threshold="relative_rise",
-        control="the layers up to the ME layer, whose attention runs before the massive activation",
-    ),
-    claims.Spec(
-        "attention_sinks.entropy_drop",
-        "§2.4",
-        "Attention collapses after the ME layer: the attention entropy is lower downstream",
-        statistic="1 − mean entropy over layers > ME / mean entropy over layers ≤ ME (per prompt: "
-        "mean over heads and queries)",
-        op=">=",
-        threshold="relative_drop",
-        control="the same prompts' attention at the layers up to the ME layer",
-    ),
-    claims.Spec(
-        "attention_sinks.rank_drop_all",
-        "§2.4",
-        "The effective rank of the token states (all tokens) drops from the ME layer on — implied by "
-        "one token whose norm is much larger than the others' (a sanity check, not evidence)",
-        statistic="1 − mean effective rank over layers ≥ ME / mean over layers < ME (all real "
-        "tokens of each prompt)",
-        op=">=",
-        threshold="relative_drop",
-        control="rank_drop_others (without the massive token)",
-        kind="sanity",
-    ),
-    claims.Spec(
-        "attention_sinks.rank_drop_others",
-        "§2.4",
-        "The other tokens' representations collapse from the ME layer on (effective rank of the token "
-        "states without the massive token drops)",
-        statistic="1 − mean effective rank over layers ≥ ME / mean over layers < ME (real tokens "
-        "of each prompt except the massive one)",
-        op=">=",
-        threshold="relative_drop",
-        control="the same prompts' layer outputs before the ME layer",
-    ),
-)
-SINK_DOWNSTREAM, ENTROPY_DROP, RANK_DROP_ALL, RANK_DROP_OTHERS = SPECS
 
 
 @dataclass(frozen=True)
@@ -145,7 +102,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     att = AttentionRecorder(model, batch)
     geo = GeometryRecorder(model, batch)  # "others" without position 0
     record(model, batch, [norms, att, geo])
-    det = detect(cfg, model, norms.result())
+    det = detect(cfg, model, norms.result(), batch)
     ref = det.reference
     moved = [b for b, r in enumerate(ref) if r != 0]
     if moved:  # the geometry without the massive token, where it is not the first token
@@ -184,8 +141,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         bos=model.bos,
         bos_prepended=model.bos_prepended(batch),
         n_prompts=len(batch),
-        me_layer=det.me_layer,
-        detected_me_layer=det.location.me_layer,
+        **det.report_fields(),
         eps=eps,
         reference_positions=list(ap.reference),
         massive_positions=ap.massive_positions,
@@ -203,62 +159,142 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     return result
 
 
-def _sink_shift(a: np.ndarray, me: int) -> float:
-    """``(mean after − max before) / max(both)`` of the per-layer mean sink rate (0 when both are 0)."""
+def sink_shift(a: np.ndarray, me: int) -> float:
+    """``(mean after − max before) / max(both)`` of the per-layer mean (over prompts, the rows of
+    ``a[prompt, layer]``) of a sink measure (0 when both are 0); before = layers ≤ ME (their
+    attention runs before the ME layer's FFN), after = layers > ME."""
     curve = a.mean(0)
     before, after = curve[: me + 1].max(), curve[me + 1 :].mean()
     top = max(before, after)
     return 0.0 if top == 0 else float((after - before) / top)
 
 
-def verdicts(result: Result) -> list[claims.Claim]:
-    """Claims 4 and 6 on this model, with intervals bootstrapped over prompts."""
-    me, seed, pp = result.me_layer, result.seed, result.per_prompt
-    n = len(result.layers)
-    at = f"ME layer {result.me_text()}"
-    out: list[claims.Claim] = []
-    if me == n - 1:
-        why = "the ME layer is the last layer: no attention reads the massive activation"
-        out += [SINK_DOWNSTREAM.not_applicable(why), ENTROPY_DROP.not_applicable(why)]
-    else:
-        sink = as_array(pp, "sink_rate")
-        curve = sink.mean(0)
-        out.append(
-            SINK_DOWNSTREAM.judge(
-                claims.bootstrap(sink, lambda a: _sink_shift(a, me), seed=seed),
-                details=f"{at}; sink threshold {result.eps:g}; per-layer sink rate: max over layers "
-                f"≤ ME {curve[: me + 1].max():.3g} (layer {int(curve[: me + 1].argmax())}), at ME "
-                f"{curve[me]:.3g}, mean over layers > ME {curve[me + 1 :].mean():.3g}",
-            )
-        )
-        ent = as_array(pp, "attn_entropy")
-        eb, ea = ent[:, : me + 1].mean(1), ent[:, me + 1 :].mean(1)
-        out.append(
-            ENTROPY_DROP.judge(
-                relative_drop(eb, ea, seed),
-                details=f"{at}; mean attention entropy over layers ≤ ME {eb.mean():.3g} nats, over "
-                f"layers > ME {ea.mean():.3g} nats",
-            )
-        )
-    if me == 0:
-        why = "the ME layer is layer 0: no layer output before it"
-        out += [RANK_DROP_ALL.not_applicable(why), RANK_DROP_OTHERS.not_applicable(why)]
-        return out
-    for spec, key in (
-        (RANK_DROP_ALL, "effective_rank"),
-        (RANK_DROP_OTHERS, "effective_rank_others"),
+def _attention_applies(r: Result) -> str | None:
+    if r.me_layer == len(r.layers) - 1:
+        return "the ME layer is the last layer: no attention reads the massive activation"
+    return None
+
+
+def _geometry_applies(r: Result) -> str | None:
+    if r.me_layer == 0:
+        return "the ME layer is layer 0: no layer output before it"
+    return None
+
+
+def _sink(r: Result) -> claims.Sample:
+    me = r.me_layer
+    return claims.Sample(as_array(r.per_prompt, "attn_to_massive"), lambda a: sink_shift(a, me))
+
+
+def _sink_details(r: Result) -> str:
+    me = r.me_layer
+    parts = []
+    for key, what in (
+        ("attn_to_massive", "mean attention to the massive token"),
+        ("sink_rate", f"sink rate (heads ≥ {r.eps:g})"),
     ):
-        er = as_array(pp, key)
-        rb, ra = er[:, :me].mean(1), er[:, me:].mean(1)
-        out.append(
-            spec.judge(
-                relative_drop(rb, ra, seed),
-                details=f"{at}; mean effective rank over layers < ME {rb.mean():.3g}, over layers "
-                f"≥ ME {ra.mean():.3g}; at layer {me - 1} {er[:, me - 1].mean():.3g}, at ME "
-                f"{er[:, me].mean():.3g}",
-            )
+        curve = as_array(r.per_prompt, key).mean(0)
+        parts.append(
+            f"{what}: max over layers ≤ ME {curve[: me + 1].max():.3g} (layer "
+            f"{int(curve[: me + 1].argmax())}), at ME {curve[me]:.3g}, mean over layers > ME "
+            f"{curve[me + 1 :].mean():.3g}"
         )
-    return out
+    return f"ME layer {r.me_text()}; " + "; ".join(parts)
+
+
+def _entropy_rows(r: Result) -> np.ndarray:
+    ent, me = as_array(r.per_prompt, "attn_entropy"), r.me_layer
+    return paired(ent[:, : me + 1].mean(1), ent[:, me + 1 :].mean(1))
+
+
+def _entropy_details(r: Result) -> str:
+    eb, ea = _entropy_rows(r).mean(0)
+    return (
+        f"ME layer {r.me_text()}; mean attention entropy over layers ≤ ME {eb:.3g} nats, over "
+        f"layers > ME {ea:.3g} nats"
+    )
+
+
+def _rank_rows(key: str) -> Callable[[Result], np.ndarray]:
+    def rows(r: Result) -> np.ndarray:
+        er, me = as_array(r.per_prompt, key), r.me_layer
+        return paired(er[:, :me].mean(1), er[:, me:].mean(1))
+
+    return rows
+
+
+def _rank_details(key: str) -> Callable[[Result], str]:
+    def details(r: Result) -> str:
+        er, me = as_array(r.per_prompt, key), r.me_layer
+        rb, ra = er[:, :me].mean(1).mean(), er[:, me:].mean(1).mean()
+        return (
+            f"ME layer {r.me_text()}; mean effective rank over layers < ME {rb:.3g}, over layers "
+            f"≥ ME {ra:.3g}; at layer {me - 1} {er[:, me - 1].mean():.3g}, at ME "
+            f"{er[:, me].mean():.3g}"
+        )
+
+    return details
+
+
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        "attention_sinks.sink_downstream",
+        "§2.4, §2.6",
+        "The attention sink on the massive token appears downstream of the ME layer and not before",
+        statistic="(mean over layers > ME − max over layers ≤ ME) / the larger of the two, of the "
+        "attention to the massive token (per prompt and layer: the mean over heads and over the "
+        "queries after it; per-layer means over prompts); the sink rate (share of heads at or "
+        "above the sink threshold, a step function) in the details",
+        op=">=",
+        threshold="relative_rise",
+        control="the layers up to the ME layer, whose attention runs before the massive activation",
+        stat=_sink,
+        applies=_attention_applies,
+        details=_sink_details,
+    ),
+    claims.Spec(
+        "attention_sinks.entropy_drop",
+        "§2.4",
+        "Attention collapses after the ME layer: the attention entropy is lower downstream",
+        statistic="1 − mean entropy over layers > ME / mean entropy over layers ≤ ME (per prompt: "
+        "mean over heads and queries)",
+        op=">=",
+        threshold="relative_drop",
+        control="the same prompts' attention at the layers up to the ME layer",
+        stat=lambda r: claims.Sample(_entropy_rows(r), relative_drop),
+        applies=_attention_applies,
+        details=_entropy_details,
+    ),
+    claims.Spec(
+        "attention_sinks.rank_drop_all",
+        "§2.4",
+        "The effective rank of the token states (all tokens) drops from the ME layer on — implied "
+        "by one token whose norm is much larger than the others' (a sanity check, not evidence)",
+        statistic="1 − mean effective rank over layers ≥ ME / mean over layers < ME (all real "
+        "tokens of each prompt)",
+        op=">=",
+        threshold="relative_drop",
+        control="rank_drop_others (without the massive token)",
+        kind="sanity",
+        stat=lambda r: claims.Sample(_rank_rows("effective_rank")(r), relative_drop),
+        applies=_geometry_applies,
+        details=_rank_details("effective_rank"),
+    ),
+    claims.Spec(
+        "attention_sinks.rank_drop_others",
+        "§2.4",
+        "The other tokens' representations collapse from the ME layer on (effective rank of the "
+        "token states without the massive token drops)",
+        statistic="1 − mean effective rank over layers ≥ ME / mean over layers < ME (real tokens "
+        "of each prompt except the massive one)",
+        op=">=",
+        threshold="relative_drop",
+        control="the same prompts' layer outputs before the ME layer",
+        stat=lambda r: claims.Sample(_rank_rows("effective_rank_others")(r), relative_drop),
+        applies=_geometry_applies,
+        details=_rank_details("effective_rank_others"),
+    ),
+)
 
 
 def _head_heatmap(z: list[list[float]], title: str, cbar: str, me: int | None, **kw) -> go.Figure:

@@ -7,13 +7,13 @@ Every experiment module defines::
     def run(cfg: Config, model=None) -> Result        # pure: no printing, no files
     def figures(result: Result) -> dict[str, go.Figure]
     def summary(result: Result) -> str                # the short table main() prints
-    SPECS: tuple[claims.Spec, ...]                    # every claim the experiment can state
-    def verdicts(result: Result) -> list[claims.Claim]
+    SPECS: tuple[claims.Spec, ...]                    # every claim, declared; claims.judge decides
     def main(argv=None) -> int:
         return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
 
 ``run`` raises :class:`claims.NotApplicable` when the model lacks what the experiment's claims
-presuppose (no massive activation): :func:`execute` then answers "not applicable" for every spec.
+presuppose (no massive activation): :func:`execute` then answers "not applicable" for every spec;
+else it judges ``SPECS`` on the result with :func:`claims.judge`, the one place a verdict is computed.
 
 and so shares one command-line shape: ``--model`` (default: bundled), ``--prompts`` (file), ``--bos``,
 ``--dtype``, ``--device``, ``--seed``, ``--out``, ``--help``, plus its own fields.
@@ -39,7 +39,7 @@ import torch
 
 from me_interp import claims, io
 from me_interp.models import BOS_CHOICES, DTYPES, LoadedModel, ModelLoadError, load_model
-from me_interp.prompts import builtin_prompts, read_prompts
+from me_interp.prompts import Prompt, as_prompts, builtin_prompts, read_prompts
 
 INDEX_CONVENTION = "0-based layers (blocks.L); *_1based = L + 1"
 
@@ -92,8 +92,12 @@ class CommonConfig:
                 kwargs[f.name] = tuple(kwargs[f.name])
         return cls(**kwargs)
 
-    def load_prompts(self) -> list[str]:
-        return builtin_prompts() if self.prompts is None else read_prompts(self.prompts)
+    def load_prompts(self) -> list[Prompt]:
+        """The experiment's prompts (``prompts``, or the built-in set) as :class:`Prompt` strings:
+        when tokenised, a prompt of fewer than :data:`me_interp.prompts.MIN_PROMPT_TOKENS` tokens is
+        dropped with a note and the kept number recorded (``LoadedModel.prompt_filter``), so one short
+        prompt under a word-level tokenizer cannot fail the experiment."""
+        return as_prompts(builtin_prompts() if self.prompts is None else read_prompts(self.prompts))
 
 
 @dataclass(frozen=True)
@@ -287,7 +291,9 @@ def execute(module: types.ModuleType, cfg: CommonConfig, model: LoadedModel) -> 
         result = module.run(cfg, model)
     except claims.NotApplicable as e:
         return Outcome(None, claims.not_applicable(module.SPECS, str(e)), {}, str(e))
-    verdicts = getattr(module, "verdicts", None)  # TODO(issue 17): gone once every module is declarative
+    verdicts = getattr(
+        module, "verdicts", None
+    )  # TODO(issue 17): gone once every module is declarative
     judged = verdicts(result) if verdicts is not None else claims.judge(module.SPECS, result)
     return Outcome(result, list(judged), dict(module.figures(result)))
 
@@ -382,5 +388,9 @@ def fmt_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def fmt_verdicts(verdicts: Sequence[claims.Claim]) -> str:
-    """One citable line per claim (:meth:`claims.Claim.line`); sanity checks are marked as such."""
-    return "\n".join(("(sanity check) " if c.kind == "sanity" else "") + c.line() for c in verdicts)
+    """One citable line per claim (:meth:`claims.Claim.line`); controls and sanity checks are marked
+    as such."""
+    return "\n".join(
+        (f"({claims.KIND_LABEL[c.kind]}) " if c.kind != "claim" else "") + c.line()
+        for c in verdicts
+    )

@@ -16,11 +16,27 @@ over heads and queries ``q > p``) and the next-token NLL of every real token (pe
 * ``mean_dims``         — residual: those dims set to their mean over the prompts (Sun et al.:
   perplexity unchanged).
 
-The claims (:data:`SPECS`) are judged where the edit did not write: on the **last layer's** norm
-ratio (``removes``: the massive token's excess ``R − 1`` falls to at most the ``removed`` fraction of
-the unedited one) and on **perplexity** (the ``ppl_damage`` and ``ppl_unchanged`` rules), bootstrapped
-over prompts. That capping the FFN output lowers the ratio at the capped site itself is true by
-construction and is only a sanity check.
+The specs (:data:`SPECS`; kinds in brackets) are judged where the edit did not write: on the **last
+layer's** norm ratio (``R − 1`` of the massive token falls to at most the ``removed`` fraction of the
+unedited excess) and on **perplexity** (the ``ppl_damage`` and ``ppl_unchanged`` rules),
+bootstrapped over prompts:
+
+* ``cap_site`` [sanity] — the cap lowers the ratio at the capped site itself (by construction);
+* ``cap_removes`` [control] — the cap leaves no massive token at the last layer: the precondition
+  of ``cap_ffn_hurts`` (which is not applicable when the cap's point estimate leaves more). It was
+  the claim ``cap_ffn`` ("the FFN creates it"), a duplicate of ``activation_patching.ffn_writes`` and
+  ``me_layer.ffn_creates``;
+* ``flatten_gain`` [claim] — RMSNorm-only: flattening the gain leaves no massive token downstream;
+* ``cap_ffn_hurts`` [claim] — the model needs it: the cap multiplies perplexity by ``ppl_damage``;
+* ``mean_dims_harmless`` [control] — Sun et al.'s mean ablation leaves perplexity unchanged: a
+  near-identity edit (its size ``‖Δ‖ / ‖h_p‖`` at the ME-layer output is in the details), so it is
+  the control of ``zero_dims_hurts``, not evidence;
+* ``zero_dims_hurts`` [claim] — Owen et al.'s zero ablation multiplies perplexity by ``ppl_damage``
+  (true for some models only; the zeroed share ``‖h_p[D]‖ / ‖h_p‖`` is in the details).
+
+``normalize_product`` and ``scale_product`` are measured and shown, with no spec: ``W_down`` is
+linear, so rescaling the product ``a_p`` is rescaling the FFN output ``W_down a_p`` — the cap again,
+with another factor (the former ``normalize_product`` claim was a duplicate of ``cap_ffn``).
 
     python -m me_interp.experiments.component_ablation
     python -m me_interp.experiments.component_ablation --alpha 0.5 --conditions cap_ffn zero_dims
@@ -58,10 +74,123 @@ _LAST = (
     "(R = ‖h_p‖ / mean_{t≠p}‖h_t‖; ratio of prompt means; 0 = as ordinary as the other tokens)"
 )
 _PPL = "perplexity of the prompts, edited over unedited (token-weighted over the resampled prompts)"
+#: condition each spec is about
+CLAIM_CONDITION = {
+    "cap_site": "cap_ffn",
+    "cap_removes": "cap_ffn",
+    "flatten_gain": "flatten_gain",
+    "cap_ffn_hurts": "cap_ffn",
+    "mean_dims_harmless": "mean_dims",
+    "zero_dims_hurts": "zero_dims",
+}
+
+
+def _why(key: str):
+    """Why spec ``key`` does not apply (``None`` when it does)."""
+
+    def why(r: Result) -> str | None:
+        s, cond = r.site, CLAIM_CONDITION[key]
+        if not s.massive:
+            return s.why_not()
+        if cond not in r.per_prompt:
+            return f"the condition {cond} was not run (--conditions)"
+        last = s.layer == r.n_layers - 1
+        if key == "cap_removes" and last:
+            return "the ME layer is the last layer: its ratio is the capped site itself"
+        if key == "cap_ffn_hurts":
+            ratio = "me_ratio" if last else "last_ratio"
+            frac = r.excess(cond, ratio)
+            if not frac <= claims.threshold("removed"):
+                return (
+                    f"the cap did not remove the massive activation "
+                    f"{'at the ME layer' if last else 'downstream'} ((R − 1) edited / unedited "
+                    f"= {frac:.3g} > {claims.threshold('removed'):g}, threshold 'removed'): the "
+                    "perplexity change is not that of a model without it"
+                )
+        if key == "mean_dims_harmless" and r.same_prefix:
+            return (
+                f"every prompt has the same tokens up to position {s.position}, so the massive "
+                "token's state is the same in every prompt and its mean is each prompt's own value: "
+                "the edit is the identity (use prompts with different first tokens)"
+            )
+        return None
+
+    return why
+
+
+def _ratio_stat(key: str):
+    ratio = "me_ratio" if key == "cap_site" else "last_ratio"
+
+    def stat(r: Result) -> claims.Sample:
+        m, base = r.per_prompt[CLAIM_CONDITION[key]], r.per_prompt["baseline"]
+        rows = torch.stack([m[ratio], base[ratio]], 1).double().numpy()
+        return claims.Sample(rows, causal.excess_stat)
+
+    return stat
+
+
+def _ppl_stat_of(key: str, signed: bool):
+    def stat(r: Result) -> claims.Sample:
+        m, base = r.per_prompt[CLAIM_CONDITION[key]], r.per_prompt["baseline"]
+        rows = torch.stack([m["nll_sum"], base["nll_sum"], base["n_tokens"]], 1).double().numpy()
+        return claims.Sample(rows, _ppl_change_stat if signed else _ppl_stat)
+
+    return stat
+
+
+def _details(key: str):
+    def details(r: Result) -> str:
+        s, cond = r.site, CLAIM_CONDITION[key]
+        out = (
+            f"{cond} at ME layer {s.layer} (1-based {s.layer + 1}), position {s.position}; "
+            f"n = {len(r.per_prompt['baseline']['me_ratio'])} prompts of <= "
+            f"{r.prompts.max_tokens} tokens"
+        )
+        if key in ("cap_site", "cap_removes", "flatten_gain"):
+            ratio = "me_ratio" if key == "cap_site" else "last_ratio"
+            out += (
+                f"; {'ME-layer' if ratio == 'me_ratio' else 'last-layer'} R "
+                f"{r.mean('baseline', ratio):.4g} -> {r.mean(cond, ratio):.4g} (ME-layer R "
+                f"{r.mean('baseline', 'me_ratio'):.4g} -> {r.mean(cond, 'me_ratio'):.4g})"
+            )
+        else:
+            out += (
+                f"; perplexity {r.perplexity('baseline'):.4g} -> {r.perplexity(cond):.4g} "
+                f"(x{r.ppl_ratio(cond):.3g}); last-layer R {r.mean('baseline', 'last_ratio'):.4g} "
+                f"-> {r.mean(cond, 'last_ratio'):.4g}"
+            )
+        if cond in r.edit_size:
+            e = np.asarray(r.edit_size[cond])
+            out += (
+                f"; edit size ‖Δ‖ / ‖h_p‖ at the ME-layer output {e.mean():.3g} (mean over prompts; "
+                f"max {e.max():.3g})"
+            )
+            if key == "mean_dims_harmless":
+                out += " — a near-identity edit: a control, not evidence"
+        return out
+
+    return details
+
+
+def _spec(key: str, section: str, statement: str, statistic: str, op: str, thr: str, **kw):
+    stat = _ratio_stat(key) if thr == "removed" else _ppl_stat_of(key, signed=op == "|x|<")
+    return claims.Spec(
+        f"component_ablation.{key}",
+        section,
+        statement,
+        statistic,
+        op,
+        thr,
+        stat=stat,
+        applies=_why(key),
+        details=_details(key),
+        **kw,
+    )
+
 
 SPECS: tuple[claims.Spec, ...] = (
-    claims.Spec(
-        "component_ablation.cap_site",
+    _spec(
+        "cap_site",
         "§2.1",
         "Capping the massive token's FFN output at the ME layer removes its norm ratio at that "
         "layer (true by construction: the capped site itself)",
@@ -71,58 +200,51 @@ SPECS: tuple[claims.Spec, ...] = (
         control="the unedited run",
         kind="sanity",
     ),
-    claims.Spec(
-        "component_ablation.cap_ffn",
+    _spec(
+        "cap_removes",
         "§2.1, §3 (FFN-only intervention)",
-        "The ME layer's FFN creates the massive activation: capping the massive token's FFN output "
-        "there at the other tokens' median norm leaves no massive token at the last layer",
+        "Control for cap_ffn_hurts: capping the massive token's FFN output at the ME layer at the "
+        "other tokens' median norm leaves no massive token at the last layer, so the perplexity "
+        "after the cap is that of the model without its massive activation",
         _LAST,
         "<=",
         "removed",
         control="mean_dims (the same token edited without removing the activation)",
+        kind="control",
     ),
-    claims.Spec(
-        "component_ablation.normalize_product",
-        "§2.3, §3 (FFN-only intervention)",
-        "The FFN's intermediate product carries it: rescaling the massive token's "
-        "act(W_gate x) ⊙ W_up x to the other tokens' mean norm leaves no massive token at the last "
-        "layer",
-        _LAST,
-        "<=",
-        "removed",
-        control="mean_dims",
-    ),
-    claims.Spec(
-        "component_ablation.flatten_gain",
+    _spec(
+        "flatten_gain",
         "§2.2, §3 (RMSNorm-only intervention)",
         "RMSNorm alignment is necessary: flattening the pre-FFN RMSNorm gain for the massive token "
         "(ĥ_p ⊙ mean(w)) leaves no massive token at the last layer",
         _LAST,
         "<=",
         "removed",
-        control="cap_ffn (the FFN-only removal)",
+        control="cap_removes (the FFN-only removal)",
     ),
-    claims.Spec(
-        "component_ablation.cap_ffn_hurts",
+    _spec(
+        "cap_ffn_hurts",
         "§2.1; Owen et al. 2025",
         "The model needs the massive activation: capping the ME layer's FFN output at the massive "
-        "token raises perplexity by the 'ppl_damage' factor or more",
+        "token (which removes it, cap_removes) raises perplexity by the 'ppl_damage' factor or more",
         _PPL,
         ">=",
         "ppl_damage",
         control="mean_dims (an edit of the same token that keeps the activation)",
     ),
-    claims.Spec(
-        "component_ablation.mean_dims_harmless",
+    _spec(
+        "mean_dims_harmless",
         "§4; Sun et al. 2024",
-        "Setting the massive activations to their mean over the prompts leaves perplexity unchanged",
+        "Control: setting the massive activations to their mean over the prompts (a near-identity "
+        "edit, its size in the details) leaves perplexity unchanged",
         _PPL + " − 1 (signed; judged by its size)",
         "|x|<",
         "ppl_unchanged",
         control="zero_dims (the same dims set to 0)",
+        kind="control",
     ),
-    claims.Spec(
-        "component_ablation.zero_dims_hurts",
+    _spec(
+        "zero_dims_hurts",
         "§4; Owen et al. 2025 (true for some models only)",
         "Zeroing the massive activations hurts the model: perplexity rises by the 'ppl_damage' "
         "factor or more",
@@ -133,16 +255,6 @@ SPECS: tuple[claims.Spec, ...] = (
     ),
 )
 SPEC = claims.index(SPECS)
-#: condition each claim is about
-CLAIM_CONDITION = {
-    "cap_site": "cap_ffn",
-    "cap_ffn": "cap_ffn",
-    "normalize_product": "normalize_product",
-    "flatten_gain": "flatten_gain",
-    "cap_ffn_hurts": "cap_ffn",
-    "mean_dims_harmless": "mean_dims",
-    "zero_dims_hurts": "zero_dims",
-}
 
 
 @dataclass(frozen=True)
@@ -235,6 +347,7 @@ class Result:
     alpha: float
     per_prompt: dict[str, dict[str, torch.Tensor]]  # condition (incl. "baseline") -> measure
     same_prefix: bool  # every prompt has the same tokens up to p: mean_dims is then the identity
+    edit_size: dict[str, list[float]]  # zero_dims / mean_dims -> per prompt ‖Δ‖ / ‖h_p‖ (ME layer)
     seed: int = 0
 
     def mean(self, cond: str, key: str) -> float:
@@ -260,6 +373,7 @@ class Result:
             "prompts": self.prompts.to_dict(),
             "alpha": self.alpha,
             "same_prefix": self.same_prefix,
+            "edit_size": self.edit_size,
             "conditions": {
                 c: {
                     "me_ratio": self.mean(c, "me_ratio"),
@@ -295,6 +409,17 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         metrics["sink"] = SinkMass(tuple(range(L + 1, model.n_layers)), p)
     acts = causal.capture(model, batch, _capture_names(L))
     per_prompt = {"baseline": measure(model, batch, metrics)}
+    h = acts[names.resid_post(L)].float().cpu()[:, p]  # [B d]
+    dims = list(site.dims)
+    delta = {  # what each residual edit changes in h_p (the edit size is its control)
+        "zero_dims": h[:, dims],
+        "mean_dims": h[:, dims] - h[:, dims].mean(0, keepdim=True),
+    }
+    edit_size = {
+        c: (d.norm(dim=-1) / h.norm(dim=-1)).tolist()
+        for c, d in delta.items()
+        if c in cfg.conditions
+    }
     for cond in cfg.conditions:
         hooks = condition_hooks(model, batch, site, cond, cfg.alpha, acts)
         per_prompt[cond] = measure(model, batch, metrics, hooks)
@@ -307,6 +432,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         alpha=cfg.alpha,
         per_prompt=per_prompt,
         same_prefix=bool((batch.tokens[:, : p + 1] == batch.tokens[:1, : p + 1]).all()),
+        edit_size=edit_size,
         seed=cfg.seed,
     )
 
@@ -320,62 +446,6 @@ def _ppl_stat(a: np.ndarray) -> float:
 def _ppl_change_stat(a: np.ndarray) -> float:
     """The signed perplexity change, ratio − 1 (an equivalence claim bootstraps it unfolded)."""
     return _ppl_stat(a) - 1
-
-
-def verdicts(result: Result) -> list[claims.Claim]:
-    """One claim per :data:`SPECS` entry."""
-    s, r = result.site, result
-    if not s.massive:
-        return claims.not_applicable(SPECS, s.why_not())
-    base = r.per_prompt["baseline"]
-    n = len(base["me_ratio"])
-    out = []
-    for key, spec in SPEC.items():
-        cond = CLAIM_CONDITION[key]
-        if cond not in r.per_prompt:
-            out.append(spec.not_applicable(f"the condition {cond} was not run (--conditions)"))
-            continue
-        if key == "mean_dims_harmless" and r.same_prefix:
-            out.append(
-                spec.not_applicable(
-                    f"every prompt has the same tokens up to position {s.position}, so the massive "
-                    "token's state is the same in every prompt and its mean is each prompt's own "
-                    "value: the edit is the identity (use prompts with different first tokens)"
-                )
-            )
-            continue
-        m = r.per_prompt[cond]
-        ctx = (
-            f"{cond} at ME layer {s.layer} (1-based {s.layer + 1}), position {s.position}; "
-            f"n = {n} prompts of <= {r.prompts.max_tokens} tokens"
-        )
-        if spec.threshold == "removed":
-            ratio = "me_ratio" if key == "cap_site" else "last_ratio"
-            if ratio == "last_ratio" and s.layer == r.n_layers - 1:
-                out.append(
-                    spec.not_applicable(
-                        "the ME layer is the last layer: its ratio is the edited site itself"
-                    )
-                )
-                continue
-            rows = torch.stack([m[ratio], base[ratio]], 1).double().numpy()
-            est = claims.bootstrap(rows, causal.excess_stat, seed=r.seed)
-            details = (
-                f"{ctx}; {'ME-layer' if ratio == 'me_ratio' else 'last-layer'} R "
-                f"{r.mean('baseline', ratio):.4g} -> {r.mean(cond, ratio):.4g} (ME-layer R "
-                f"{r.mean('baseline', 'me_ratio'):.4g} -> {r.mean(cond, 'me_ratio'):.4g})"
-            )
-        else:
-            rows = torch.stack([m["nll_sum"], base["nll_sum"], base["n_tokens"]], 1).numpy()
-            stat = _ppl_change_stat if spec.op == "|x|<" else _ppl_stat
-            est = claims.bootstrap(rows, stat, seed=r.seed)
-            details = (
-                f"{ctx}; perplexity {r.perplexity('baseline'):.4g} -> {r.perplexity(cond):.4g} "
-                f"(x{r.ppl_ratio(cond):.3g}); last-layer R {r.mean('baseline', 'last_ratio'):.4g} "
-                f"-> {r.mean(cond, 'last_ratio'):.4g}"
-            )
-        out.append(spec.judge(est, details=details))
-    return out
 
 
 def figures(result: Result) -> dict[str, Any]:

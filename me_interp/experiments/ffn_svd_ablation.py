@@ -21,7 +21,17 @@ The statistic of every claim is the excess the edit leaves, ``c = (R̄_m(edited)
 (R̄_m(unedited) − 1)`` with ``R̄_m`` the mean over prompts of ``R_{m,b} = max_t ‖h_{m,b,t}‖ /
 mean_{t≠argmax} ‖h_{m,b,t}‖`` of layer ``m``'s output (as in ``rmsnorm_permutation``); an edit
 *removes* the massive activation when ``c`` is at most the table's ``removed`` fraction.
-Deterministic edits are bootstrapped over prompts, the random controls over their seeds.
+
+Claims (:data:`SPECS`, declarative, judged by :func:`me_interp.claims.judge`): the claims (evidence)
+``svd_<matrix>_removes`` (the top ``claim_k`` directions of each matrix), ``top_neuron_removes`` and
+``top_neurons_remove``, each bootstrapped over prompts (edited and unedited means resampled together);
+and the controls ``svd_<matrix>_random_keeps`` and ``random_neurons_keep`` (``claim_k`` other
+directions, ``n_neurons`` other neurons: they must keep the activation for the claims beside them to
+be specific, and are never counted as evidence). A control is measured on prompts × seeds
+(``Result.seed_values``: per prompt and seed, ``(R_{m,b}(edited, seed) − 1) / (R̄_m(unedited) − 1)``,
+whose mean is the mean over seeds of ``c``) with a two-way (crossed) bootstrap over prompts and seeds
+(:class:`me_interp.claims.Nested`; the unedited mean held fixed), and needs at least
+:data:`me_interp.claims.MIN_SEEDS` seeds, else it is not applicable.
 
     python -m me_interp.experiments.ffn_svd_ablation
     python -m me_interp.experiments.ffn_svd_ablation --ks 1 2 4 --matrices down --n-neurons 5
@@ -30,7 +40,7 @@ Deterministic edits are bootstrapped over prompts, the random controls over thei
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -54,6 +64,7 @@ from me_interp.experiments._weights import (
     no_massive_activation,
     prepare,
     run_header,
+    where_edited,
 )
 from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.causal import excess_fraction, excess_stat
@@ -231,6 +242,15 @@ class Result:
         ks = [r["k"] for r in self.select("svd", matrix) if not r["survives"]]
         return min(ks) if ks else None
 
+    def seed_values(self, kind: str, matrix: str | None = None) -> np.ndarray:
+        """``[prompt, seed]`` of a random control: ``(R_{m,b}(edited) − 1) / (R̄_m(unedited) − 1)``,
+        whose mean over prompts is that seed's ``c`` (the cells of a
+        :class:`~me_interp.claims.Nested` measurement)."""
+        rows = self.select(kind, matrix)
+        base = float(np.mean(self.baseline.prompt_ratio_at(self.layer))) - 1.0
+        edited = np.asarray([r["ratio_at_layer_per_prompt"] for r in rows], dtype=np.float64)
+        return ((edited - 1.0) / base).T  # [prompt seed]
+
     def neuron_rows(self) -> list[dict[str, Any]]:
         return self.select("neurons")
 
@@ -255,6 +275,18 @@ class Result:
             "per_prompt": {
                 "ratio_unedited": b.prompt_ratio_at(self.layer),
                 "ratio_edited": {_label(r): r["ratio_at_layer_per_prompt"] for r in self.rows},
+                "seed_values": {
+                    **{
+                        f"svd_random {m}": self.seed_values("svd_random", m).tolist()
+                        for m in MATRICES
+                        if self.select("svd_random", m)
+                    },
+                    **(
+                        {"neurons_random": self.seed_values("neurons_random").tolist()}
+                        if self.select("neurons_random")
+                        else {}
+                    ),
+                },
             },
             "rows": self.rows,
             "baseline_detail": b.to_dict(),
@@ -368,143 +400,205 @@ _STAT = (
     "c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean over "
     "prompts)"
 )
+_DET = "; bootstrap over prompts (edited and unedited means together)"
+_SEEDS = (
+    ", mean over the random draws (seeds); two-way (crossed) bootstrap over prompts × seeds of "
+    "(R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed"
+)
 
 
-def _svd_specs(mat: str) -> tuple[claims.Spec, claims.Spec]:
-    return (
-        claims.Spec(
-            f"ffn_svd_ablation.svd_{mat}_removes",
-            "§2 claim 3 (the FFN creates it); §3 singular-direction ablation",
-            f"Removing the top singular directions (k = claim_k) of the ME layer's W_{mat} removes "
-            "the massive activation",
-            _STAT,
-            "<=",
-            "removed",
-            f"as many other singular directions of W_{mat} "
-            f"(ffn_svd_ablation.svd_{mat}_random_keeps)",
-        ),
-        claims.Spec(
-            f"ffn_svd_ablation.svd_{mat}_random_keeps",
-            "§3 singular-direction ablation (control: other directions)",
-            f"Removing as many singular directions of W_{mat} drawn from the others (not the top "
-            "k) does not remove the massive activation",
-            f"{_STAT}, mean over the random draws (seeds)",
-            ">",
-            "removed",
-            f"the top-k directions (ffn_svd_ablation.svd_{mat}_removes)",
-        ),
+def _massive(result: Result) -> str | None:
+    if not result.massive_at_layer:
+        return (
+            f"no massive activation at layer {result.layer} of the unedited model (the layer was "
+            "given, not detected): there is nothing for the ablations to remove"
+        )
+    return None
+
+
+def _deterministic(
+    name: str,
+    statement: str,
+    section: str,
+    control: str,
+    row: Callable[[Result], dict[str, Any] | None],
+    missing: str,
+    extra: Callable[[Result], str],
+) -> claims.Spec:
+    def stat(result: Result) -> claims.Sample:
+        r = row(result)
+        if r is None:
+            raise claims.NotApplicable(f"not measured in this run: {missing}")
+        pairs = np.column_stack(
+            [r["ratio_at_layer_per_prompt"], result.baseline.prompt_ratio_at(result.layer)]
+        )
+        return claims.Sample(pairs, excess_stat)
+
+    def details(result: Result) -> str:
+        r = row(result)
+        return (
+            f"{where_edited(result)}; {_label(r)}: R_m after {fmt_value(r['ratio_at_layer'])}, "
+            f"survives {'yes' if r['survives'] else 'no'}; {extra(result)}"
+        )
+
+    return claims.Spec(
+        f"{NAME}.{name}",
+        section,
+        statement,
+        _STAT + _DET,
+        "<=",
+        "removed",
+        control,
+        stat=stat,
+        unit="prompts",
+        applies=_massive,
+        details=details,
     )
 
 
-_PAIRS = {mat: _svd_specs(mat) for mat in MATRICES}
-SPECS: tuple[claims.Spec, ...] = (
-    *(_PAIRS[mat][0] for mat in MATRICES),
-    *(_PAIRS[mat][1] for mat in MATRICES),
-    claims.Spec(
-        "ffn_svd_ablation.top_neuron_removes",
-        "§2 claim 3 (a few FFN neurons)",
-        "Ablating the single FFN neuron of the ME layer that writes most into the massive dims removes "
-        "the massive activation",
-        _STAT,
-        "<=",
-        "removed",
-        "as many other neurons (ffn_svd_ablation.random_neurons_keep)",
-    ),
-    claims.Spec(
-        "ffn_svd_ablation.top_neurons_remove",
-        "§2 claim 3 (a few FFN neurons)",
-        "Ablating the top FFN neurons of the ME layer (by their writes into the massive dims) together "
-        "removes the massive activation",
-        _STAT,
-        "<=",
-        "removed",
-        "as many other neurons (ffn_svd_ablation.random_neurons_keep)",
-    ),
-    claims.Spec(
-        "ffn_svd_ablation.random_neurons_keep",
-        "§2 claim 3 (control: other neurons)",
-        "Ablating as many FFN neurons of the ME layer drawn from the others does not remove the "
-        "massive activation",
-        f"{_STAT}, mean over the random draws (seeds)",
+def _control(
+    name: str,
+    statement: str,
+    section: str,
+    control: str,
+    kind: str,
+    matrix: str | None,
+    missing: str,
+    extra: Callable[[Result], str],
+) -> claims.Spec:
+    def applies(result: Result) -> str | None:
+        if why := _massive(result):
+            return why
+        n = len(result.select(kind, matrix))
+        if n == 0:
+            return f"not measured in this run: {missing}"
+        return claims.too_few_seeds(n, "--n-random")
+
+    def details(result: Result) -> str:
+        rows = result.select(kind, matrix)
+        changes = ", ".join(fmt_value(r["change"]) for r in rows)
+        return (
+            f"{where_edited(result)}; c per seed {changes}; survives "
+            f"{sum(r['survives'] for r in rows)}/{len(rows)}; {extra(result)}"
+        )
+
+    return claims.Spec(
+        f"{NAME}.{name}",
+        section,
+        statement,
+        _STAT + _SEEDS,
         ">",
         "removed",
-        "the top neurons (ffn_svd_ablation.top_neurons_remove)",
-    ),
-)
-_SPEC = claims.index(SPECS)
+        control,
+        kind="control",
+        stat=lambda r: claims.Nested(r.seed_values(kind, matrix)),
+        unit="prompts",
+        applies=applies,
+        details=details,
+    )
 
 
-def verdicts(result: Result) -> list[claims.Claim]:
-    """Every claim of :data:`SPECS` on this result (see the module docstring)."""
-    m = result.layer
-    if not result.massive_at_layer:
-        return claims.not_applicable(
-            SPECS,
-            f"no massive activation at layer {m} of the unedited model (the layer was given, not "
-            "detected): there is nothing for the ablations to remove",
-        )
-    r_m = float(np.mean(result.baseline.prompt_ratio_at(m)))
-    where = f"layer {m} (1-based {m + 1}); unedited R_m = {fmt_value(r_m)} (mean over {result.n_prompts} prompts)"
-    out: list[claims.Claim] = []
-
-    def na(name: str, what: str) -> None:
-        out.append(_SPEC[name].not_applicable(f"not measured in this run: {what}"))
-
-    def deterministic(name: str, row: dict[str, Any] | None, what: str, extra: str) -> None:
-        if row is None:
-            na(name, what)
-            return
-        pairs = np.column_stack(
-            [row["ratio_at_layer_per_prompt"], result.baseline.prompt_ratio_at(m)]
-        )
-        est = claims.bootstrap(pairs, excess_stat, unit="prompts", seed=result.seed)
-        out.append(
-            _SPEC[name].judge(
-                est,
-                details=f"{where}; {_label(row)}: R_m after {fmt_value(row['ratio_at_layer'])}, "
-                f"survives {'yes' if row['survives'] else 'no'}; {extra}",
-            )
-        )
-
-    def seeded(name: str, rows: list[dict[str, Any]], what: str, extra: str) -> None:
-        if not rows:
-            na(name, what)
-        else:
-            out.append(
-                _SPEC[name].judge_seeds(
-                    [r["change"] for r in rows],
-                    flag="--n-random",
-                    details=f"{where}; survives {sum(r['survives'] for r in rows)}/{len(rows)}; "
-                    f"{extra}",
-                )
-            )
-
-    k = result.claim_k
-    for mat in MATRICES:
+def _svd_extra(mat: str) -> Callable[[Result], str]:
+    def extra(result: Result) -> str:
         sv = result.singular_values.get(mat, [])
-        extra = f"top singular values {_fmt_list(sv[:3])}; smallest killing k {result.kill_k(mat)}"
-        deterministic(f"svd_{mat}_removes", result.svd_row(mat, k), f"W_{mat} not ablated", extra)
-    for mat in MATRICES:
-        top = result.svd_row(mat, k)
-        extra = f"top-{k} removal: c {fmt_value(top['change']) if top else 'not run'}"
-        seeded(f"svd_{mat}_random_keeps", result.select("svd_random", mat), f"W_{mat}", extra)
-    scores = dict(zip(result.neurons, result.neuron_scores))
-    about = (
+        return f"top singular values {_fmt_list(sv[:3])}; smallest killing k {result.kill_k(mat)}"
+
+    return extra
+
+
+def _top_change(mat: str) -> Callable[[Result], str]:
+    def extra(result: Result) -> str:
+        top = result.svd_row(mat, result.claim_k)
+        return f"top-{result.claim_k} removal: c {fmt_value(top['change']) if top else 'not run'}"
+
+    return extra
+
+
+def _about_neurons(result: Result) -> str:
+    return (
         f"top neurons {result.neurons} (scores {_fmt_list(result.neuron_scores)}) by writes into "
         f"dims {result.massive_dims[:4]}"
     )
-    first = result.neurons_row(result.neurons[:1]) if result.neurons else None
-    deterministic("top_neuron_removes", first, "no neuron ablated (--n-neurons 0)", about)
-    together = result.neurons_row(result.neurons) if len(result.neurons) > 1 else first
-    deterministic("top_neurons_remove", together, "no neuron ablated (--n-neurons 0)", about)
-    rand = result.select("neurons_random")
-    seeded(
-        "random_neurons_keep",
-        rand,
-        "no neuron ablated (--n-neurons 0)",
-        f"{len(result.neurons)} neurons per draw; top score {fmt_value(max(scores.values(), default=None))}",
+
+
+def _first_neuron(result: Result) -> dict[str, Any] | None:
+    return result.neurons_row(result.neurons[:1]) if result.neurons else None
+
+
+def _all_neurons(result: Result) -> dict[str, Any] | None:
+    if len(result.neurons) > 1:
+        return result.neurons_row(result.neurons)
+    return _first_neuron(result)
+
+
+def _random_neurons_extra(result: Result) -> str:
+    top = max(result.neuron_scores, default=None)
+    return f"{len(result.neurons)} neurons per draw; top score {fmt_value(top)}"
+
+
+_REMOVES = {
+    mat: _deterministic(
+        f"svd_{mat}_removes",
+        f"Removing the top singular directions (k = claim_k) of the ME layer's W_{mat} removes "
+        "the massive activation",
+        "§2 claim 3 (the FFN creates it); §3 singular-direction ablation",
+        f"as many other singular directions of W_{mat} (ffn_svd_ablation.svd_{mat}_random_keeps)",
+        lambda r, mat=mat: r.svd_row(mat, r.claim_k),
+        f"W_{mat} not ablated",
+        _svd_extra(mat),
     )
-    return out
+    for mat in MATRICES
+}
+_KEEPS = {
+    mat: _control(
+        f"svd_{mat}_random_keeps",
+        f"Removing as many singular directions of W_{mat} drawn from the others (not the top "
+        "k) does not remove the massive activation",
+        "§3 singular-direction ablation (control: other directions)",
+        f"the top-k directions (ffn_svd_ablation.svd_{mat}_removes)",
+        "svd_random",
+        mat,
+        f"W_{mat} not ablated",
+        _top_change(mat),
+    )
+    for mat in MATRICES
+}
+SPECS: tuple[claims.Spec, ...] = (
+    *(_REMOVES[mat] for mat in MATRICES),
+    *(_KEEPS[mat] for mat in MATRICES),
+    _deterministic(
+        "top_neuron_removes",
+        "Ablating the single FFN neuron of the ME layer that writes most into the massive dims "
+        "removes the massive activation",
+        "§2 claim 3 (a few FFN neurons)",
+        "as many other neurons (ffn_svd_ablation.random_neurons_keep)",
+        _first_neuron,
+        "no neuron ablated (--n-neurons 0)",
+        _about_neurons,
+    ),
+    _deterministic(
+        "top_neurons_remove",
+        "Ablating the top FFN neurons of the ME layer (by their writes into the massive dims) "
+        "together removes the massive activation",
+        "§2 claim 3 (a few FFN neurons)",
+        "as many other neurons (ffn_svd_ablation.random_neurons_keep)",
+        _all_neurons,
+        "no neuron ablated (--n-neurons 0)",
+        _about_neurons,
+    ),
+    _control(
+        "random_neurons_keep",
+        "Ablating as many FFN neurons of the ME layer drawn from the others does not remove the "
+        "massive activation",
+        "§2 claim 3 (control: other neurons)",
+        "the top neurons (ffn_svd_ablation.top_neurons_remove)",
+        "neurons_random",
+        None,
+        "no neuron ablated (--n-neurons 0)",
+        _random_neurons_extra,
+    ),
+)
+claims.check_specs(SPECS)
 
 
 def _fmt_list(xs) -> str:

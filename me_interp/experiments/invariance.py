@@ -11,11 +11,17 @@ Cost: one forward over every prompt (norms for the detection and the other token
 two forwards over the prefixes ``x[: m + 1]`` only (the massive token's state depends on nothing after
 it): the prompts and the control.
 
-Claims (:data:`SPECS`; thresholds from ``claims.THRESHOLDS``). Intervals are bootstrapped over
-prompts: a resample of prompts keeps the pairs of resampled prompts with different first tokens, so the
-pairwise statistics are resampled by their units, not by pairs. If every prompt starts with the same
-token (e.g. ``--bos yes``), the cross-input claims are not applicable (the cosine would be 1 by
-construction). On a model without a massive activation ``run`` raises ``claims.NotApplicable``.
+Claims (:data:`SPECS`, judged by ``claims.judge``; thresholds from ``claims.THRESHOLDS``). Intervals
+are bootstrapped over prompts (:func:`pair_measure`): a resample of prompts keeps the pairs of
+resampled prompts with different first tokens, so the pairwise statistics are resampled by their units,
+not by pairs; the distinct measurements are the distinct massive-token prefixes. If every prompt starts
+with the same token (e.g. ``--bos yes``), the cross-input claims are not applicable (the cosine would be
+1 by construction). ``created_at_me`` is measured on ``1 − cos``: the fraction of the remaining
+non-alignment that is gone from the ME layer on (:func:`removed_misalignment`), so it can hold when the
+cosine before the ME layer is already high. ``invariance.control`` is a control (kind ``control``):
+with the massive token first it is one measurement repeated, and not decided. ``key`` is not applicable
+when the ME layer is the last layer, ``created_at_me`` when it is layer 0. On a model without a massive
+activation ``run`` raises ``claims.NotApplicable``.
 The direction across layers (``cos_to_me_layer``, ``cos_across_layers``) is reported, not judged: any
 token's residual direction drifts slowly, so it is no evidence by itself (``me_layer.carried`` judges
 whether the massive activation is carried).
@@ -36,7 +42,7 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, names, plotting
-from me_interp.experiments._layer_report import DetectConfig, LayerReport, detect
+from me_interp.experiments._layer_report import DetectConfig, LayerReport, detect, massive_units
 from me_interp.experiments.common import cli_main, model_for
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.batching import record
@@ -49,69 +55,6 @@ from me_interp.probes.invariance import (
 from me_interp.probes.norms import NormRecorder
 
 NAME = "invariance"
-
-_CONTROL = (
-    "the same prompts with their first token made identical (same_first_token_control), where the "
-    "massive token's state is the same for every input by construction when it is the first token"
-)
-SPECS: tuple[claims.Spec, ...] = (
-    claims.Spec(
-        "invariance.state",
-        "§2.4",
-        "After the ME layer the massive token's hidden state points the same way for inputs with "
-        "different first tokens",
-        statistic="min over layers ≥ ME of the mean cosine of h_m across pairs of inputs with "
-        "different first tokens",
-        op=">=",
-        threshold="invariance_cos",
-        control=_CONTROL,
-    ),
-    claims.Spec(
-        "invariance.beyond_others",
-        "§2.4",
-        "The massive token's invariance is its own, not the anisotropy every token shares",
-        statistic="min over layers ≥ ME of (mean cosine of h_m across pairs of inputs with different "
-        "first tokens − the other tokens' mean cosine across the same pairs)",
-        op=">=",
-        threshold="invariance_gap",
-        control="the other (non-massive) tokens of the same pairs of inputs",
-    ),
-    claims.Spec(
-        "invariance.key",
-        "§2.4",
-        "After the ME layer the massive token's key k_m points the same way for every input, in every "
-        "key/value head (a fixed reference for attention)",
-        statistic="min over layers > ME (the keys are read from the layer's input) and key/value "
-        "heads of the mean cosine of k_m (pre-RoPE) across pairs of inputs with different first "
-        "tokens",
-        op=">=",
-        threshold="invariance_cos",
-        control=_CONTROL,
-    ),
-    claims.Spec(
-        "invariance.created_at_me",
-        "§2.4",
-        "The invariance appears at the ME layer: the massive token's state is more input-independent "
-        "after it than before",
-        statistic="mean over layers ≥ ME minus mean over layers < ME of the cross-input cosine of h_m "
-        "(pairs with different first tokens)",
-        op=">=",
-        threshold="invariance_gap",
-        control="the layers before the ME layer",
-    ),
-    claims.Spec(
-        "invariance.control",
-        "§4 (trap)",
-        "Control: with the first token made identical across inputs, the massive token's state is the "
-        "same for every input (true by construction when the massive token is the first token)",
-        statistic="min over layers ≥ ME of the mean cosine of h_m across inputs of the control batch",
-        op=">=",
-        threshold="invariance_cos",
-        control="—",
-        kind="sanity",
-    ),
-)
-STATE, BEYOND_OTHERS, KEY, CREATED_AT_ME, CONTROL = SPECS
 
 
 @dataclass(frozen=True)
@@ -136,6 +79,7 @@ class Result(LayerReport):
     cos_across_layers: list[list[float]]
     scan: InvarianceScan | None = None
     control: InvarianceScan | None = None
+    control_keys: list[str] = field(default_factory=list)
     per_prompt: dict[str, list] = field(default_factory=dict)
     seed: int = 0
 
@@ -180,7 +124,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     norms = NormRecorder(model, batch, names.SITES)
     units = UnitSumRecorder(model, batch)
     record(model, batch, [norms, units])
-    det = detect(cfg, model, norms.result())
+    det = detect(cfg, model, norms.result(), batch)
     me, ref = det.me_layer, det.reference
     rec = _states(model, batch, ref)
     first = [int(t) for t in batch.tokens[:, 0].tolist()]
@@ -236,8 +180,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         bos=model.bos,
         bos_prepended=model.bos_prepended(batch),
         n_prompts=len(batch),
-        me_layer=me,
-        detected_me_layer=det.location.me_layer,
+        **det.report_fields(),
         reference_positions=ref,
         first_tokens=first,
         n_pairs_distinct=scan.n_pairs(False),
@@ -246,24 +189,26 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         cos_across_layers=cal.tolist(),
         scan=scan,
         control=ctrl,
+        control_keys=list(massive_units(ctrl_batch.tokens, ref, cfg.seed).keys),
         per_prompt=per_prompt,
         seed=cfg.seed,
     )
     return result
 
 
-def pair_estimate(
+def pair_measure(
     mats: np.ndarray,
     pairs: np.ndarray,
     reduce: Callable[[np.ndarray], float],
-    seed: int,
-) -> claims.Estimate:
+    keys: Sequence[str] | None = None,
+) -> claims.Sample:
     """``reduce`` of the per-matrix mean of ``mats[k, a, b]`` over the pairs ``pairs[a, b]``
-    (symmetric, false on the diagonal), bootstrapped over prompts.
+    (symmetric, false on the diagonal), as a sample over prompts (``keys``: what makes two prompts
+    distinct measurements).
 
     A resample draws prompts with replacement; with multiplicities ``w`` the mean over the resampled
     pairs is ``wᵀ (P ∘ M_k) w / wᵀ P w`` (copies of one prompt share their first token, so they never
-    pair).
+    pair). The sample's rows are the prompt indices.
     """
     n = pairs.shape[0]
     P = pairs.astype(np.float64)
@@ -278,89 +223,198 @@ def pair_estimate(
         num = (flat @ w).reshape(-1, n) @ w  # [k]
         return float(reduce(num / den))
 
-    return claims.bootstrap(np.arange(n, dtype=np.float64), stat, seed=seed)
+    return claims.Sample(np.arange(n, dtype=np.float64), stat, keys=keys)
 
 
-def _first_token_why(result: Result) -> str:
-    tok = result.first_tokens[0]
-    return (
-        f"every prompt starts with the same token (id {tok}), so the massive token's state is the "
-        "same for every input by construction (paper.md §4); give prompts with different first "
-        "tokens (e.g. --bos no)"
-    )
+def _sym(m: torch.Tensor) -> np.ndarray:
+    return (m | m.T).numpy()
 
 
-def verdicts(result: Result) -> list[claims.Claim]:
-    """Claim 4 on this model, with intervals bootstrapped over prompts."""
-    me, seed, n_layers = result.me_layer, result.seed, len(result.layers)
-    scan, ctrl = result.scan, result.control
-    if scan is None or ctrl is None:
+def _scans(r: Result) -> tuple[InvarianceScan, InvarianceScan]:
+    if r.scan is None or r.control is None:
         raise ValueError("the invariance claims need the scans of run() (result.scan, .control)")
-    at = f"ME layer {result.me_text()}"
-    ctrl_mats = ctrl.cos_matrices().numpy()[me:]
-    every = ctrl.pairs(True)
-    every = (every | every.T).numpy()
-    control = pair_estimate(ctrl_mats, every, np.min, seed)
-    out: list[claims.Claim] = []
-    if result.n_pairs_distinct == 0:
-        why = _first_token_why(result)
-        out += [s.not_applicable(why) for s in (STATE, BEYOND_OTHERS, KEY, CREATED_AT_ME)]
-    else:
-        d = scan.pairs(False)
-        d = (d | d.T).numpy()
-        n_pairs = result.n_pairs_distinct
-        cm = scan.cos_matrices().numpy()
-        ctrl_text = f"{_CONTROL}: min cos {control.value:.4g}"
-        out.append(
-            STATE.judge(
-                pair_estimate(cm[me:], d, np.min, seed),
-                details=f"{at}; {n_pairs} pairs with different first tokens; per-layer cosine "
-                f"from {_span(result, 'cos_across_inputs', me)}",
-                control=ctrl_text,
-            )
+    return r.scan, r.control
+
+
+def _distinct_applies(r: Result) -> str | None:
+    if r.n_pairs_distinct == 0:
+        return (
+            f"every prompt starts with the same token (id {r.first_tokens[0]}), so the massive "
+            "token's state is the same for every input by construction (paper.md §4); give prompts "
+            "with different first tokens (e.g. --bos no)"
         )
-        gap = cm - scan.others_cos_matrices().numpy()
-        out.append(
-            BEYOND_OTHERS.judge(
-                pair_estimate(gap[me:], d, np.min, seed),
-                details=f"{at}; the other tokens' cosine across the same pairs: "
-                f"{_span(result, 'others_cos_across_inputs', me)}",
-            )
-        )
-        if me == n_layers - 1:
-            out.append(
-                KEY.not_applicable("the ME layer is the last layer: no key reads its output")
-            )
-        else:
-            km = scan.key_cos_matrices().numpy()[me + 1 :]
-            out.append(
-                KEY.judge(
-                    pair_estimate(km.reshape(-1, *km.shape[-2:]), d, np.min, seed),
-                    details=f"{at}; layers > ME (a layer's keys are read from its input, before "
-                    f"its FFN); {km.shape[1]} key/value heads; {n_pairs} pairs",
-                    control=ctrl_text,
-                )
-            )
-        if me == 0:
-            out.append(CREATED_AT_ME.not_applicable("the ME layer is layer 0: no layer before it"))
-        else:
-            out.append(
-                CREATED_AT_ME.judge(
-                    pair_estimate(cm, d, lambda x: x[me:].mean() - x[:me].mean(), seed),
-                    details=f"{at}; mean cosine before the ME layer "
-                    f"{np.nanmean(result.series('cos_across_inputs')[:me]):.4g}, from it on "
-                    f"{np.nanmean(result.series('cos_across_inputs')[me:]):.4g}",
-                )
-            )
-    out.append(
-        CONTROL.judge(control, details=f"{at}; every pair of the {result.n_prompts} control inputs")
+    return None
+
+
+def _cross(r: Result, mats: np.ndarray, reduce: Callable[[np.ndarray], float]) -> claims.Sample:
+    scan, _ = _scans(r)
+    return pair_measure(mats, _sym(scan.pairs(False)), reduce, r.units.keys)
+
+
+def _state(r: Result) -> claims.Sample:
+    return _cross(r, _scans(r)[0].cos_matrices().numpy()[r.me_layer :], np.min)
+
+
+def _beyond(r: Result) -> claims.Sample:
+    scan, _ = _scans(r)
+    gap = scan.cos_matrices().numpy() - scan.others_cos_matrices().numpy()
+    return _cross(r, gap[r.me_layer :], np.min)
+
+
+def _key_applies(r: Result) -> str | None:
+    if r.me_layer == len(r.layers) - 1:
+        return "the ME layer is the last layer: no key reads its output"
+    return _distinct_applies(r)
+
+
+def _key(r: Result) -> claims.Sample:
+    km = _scans(r)[0].key_cos_matrices().numpy()[r.me_layer + 1 :]
+    return _cross(r, km.reshape(-1, *km.shape[-2:]), np.min)
+
+
+def _created_applies(r: Result) -> str | None:
+    if r.me_layer == 0:
+        return "the ME layer is layer 0: no layer before it"
+    return _distinct_applies(r)
+
+
+def removed_misalignment(cos: np.ndarray, me: int) -> float:
+    """``1 − mean_{l ≥ me}(1 − cos_l) / mean_{l < me}(1 − cos_l)``: the fraction of the remaining
+    non-alignment ``1 − cos`` that is gone from the ME layer on (1: perfectly aligned after it)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(1.0 - (1.0 - cos[me:]).mean() / (1.0 - cos[:me]).mean())
+
+
+def _created(r: Result) -> claims.Sample:
+    me = r.me_layer
+    return _cross(r, _scans(r)[0].cos_matrices().numpy(), lambda x: removed_misalignment(x, me))
+
+
+def _control(r: Result) -> claims.Sample:
+    _, ctrl = _scans(r)
+    return pair_measure(
+        ctrl.cos_matrices().numpy()[r.me_layer :], _sym(ctrl.pairs(True)), np.min, r.control_keys
     )
-    return out
 
 
 def _span(result: Result, key: str, me: int) -> str:
     xs = result.series(key)
     return f"{min(xs[me:]):.4g} to {max(xs[me:]):.4g} at layers ≥ {me}"
+
+
+def _control_text(r: Result) -> str:
+    return f"control (first token made identical): per-layer cosine {_span(r, 'cos_across_inputs_control', r.me_layer)}"
+
+
+def _state_details(r: Result) -> str:
+    return (
+        f"ME layer {r.me_text()}; {r.n_pairs_distinct} pairs with different first tokens; "
+        f"per-layer cosine from {_span(r, 'cos_across_inputs', r.me_layer)}; {_control_text(r)}"
+    )
+
+
+def _beyond_details(r: Result) -> str:
+    return (
+        f"ME layer {r.me_text()}; the other tokens' cosine across the same pairs: "
+        f"{_span(r, 'others_cos_across_inputs', r.me_layer)}"
+    )
+
+
+def _key_details(r: Result) -> str:
+    heads = len(r.layers[0]["key_cos_across_inputs"])
+    return (
+        f"ME layer {r.me_text()}; layers > ME (a layer's keys are read from its input, before its "
+        f"FFN); {heads} key/value heads; {r.n_pairs_distinct} pairs; {_control_text(r)}"
+    )
+
+
+def _created_details(r: Result) -> str:
+    cos = np.asarray(r.series("cos_across_inputs"), dtype=np.float64)
+    me = r.me_layer
+    return (
+        f"ME layer {r.me_text()}; mean cosine before the ME layer {np.nanmean(cos[:me]):.4g} "
+        f"(1 − cos {np.nanmean(1 - cos[:me]):.3g}), from it on {np.nanmean(cos[me:]):.4g} "
+        f"(1 − cos {np.nanmean(1 - cos[me:]):.3g})"
+    )
+
+
+_CONTROL = (
+    "the same prompts with their first token made identical (same_first_token_control), where the "
+    "massive token's state is the same for every input by construction when it is the first token"
+)
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        "invariance.state",
+        "§2.4",
+        "After the ME layer the massive token's hidden state points the same way for inputs with "
+        "different first tokens",
+        statistic="min over layers ≥ ME of the mean cosine of h_m across pairs of inputs with "
+        "different first tokens",
+        op=">=",
+        threshold="invariance_cos",
+        control=_CONTROL,
+        stat=_state,
+        applies=_distinct_applies,
+        details=_state_details,
+    ),
+    claims.Spec(
+        "invariance.beyond_others",
+        "§2.4",
+        "The massive token's invariance is its own, not the anisotropy every token shares",
+        statistic="min over layers ≥ ME of (mean cosine of h_m across pairs of inputs with different "
+        "first tokens − the other tokens' mean cosine across the same pairs)",
+        op=">=",
+        threshold="invariance_gap",
+        control="the other (non-massive) tokens of the same pairs of inputs",
+        stat=_beyond,
+        applies=_distinct_applies,
+        details=_beyond_details,
+    ),
+    claims.Spec(
+        "invariance.key",
+        "§2.4",
+        "After the ME layer the massive token's key k_m points the same way for every input, in every "
+        "key/value head (a fixed reference for attention)",
+        statistic="min over layers > ME (the keys are read from the layer's input) and key/value "
+        "heads of the mean cosine of k_m (pre-RoPE) across pairs of inputs with different first "
+        "tokens",
+        op=">=",
+        threshold="invariance_cos",
+        control=_CONTROL,
+        stat=_key,
+        applies=_key_applies,
+        details=_key_details,
+    ),
+    claims.Spec(
+        "invariance.created_at_me",
+        "§2.4",
+        "The invariance appears at the ME layer: the massive token's state is more input-independent "
+        "after it than before",
+        statistic="1 − mean over layers ≥ ME of (1 − cos) / mean over layers < ME of (1 − cos), "
+        "cos = the cross-input cosine of h_m (pairs with different first tokens): the fraction of "
+        "the remaining non-alignment removed from the ME layer on",
+        op=">=",
+        threshold="relative_drop",
+        control="the layers before the ME layer",
+        stat=_created,
+        applies=_created_applies,
+        details=_created_details,
+    ),
+    claims.Spec(
+        "invariance.control",
+        "§4 (trap)",
+        "Control: with the first token made identical across inputs, the massive token's state is the "
+        "same for every input (true by construction when the massive token is the first token: then "
+        "one measurement, not decided)",
+        statistic="min over layers ≥ ME of the mean cosine of h_m across inputs of the control batch",
+        op=">=",
+        threshold="invariance_cos",
+        control="—",
+        kind="control",
+        stat=_control,
+        details=lambda r: f"ME layer {r.me_text()}; every pair of the {r.n_prompts} control inputs",
+    ),
+)
 
 
 def figures(result: Result) -> dict[str, go.Figure]:

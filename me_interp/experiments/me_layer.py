@@ -11,11 +11,14 @@ at each site; on a sandwich-norm model, Gemma 2/3, also at the attention's and t
 before their post-norms, ``attn_own`` / ``ffn_own``, beside their residual contributions), a token ×
 dimension view of the ME layer's output, and the two ratios per layer.
 
-Claims (paper.md §2.1; thresholds from ``claims.THRESHOLDS``, intervals bootstrapped over prompts):
-``me_layer.sudden_birth`` (the existence claim: it *fails* on a model without a massive activation),
-``me_layer.one_layer`` (against the null of every other layer), ``me_layer.ffn_creates`` and
-``me_layer.carried`` (not applicable without an ME layer; ``ffn_creates`` also when the ME event's
-site is ``"unknown"``, a scan without ``resid_pre``/``resid_mid``).
+Claims (paper.md §2.1, :data:`SPECS`, judged by ``claims.judge``; thresholds from
+``claims.THRESHOLDS``): ``me_layer.sudden_birth`` (the existence claim: the median birth jump; it
+*fails* on a model without a massive activation, where no layer makes a token's norm jump),
+``me_layer.one_layer`` (a held-out peak: the largest-jump layer of the selection half of the prompts,
+tested on the other half, one outcome per distinct massive-token prefix; ``_layer_report.peak_measure``),
+``me_layer.ffn_creates`` (the FFN's factor over the attention's) and ``me_layer.carried`` (not
+applicable without an ME layer; ``ffn_creates`` also when the ME event's site is ``"unknown"``, a scan
+without ``resid_pre``/``resid_mid``; ``carried`` also when the ME layer is the last layer).
 
     python -m me_interp.experiments.me_layer                # bundled model, built-in prompts
     python -m me_interp.experiments.me_layer --model Qwen/Qwen3-4B --device cuda --criterion either
@@ -37,6 +40,13 @@ from me_interp.architecture import (
     FFN_OWN_SITE,
     FFN_RESIDUAL_SITE,
 )
+from me_interp.experiments._layer_report import (
+    Units,
+    massive_units,
+    no_massive_why,
+    peak_details,
+    peak_measure,
+)
 from me_interp.experiments.common import (
     INDEX_CONVENTION,
     CommonConfig,
@@ -45,59 +55,16 @@ from me_interp.experiments.common import (
     model_for,
 )
 from me_interp.models import LoadedModel
-from me_interp.probes.massive import Criterion, MELocation, locate_me_layer, massive_tokens
+from me_interp.probes.massive import (
+    Criterion,
+    MELocation,
+    locate_me_layer,
+    massive_tokens,
+    site_text,
+)
 from me_interp.probes.norms import NormScan, ratio_to_others, scan_norms, top_ratio
 
 NAME = "me_layer"
-
-SPECS: tuple[claims.Spec, ...] = (
-    claims.Spec(
-        "me_layer.sudden_birth",
-        "§2.1",
-        "Massive activations are born suddenly, in one layer (the ME layer)",
-        statistic="median over prompts of the birth jump R_L / R_{L-1} at the ME layer L, with "
-        "R = max_t ‖h_t‖ / mean_{t≠argmax} ‖h_t‖ of the layer output, counted 0 for a prompt with no "
-        "massive token at L (without an ME layer, L is the layer with the largest median jump)",
-        op=">=",
-        threshold="jump",
-        control="a model without a massive activation (the unplanted twin, a random model): no prompt "
-        "has a massive token, the statistic is 0 and the claim fails",
-    ),
-    claims.Spec(
-        "me_layer.one_layer",
-        "§2.1",
-        "The birth is confined to the ME layer: its jump stands out from every other layer's "
-        "(judged against the null of the other layers, since the ME layer is chosen as the largest "
-        "jump)",
-        statistic="z of the ME layer's mean log jump log(R_L / R_{L-1}) against the other layers' "
-        "(claims.null_z), bootstrapped over prompts",
-        op=">=",
-        threshold="null_z",
-        control="the jumps of every other layer, including precursor events",
-    ),
-    claims.Spec(
-        "me_layer.ffn_creates",
-        "§2.1",
-        "The ME layer's FFN, not its attention, creates the massive activation",
-        statistic="median over prompts of the FFN's factor R_post / R_mid at the ME layer",
-        op=">=",
-        threshold="jump",
-        control="the attention's factor R_mid / R_pre at the same layer (in the details)",
-    ),
-    claims.Spec(
-        "me_layer.carried",
-        "§2.1",
-        "The residual stream then carries the massive activation to the last layer",
-        statistic="mean over the prompts with a massive token at the ME layer L of "
-        "min_{l ≥ L} ρ_l / ρ_L, with ρ = the massive token's layer-output norm over the mean of the "
-        "others'",
-        op=">=",
-        threshold="carried_fraction",
-        control="layers where the model removes the massive activation (the event ends) pull the "
-        "minimum down",
-    ),
-)
-SUDDEN, ONE_LAYER, FFN_CREATES, CARRIED = SPECS
 
 
 @dataclass(frozen=True)
@@ -162,6 +129,7 @@ class Result:
     heatmap_layer: int
     prompt_lengths: list[int] = field(default_factory=list)
     per_prompt: dict[str, list[list[float]]] = field(default_factory=dict)
+    units: Units | None = None
     seed: int = 0
 
     @property
@@ -184,6 +152,13 @@ class Result:
             return self.me_layer
         return int(np.argmax(np.median(self.log_jumps(), axis=0)))
 
+    def selected_jump_layer(self) -> int:
+        """The layer of the largest mean log jump over the selection half of :attr:`units` (all
+        prompts when nothing can be held out): the layer ``one_layer`` tests on the other half."""
+        units = self.units
+        rows = units.prompts(units.select) if units is not None else range(self.n_prompts)
+        return int(np.argmax(self.log_jumps()[list(rows)].mean(0)))
+
     def to_dict(self) -> dict[str, Any]:
         loc = self.location
         ratios = loc.site_ratios
@@ -197,6 +172,8 @@ class Result:
             "me_layer_1based": loc.me_layer_1based,
             "me_site": loc.me_event.site if loc.me_event else None,
             "judged_layer": self.judged_layer(),
+            "selected_jump_layer": self.selected_jump_layer(),
+            "units": None if self.units is None else self.units.to_dict(),
             "events": [e.to_dict() for e in loc.events],
             "massive_positions": loc.massive_positions,
             "massive_dims": loc.massive_dims,
@@ -286,6 +263,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         heatmap_layer=layer,
         prompt_lengths=batch.lengths,
         per_prompt=per_prompt,
+        units=massive_units(batch.tokens, loc.reference_positions, cfg.seed),
         seed=cfg.seed,
     )
     return result
@@ -352,8 +330,8 @@ def summary(result: Result) -> str:
     else:
         ev = loc.me_event
         lines.append(
-            f"ME layer: {loc.me_layer} (0-based) = {loc.me_layer + 1} (1-based); created by the "
-            f"{ev.site}; jump x{ev.jump:.3g}; dims {loc.massive_dims[:8]}; positions "
+            f"ME layer: {loc.me_layer} (0-based) = {loc.me_layer + 1} (1-based); created by "
+            f"{site_text(ev.site)}; jump x{ev.jump:.3g}; dims {loc.massive_dims[:8]}; positions "
             f"{sorted({p for ps in loc.massive_positions for p in ps})}"
         )
     rows = [
@@ -376,21 +354,6 @@ def summary(result: Result) -> str:
     return "\n".join(lines)
 
 
-def no_massive_why(loc: MELocation, n_prompts: int) -> str:
-    """Why the mechanism claims are not applicable on a model without a massive activation."""
-    c = loc.criterion
-    rule = {
-        "sun": f"some |a| > {c.abs_threshold:g} and ≥ {c.rel_threshold:g} × the median |a|",
-        "norm": f"a token norm ≥ {c.norm_ratio:g} × the median of the others",
-        "either": "the value or the norm criterion",
-        "both": "the value and the norm criterion",
-    }[c.kind]
-    return (
-        f"no massive activation on this model: no layer output has a massive token ({c.kind} "
-        f"criterion: {rule}) in at least {c.min_prompt_fraction:.0%} of the {n_prompts} prompts"
-    )
-
-
 def _where(result: Result) -> str:
     loc = result.location
     ev = loc.me_event
@@ -399,7 +362,7 @@ def _where(result: Result) -> str:
         jump = float(np.median(np.exp(result.log_jumps()[:, L])))
         return (
             f"{no_massive_why(loc, result.n_prompts)}; judged at the largest jump, layer {L} "
-            f"(median R_L / R_(L-1) = {jump:.3g} without the massive-token condition)"
+            f"(median R_L / R_(L-1) = {jump:.3g})"
         )
     return (
         f"ME layer {ev.layer} (1-based {ev.layer + 1}); {len(loc.events)} emergence event(s) at "
@@ -407,69 +370,165 @@ def _where(result: Result) -> str:
     )
 
 
-def verdicts(result: Result) -> list[claims.Claim]:
-    """Claim 1 of the paper (sudden emergence at one layer, by the FFN, carried by the residual
-    stream) on this model, with intervals bootstrapped over prompts."""
+def _needs_me_layer(result: Result) -> str | None:
+    if result.me_layer is None:
+        return no_massive_why(result.location, result.n_prompts)
+    return None
+
+
+def _birth(result: Result) -> claims.Sample:
+    return claims.Sample(np.exp(result.log_jumps()[:, result.judged_layer()]), np.median)
+
+
+def _birth_details(result: Result) -> str:
     L = result.judged_layer()
-    seed = result.seed
-    jumps = np.exp(result.log_jumps())  # [prompt layer]
-    massive = result.array("massive") > 0
-    birth = np.where(massive[:, L], jumps[:, L], 0.0)
-    out = [
-        SUDDEN.judge(
-            claims.bootstrap(birth, np.median, seed=seed),
-            details=f"{_where(result)}; {int(massive[:, L].sum())} of {len(birth)} prompts have a "
-            f"massive token at layer {L}",
-        )
-    ]
-    me = result.me_layer
-    if me is None:
-        why = no_massive_why(result.location, result.n_prompts)
-        return out + [s.not_applicable(why) for s in (ONE_LAYER, FFN_CREATES, CARRIED)]
+    n = int((result.array("massive")[:, L] > 0).sum())
+    return f"{_where(result)}; {n} of {result.n_prompts} prompts have a massive token at layer {L}"
+
+
+def _one_layer(result: Result) -> claims.Outcomes:
+    return peak_measure(result.log_jumps(), result.selected_jump_layer(), result.units, False)
+
+
+def _one_layer_details(result: Result) -> str:
     logj = result.log_jumps()
-    z = claims.bootstrap(logj, lambda a: claims.null_z(a.mean(0).tolist(), me), seed=seed)
     means = logj.mean(0)
+    me = result.me_layer
     others = np.delete(means, me)
-    out.append(
-        ONE_LAYER.judge(
-            z,
-            details=f"{_where(result)}; mean log jump {means[me]:.3g} at the ME layer, other layers "
-            f"{others.mean():.3g} ± {others.std(ddof=1):.3g} (largest other: layer "
-            f"{int(np.argmax(np.where(np.arange(len(means)) == me, -np.inf, means)))})",
-        )
+    return (
+        f"{_where(result)}; "
+        + peak_details(logj, result.selected_jump_layer(), result.units, False, str(me))
+        + f"; mean log jump at the ME layer {means[me]:.3g}, other layers {others.mean():.3g} "
+        f"± {others.std(ddof=1):.3g}"
     )
-    if result.location.me_event.site == "unknown":
-        out.append(
-            FFN_CREATES.not_applicable(
-                f"{_where(result)}; the sub-layer that creates it is unknown: the scan did not "
-                "record the block input and the attention output (resid_pre, resid_mid)"
-            )
+
+
+def _ffn_applies(result: Result) -> str | None:
+    why = _needs_me_layer(result)
+    if why is None and result.location.me_event.site == "unknown":
+        return (
+            f"{_where(result)}; the sub-layer that creates it is unknown: the scan did not record "
+            "the block input and the attention output (resid_pre, resid_mid)"
         )
-    else:
-        r_pre, r_mid, r_post = (result.array(k)[:, me] for k in ("r_pre", "r_mid", "r_post"))
-        out.append(
-            FFN_CREATES.judge(
-                claims.bootstrap(r_post / r_mid, np.median, seed=seed),
-                details=f"{_where(result)}; attention factor R_mid / R_pre at the ME layer: median "
-                f"{np.median(r_mid / r_pre):.3g}; detected site: {result.location.me_event.site}",
-            )
-        )
-    n_layers = jumps.shape[1]
-    if me == n_layers - 1:
-        out.append(CARRIED.not_applicable("the ME layer is the last layer: nothing carries it on"))
-        return out
-    rho = result.array("ref_ratio")[massive[:, me]]  # prompts with a massive token at ME
-    frac = (rho[:, me:] / rho[:, me : me + 1]).min(axis=1)
-    ev = result.location.me_event
-    out.append(
-        CARRIED.judge(
-            claims.bootstrap(frac, seed=seed, unit="prompts with a massive token at the ME layer"),
-            details=f"{_where(result)}; the event lasts to layer {ev.last_layer} "
-            f"({'to the end' if ev.persists_to_end else 'ends before the last layer'}); median ratio "
-            f"at the ME layer {np.median(rho[:, me]):.3g}, at the last layer {np.median(rho[:, -1]):.3g}",
-        )
+    return why
+
+
+def _factors(result: Result) -> tuple[np.ndarray, np.ndarray]:
+    """Per prompt, the FFN's factor ``R_post / R_mid`` and the attention's ``R_mid / R_pre`` at the
+    ME layer."""
+    r_pre, r_mid, r_post = (
+        result.array(k)[:, result.me_layer] for k in ("r_pre", "r_mid", "r_post")
     )
-    return out
+    return r_post / r_mid, r_mid / r_pre
+
+
+def _ffn_creates(result: Result) -> claims.Sample:
+    ffn, attn = _factors(result)
+    return claims.Sample(ffn / np.maximum(attn, 1.0), np.median)
+
+
+def _ffn_details(result: Result) -> str:
+    ffn, attn = _factors(result)
+    return (
+        f"{_where(result)}; at the ME layer the FFN's factor R_post / R_mid has median "
+        f"{np.median(ffn):.3g}, the attention's R_mid / R_pre {np.median(attn):.3g}; detected "
+        f"site: {result.location.me_event.site}"
+    )
+
+
+def _carried_applies(result: Result) -> str | None:
+    why = _needs_me_layer(result)
+    if why is None and result.me_layer == len(result.location.top_ratio) - 1:
+        return "the ME layer is the last layer: nothing carries it on"
+    return why
+
+
+def _carried_rows(result: Result) -> tuple[np.ndarray, np.ndarray]:
+    me = result.me_layer
+    rho = result.array("ref_ratio")[result.array("massive")[:, me] > 0]  # massive token at ME
+    return rho, (rho[:, me:] / rho[:, me : me + 1]).min(axis=1)
+
+
+def _carried(result: Result) -> claims.Sample:
+    _, frac = _carried_rows(result)
+    return claims.Sample(frac)
+
+
+def _carried_details(result: Result) -> str:
+    rho, _ = _carried_rows(result)
+    ev, me = result.location.me_event, result.me_layer
+    return (
+        f"{_where(result)}; the event lasts to layer {ev.last_layer} "
+        f"({'to the end' if ev.persists_to_end else 'ends before the last layer'}); median ratio "
+        f"at the ME layer {np.median(rho[:, me]):.3g}, at the last layer {np.median(rho[:, -1]):.3g}"
+    )
+
+
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        "me_layer.sudden_birth",
+        "§2.1",
+        "Massive activations are born suddenly, in one layer (the ME layer)",
+        statistic="median over prompts of the birth jump R_L / R_{L-1} at the ME layer L, with "
+        "R = max_t ‖h_t‖ / mean_{t≠argmax} ‖h_t‖ of the layer output (without an ME layer, L is the "
+        "layer with the largest median jump)",
+        op=">=",
+        threshold="jump",
+        control="a model without a massive activation (the unplanted twin, a random model): no "
+        "layer makes one token's norm jump, the statistic is about 1 and the claim fails",
+        stat=_birth,
+        details=_birth_details,
+    ),
+    claims.Spec(
+        "me_layer.one_layer",
+        "§2.1",
+        "The birth is confined to one layer: the layer of the largest jump, chosen on other "
+        "prompts, is the largest jump of each held-out prompt",
+        statistic="fraction of the held-out prompts (one per distinct massive-token prefix) whose "
+        "largest log jump log(R_l / R_{l-1}) is at the layer of the largest mean log jump of the "
+        "selection half",
+        op=">=",
+        threshold="peak_fraction",
+        control="the jumps of every other layer, including precursor events (chance 1 / L under "
+        "exchangeable layers)",
+        unit="held-out prompts",
+        stat=_one_layer,
+        applies=_needs_me_layer,
+        details=_one_layer_details,
+    ),
+    claims.Spec(
+        "me_layer.ffn_creates",
+        "§2.1",
+        "The ME layer's FFN, not its attention, creates the massive activation: the FFN multiplies "
+        "the norm ratio by a large factor, also relative to what the attention before it did",
+        statistic="median over prompts of the FFN's factor R_post / R_mid at the ME layer over the "
+        "attention's factor R_mid / R_pre where that exceeds 1 (R_post / R_mid / max(1, "
+        "R_mid / R_pre))",
+        op=">=",
+        threshold="jump",
+        control="the attention's factor R_mid / R_pre at the same layer (in the rule, and in the "
+        "details)",
+        stat=_ffn_creates,
+        applies=_ffn_applies,
+        details=_ffn_details,
+    ),
+    claims.Spec(
+        "me_layer.carried",
+        "§2.1",
+        "The residual stream then carries the massive activation to the last layer",
+        statistic="mean over the prompts with a massive token at the ME layer L of "
+        "min_{l ≥ L} ρ_l / ρ_L, with ρ = the massive token's layer-output norm over the mean of the "
+        "others'",
+        op=">=",
+        threshold="carried_fraction",
+        control="layers where the model removes the massive activation (the event ends) pull the "
+        "minimum down",
+        unit="prompts with a massive token at the ME layer",
+        stat=_carried,
+        applies=_carried_applies,
+        details=_carried_details,
+    ),
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

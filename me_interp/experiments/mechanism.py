@@ -11,10 +11,20 @@ Cost: one forward over every prompt records the norms (detection), the alignment
 statistics of every token together (``probes.batching``); a second forward over the prefixes
 ``x[: m + 1]`` reads the massive token's neuron activations once ``m`` is known.
 
-Claims (:data:`SPECS`; thresholds from ``claims.THRESHOLDS``; intervals bootstrapped over prompts).
-Those that the ME-layer detection nearly implies ("peaks at the ME layer") are judged against the null
-of every other layer (``claims.null_z``), never by an argmax. On a model without a massive activation
-``run`` raises ``claims.NotApplicable``.
+Claims (:data:`SPECS`, judged by ``claims.judge``; thresholds from ``claims.THRESHOLDS``):
+
+* ``frac_aligned``, ``kl_aligned`` — the massive token against the other tokens of the same prompts at
+  the ME layer (bootstrap over prompts); ``frac_aligned`` also compares after the gain with the
+  standardised ``h / rms`` before it, so it says what the gain does.
+* ``*_peak`` — held-out peaks (``_layer_report.peak_measure``): the ME layer detected on the selection
+  half of the prompts, each held-out prompt (one per distinct massive-token prefix) one outcome, "is
+  that layer the argmax of its curve?", against ``peak_fraction`` (chance 1 / L). With ``--layer``
+  the layer is given and every prompt is tested.
+* ``few_neurons`` — the top-3 neurons chosen on the selection half, their share scored on the
+  held-out half minus the share of 3 random neurons; resampled by distinct massive-token prefixes
+  (the massive token's FFN output depends on nothing else), so a shared BOS is one measurement.
+
+On a model without a massive activation ``run`` raises ``claims.NotApplicable``.
 
     python -m me_interp.experiments.mechanism                      # bundled model, built-in prompts
     python -m me_interp.experiments.mechanism --k-frac 0.05 --neuron-layer 11
@@ -24,7 +34,7 @@ of every other layer (``claims.null_z``), never by an argmax. On a model without
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +48,7 @@ from me_interp.experiments._layer_report import (
     LayerReport,
     as_array,
     detect,
-    peak_z,
+    paired,
     relative_drop,
 )
 from me_interp.experiments.common import (
@@ -78,21 +88,102 @@ N_TOP = 3
 
 
 # ------------------------------------------------------------------------------------------
-# the mechanism experiment
+# the claims
 # ------------------------------------------------------------------------------------------
 
 
+def _delta_c(stage: str) -> Callable[[Result], np.ndarray]:
+    return lambda r: as_array(r.per_prompt, f"delta_c_{stage}")
+
+
+def _log_magnification(r: Result) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.log10(as_array(r.per_prompt, "magnification"))
+
+
+_PEAK_VALUES: dict[str, Callable[[Result], np.ndarray]] = {
+    "frac_peak": lambda r: as_array(r.per_prompt, "delta_frac"),
+    "kl_peak": lambda r: -as_array(r.per_prompt, "delta_kl"),
+    "dc_gate_peak": _delta_c("gate"),
+    "dc_up_peak": _delta_c("up"),
+    "dc_down_peak": _delta_c("down"),
+    "magnification_peak": _log_magnification,
+}
+
+
 def _peak_spec(short: str, section: str, what: str, statistic: str) -> claims.Spec:
+    values = _PEAK_VALUES[short]
     return claims.Spec(
         f"mechanism.{short}",
         section,
-        f"{what} peaks at the ME layer (judged against the null of every other layer: the ME layer "
-        "is where the FFN makes the norm jump, so an argmax would be nearly implied)",
-        statistic=f"z of the ME layer's {statistic} against the other layers' (claims.null_z of the "
-        "per-layer means), bootstrapped over prompts",
+        f"{what} peaks at the ME layer (the ME layer chosen on other prompts than those it is "
+        "tested on)",
+        statistic=f"fraction of the held-out prompts (one per distinct massive-token prefix) whose "
+        f"{statistic} is largest at the ME layer detected on the selection half of the prompts "
+        "(with --layer: the given layer, every prompt tested)",
         op=">=",
-        threshold="null_z",
-        control="the same statistic at every other layer",
+        threshold="peak_fraction",
+        control="the same statistic at every other layer (chance 1 / L under exchangeable layers)",
+        unit="held-out prompts",
+        stat=lambda r: r.peak(values(r)),
+        details=lambda r: r.peak_details(values(r)),
+    )
+
+
+def _gain_alignment(a: np.ndarray) -> float:
+    """``min(1 − F_o / F_m, (E − E₀) / max(|E|, |E₀|))`` of rows ``(F_m, F_o, F_m⁰, F_o⁰)``: the
+    massive token's share on the top-|w| dims after the gain, over the others' (``F``), and how
+    much the gain widened its excess ``E = F_m − F_o`` over the standardised ``h / rms`` (``⁰``)."""
+    fm, fo, fm0, fo0 = a.mean(0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        excess = 1.0 - fo / fm
+    e, e0 = fm - fo, fm0 - fo0
+    top = max(abs(e), abs(e0))
+    widened = 0.0 if top == 0 else (e - e0) / top
+    return float(min(excess, widened))
+
+
+def _frac_rows(r: Result) -> np.ndarray:
+    keys = ("frac_massive", "frac_others", "frac_massive_pregain", "frac_others_pregain")
+    return np.stack([as_array(r.per_prompt, k)[:, r.me_layer] for k in keys], axis=1)
+
+
+def _frac_details(r: Result) -> str:
+    fm, fo, fm0, fo0 = _frac_rows(r).mean(0)
+    return (
+        f"ME layer {r.me_text()}; K = {r.k} of {r.d_model} dims; after the gain: mean Frac massive "
+        f"{fm:.3g}, others {fo:.3g} (ΔFrac {fm - fo:.3g}); before the gain (h / rms): massive "
+        f"{fm0:.3g}, others {fo0:.3g} (ΔFrac {fm0 - fo0:.3g})"
+    )
+
+
+def _kl_details(r: Result) -> str:
+    km = as_array(r.per_prompt, "kl_massive")[:, r.me_layer]
+    ko = as_array(r.per_prompt, "kl_others")[:, r.me_layer]
+    return (
+        f"ME layer {r.me_text()}; mean KL massive {km.mean():.3g} nats, others {ko.mean():.3g} "
+        f"(ΔKL {(km - ko).mean():.3g})"
+    )
+
+
+def _neuron_measure(r: Result) -> claims.Sample:
+    share = as_array(r.per_prompt, "selected_neuron_share")
+    null = as_array(r.per_prompt, "random_neuron_share")
+    rows = r.units.prompts(r.units.heldout)
+    unit = "held-out prompts" if r.units.held_out else "prompts (nothing held out)"
+    return claims.Sample(share[rows] - null[rows], unit=unit, keys=[r.units.keys[b] for b in rows])
+
+
+def _neuron_details(r: Result) -> str:
+    top = r.neurons["neurons"][:N_TOP]
+    rows = r.units.prompts(r.units.heldout)
+    held = as_array(r.per_prompt, "selected_neuron_share")[rows].mean()
+    null = as_array(r.per_prompt, "random_neuron_share")[rows].mean()
+    return (
+        f"neuron layer {r.neuron_layer} ({r.neurons['chosen_as']}); top {N_TOP} of the selection "
+        f"half: {r.selected_neurons}; {r.units.text()}; held-out share {held:.3g}, random "
+        f"{N_TOP} neurons {null:.3g}; top neurons on all prompts "
+        + ", ".join(f"{n['neuron']} ({100 * n['share']:.1f} %)" for n in top)
     )
 
 
@@ -100,15 +191,20 @@ SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
         "mechanism.frac_aligned",
         "§2.2",
-        "At the ME layer the pre-FFN RMSNorm puts more of the massive token's energy on the top-|w| "
-        "dims than the other tokens' (ΔFrac > 0, by a margin)",
-        statistic="1 − mean Frac_others / mean Frac_massive at the ME layer (pre-FFN RMSNorm output "
-        "after the gain, K = TopK(|w|))",
+        "At the ME layer the pre-FFN RMSNorm's gain puts the massive token's energy on the top-|w| "
+        "dims: after the gain its share there exceeds the other tokens' by a margin (ΔFrac > 0), "
+        "and the gain widened that excess (compared with h / rms before the gain)",
+        statistic="min of (a) 1 − mean Frac_others / mean Frac_massive after the gain and (b) "
+        "(E − E₀) / max(|E|, |E₀|), with E = mean ΔFrac after the gain and E₀ before it "
+        "(the standardised h / rms on the same K = TopK(|w|) dims), at the ME layer",
         op=">=",
         threshold="relative_drop",
-        control="the other tokens of the same prompts at the same layer",
+        control="(a) the other tokens of the same prompts at the same layer; (b) the same tokens "
+        "before the gain",
+        stat=lambda r: claims.Sample(_frac_rows(r), _gain_alignment),
+        details=_frac_details,
     ),
-    _peak_spec("frac_peak", "§2.2", "ΔFrac", "mean ΔFrac"),
+    _peak_spec("frac_peak", "§2.2", "ΔFrac", "ΔFrac"),
     claims.Spec(
         "mechanism.kl_aligned",
         "§2.2",
@@ -118,40 +214,43 @@ SPECS: tuple[claims.Spec, ...] = (
         op=">=",
         threshold="relative_drop",
         control="the other tokens of the same prompts at the same layer",
+        stat=lambda r: claims.Sample(
+            paired(
+                as_array(r.per_prompt, "kl_others")[:, r.me_layer],
+                as_array(r.per_prompt, "kl_massive")[:, r.me_layer],
+            ),
+            relative_drop,
+        ),
+        details=_kl_details,
     ),
-    _peak_spec("kl_peak", "§2.2", "−ΔKL (the alignment to the gains)", "mean −ΔKL"),
-    _peak_spec("dc_gate_peak", "§2.3", "ΔC after W_gate", "mean ΔC after W_gate"),
-    _peak_spec("dc_up_peak", "§2.3", "ΔC after W_up", "mean ΔC after W_up"),
-    _peak_spec("dc_down_peak", "§2.3", "ΔC after W_down (the FFN output)", "mean ΔC after W_down"),
+    _peak_spec("kl_peak", "§2.2", "−ΔKL (the alignment to the gains)", "−ΔKL"),
+    _peak_spec("dc_gate_peak", "§2.3", "ΔC after W_gate", "ΔC after W_gate"),
+    _peak_spec("dc_up_peak", "§2.3", "ΔC after W_up", "ΔC after W_up"),
+    _peak_spec("dc_down_peak", "§2.3", "ΔC after W_down (the FFN output)", "ΔC after W_down"),
     _peak_spec(
         "magnification_peak",
         "§2.3",
         "The FFN magnification ‖FFN(ĥ)‖ / ‖ĥ‖ of the massive token",
-        "mean log10 magnification",
+        "log10 FFN magnification of the massive token",
     ),
     claims.Spec(
         "mechanism.few_neurons",
         "§2.3",
-        f"A few FFN neurons write the massive token's FFN output at the ME layer (the top {N_TOP})",
-        statistic=f"mean over prompts of the share of the top-{N_TOP} neurons (ranked by their mean "
-        "share) in the massive token's FFN output, s_n = a_n ⟨W_down[:, n], y⟩ / ‖y‖²",
+        f"A few FFN neurons write the massive token's FFN output at the ME layer: the top {N_TOP}, "
+        "chosen on other prompts, carry nearly all of it",
+        statistic=f"mean over the held-out prompts of the share of the top-{N_TOP} neurons of the "
+        "selection half (ranked by their mean share there) in the massive token's FFN output, "
+        f"minus the mean share of {N_TOP} random neurons ({N_TOP} × the mean share); "
+        "s_n = a_n ⟨W_down[:, n], y⟩ / ‖y‖²",
         op=">=",
         threshold="concentration_share",
-        control="all other neurons of the layer (the shares sum to 1)",
+        control=f"{N_TOP} random neurons of the same layer (the null subtracted); the held-out "
+        "prompts, so the selection never scores itself",
+        unit="held-out prompts",
+        stat=_neuron_measure,
+        details=_neuron_details,
     ),
 )
-(
-    FRAC_ALIGNED,
-    FRAC_PEAK,
-    KL_ALIGNED,
-    KL_PEAK,
-    DC_GATE_PEAK,
-    DC_UP_PEAK,
-    DC_DOWN_PEAK,
-    MAGNIFICATION_PEAK,
-    FEW_NEURONS,
-) = SPECS
-_DC_PEAKS = {"gate": DC_GATE_PEAK, "up": DC_UP_PEAK, "down": DC_DOWN_PEAK}
 
 
 @dataclass(frozen=True)
@@ -189,8 +288,11 @@ class Config(DetectConfig):
 class Result(LayerReport):
     """What :func:`run` measured. ``per_prompt`` holds the ``[prompt][layer]`` statistics behind the
     claims (``delta_frac``, ``frac_massive``, ``frac_others``, ``delta_kl``, ``kl_massive``,
-    ``kl_others``, ``delta_c_<stage>``, ``magnification``, ``magnification_others``) and, per
-    prompt, ``top_neuron_share`` (the share of the top-:data:`N_TOP` neurons of the neuron layer)."""
+    ``kl_others``, ``frac_massive_pregain``, ``frac_others_pregain`` (the standardised h / rms
+    before the gain), ``delta_c_<stage>``, ``magnification``, ``magnification_others``) and, per
+    prompt, ``selected_neuron_share`` (the share of :attr:`selected_neurons`, the top-:data:`N_TOP`
+    neurons of the neuron layer on the selection half) and ``random_neuron_share`` (the mean share of
+    :data:`N_TOP` random neurons: ``N_TOP`` × the mean share)."""
 
     massive_dims: list[int]
     massive_positions: list[list[int]]
@@ -201,6 +303,7 @@ class Result(LayerReport):
     neuron_layer: int
     gain_ranks: dict[str, list[list[dict]]]
     ffn_gain_at_me: list[float]
+    selected_neurons: list[int] = field(default_factory=list)
     per_prompt: dict[str, list] = field(default_factory=dict)
     seed: int = 0
 
@@ -215,6 +318,7 @@ class Result(LayerReport):
             "d_model": self.d_model,
             "layers": self.layers,
             "neurons": self.neurons,
+            "selected_neurons": self.selected_neurons,
             "gain_ranks": self.gain_ranks,
             "per_prompt": self.per_prompt,
         }
@@ -236,7 +340,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     align = AlignmentRecorder(model, batch, k=cfg.k(), sites=ALIGN_SITES)
     ffn = FFNRecorder(model, batch)
     record(model, batch, [norms, align, ffn])
-    det = detect(cfg, model, norms.result())
+    det = detect(cfg, model, norms.result(), batch)
     me, ref = det.me_layer, det.reference
     nl = model.check_layer(cfg.neuron_layer) if cfg.neuron_layer >= 0 else me
     at = FFNAtRecorder(model, batch, ref, last_layer=max(me, nl))
@@ -251,6 +355,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         "delta_kl": al.delta_kl("ffn_in"),
         "kl_massive": al.massive("kl", "ffn_in"),
         "kl_others": al.others("kl", "ffn_in"),
+        "frac_massive_pregain": al.massive("frac", "ffn_normalized"),
+        "frac_others_pregain": al.others("frac", "ffn_normalized"),
         **{f"delta_c_{s}": fs.delta_c(s) for s in STAGES},
         "magnification": mag,
         "magnification_others": mag_o,
@@ -281,8 +387,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         layers.append(row)
     table = top_neurons(model, fs, nl, cfg.top_neurons).to_dict()
     table["chosen_as"] = "given" if cfg.neuron_layer >= 0 else "ME layer"
-    shares = neuron_contributions(fs.act_at_ref[nl], model.ffn_weights(nl).down)
-    top = [n["neuron"] for n in table["neurons"][:N_TOP]]
+    shares = neuron_contributions(fs.act_at_ref[nl], model.ffn_weights(nl).down)  # [batch d_mlp]
+    sel = det.units.prompts(det.units.select)
+    chosen = shares[sel].mean(0).argsort(descending=True)[:N_TOP].tolist()  # on the selection half
     loc = det.location
     dims = list(loc.massive_dims[:4])
     ranks = massive_dim_gain_ranks(model, dims, al.k) if dims else {"ffn": [], "attn": []}
@@ -291,8 +398,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         bos=model.bos,
         bos_prepended=model.bos_prepended(batch),
         n_prompts=len(batch),
-        me_layer=me,
-        detected_me_layer=loc.me_layer,
+        **det.report_fields(),
         massive_dims=list(loc.massive_dims),
         massive_positions=det.massive_positions,
         reference_positions=ref,
@@ -303,72 +409,15 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         neuron_layer=nl,
         gain_ranks={n: [[g.to_dict() for g in row] for row in v] for n, v in ranks.items()},
         ffn_gain_at_me=model.ffn_norm_gain(me).detach().float().cpu().tolist(),
+        selected_neurons=[int(n) for n in chosen],
         per_prompt={
             **{k: v.T.tolist() for k, v in per.items()},
-            "top_neuron_share": shares[:, top].sum(-1).tolist(),
+            "selected_neuron_share": shares[:, chosen].sum(-1).tolist(),
+            "random_neuron_share": (N_TOP * shares.mean(-1)).tolist(),
         },
         seed=cfg.seed,
     )
     return result
-
-
-def verdicts(result: Result) -> list[claims.Claim]:
-    """The paper's claims 2 and 3 on this model, with intervals bootstrapped over prompts."""
-    me, seed, pp = result.me_layer, result.seed, result.per_prompt
-    at = f"ME layer {result.me_text()}"
-    fm, fo = as_array(pp, "frac_massive")[:, me], as_array(pp, "frac_others")[:, me]
-    out = [
-        FRAC_ALIGNED.judge(
-            relative_drop(fm, fo, seed),
-            details=f"{at}; K = {result.k} of {result.d_model} dims; mean Frac massive "
-            f"{fm.mean():.3g}, others {fo.mean():.3g} (ΔFrac {(fm - fo).mean():.3g})",
-        )
-    ]
-    dfrac = as_array(pp, "delta_frac")
-    out.append(FRAC_PEAK.judge(peak_z(dfrac, me, seed), details=_peak_details(at, dfrac, me)))
-    km, ko = as_array(pp, "kl_massive")[:, me], as_array(pp, "kl_others")[:, me]
-    out.append(
-        KL_ALIGNED.judge(
-            relative_drop(ko, km, seed),
-            details=f"{at}; mean KL massive {km.mean():.3g} nats, others {ko.mean():.3g} "
-            f"(ΔKL {(km - ko).mean():.3g})",
-        )
-    )
-    neg_dkl = -as_array(pp, "delta_kl")
-    out.append(KL_PEAK.judge(peak_z(neg_dkl, me, seed), details=_peak_details(at, neg_dkl, me)))
-    for stage, spec in _DC_PEAKS.items():
-        dc = as_array(pp, f"delta_c_{stage}")
-        out.append(spec.judge(peak_z(dc, me, seed), details=_peak_details(at, dc, me)))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        logmag = np.log10(as_array(pp, "magnification"))
-    out.append(
-        MAGNIFICATION_PEAK.judge(
-            peak_z(logmag, me, seed),
-            details=_peak_details(at, logmag, me)
-            + f"; magnification at ME {10 ** np.nanmean(logmag[:, me]):.4g} (geometric mean), "
-            f"other tokens {np.nanmean(as_array(pp, 'magnification_others')[:, me]):.3g}",
-        )
-    )
-    share = as_array(pp, "top_neuron_share")
-    top = result.neurons["neurons"][:N_TOP]
-    out.append(
-        FEW_NEURONS.judge(
-            claims.bootstrap(share, seed=seed),
-            details=f"neuron layer {result.neuron_layer} ({result.neurons['chosen_as']}); top "
-            "neurons " + ", ".join(f"{n['neuron']} ({100 * n['share']:.1f} %)" for n in top),
-        )
-    )
-    return out
-
-
-def _peak_details(at: str, values: np.ndarray, me: int) -> str:
-    means = np.nanmean(values, axis=0)
-    others = np.delete(means, me)
-    best = int(np.nanargmax(np.where(np.isfinite(means), means, np.nan)))
-    return (
-        f"{at}; per-layer mean {means[me]:.3g} at ME vs {np.nanmean(others):.3g} ± "
-        f"{np.nanstd(others, ddof=1):.3g} at the other layers; largest at layer {best}"
-    )
 
 
 def figures(result: Result) -> dict[str, go.Figure]:

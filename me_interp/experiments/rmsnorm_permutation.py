@@ -20,9 +20,24 @@ control). The statistic of every claim is the *excess left* by the edit,
 
 of layer ``m``'s output (an ordinary token has ``R ≈ 1``, so ``c = 1`` is untouched and ``c = 0`` an
 ordinary token; ``interventions.causal.excess_fraction``). An edit *removes* the massive activation
-when ``c`` is at most the table's ``removed`` fraction. Deterministic edits (flattening) are
-bootstrapped over prompts (both means resampled together); random ones (permutations) over their
-seeds (each seed's ``c``).
+when ``c`` is at most the table's ``removed`` fraction.
+
+Claims (:data:`SPECS`, declarative, judged by :func:`me_interp.claims.judge`):
+
+* claims (evidence): ``ffn_permutation_removes`` (random permutations of the pre-FFN gain),
+  ``top_dims_removes`` (moving its top-``k`` ``|w|`` dims) and ``flatten_removes`` (``α = 0``);
+* controls (they must come out as designed for the claims beside them to mean anything, and are
+  never counted): ``attn_permutation_keeps`` (the same permutations of the pre-attention gain: the
+  effect is specific to the pre-FFN norm) and ``other_dims_keep`` (as many dims moved outside the
+  top ``k``: the effect is specific to the large gains).
+
+The deterministic edit (flattening) is bootstrapped over prompts (edited and unedited means resampled
+together). The random edits are measured on prompts × seeds (``Result.seed_values``: per prompt and
+seed, ``(R_{m,b}(edited, seed) − 1) / (R̄_m(unedited) − 1)``, whose mean is the mean over seeds of
+``c``) and get a two-way (crossed) bootstrap over prompts and seeds (a seed is one edit of the model, shared by every prompt)
+(:class:`me_interp.claims.Nested`), so the interval carries both which prompts and which
+permutations were drawn (the unedited mean ``R̄_m`` is held fixed); they need at least
+:data:`me_interp.claims.MIN_SEEDS` seeds, else they are not applicable.
 
     python -m me_interp.experiments.rmsnorm_permutation
     python -m me_interp.experiments.rmsnorm_permutation --n-random 10 --top-k 4 --alphas 0 0.5
@@ -64,6 +79,7 @@ from me_interp.experiments._weights import (
     no_massive_activation,
     prepare,
     run_header,
+    where_edited,
 )
 from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.causal import excess_fraction, excess_stat
@@ -171,6 +187,15 @@ class Result:
         """Per seed of a random edit: the excess ``c`` it leaves."""
         return [r["change"] for r in self.select(norm, kind)]
 
+    def seed_values(self, norm: str, kind: str) -> np.ndarray:
+        """``[prompt, seed]`` of a random edit: ``(R_{m,b}(edited) − 1) / (R̄_m(unedited) − 1)``,
+        whose mean over prompts is that seed's ``c`` (the cells of a :class:`~me_interp.claims.Nested`
+        measurement)."""
+        rows = self.select(norm, kind)
+        base = float(np.mean(self.baseline.prompt_ratio_at(self.layer))) - 1.0
+        edited = np.asarray([r["ratio_at_layer_per_prompt"] for r in rows], dtype=np.float64)
+        return ((edited - 1.0) / base).T  # [prompt seed]
+
     def flatten_row(self, norm: str, alpha: float) -> dict[str, Any] | None:
         return next(
             (r for r in self.select(norm, "flatten") if math.isclose(r["param"], alpha)), None
@@ -200,6 +225,12 @@ class Result:
             "per_prompt": {
                 "ratio_unedited": b.prompt_ratio_at(self.layer),
                 "ratio_edited": {_label(r): r["ratio_at_layer_per_prompt"] for r in self.rows},
+                "seed_values": {
+                    f"{n} {k}": self.seed_values(n, k).tolist()
+                    for n in NORMS
+                    for k in SEEDED
+                    if self.select(n, k)
+                },
             },
             "rows": self.rows,
             "baseline_detail": b.to_dict(),
@@ -276,57 +307,73 @@ _STAT = (
     "c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean over "
     "prompts)"
 )
-SPECS: tuple[claims.Spec, ...] = (
-    claims.Spec(
-        "rmsnorm_permutation.ffn_permutation_removes",
-        "§2 claim 2 (RMSNorm alignment); §3 permutation",
-        "Randomly permuting the ME layer's pre-FFN RMSNorm gain removes the massive activation",
-        f"{_STAT}, mean over the random permutations (seeds)",
-        "<=",
-        "removed",
-        "the same random permutations of the pre-attention gain "
-        "(rmsnorm_permutation.attn_permutation_keeps)",
-    ),
-    claims.Spec(
-        "rmsnorm_permutation.attn_permutation_keeps",
-        "§2 claim 2 (control: the other norm)",
-        "Randomly permuting the ME layer's pre-attention RMSNorm gain does not remove the massive "
-        "activation",
-        f"{_STAT}, mean over the random permutations (seeds)",
-        ">",
-        "removed",
-        "the pre-FFN permutations (rmsnorm_permutation.ffn_permutation_removes)",
-    ),
-    claims.Spec(
-        "rmsnorm_permutation.top_dims_removes",
-        "§2 claim 2 (the large-|w| dims)",
-        "Moving only the top-k |w| dims of the ME layer's pre-FFN gain removes the massive activation",
-        f"{_STAT}, mean over the seeds of the moves",
-        "<=",
-        "removed",
-        "as many transpositions among the other dims (rmsnorm_permutation.other_dims_keep)",
-    ),
-    claims.Spec(
-        "rmsnorm_permutation.other_dims_keep",
-        "§2 claim 2 (control: the small-|w| dims)",
-        "Moving as many dims of the pre-FFN gain outside its top-k |w| dims does not remove the "
-        "massive activation",
-        f"{_STAT}, mean over the seeds of the moves",
-        ">",
-        "removed",
-        "the move of the top-k dims (rmsnorm_permutation.top_dims_removes)",
-    ),
-    claims.Spec(
-        "rmsnorm_permutation.flatten_removes",
-        "§2 claim 2; §3 flattening",
-        "Flattening the ME layer's pre-FFN gain to its mean (α = 0) removes the massive activation",
-        f"{_STAT} with w ← mean(w)",
-        "<=",
-        "removed",
-        "the same flattening of the pre-attention gain (in details)",
-    ),
+_SEEDS = (
+    ", mean over the random {what} (seeds); two-way (crossed) bootstrap over prompts × seeds of "
+    "(R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed"
 )
-_SPEC = claims.index(SPECS)
+_NO_MASSIVE = (
+    "no massive activation at layer {m} of the unedited model (the layer was given, not detected): "
+    "there is nothing for the edits to remove"
+)
+
+
+def _massive(result: Result) -> str | None:
+    if not result.massive_at_layer:
+        return _NO_MASSIVE.format(m=result.layer)
+    return None
+
+
+def _control_text(result: Result, norm: str, kind: str) -> str:
+    rows = result.select(norm, kind)
+    if not rows:
+        return f"{norm} {kind}: not run"
+    return (
+        f"{norm} {kind}: mean c {fmt_value(float(np.mean([r['change'] for r in rows])))}, "
+        f"survives {sum(r['survives'] for r in rows)}/{len(rows)}"
+    )
+
+
+def _seeded_applies(norm: str, kind: str):
+    def applies(result: Result) -> str | None:
+        if why := _massive(result):
+            return why
+        n = len(result.select(norm, kind))
+        if n == 0:
+            return f"not measured in this run: no {norm} {kind} edit"
+        return claims.too_few_seeds(n, "--n-random")
+
+    return applies
+
+
+def _seeded_details(norm: str, kind: str, other: tuple[str, str]):
+    def details(result: Result) -> str:
+        rows = result.select(norm, kind)
+        top = f"; top-{result.top_k} dims {result.top_dims.get('ffn')}" if norm == "ffn" else ""
+        changes = ", ".join(fmt_value(r["change"]) for r in rows)
+        return (
+            f"{where_edited(result)}; c per seed {changes}; survives "
+            f"{sum(r['survives'] for r in rows)}/{len(rows)}{top}; "
+            f"{_control_text(result, *other)}"
+        )
+
+    return details
+
+
+def _seeded(name, section, statement, what, op, norm, kind, other, control, spec_kind="claim"):
+    return claims.Spec(
+        f"{NAME}.{name}",
+        section,
+        statement,
+        _STAT + _SEEDS.format(what=what),
+        op,
+        "removed",
+        control,
+        kind=spec_kind,
+        stat=lambda r: claims.Nested(r.seed_values(norm, kind)),
+        unit="prompts",
+        applies=_seeded_applies(norm, kind),
+        details=_seeded_details(norm, kind, other),
+    )
 
 
 def _paired(row: dict[str, Any], base: Measurement, layer: int) -> np.ndarray:
@@ -334,74 +381,90 @@ def _paired(row: dict[str, Any], base: Measurement, layer: int) -> np.ndarray:
     return np.column_stack([row["ratio_at_layer_per_prompt"], base.prompt_ratio_at(layer)])
 
 
-def verdicts(result: Result) -> list[claims.Claim]:
-    """Every claim of :data:`SPECS` on this result (see the module docstring)."""
-    m = result.layer
-    if not result.massive_at_layer:
-        return claims.not_applicable(
-            SPECS,
-            f"no massive activation at layer {m} of the unedited model (the layer was given, not "
-            "detected): there is nothing for the edits to remove",
-        )
-    base = result.baseline
-    where = (
-        f"layer {m} (1-based {m + 1}); unedited R_m = {fmt_value(float(np.mean(base.prompt_ratio_at(m))))} "
-        f"(mean over {result.n_prompts} prompts of {max(result.prompt_lengths)} tokens at most)"
-    )
-
-    def control(norm: str, kind: str) -> str:
-        rows = result.select(norm, kind)
-        if not rows:
-            return f"{norm} {kind}: not run"
-        return (
-            f"{norm} {kind}: mean c {fmt_value(float(np.mean([r['change'] for r in rows])))}, "
-            f"survives {sum(r['survives'] for r in rows)}/{len(rows)}"
-        )
-
-    def seeded(name: str, norm: str, kind: str, other: tuple[str, str], extra: str = "") -> None:
-        changes = result.seed_changes(norm, kind)
-        if not changes:
-            out.append(
-                _SPEC[name].not_applicable(f"not measured in this run: no {norm} {kind} edit")
-            )
-        else:
-            rows = result.select(norm, kind)
-            out.append(
-                _SPEC[name].judge_seeds(
-                    changes,
-                    flag="--n-random",
-                    details=f"{where}; survives {sum(r['survives'] for r in rows)}/{len(rows)}"
-                    f"{extra}; {control(*other)}",
-                )
-            )
-
-    out: list[claims.Claim] = []
-    top = f"; top-{result.top_k} dims {result.top_dims.get('ffn')}"
-    seeded("ffn_permutation_removes", "ffn", "random", ("attn", "random"))
-    seeded("attn_permutation_keeps", "attn", "random", ("ffn", "random"))
-    seeded("top_dims_removes", "ffn", "top", ("ffn", "other"), top)
-    seeded("other_dims_keep", "ffn", "other", ("ffn", "top"), top)
+def _flatten_stat(result: Result) -> claims.Sample:
     flat = result.flatten_row("ffn", 0.0)
     if flat is None:
-        out.append(
-            _SPEC["flatten_removes"].not_applicable("not measured in this run: α = 0 not in alphas")
-        )
-    else:
-        ctrl = result.flatten_row("attn", 0.0)
-        ctrl_text = "attn flatten α=0: " + (
-            "not run" if ctrl is None else f"c {fmt_value(ctrl['change'])}"
-        )
-        est = claims.bootstrap(
-            _paired(flat, base, m), excess_stat, unit="prompts", seed=result.seed
-        )
-        out.append(
-            _SPEC["flatten_removes"].judge(
-                est,
-                details=f"{where}; R_m after {fmt_value(flat['ratio_at_layer'])}, survives "
-                f"{'yes' if flat['survives'] else 'no'}; {ctrl_text}",
-            )
-        )
-    return out
+        raise claims.NotApplicable("not measured in this run: α = 0 not in alphas")
+    return claims.Sample(_paired(flat, result.baseline, result.layer), excess_stat)
+
+
+def _flatten_details(result: Result) -> str:
+    flat = result.flatten_row("ffn", 0.0)
+    ctrl = result.flatten_row("attn", 0.0)
+    ctrl_text = "attn flatten α=0: " + (
+        "not run" if ctrl is None else f"c {fmt_value(ctrl['change'])}"
+    )
+    return (
+        f"{where_edited(result)}; R_m after {fmt_value(flat['ratio_at_layer'])}, survives "
+        f"{'yes' if flat['survives'] else 'no'}; {ctrl_text}"
+    )
+
+
+SPECS: tuple[claims.Spec, ...] = (
+    _seeded(
+        "ffn_permutation_removes",
+        "§2 claim 2 (RMSNorm alignment); §3 permutation",
+        "Randomly permuting the ME layer's pre-FFN RMSNorm gain removes the massive activation",
+        "permutations",
+        "<=",
+        "ffn",
+        "random",
+        ("attn", "random"),
+        "the same random permutations of the pre-attention gain "
+        "(rmsnorm_permutation.attn_permutation_keeps)",
+    ),
+    _seeded(
+        "attn_permutation_keeps",
+        "§2 claim 2 (control: the other norm)",
+        "Randomly permuting the ME layer's pre-attention RMSNorm gain does not remove the massive "
+        "activation",
+        "permutations",
+        ">",
+        "attn",
+        "random",
+        ("ffn", "random"),
+        "the pre-FFN permutations (rmsnorm_permutation.ffn_permutation_removes)",
+        "control",
+    ),
+    _seeded(
+        "top_dims_removes",
+        "§2 claim 2 (the large-|w| dims)",
+        "Moving only the top-k |w| dims of the ME layer's pre-FFN gain removes the massive activation",
+        "moves",
+        "<=",
+        "ffn",
+        "top",
+        ("ffn", "other"),
+        "as many transpositions among the other dims (rmsnorm_permutation.other_dims_keep)",
+    ),
+    _seeded(
+        "other_dims_keep",
+        "§2 claim 2 (control: the small-|w| dims)",
+        "Moving as many dims of the pre-FFN gain outside its top-k |w| dims does not remove the "
+        "massive activation",
+        "moves",
+        ">",
+        "ffn",
+        "other",
+        ("ffn", "top"),
+        "the move of the top-k dims (rmsnorm_permutation.top_dims_removes)",
+        "control",
+    ),
+    claims.Spec(
+        f"{NAME}.flatten_removes",
+        "§2 claim 2; §3 flattening",
+        "Flattening the ME layer's pre-FFN gain to its mean (α = 0) removes the massive activation",
+        f"{_STAT} with w ← mean(w); bootstrap over prompts (edited and unedited means together)",
+        "<=",
+        "removed",
+        "the same flattening of the pre-attention gain (in details)",
+        stat=_flatten_stat,
+        unit="prompts",
+        applies=_massive,
+        details=_flatten_details,
+    ),
+)
+claims.check_specs(SPECS)
 
 
 # ------------------------------------------------------------------------------------------

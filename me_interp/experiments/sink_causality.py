@@ -14,12 +14,24 @@ attention entropy with the unmodified run — per prompt, one forward per condit
 
 *Sink heads* are the heads of the layers after the ME layer whose unmodified mean attention to ``p``
 reaches the ``sink_attention`` threshold of :data:`me_interp.claims.THRESHOLDS`. Each condition is
-one claim (:data:`SPECS`), judged on the sink heads' attention to ``p`` after the condition over
-before (ratio of prompt means, bootstrapped over prompts): a removal claim holds when the sink drops
-by at least the ``relative_drop`` threshold; it is not applicable when the condition did not remove
-the massive activation (the ``removed`` rule on the ME-layer norm ratio). The control holds when the
-sink changes by less than that; it is not applicable when every prompt has the same tokens up to
-``p`` (then the swap is the identity: the trap of paper.md §4).
+one spec (:data:`SPECS`), judged on the sink heads' attention to ``p`` after the condition over
+before (``1 − ratio of prompt means``, bootstrapped over prompts); each is worded as what it
+measures (which edit, which drop), not as "the massive activation causes the sink":
+
+* ``remove_ffn`` [claim] — the drop reaches the ``relative_drop`` threshold. Where the ME layer's FFN
+  output *is* the massive token's whole state (cosine > 0.99, 95–105 % of the norm:
+  ``interventions.causal.ffn_share``) the edit is ``remove_all`` and the claim is not applicable;
+* ``remove_all`` [sanity] — the same on the whole state: every later state of ``p`` is then an
+  ordinary token's, so the sink heads lose it nearly by construction (it mirrors
+  ``activation_patching.state_causes_sink``);
+* ``remove_dims`` [claim] — the same with only the massive dims reset: do the massive dims alone
+  carry the sink?
+* ``patch_other`` [control] — the sink changes by less than ``relative_drop``; not applicable when
+  every prompt has the same tokens up to ``p`` (then the swap is the identity: the trap of paper.md
+  §4).
+
+A removal spec is not applicable when its condition did not remove the massive activation (the
+``removed`` rule on the ME-layer norm ratio), or when there is no later layer or no sink head.
 
     python -m me_interp.experiments.sink_causality
     python -m me_interp.experiments.sink_causality --model synthetic:planted --prompts p.txt
@@ -49,46 +61,130 @@ _SINK = (
     "the sink heads' mean attention to p after the condition over before (ratio of prompt means)"
 )
 
+
+def _why(key: str):
+    """Why the spec of condition ``key`` does not apply (``None`` when it does)."""
+
+    def why(r: Result) -> str | None:
+        s = r.site
+        if not s.massive:
+            return s.why_not()
+        if s.layer + 1 >= r.n_layers:
+            return f"the ME layer {s.layer} is the last layer: no later layer, no downstream sink"
+        w = causal.sink_not_applicable(s, r.sink_heads)
+        if w is not None:
+            return w
+        if key not in r.measures:
+            return f"the condition {key} was not run (--conditions)"
+        if key in CONTROLS:
+            if r.same_prefix:
+                return (
+                    f"every prompt has the same tokens up to position {s.position}, so the "
+                    "swapped-in state is the prompt's own (use prompts with different first tokens)"
+                )
+            return None
+        frac = r.removal_fraction(key)
+        if not frac <= claims.threshold("removed"):
+            return (
+                f"the condition did not remove the massive activation: ME-layer (R − 1) after / "
+                f"before = {frac:.3g} > {claims.threshold('removed'):g} (threshold 'removed')"
+            )
+        if key == "remove_ffn" and r.ffn.is_state():
+            return (
+                f"{r.ffn.text()}: the FFN output is the state itself, so removing it is removing "
+                "the whole state — the sanity check remove_all"
+            )
+        return None
+
+    return why
+
+
+def _stat(key: str):
+    def stat(r: Result) -> claims.Sample:
+        after = r.sink_per_prompt(key).double().numpy()
+        before = r.sink_per_prompt("baseline").double().numpy()
+        return claims.Sample(np.stack([after, before], 1), _drop_stat)
+
+    return stat
+
+
+def _details(key: str):
+    def details(r: Result) -> str:
+        s, base, m = r.site, r.measures["baseline"], r.measures[key]
+        before, after = r.sink_per_prompt("baseline"), r.sink_per_prompt(key)
+        out = (
+            f"{len(r.sink_heads())} sink heads after ME layer {s.layer} (1-based {s.layer + 1}), "
+            f"position {s.position}: attention {float(before.mean()):.3g} -> "
+            f"{float(after.mean()):.3g}; entropy after the ME layer "
+            f"{float(r.entropy_after_me('baseline').mean()):.3g} -> "
+            f"{float(r.entropy_after_me(key).mean()):.3g} nats; ME-layer norm ratio "
+            f"{float(base.me_ratio.mean()):.4g} -> {float(m.me_ratio.mean()):.4g}; n = "
+            f"{len(before)} prompts"
+        )
+        others = [c for c in r.measures if c not in ("baseline", key)]
+        if others:
+            out += "; drops of the other conditions: " + ", ".join(
+                f"{c} {r.drop(c):.3g}" for c in others
+            )
+        if key in ("remove_ffn", "remove_all"):
+            out += f"; {r.ffn.text()}"
+        return out
+
+    return details
+
+
+def _spec(key: str, section: str, statement: str, kind: str = "claim", **kw) -> claims.Spec:
+    return claims.Spec(
+        f"sink_causality.{key}",
+        section,
+        statement,
+        kw.pop("statistic", "1 − " + _SINK),
+        kw.pop("op", ">="),
+        "relative_drop",
+        kind=kind,
+        stat=_stat(key),
+        applies=_why(key),
+        details=_details(key),
+        **kw,
+    )
+
+
 SPECS: tuple[claims.Spec, ...] = (
-    claims.Spec(
-        "sink_causality.remove_ffn",
+    _spec(
+        "remove_ffn",
         "§2.6",
-        "The massive activation causes the downstream attention sink: never writing it (the ME "
-        "layer's FFN output of the massive token set to the other tokens' mean) makes the sink "
-        "heads of the later layers drop their attention to that token",
-        "1 − " + _SINK,
-        ">=",
-        "relative_drop",
+        "Setting the ME layer's FFN output at the massive token to the other tokens' mean (so the "
+        "massive activation is never written) makes the later sink heads drop their attention to "
+        "that token (applies only where the FFN output is not the token's whole state; there the "
+        "edit is remove_all)",
+        control="the unmodified run; the patch_other control; remove_dims (in the details)",
+    ),
+    _spec(
+        "remove_all",
+        "§2.6",
+        "Replacing the massive token's whole ME-layer output by the other tokens' mean makes the "
+        "later sink heads drop their attention to it (nearly true by construction: every later "
+        "state of p is then an ordinary token's; a sanity check, mirroring "
+        "activation_patching.state_causes_sink)",
+        kind="sanity",
         control="the unmodified run; the patch_other control",
     ),
-    claims.Spec(
-        "sink_causality.remove_all",
-        "§2.6",
-        "The sink reads the massive token's state after the ME layer: replacing its whole ME-layer "
-        "output by the other tokens' mean makes the sink heads drop their attention to it",
-        "1 − " + _SINK,
-        ">=",
-        "relative_drop",
-        control="the unmodified run; the patch_other control",
-    ),
-    claims.Spec(
-        "sink_causality.remove_dims",
+    _spec(
+        "remove_dims",
         "§2.6, §4 (massive dims)",
-        "The massive dims alone carry the sink: resetting only them (to the other tokens' mean) at "
-        "the ME-layer output makes the sink heads drop their attention to the massive token",
-        "1 − " + _SINK,
-        ">=",
-        "relative_drop",
-        control="remove_all (the whole state)",
+        "Resetting only the massive dims of the massive token's ME-layer output (to the other "
+        "tokens' mean) makes the later sink heads drop their attention to it: the massive dims "
+        "alone carry the sink",
+        control="remove_all (the whole state, in the details)",
     ),
-    claims.Spec(
-        "sink_causality.patch_other",
+    _spec(
+        "patch_other",
         "§2.4 (directional invariance)",
         "Control: the sink does not depend on which input's massive token it sees — the massive "
         "token's ME-layer output swapped for another prompt's (still massive) keeps the sink",
-        "1 − " + _SINK + " (signed; judged by its size)",
-        "|x|<",
-        "relative_drop",
+        kind="control",
+        statistic="1 − " + _SINK + " (signed; judged by its size)",
+        op="|x|<",
         control="the removal conditions",
     ),
 )
@@ -209,6 +305,7 @@ class Result:
     n_layers: int
     measures: dict[str, Measure]  # "baseline" and every condition run
     same_prefix: bool  # every prompt has the same tokens up to p (the swap control is the identity)
+    ffn: causal.FfnShare  # the ME layer's FFN output at p against p's state there
     seed: int = 0
 
     def sink_heads(self) -> list[tuple[int, int]]:
@@ -244,6 +341,13 @@ class Result:
         a = self.measures[cond].attention.mean(1)  # [layer head]
         return (a >= claims.threshold("sink_attention")).float().mean(-1).tolist()
 
+    def removal_fraction(self, cond: str) -> float:
+        """The share of the massive token's excess ME-layer norm ratio the condition leaves."""
+        return causal.excess_fraction(
+            float(self.measures[cond].me_ratio.mean()),
+            float(self.measures["baseline"].me_ratio.mean()),
+        )
+
     def drop(self, cond: str) -> float:
         """Point estimate ``1 − mean(after) / mean(before)`` of the sink heads' attention."""
         return float(
@@ -260,6 +364,7 @@ class Result:
             "sink_attention_threshold": claims.threshold("sink_attention"),
             "sink_heads": [list(x) for x in self.sink_heads()],
             "same_prefix": self.same_prefix,
+            "ffn_share": self.ffn.to_dict(),
             "conditions": {
                 c: {
                     "sink_heads_attention": float(self.sink_per_prompt(c).mean()),
@@ -317,6 +422,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         n_layers=model.n_layers,
         measures=measures,
         same_prefix=bool((prefix == prefix[:1]).all()),
+        ffn=causal.ffn_share(model, batch, L, p, acts=acts),
         seed=cfg.seed,
     )
 
@@ -325,58 +431,6 @@ def _drop_stat(a: np.ndarray) -> float:
     """Columns ``[after, before]`` → ``1 − mean(after) / mean(before)``."""
     m = a.mean(0)
     return float(1 - m[0] / m[1]) if m[1] else float("nan")
-
-
-def verdicts(result: Result) -> list[claims.Claim]:
-    """One claim per condition (:data:`SPECS`)."""
-    s, r = result.site, result
-    why = causal.sink_not_applicable(s, r.sink_heads)
-    if why is not None:
-        return claims.not_applicable(SPECS, why)
-    heads = r.sink_heads()
-    base = r.measures["baseline"]
-    before = r.sink_per_prompt("baseline").double().numpy()
-    n = len(before)
-    out = []
-    for key, spec in SPEC.items():
-        if key not in r.measures:
-            out.append(spec.not_applicable(f"the condition {key} was not run (--conditions)"))
-            continue
-        m = r.measures[key]
-        after = r.sink_per_prompt(key).double().numpy()
-        frac = causal.excess_fraction(float(m.me_ratio.mean()), float(base.me_ratio.mean()))
-        details = (
-            f"{len(heads)} sink heads after ME layer {s.layer} (1-based {s.layer + 1}), position "
-            f"{s.position}: attention {before.mean():.3g} -> {after.mean():.3g}; entropy after "
-            f"the ME layer {float(r.entropy_after_me('baseline').mean()):.3g} -> "
-            f"{float(r.entropy_after_me(key).mean()):.3g} nats; ME-layer norm ratio "
-            f"{float(base.me_ratio.mean()):.4g} -> {float(m.me_ratio.mean()):.4g}; n = {n} prompts"
-        )
-        rows = np.stack([after, before], 1)
-        if key in CONTROLS:
-            if r.same_prefix:
-                out.append(
-                    spec.not_applicable(
-                        f"every prompt has the same tokens up to position {s.position}, so the "
-                        "swapped-in state is the prompt's own (use prompts with different first "
-                        "tokens)"
-                    )
-                )
-                continue
-            est = claims.bootstrap(rows, _drop_stat, seed=r.seed)
-        else:
-            if not frac <= claims.threshold("removed"):
-                out.append(
-                    spec.not_applicable(
-                        f"the condition did not remove the massive activation: ME-layer (R − 1) "
-                        f"after / before = {frac:.3g} > {claims.threshold('removed'):g} "
-                        "(threshold 'removed')"
-                    )
-                )
-                continue
-            est = claims.bootstrap(rows, _drop_stat, seed=r.seed)
-        out.append(spec.judge(est, details=details))
-    return out
 
 
 def figures(result: Result) -> dict[str, Any]:

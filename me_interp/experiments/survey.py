@@ -40,7 +40,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from me_interp import io
+from me_interp import claims, io
 from me_interp.experiments import me_layer
 from me_interp.experiments.common import (
     BAD_INPUT,
@@ -185,7 +185,7 @@ def _row(spec: str, model: LoadedModel, res: me_layer.Result, min_fraction: floa
         others_norm=res.site_norms["resid_post"]["others"],
         peak_layer=peak,
         peak_ratio=ratio[peak],
-        claims=me_layer.verdicts(res),
+        claims=claims.judge(me_layer.SPECS, res),
     )
     ev = loc.me_event
     if ev is not None:

@@ -15,10 +15,12 @@ unmodified attention to ``p`` reaches the ``sink_attention`` threshold of
 :data:`me_interp.claims.THRESHOLDS`. Prompts too short for ``dst`` (no query after it) are skipped and
 counted (``prompts.n_skipped_short``), never an error.
 
-Claims (:data:`SPECS`), bootstrapped over prompts: under ``move`` the sink *follows* the component
-(the sink heads' attention to ``dst`` reaches the ``restore`` fraction of their unmodified attention
-to ``p``); under ``add`` ``dst`` becomes a *second sink* (the sink heads' mean attention to it reaches
-``sink_attention``).
+Claims (:data:`SPECS`, both of kind claim), bootstrapped over prompts: under ``move`` the sink
+*follows* the component (the sink heads' attention to ``dst`` reaches the ``restore`` fraction of
+their unmodified attention to ``p``); under ``add`` ``dst`` becomes a *second sink* (the sink heads'
+mean attention to it reaches ``sink_attention``). Both are not applicable without a massive
+activation, without a sink head, or when the ME layer is the last layer (no later layer whose
+attention could follow: the run then skips the forwards instead of failing).
 
     python -m me_interp.experiments.transplant
     python -m me_interp.experiments.transplant --dst 5 --mode direction --component full
@@ -43,6 +45,49 @@ from me_interp.probes.norms import ratio_to_others
 NAME = "transplant"
 CONDITIONS = ("baseline", "add", "move")
 
+
+def _why(r: Result) -> str | None:
+    """Why the transplant claims do not apply (``None`` when they do)."""
+    s = r.site
+    if not s.massive:
+        return s.why_not()
+    if not r.later_layers:
+        return (
+            f"the ME layer {s.layer} is the last layer: there is no later layer whose attention "
+            "could follow the component"
+        )
+    return causal.sink_not_applicable(s, r.sink_heads)
+
+
+def _details(cond: str):
+    def details(r: Result) -> str:
+        s = r.site
+        b_old, b_new = r.sink_to("baseline")
+        old, new = r.sink_to(cond)
+        ro, rn = (float(x.mean()) for x in r.ratios[cond])
+        return (
+            f"{r.component} component of position {s.position} -> position {r.dst} ({r.mode}) at "
+            f"ME layer {s.layer} (1-based {s.layer + 1}); {len(r.sink_heads())} sink heads; n = "
+            f"{len(r.prompts.indices)} prompts ({r.prompts.n_short} skipped as too short); sink "
+            f"heads -> old / new position: baseline {b_old:.3g} / {b_new:.3g}, {cond} {old:.3g} / "
+            f"{new:.3g}; ME-layer norm ratio old / new under {cond} {ro:.3g} / {rn:.3g}"
+        )
+
+    return details
+
+
+def _follows(r: Result) -> claims.Sample:
+    rows = np.stack(
+        [
+            r.sink_per_prompt("move", 1).double().numpy(),
+            r.sink_per_prompt("baseline", 1).double().numpy(),
+            r.sink_per_prompt("baseline", 0).double().numpy(),
+        ],
+        1,
+    )
+    return claims.Sample(rows, _share_stat)
+
+
 SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
         "transplant.sink_follows",
@@ -54,6 +99,9 @@ SPECS: tuple[claims.Spec, ...] = (
         ">=",
         "restore",
         control="the unmodified run (the sink heads' attention to dst before the move)",
+        stat=_follows,
+        applies=_why,
+        details=_details("move"),
     ),
     claims.Spec(
         "transplant.second_sink",
@@ -63,6 +111,9 @@ SPECS: tuple[claims.Spec, ...] = (
         ">=",
         "sink_attention",
         control="the unmodified run (the sink heads' attention to dst before the edit)",
+        stat=lambda r: claims.Sample(r.sink_per_prompt("add", 1).double().numpy()),
+        applies=_why,
+        details=_details("add"),
     ),
 )
 SPEC = claims.index(SPECS)
@@ -144,6 +195,10 @@ def attention_src_dst(
         hooks.append((names.resid_post(ratio_layer), partial(_record, store=res, key="h")))
     stop = max([*layers, ratio_layer if ratio_layer is not None else 0]) + 1
     model.run_with_hooks(batch, [*fwd_hooks, *hooks], stop_at_layer=stop)
+    # no layer: nothing to read attention from (the ME layer is the last layer)
+    att = (
+        torch.stack([store[lay] for lay in layers]) if layers else torch.zeros(0, 2, len(batch), 0)
+    )
     ratios = None
     if ratio_layer is not None:
         norms = res["h"].float().norm(dim=-1).cpu()
@@ -151,7 +206,7 @@ def attention_src_dst(
         ratios = torch.stack(
             [ratio_to_others(norms, mask, torch.full((len(batch),), t)) for t in (src, dst)]
         )
-    return torch.stack([store[lay] for lay in layers]), ratios
+    return att, ratios
 
 
 @dataclass
@@ -247,7 +302,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 
     Raises:
         claims.NotApplicable: no massive activation on this model and no ``layer`` given.
-        ValueError: ``dst`` is the massive position, or no prompt is long enough for it.
+        ValueError: ``dst`` is the massive position, or ``max_tokens`` leaves no query after it.
     """
     model = model_for(cfg, model)
     pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
@@ -259,9 +314,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         raise ValueError(
             f"dst {dst} leaves no query after it within max_tokens = {cfg.max_tokens} tokens"
         )
-    later = list(range(L + 1, model.n_layers))
-    if not later:
-        raise ValueError(f"the ME layer {L} is the last layer: no later layer to measure")
+    later = list(range(L + 1, model.n_layers))  # empty at the last layer: the claims say so
     pb = pb.at_least(max(p, dst) + 2)  # too short for dst: skipped and counted
     batch = pb.batch
     dims = site.dims if cfg.component == "massive_dims" else None
@@ -298,48 +351,9 @@ def _share_stat(a: np.ndarray) -> float:
     return float((m[0] - m[1]) / m[2]) if m[2] else float("nan")
 
 
-def verdicts(result: Result) -> list[claims.Claim]:
-    """The two claims of :data:`SPECS`."""
-    s, r = result.site, result
-    why = causal.sink_not_applicable(s, r.sink_heads)
-    if why is not None:
-        return claims.not_applicable(SPECS, why)
-    heads = r.sink_heads()
-    b_old, b_new = r.sink_to("baseline")
-    n = len(r.prompts.indices)
-    ctx = (
-        f"{r.component} component of position {s.position} -> position {r.dst} ({r.mode}) at ME "
-        f"layer {s.layer} (1-based {s.layer + 1}); {len(heads)} sink heads; n = {n} prompts "
-        f"({r.prompts.n_short} skipped as too short)"
-    )
-
-    def cond_text(c: str) -> str:
-        old, new = r.sink_to(c)
-        ro, rn = (float(x.mean()) for x in r.ratios[c])
-        return (
-            f"sink heads -> old / new position: baseline {b_old:.3g} / {b_new:.3g}, {c} "
-            f"{old:.3g} / {new:.3g}; ME-layer norm ratio old / new under {c} {ro:.3g} / {rn:.3g}"
-        )
-
-    rows = np.stack(
-        [
-            r.sink_per_prompt("move", 1).double().numpy(),
-            r.sink_per_prompt("baseline", 1).double().numpy(),
-            r.sink_per_prompt("baseline", 0).double().numpy(),
-        ],
-        1,
-    )
-    follows = SPEC["sink_follows"].judge(
-        claims.bootstrap(rows, _share_stat, seed=r.seed), details=f"{ctx}; {cond_text('move')}"
-    )
-    second = SPEC["second_sink"].judge(
-        claims.bootstrap(r.sink_per_prompt("add", 1).double().numpy(), seed=r.seed),
-        details=f"{ctx}; {cond_text('add')}",
-    )
-    return [follows, second]
-
-
 def figures(result: Result) -> dict[str, Any]:
+    if not result.later_layers:
+        return {}  # no later layer: nothing to plot
     series = {}
     for c in result.attention:
         series[f"{c}: to old position {result.site.position}"] = result.per_layer(c, 0)

@@ -35,15 +35,25 @@ Predictions on the judged region (columns ``Y ≤ m``, the observed cell ``(m, m
 predicts large cells only in row ``X = m``, for every earlier input ``Y < m``; "the input matters"
 predicts large cells in a band of inputs ``Y`` near ``m`` — across rows, or in row ``m`` only there.
 
-Claims (:data:`SPECS`), each a mean over prompts with a bootstrap interval over prompts:
+A cell counts as large for the claims when it is large on more than half of the prompts (a
+majority, :meth:`Result.majority_large`): the claims are about layers (rows X, inputs Y), and the
+prompts only decide each cell. Claims (:data:`SPECS`, declarative, judged by
+:func:`me_interp.claims.judge`):
 
-* ``weight_input_cross.row_share`` — of the large cells in the judged region, the share in row ``m``
-  (0 when none is large); holds when the interval is ``≥`` ``cross_share``;
-* ``weight_input_cross.row_breadth`` — the fraction of earlier inputs ``Y < m`` whose cell ``(m, Y)``
-  is large; holds when ``≥`` ``moved_fraction`` (the forward-free analogue of ``weight_swap``'s moved
-  fraction: layer ``m``'s FFN path fed another depth's input);
+* ``weight_input_cross.row_share`` (claim) — of the large cells in the judged region, how many lie
+  in row ``m``: k of n large cells with an exact (Clopper–Pearson) interval, each cell listed; holds
+  when the interval is ``≥`` ``cross_share``; not applicable when no cell of the region is large
+  (then ``row_breadth`` fails: nothing is made from an earlier input);
+* ``weight_input_cross.row_breadth`` (claim) — of the earlier inputs ``Y < m``, how many make a large
+  cell ``(m, Y)``: k of n input layers (Clopper–Pearson), each listed by its depth relative to ``m``
+  (``"layer 3 (m-8)"``); holds when ``≥`` ``cross_breadth`` (the forward-free analogue of
+  ``weight_swap``'s moved fraction: layer ``m``'s FFN path fed another depth's input);
 * ``weight_input_cross.diagonal`` (sanity: true by the detection rule) — ``C_b[m, m]``, the ME
-  layer's actual massive-token FFN contribution (``ffn_out``) over the others'; holds when ``≥ k``.
+  layer's actual massive-token FFN contribution (``ffn_out``) over the others', a mean over prompts
+  with a bootstrap interval over prompts (each prompt's own denominator); holds when ``≥ k``.
+
+With few layers the k-of-n intervals are wide (2 of 2 give [0.16, 1]); at least 6 units are needed
+to decide against a threshold of 0.5 either way.
 
 A model without a massive activation is "not applicable" unless ``--layer`` is given; an ME layer 0
 has no earlier input, so its row claims are "not applicable".
@@ -67,7 +77,12 @@ from jaxtyping import Bool, Float, Int
 from me_interp import claims, names
 from me_interp.architecture import FFN_RESIDUAL_SITE
 from me_interp.edits.core import moved_modules, part_members, part_module
-from me_interp.experiments._weights import SCAN_SITES, no_massive_activation, short_batch
+from me_interp.experiments._weights import (
+    SCAN_SITES,
+    depth_label,
+    no_massive_activation,
+    short_batch,
+)
 from me_interp.experiments.common import (
     INDEX_CONVENTION,
     CommonConfig,
@@ -85,43 +100,6 @@ LARGE_KEY = "cross_large"
 """The threshold key of the large-cell factor ``k``."""
 FFN_SITE = FFN_RESIDUAL_SITE
 """The site ``F_X(resid_mid_X)`` reproduces and the denominator reads: the FFN's residual contribution."""
-
-SPECS: tuple[claims.Spec, ...] = (
-    claims.Spec(
-        f"{NAME}.row_share",
-        "§2.3, §3",
-        "Only the ME layer's pre-FFN RMSNorm + FFN turn the massive token's pre-emergence state into "
-        "a massive FFN output: the large cells of the weights × input cross lie in the ME layer's row",
-        "per prompt, the share of the large cells (C ≥ max(k, r·C[m, m])) among inputs Y ≤ m, "
-        "cell (m, m) left out, that lie in row X = m (0 when none is large); mean over prompts",
-        ">=",
-        "cross_share",
-        "the same inputs through every other layer's pre-FFN norm + FFN (the other rows)",
-    ),
-    claims.Spec(
-        f"{NAME}.row_breadth",
-        "§2.3 vs §2.6",
-        "The ME layer's pre-FFN RMSNorm + FFN make the massive output from the massive token's state "
-        "at any earlier depth, not only from the input it gets at its own depth",
-        "per prompt, the fraction of inputs Y < m whose cell (m, Y) is large (C ≥ max(k, "
-        "r·C[m, m])); mean over prompts",
-        ">=",
-        "cross_breadth",
-        "the observed input Y = m (left out); weight_swap.ffn_path, which moves the same weights",
-    ),
-    claims.Spec(
-        f"{NAME}.diagonal",
-        "§2.1",
-        "The ME layer's FFN output on the massive token is large on its own input",
-        "per prompt, C[m, m]: the ME layer's actual FFN residual contribution (ffn_out, after any "
-        "post-FFN norm) on the massive token over the median of the other tokens'; mean over prompts",
-        ">=",
-        LARGE_KEY,
-        "true by the detection rule (the ME layer is where the FFN makes the norm jump)",
-        kind="sanity",
-    ),
-)
-SPEC = claims.index(SPECS)
 
 
 @dataclass(frozen=True)
@@ -180,7 +158,7 @@ class Result:
     large_factor: float
     large_fraction: float
     seed: int = 0
-    per_prompt: dict[str, list[float]] = field(default_factory=dict)
+    per_prompt: dict[str, Any] = field(default_factory=dict)
     path_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -196,6 +174,49 @@ class Result:
     def matrix(self) -> np.ndarray:
         """``[X, Y]`` the median over prompts of ``C_b``."""
         return np.median(np.asarray(self.cross), axis=0)
+
+    def majority_large(self) -> np.ndarray:
+        """``[X, Y]`` whether the cell is large (``C_b ≥ max(k, r · C_b[m, m])``) on more than
+        half of the prompts: how the claims decide a cell."""
+        large = np.asarray(self.per_prompt["large_count"])  # [X Y] prompts with a large cell
+        return 2 * large > self.n_prompts
+
+    def breadth_outcomes(self) -> claims.Outcomes:
+        """Per earlier input layer ``Y < m``: is the cell ``(m, Y)`` large (majority)."""
+        if self.layer == 0:
+            raise claims.NotApplicable(_LAYER_ZERO)
+        m = self.layer
+        big = self.majority_large()
+        return claims.Outcomes(
+            [bool(big[m, y]) for y in range(m)],
+            [depth_label(y, m) for y in range(m)],
+            unit="earlier input layers",
+        )
+
+    def share_outcomes(self) -> claims.Outcomes:
+        """Per large cell (majority) among inputs ``Y ≤ m``, cell ``(m, m)`` left out: is it in row
+        ``m``."""
+        if self.layer == 0:
+            raise claims.NotApplicable(_LAYER_ZERO)
+        m = self.layer
+        big = self.majority_large() & judged_region(self.n_layers, m)
+        cells = [(int(x), int(y)) for x, y in zip(*np.nonzero(big))]
+        if not cells:
+            raise claims.NotApplicable(
+                "no cell of the judged region (inputs Y ≤ m, the cell (m, m) left out) is large on "
+                "a majority of the prompts: no layer's weights make a massive output from a "
+                "pre-emergence input, so there is no share to take (row_breadth counts none then)"
+            )
+        return claims.Outcomes(
+            [x == m for x, _ in cells],
+            [f"cell ({x}, {y}) = ({_rel(x, m)}, {_rel(y, m)})" for x, y in cells],
+            unit="large cells",
+        )
+
+    def majority_cells(self, max_input: int | None = None) -> list[tuple[int, int]]:
+        """Cells ``(X, Y)`` large on a majority of the prompts (inputs ``Y ≤ max_input``)."""
+        xs, ys = np.nonzero(self.majority_large())
+        return [(int(x), int(y)) for x, y in zip(xs, ys) if max_input is None or y <= max_input]
 
     def large_cells(self) -> list[tuple[int, int]]:
         """Cells ``(X, Y)`` of :meth:`matrix` that are large (by its own ``C[m, m]``)."""
@@ -215,6 +236,7 @@ class Result:
             "matrix_median": med.tolist(),
             "row_me_median": med[self.layer].tolist(),
             "large_cells_of_median": self.large_cells(),
+            "large_cells_majority": self.majority_cells(),
             "per_prompt": {
                 **self.per_prompt,
                 "position": self.positions,
@@ -242,20 +264,38 @@ class Result:
         }
 
 
+def _rel(layer: int, m: int) -> str:
+    return "m" if layer == m else f"m{layer - m:+d}"
+
+
+_LAYER_ZERO = (
+    "the tested layer is layer 0: there is no input from before the massive activation emerges to "
+    "cross with"
+)
+
+
+def judged_region(n_layers: int, layer: int) -> np.ndarray:
+    """``[X, Y]`` the cells the claims judge: inputs ``Y ≤ layer``, the cell ``(layer, layer)``
+    left out."""
+    region = np.zeros((n_layers, n_layers), dtype=bool)
+    region[:, : layer + 1] = True
+    region[layer, layer] = False
+    return region
+
+
 def prompt_statistics(
     cross: Float[np.ndarray, "prompt X Y"], layer: int, k: float, r: float
-) -> dict[str, list[float]]:
+) -> dict[str, Any]:
     """Per prompt: ``share`` (row ``layer``'s share of the large cells among inputs ``Y ≤ layer``,
     cell ``(layer, layer)`` left out; 0 when none is large), ``breadth`` (fraction of ``Y < layer``
     with a large cell ``(layer, Y)``; NaN for layer 0), ``diagonal`` (``C[layer, layer]``) and
-    ``threshold`` (``max(k, r · C[layer, layer])``, the large-cell bound)."""
+    ``threshold`` (``max(k, r · C[layer, layer])``, the large-cell bound); and ``large_count``
+    (``[X][Y]``, on how many prompts each cell is large: the claims' majority)."""
     n, L, _ = cross.shape
     diag = cross[:, layer, layer]  # [prompt]
     thr = np.maximum(k, r * diag)  # [prompt]
     large = cross >= thr[:, None, None]  # [prompt X Y]
-    region = np.zeros((L, L), dtype=bool)
-    region[:, : layer + 1] = True
-    region[layer, layer] = False
+    region = judged_region(L, layer)
     in_region = (large & region).sum((1, 2))
     in_row = (large & region)[:, layer].sum(-1)
     share = np.where(in_region > 0, in_row / np.maximum(in_region, 1), 0.0)
@@ -266,6 +306,7 @@ def prompt_statistics(
         "diagonal": diag.tolist(),
         "threshold": thr.tolist(),
         "n_large_in_region": in_region.tolist(),
+        "large_count": large.sum(0).tolist(),
     }
 
 
@@ -378,30 +419,60 @@ def _details(result: Result) -> str:
         f"m = {m} (1-based {m + 1}, {'--layer' if result.layer_given else 'detected'}; detected ME "
         f"layer {result.me_layer}); median-over-prompts row m for Y ≤ m: "
         + ", ".join(f"{v:.3g}" for v in med[m, : m + 1])
-        + f"; large = C ≥ max(k = {result.large_factor:g} ('{LARGE_KEY}'), r = "
-        f"{result.large_fraction:g} ('cross_keep') × C[m, m]); large cells of the median matrix "
-        f"(Y ≤ m): {[c for c in result.large_cells() if c[1] <= m]}"
+        + f"; large = C_b ≥ max(k = {result.large_factor:g} ('{LARGE_KEY}'), r = "
+        f"{result.large_fraction:g} ('cross_keep') × C_b[m, m]); cells large on a majority of the "
+        f"{result.n_prompts} prompts (Y ≤ m): {result.majority_cells(m)}; of the median matrix: "
+        f"{[c for c in result.large_cells() if c[1] <= m]}"
     )
 
 
-def verdicts(result: Result) -> list[claims.Claim]:
-    """The row-share, row-breadth and (sanity) diagonal claims, bootstrapped over prompts."""
-    pp, details, out = result.per_prompt, _details(result), []
-    for key in ("share", "breadth"):
-        spec = SPEC["row_share" if key == "share" else "row_breadth"]
-        if result.layer == 0:
-            out.append(
-                spec.not_applicable(
-                    "the tested layer is layer 0: there is no input from before the massive "
-                    "activation emerges to cross with"
-                )
-            )
-            continue
-        est = claims.bootstrap(pp[key], unit="prompts", seed=result.seed)
-        out.append(spec.judge(est, details=details))
-    est = claims.bootstrap(pp["diagonal"], unit="prompts", seed=result.seed)
-    out.append(SPEC["diagonal"].judge(est, details=details))
-    return out
+_MAJORITY = "a cell is large when C_b ≥ max(k, r·C_b[m, m]) on more than half of the prompts"
+
+SPECS: tuple[claims.Spec, ...] = (
+    claims.Spec(
+        f"{NAME}.row_share",
+        "§2.3, §3",
+        "Only the ME layer's pre-FFN RMSNorm + FFN turn the massive token's pre-emergence state into "
+        "a massive FFN output: the large cells of the weights × input cross lie in the ME layer's row",
+        f"of the large cells among inputs Y ≤ m (cell (m, m) left out), the fraction in row X = m "
+        f"({_MAJORITY}; k of n large cells, Clopper–Pearson)",
+        ">=",
+        "cross_share",
+        "the same inputs through every other layer's pre-FFN norm + FFN (the other rows)",
+        stat=lambda r: r.share_outcomes(),
+        unit="large cells",
+        details=lambda r: _details(r),
+    ),
+    claims.Spec(
+        f"{NAME}.row_breadth",
+        "§2.3 vs §2.6",
+        "The ME layer's pre-FFN RMSNorm + FFN make the massive output from the massive token's state "
+        "at any earlier depth, not only from the input it gets at its own depth",
+        f"of the earlier input layers Y < m, the fraction whose cell (m, Y) is large ({_MAJORITY}; "
+        "k of n input layers, Clopper–Pearson: the layers are the depths there are, not a sample)",
+        ">=",
+        "cross_breadth",
+        "the observed input Y = m (left out); weight_swap.ffn_path, which moves the same weights",
+        stat=lambda r: r.breadth_outcomes(),
+        unit="earlier input layers",
+        details=lambda r: _details(r),
+    ),
+    claims.Spec(
+        f"{NAME}.diagonal",
+        "§2.1",
+        "The ME layer's FFN output on the massive token is large on its own input",
+        "per prompt, C[m, m]: the ME layer's actual FFN residual contribution (ffn_out, after any "
+        "post-FFN norm) on the massive token over the median of the other tokens'; mean over prompts",
+        ">=",
+        LARGE_KEY,
+        "true by the detection rule (the ME layer is where the FFN makes the norm jump)",
+        kind="sanity",
+        stat=lambda r: claims.Sample(r.per_prompt["diagonal"]),
+        unit="prompts",
+        details=lambda r: _details(r),
+    ),
+)
+SPEC = claims.index(SPECS)
 
 
 # ------------------------------------------------------------------------------------------

@@ -16,10 +16,17 @@ the massive activation itself), so the claims are judged on the *eligible* targe
 target when the patched model has no massive activation); later targets are measured and reported,
 not judged.
 
-Claims (:data:`SPECS`): ``weight_patching.<part>`` for every part — "copying the ME layer's <part>
-into an earlier layer makes the emergence appear there": the fraction of eligible targets that became
-the ME layer, with a bootstrap interval over target layers; holds when the whole interval is ``≥``
-``moved_fraction``. The headline is ``weight_patching.ffn_path``; ``block`` is its own claim.
+Claims (:data:`SPECS`, declarative, judged by :func:`me_interp.claims.judge`, all of kind *claim*):
+``weight_patching.<part>`` for every part — "copying the ME layer's <part> into an earlier layer makes
+the emergence appear there": of the eligible targets, how many became the ME layer (k of n target
+layers, exact Clopper–Pearson interval, every target's outcome listed by its depth relative to the
+source layer ``m``, e.g. ``"layer 0 (m-2)"``); holds when the whole interval is ``≥``
+``moved_fraction``. One target's outcome is decided from its prompts by a majority: the ME layer is
+located on each prompt alone and the target counts as copied when it is the target on more than half
+of the prompts (target layers are the depths tried, not a sample; prompt variance enters only
+through the majority). The headline is ``weight_patching.ffn_path``; ``block`` is its own claim. With
+few eligible targets the interval is wide (2 of 2 give [0.16, 1]): at least 6 are needed to decide
+against ``moved_fraction`` = 0.5.
 
 The source is ``--layer`` (default: the ME layer of the source model; ``--source-model`` loads a
 second model of the same shape like ``--model``). Targets default to every layer before the patched
@@ -53,7 +60,9 @@ from me_interp.experiments._weights import (
     Measurement,
     Setup,
     WeightConfig,
+    depth_label,
     locate,
+    majority,
     measure,
     no_massive_activation,
     prepare,
@@ -66,30 +75,6 @@ from me_interp.models import LoadedModel, load_model
 
 NAME = "weight_patching"
 OUTCOMES = ("copied", "kept", "vanished", "elsewhere")
-
-
-def _spec(part: str) -> claims.Spec:
-    control = {
-        "ffn_path": "copies of ffn_norm alone, ffn alone, attn_path and the whole block (their own "
-        "claims); targets spread over the layers before the emergence",
-        "block": "ffn_path, which copies no attention",
-    }.get(part, "ffn_path and block; the other single parts")
-    return claims.Spec(
-        f"{NAME}.{part}",
-        PART_SECTION[part],
-        "Copied into an earlier layer (or into a model without the emergence), the ME layer's "
-        f"{PART_WHAT[part]} makes that layer the ME layer: it suffices to create the emergence",
-        f"fraction of eligible target layers t (before the patched model's own ME layer) for which "
-        f"the ME layer located after copying the source layer's {part} into t is t",
-        ">=",
-        "moved_fraction",
-        control,
-    )
-
-
-PART_SPECS: dict[str, claims.Spec] = {p: _spec(p) for p in PART_ORDER}
-SPECS: tuple[claims.Spec, ...] = tuple(PART_SPECS.values())
-claims.check_specs(SPECS)
 
 
 @dataclass(frozen=True)
@@ -134,7 +119,7 @@ class Result:
             layer (every target when it has none), on which the claims are judged.
         baseline: the unpatched (target) model's :class:`Measurement`.
         rows: one per (part, target): outcome, new ME layer, ratios (also per prompt), sink.
-        seed: seeds the bootstrap of the claims.
+        seed: the run's seed (the claims are exact k-of-n counts: no resampling).
         part_modules: per part, the HF modules (names within a decoder layer) it copied.
     """
 
@@ -169,14 +154,27 @@ class Result:
         return [r["target"] for r in self.part_rows(part) if r["outcome"] == outcome]
 
     def per_target(self, part: str) -> dict[str, list[Any]]:
-        """Per target layer: the new ME layer, eligibility and 0/1 copied (the claim's units)."""
+        """Per target layer (the claim's units): its depth label, the new ME layer (all prompts at
+        once), eligibility, how many prompts' own ME layer is the target, and the majority outcome
+        ``copied`` the claim counts (:func:`~me_interp.experiments._weights.majority`)."""
         rows = self.part_rows(part)
+        hits = [[pl == r["target"] for pl in r["prompt_me_layer"]] for r in rows]
         return {
             "target": [r["target"] for r in rows],
+            "label": [depth_label(r["target"], self.source_layer) for r in rows],
             "me_layer": [r["me_layer"] for r in rows],
             "eligible": [r["target"] in self.eligible for r in rows],
-            "copied": [float(r["outcome"] == "copied") for r in rows],
+            "copied_prompts": [sum(h) for h in hits],
+            "copied": [majority(h) for h in hits],
         }
+
+    def target_outcomes(self, part: str) -> claims.Outcomes:
+        """The k-of-n measurement of a claim: per eligible target, the majority outcome."""
+        pp = self.per_target(part)
+        keep = [i for i, e in enumerate(pp["eligible"]) if e]
+        return claims.Outcomes(
+            [pp["copied"][i] for i in keep], [pp["label"][i] for i in keep], unit="target layers"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         b = self.baseline
@@ -328,6 +326,7 @@ def run(
                 "ratio_at_me_before": None if me0 is None else after.ratio_at(me0),
                 "ratio_last": after.top_ratio[-1],
                 "ratio_at_target_per_prompt": after.prompt_ratio_at(t),
+                "prompt_me_layer": after.prompt_me_layer,
                 "sink_downstream": after.sink_after(me0 if me0 is not None else t),
                 "top_ratio": after.top_ratio,
             }
@@ -360,41 +359,66 @@ def _details(result: Result, part: str) -> str:
     got = "; ".join(
         f"{o} {result.targets_with(part, o)}" for o in OUTCOMES if result.targets_with(part, o)
     )
+    pp = result.per_target(part)
+    per = ", ".join(
+        f"{lab} {k}/{result.n_prompts}"
+        for lab, k, e in zip(pp["label"], pp["copied_prompts"], pp["eligible"])
+        if e
+    )
     later = [t for t in result.targets if t not in result.eligible]
     return (
-        f"source layer {result.source_layer}{src} (1-based {result.source_layer + 1}, "
+        f"source layer m = {result.source_layer}{src} (1-based {result.source_layer + 1}, "
         f"{'--layer' if result.layer_given else 'detected'}); unpatched ME layer "
-        f"{result.baseline.me_layer}; targets: {got}"
+        f"{result.baseline.me_layer}; prompts whose own ME layer is the target: {per}; all "
+        f"prompts at once: {got}"
         + (f"; targets {later} (at or after the ME layer) reported, not judged" if later else "")
         + f"; {result.n_prompts} prompts of ≤ {max(result.prompt_lengths)} tokens"
     )
 
 
-def verdicts(result: Result) -> list[claims.Claim]:
-    """One claim per part (:data:`PART_SPECS`), judged on the eligible targets with a bootstrap
-    interval over target layers; parts not copied, or no eligible target, are "not applicable"."""
-    out = []
-    for part, spec in PART_SPECS.items():
+def _applies(part: str):
+    def applies(result: Result) -> str | None:
         if part not in result.parts:
-            out.append(spec.not_applicable(f"{part} was not copied in this run (--parts)"))
-            continue
+            return f"{part} was not copied in this run (--parts)"
         if not result.eligible:
-            out.append(
-                spec.not_applicable(
-                    f"no target before the layer where the patched model's massive activation "
-                    f"emerges ({result.baseline.me_layer}): a copy cannot show up as a new "
-                    "emergence there"
-                )
+            return (
+                "no target before the layer where the patched model's massive activation emerges "
+                f"({result.baseline.me_layer}): a copy cannot show up as a new emergence there"
             )
-            continue
-        copied = [
-            c
-            for c, e in zip(result.per_target(part)["copied"], result.per_target(part)["eligible"])
-            if e
-        ]
-        est = claims.bootstrap(copied, unit="target layers", seed=result.seed)
-        out.append(spec.judge(est, details=_details(result, part)))
-    return out
+        return None
+
+    return applies
+
+
+def _spec(part: str) -> claims.Spec:
+    control = {
+        "ffn_path": "copies of ffn_norm alone, ffn alone, attn_path and the whole block (their own "
+        "claims); targets spread over the layers before the emergence",
+        "block": "ffn_path, which copies no attention",
+    }.get(part, "ffn_path and block; the other single parts")
+    return claims.Spec(
+        f"{NAME}.{part}",
+        PART_SECTION[part],
+        "Copied into an earlier layer (or into a model without the emergence), the ME layer's "
+        f"{PART_WHAT[part]} makes that layer the ME layer: it suffices to create the emergence",
+        f"fraction of eligible target layers t (before the patched model's own ME layer) for which "
+        f"the ME layer located after copying the source layer's {part} into t is t; a target "
+        "counts when the ME layer located on each prompt alone is t on more than half of the "
+        "prompts (k of n target layers, Clopper–Pearson: the targets are the depths tried, not a "
+        "sample, and prompt variance enters only through the majority)",
+        ">=",
+        "moved_fraction",
+        control,
+        stat=lambda r: r.target_outcomes(part),
+        unit="target layers",
+        applies=_applies(part),
+        details=lambda r: _details(r, part),
+    )
+
+
+PART_SPECS: dict[str, claims.Spec] = {p: _spec(p) for p in PART_ORDER}
+SPECS: tuple[claims.Spec, ...] = tuple(PART_SPECS.values())
+claims.check_specs(SPECS)
 
 
 def figures(result: Result) -> dict[str, go.Figure]:

@@ -17,16 +17,23 @@ the massive ratio ``R_l = median_prompts max_t ‖h_{l,t}‖ / mean_{t≠argmax}
 layer, the ME layer and the last layer (and per prompt), and the attention sink (attention mass on the
 baseline's massive position, largest head, mean over prompts) downstream of ``m``.
 
-Claims (:data:`SPECS`, judged by :func:`verdicts`):
+Claims (:data:`SPECS`, declarative, judged by :func:`me_interp.claims.judge`), all of kind *claim*
+and each a k-of-n count over partner layers with an exact (Clopper–Pearson) interval, every partner's
+outcome listed by its depth relative to ``m`` (``"layer 3 (m-8)"``). Partner layers are the depths
+tried, not a random sample, and one partner's outcome is decided from its prompts by a majority: the ME
+layer is located on each prompt alone (:attr:`Measurement.prompt_me_layer`) and the partner counts
+when more than half of the prompts agree (the batch-level outcome above is reported beside it).
 
 * ``weight_swap.<part>`` for every part — "the emergence moves with the ME layer's <part>": the
-  fraction of partner layers whose swap moved the ME layer to the partner, with a bootstrap interval
-  over partner layers; holds when the whole interval is ``≥`` the ``moved_fraction`` threshold. The
-  headline is ``weight_swap.ffn_path`` (the paper's mechanism); ``weight_swap.block`` is its own claim
-  (it moves attention too); the single parts are the controls that split the pair.
-* ``weight_swap.ffn_path_needed`` — the emergence needs the ME layer's own FFN path: the fraction of
-  partners for which, with the partner's ``ffn_path`` in its place, layer ``m`` no longer is the ME
-  layer (moved or vanished). Not applicable when ``m`` is not the unedited model's ME layer.
+  partners whose swap moved the ME layer to the partner; holds when the whole interval is ``≥`` the
+  ``moved_fraction`` threshold. The headline is ``weight_swap.ffn_path`` (the paper's mechanism);
+  ``weight_swap.block`` is its own claim (it moves attention too); the single parts split the pair.
+* ``weight_swap.ffn_path_needed`` — the emergence needs the ME layer's own FFN path: the partners for
+  which, with the partner's ``ffn_path`` in its place, layer ``m`` no longer is the ME layer (moved or
+  vanished). Not applicable when ``m`` is not the unedited model's ME layer.
+
+With few layers the interval is wide: 4 of 4 partners give [0.40, 1] and 0 of 4 give [0, 0.60], so
+at least 6 partners are needed to decide against ``moved_fraction`` = 0.5 either way.
 
 A model without a massive activation is "not applicable" (:class:`me_interp.claims.NotApplicable`)
 unless ``--layer`` is given. Defaults run on the bundled model: the detected ME layer against
@@ -61,6 +68,8 @@ from me_interp.experiments._weights import (
     Measurement,
     Setup,
     WeightConfig,
+    depth_label,
+    majority,
     measure,
     prepare,
     run_header,
@@ -73,44 +82,6 @@ from me_interp.models import LoadedModel
 
 NAME = "weight_swap"
 OUTCOMES = ("moved", "stayed", "vanished", "elsewhere")
-
-_CONTROL = {
-    "ffn_path": "the same swaps of ffn_norm alone, ffn alone, attn_path and the whole block (their "
-    "own claims); partners spread over every depth",
-    "block": "ffn_path, which leaves attention in place",
-    "attn_path": "ffn_path: the paper predicts the emergence moves with the FFN path, not with "
-    "attention (which runs before the FFN)",
-}
-
-
-def _part_spec(part: str) -> claims.Spec:
-    return claims.Spec(
-        f"{NAME}.{part}",
-        PART_SECTION[part],
-        f"The emergence moves with the ME layer's {PART_WHAT[part]}: exchanging that part with "
-        "another layer's makes that layer the ME layer",
-        f"fraction of partner layers p for which the ME layer located after swapping {part} "
-        "of layers m ↔ p is p",
-        ">=",
-        "moved_fraction",
-        _CONTROL.get(part, "ffn_path and block; the other single parts"),
-    )
-
-
-PART_SPECS: dict[str, claims.Spec] = {p: _part_spec(p) for p in PART_ORDER}
-NEEDED_SPEC = claims.Spec(
-    f"{NAME}.ffn_path_needed",
-    "§2.1, §2.3",
-    "The emergence needs the ME layer's own FFN path: with another layer's pre-FFN RMSNorm + FFN "
-    "(+ post-FFN norm on sandwich models) in its place, the ME layer is no longer where the massive activation emerges",
-    "fraction of partner layers p for which, after swapping ffn_path of layers m ↔ p, the ME "
-    "layer is not m (it moved or vanished)",
-    ">=",
-    "moved_fraction",
-    "the unedited model, whose ME layer is m; attn_path swaps (their own claim)",
-)
-SPECS: tuple[claims.Spec, ...] = (*PART_SPECS.values(), NEEDED_SPEC)
-claims.check_specs(SPECS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -156,7 +127,7 @@ class Result:
         partners: the partner layers, in order; ``parts``: the swapped parts, in order.
         baseline: the unedited model's :class:`Measurement`.
         rows: one per (part, partner): outcome, new ME layer, ratios (also per prompt), sink.
-        seed: seeds the bootstrap of the claims.
+        seed: the run's seed (the claims are exact k-of-n counts: no resampling).
         part_modules: per part, the HF modules (names within a decoder layer) it moved.
     """
 
@@ -191,14 +162,27 @@ class Result:
         return [r["partner"] for r in self.part_rows(part) if r["outcome"] == outcome]
 
     def per_partner(self, part: str) -> dict[str, list[Any]]:
-        """The claim's units: per partner layer, the new ME layer and 0/1 moved / left ``m``."""
+        """The claims' units: per partner layer, its depth label, the new ME layer (all prompts at
+        once), how many prompts' own ME layer moved to the partner / left ``m``, and the majority
+        outcomes ``moved`` / ``left_layer`` the claims count (:func:`majority`)."""
         rows = self.part_rows(part)
+        moved = [[pl == r["partner"] for pl in r["prompt_me_layer"]] for r in rows]
+        left = [[pl != self.layer for pl in r["prompt_me_layer"]] for r in rows]
         return {
             "partner": [r["partner"] for r in rows],
+            "label": [depth_label(r["partner"], self.layer) for r in rows],
             "me_layer": [r["me_layer"] for r in rows],
-            "moved": [float(r["outcome"] == "moved") for r in rows],
-            "left_layer": [float(r["me_layer"] != self.layer) for r in rows],
+            "moved_prompts": [sum(f) for f in moved],
+            "left_prompts": [sum(f) for f in left],
+            "moved": [majority(f) for f in moved],
+            "left_layer": [majority(f) for f in left],
         }
+
+    def partner_outcomes(self, part: str, what: str = "moved") -> claims.Outcomes:
+        """The k-of-n measurement of a claim: per partner layer, the majority outcome ``what``
+        (``"moved"`` or ``"left_layer"``), labelled by depth relative to ``m``."""
+        pp = self.per_partner(part)
+        return claims.Outcomes(pp[what], pp["label"], unit="partner layers")
 
     @property
     def baseline_has_emergence(self) -> bool:
@@ -294,6 +278,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
                 "ratio_last": after.top_ratio[-1],
                 "ratio_at_partner_per_prompt": after.prompt_ratio_at(p),
                 "ratio_at_layer_per_prompt": after.prompt_ratio_at(m),
+                "prompt_me_layer": after.prompt_me_layer,
                 "sink_downstream": after.sink_after(m),
                 "top_ratio": after.top_ratio,
                 "sink": after.sink,
@@ -320,46 +305,95 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 # ------------------------------------------------------------------------------------------
 
 
-def _details(result: Result, part: str) -> str:
+def _details(result: Result, part: str, what: str = "moved") -> str:
     m = result.layer
     where = "--layer" if result.layer_given else "detected"
     out = "; ".join(
         f"{o} {result.partners_with(part, o)}" for o in OUTCOMES if result.partners_with(part, o)
     )
+    pp = result.per_partner(part)
+    key = "moved_prompts" if what == "moved" else "left_prompts"
+    per = ", ".join(f"{lab} {k}/{result.n_prompts}" for lab, k in zip(pp["label"], pp[key]))
     return (
         f"layer m = {m} (1-based {m + 1}, {where}; unedited ME layer {result.baseline.me_layer}, "
-        f"ratio {result.baseline.ratio_at(m):.4g}); partners: {out}; "
-        f"{result.n_prompts} prompts of ≤ {max(result.prompt_lengths)} tokens"
+        f"ratio {result.baseline.ratio_at(m):.4g}); prompts whose own ME layer "
+        f"{'moved to the partner' if what == 'moved' else 'is not m'}: {per}; "
+        f"all prompts at once: {out}; {result.n_prompts} prompts of ≤ "
+        f"{max(result.prompt_lengths)} tokens"
     )
 
 
-def verdicts(result: Result) -> list[claims.Claim]:
-    """One claim per part (:data:`PART_SPECS`; parts not swapped are "not applicable") and the
-    necessity claim :data:`NEEDED_SPEC`, each with a bootstrap interval over partner layers."""
-    out = []
-    for part, spec in PART_SPECS.items():
+def _swapped(part: str):
+    def applies(result: Result) -> str | None:
         if part not in result.parts:
-            out.append(spec.not_applicable(f"{part} was not swapped in this run (--parts)"))
-            continue
-        est = claims.bootstrap(
-            result.per_partner(part)["moved"], unit="partner layers", seed=result.seed
-        )
-        out.append(spec.judge(est, details=_details(result, part)))
+            return f"{part} was not swapped in this run (--parts)"
+        return None
+
+    return applies
+
+
+_MAJORITY = (
+    "; a partner counts when the ME layer located on each prompt alone is {what} on more than "
+    "half of the prompts (k of n partner layers, Clopper–Pearson: the partners are the depths "
+    "tried, not a sample, and prompt variance enters only through the majority)"
+)
+_CONTROL = {
+    "ffn_path": "the same swaps of ffn_norm alone, ffn alone, attn_path and the whole block (their "
+    "own claims); partners spread over every depth",
+    "block": "ffn_path, which leaves attention in place",
+    "attn_path": "ffn_path: the paper predicts the emergence moves with the FFN path, not with "
+    "attention (which runs before the FFN)",
+}
+
+
+def _part_spec(part: str) -> claims.Spec:
+    return claims.Spec(
+        f"{NAME}.{part}",
+        PART_SECTION[part],
+        f"The emergence moves with the ME layer's {PART_WHAT[part]}: exchanging that part with "
+        "another layer's makes that layer the ME layer",
+        f"fraction of partner layers p for which the ME layer located after swapping {part} "
+        "of layers m ↔ p is p" + _MAJORITY.format(what="p"),
+        ">=",
+        "moved_fraction",
+        _CONTROL.get(part, "ffn_path and block; the other single parts"),
+        stat=lambda r: r.partner_outcomes(part, "moved"),
+        unit="partner layers",
+        applies=_swapped(part),
+        details=lambda r: _details(r, part),
+    )
+
+
+def _needed_applies(result: Result) -> str | None:
     if "ffn_path" not in result.parts:
-        out.append(NEEDED_SPEC.not_applicable("ffn_path was not swapped in this run (--parts)"))
-    elif not result.baseline_has_emergence:
-        out.append(
-            NEEDED_SPEC.not_applicable(
-                f"layer {result.layer} is not where the unedited model's massive activation "
-                f"emerges (ME layer {result.baseline.me_layer}): there is no emergence there to remove"
-            )
+        return "ffn_path was not swapped in this run (--parts)"
+    if not result.baseline_has_emergence:
+        return (
+            f"layer {result.layer} is not where the unedited model's massive activation "
+            f"emerges (ME layer {result.baseline.me_layer}): there is no emergence there to remove"
         )
-    else:
-        est = claims.bootstrap(
-            result.per_partner("ffn_path")["left_layer"], unit="partner layers", seed=result.seed
-        )
-        out.append(NEEDED_SPEC.judge(est, details=_details(result, "ffn_path")))
-    return out
+    return None
+
+
+PART_SPECS: dict[str, claims.Spec] = {p: _part_spec(p) for p in PART_ORDER}
+NEEDED_SPEC = claims.Spec(
+    f"{NAME}.ffn_path_needed",
+    "§2.1, §2.3",
+    "The emergence needs the ME layer's own FFN path: with another layer's pre-FFN RMSNorm + FFN "
+    "(+ post-FFN norm on sandwich models) in its place, the ME layer is no longer where the massive "
+    "activation emerges",
+    "fraction of partner layers p for which, after swapping ffn_path of layers m ↔ p, the ME "
+    "layer is not m (it moved or vanished)" + _MAJORITY.format(what="not m"),
+    ">=",
+    "moved_fraction",
+    "the unedited model, whose ME layer is m; attn_path swaps (their own claim)",
+    stat=lambda r: r.partner_outcomes("ffn_path", "left_layer"),
+    unit="partner layers",
+    applies=_needed_applies,
+    details=lambda r: _details(r, "ffn_path", "left_layer"),
+)
+SPECS: tuple[claims.Spec, ...] = (*PART_SPECS.values(), NEEDED_SPEC)
+claims.check_specs(SPECS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -427,7 +461,9 @@ def figures(result: Result) -> dict[str, go.Figure]:
 
 
 def _fraction_figure(result: Result) -> go.Figure:
-    judged = [c for c in verdicts(result) if c.estimate is not None and c.id != NEEDED_SPEC.id]
+    judged = [
+        c for c in claims.judge(SPECS, result) if c.estimate is not None and c.id != NEEDED_SPEC.id
+    ]
     parts = [c.id.split(".", 1)[1] for c in judged]
     est = [c.estimate for c in judged]
     fig = go.Figure(
@@ -448,8 +484,8 @@ def _fraction_figure(result: Result) -> go.Figure:
     fig.add_hline(y=thr, line_dash="dash", annotation_text=f"moved_fraction {thr:g}")
     fig.update_layout(
         title=f"Fraction of partner layers the emergence moved to, per swapped part — {result.model}"
-        f"<br><sup>layer {result.layer}, {len(result.partners)} partners; 95% bootstrap interval "
-        "over partner layers</sup>",
+        f"<br><sup>layer {result.layer}, {len(result.partners)} partners (majority over prompts "
+        "each); 95% Clopper–Pearson interval over partner layers</sup>",
         xaxis_title="swapped part",
         yaxis_title="moved fraction",
         yaxis_range=[0, 1.05],
@@ -503,5 +539,4 @@ __all__ = [
     "run",
     "short_batch",
     "summary",
-    "verdicts",
 ]

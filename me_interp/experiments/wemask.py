@@ -20,10 +20,17 @@ The ``random`` selection is drawn with ``n_seeds`` seeds at ``claim_rate`` (one 
 rates). ``r = 0`` and ``α = 0`` are the identity (tested bit-identical), so those rows are the
 baseline; at ``r = 1`` every selection masks every dim, so that forward is run once and shared.
 
-Claims (:data:`SPECS`, thresholds from :data:`me_interp.claims.THRESHOLDS`): ratios and differences
-of pooled perplexities are bootstrapped over texts (the rows of a text stay paired across conditions),
-MC accuracies over items, and the random-dims comparison over seeds. On a model without a massive
-activation (and no ``me_layer`` given) :func:`run` raises :class:`me_interp.claims.NotApplicable`.
+Claims (:data:`SPECS`, declarations judged by :func:`me_interp.claims.judge`; thresholds from
+:data:`me_interp.claims.THRESHOLDS`): ratios of pooled perplexities are bootstrapped over texts (the
+rows of a text stay paired across conditions) and MC accuracies over items; the two "hurts more than
+the weight dims" comparisons use each text's own perplexity, ``(ppl_x − ppl_weight) / ppl_unmasked``
+per text, and the random-dims one is a two-way (crossed) bootstrap over texts × seeds
+(:class:`me_interp.claims.Nested`; the per-text, per-seed gaps are in the result as
+``random_dims_gap``). ``full_mask_removes_sink`` is a sanity check (the masked key is computed from
+zeros). The "unchanged" claims are informative only where the full mask hurts: on a model that does not
+use the massive token's attention input (the planted model's random language model) every mask leaves
+perplexity unchanged. On a model without a massive activation (and no ``me_layer`` given) :func:`run`
+raises :class:`me_interp.claims.NotApplicable`.
 
     python -m me_interp.experiments.wemask                     # bundled model, about a minute on a CPU
     python -m me_interp.experiments.wemask --model synthetic:planted --rates 0 0.5 1
@@ -292,6 +299,28 @@ class Result:
             if r["kind"] == "wemask" and r["variant"] == "random" and math.isclose(r["rate"], rate)
         ]
 
+    def full_row(self) -> dict[str, Any] | None:
+        """The ``r = 1`` forward (the one row every selection shares), or ``None`` when not run."""
+        return next(
+            (
+                r
+                for r in self.rows
+                if r["kind"] == "wemask" and r["rate"] == 1.0 and "same_as" not in r
+            ),
+            None,
+        )
+
+    def random_gaps(self) -> dict[str, Any]:
+        """What ``wemask.beats_random`` is judged on: per text and random seed at ``claim_rate``,
+        ``(ppl_random − ppl_weight) / ppl_unmasked`` of the text's own perplexities
+        (:func:`text_gap`): ``{"seeds": [...], "per_text": [[gap of seed s] per text]}`` (empty
+        when the weight or random selection was not run)."""
+        w, rand = self.row("wemask", "weight", self.claim_rate), self.random_rows(self.claim_rate)
+        if w is None or not rand:
+            return {"seeds": [], "per_text": []}
+        gaps = np.column_stack([text_gap(r, w, self.baseline) for r in rand])  # [text seed]
+        return {"seeds": [r["seed"] for r in rand], "per_text": gaps.tolist()}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
@@ -314,6 +343,7 @@ class Result:
             "detection": self.detection,
             "baseline": self.baseline,
             "table": self.rows,
+            "random_dims_gap": self.random_gaps(),
         }
 
 
@@ -468,10 +498,133 @@ def _cond_dict(c: Condition) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------
-# claims
+# claims: declarations judged by claims.judge (common.execute)
 # ------------------------------------------------------------------------------------------
 
-_CONTROL_RANDOM = "the random-dims mask at the same rate over seeds (wemask.beats_random)"
+
+def _where(r: Result) -> str:
+    return (
+        f"r = {r.claim_rate:g}, layers {r.layers[0]}..{r.layers[-1]} (ME layer {r.me_layer}, "
+        f"1-based {r.me_layer + 1}), positions {_pos_label(r.positions)}"
+    )
+
+
+def _cols(*rows: dict[str, Any], key: str = "nll") -> np.ndarray:
+    """``[text, 1 + len(rows)]``: the prediction count, then ``key`` of each row, per text."""
+    n = np.asarray(rows[0]["per_text"]["n_pred"], dtype=np.float64)
+    return np.column_stack([n, *(np.asarray(r["per_text"][key], dtype=np.float64) for r in rows)])
+
+
+def _ratio_dev(a: np.ndarray) -> float:
+    """Pooled ppl(column 2) / ppl(column 1) − 1 of ``[n, nll_ref, nll_x]`` rows (signed)."""
+    return math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum()) - 1.0
+
+
+def _ratio(a: np.ndarray) -> float:
+    """Pooled ppl(column 2) / ppl(column 1) of ``[n, nll_ref, nll_x]`` rows."""
+    return math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum())
+
+
+def _sink_drop(a: np.ndarray) -> float:
+    base = a[:, 0].mean()
+    return 1.0 - a[:, 1].mean() / base if base > 0 else math.nan
+
+
+def _acc_dev(a: np.ndarray) -> float:
+    base = a[:, 0].mean()
+    return a[:, 1].mean() / base - 1.0 if base > 0 else math.nan
+
+
+def text_perplexity(row: dict[str, Any]) -> np.ndarray:
+    """``[text]``: each text's own perplexity ``exp(nll_b / n_b)`` (NaN for a text without a
+    prediction)."""
+    nll = np.asarray(row["per_text"]["nll"], dtype=np.float64)
+    n = np.asarray(row["per_text"]["n_pred"], dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(n > 0, np.exp(nll / np.where(n > 0, n, 1.0)), np.nan)
+
+
+def text_gap(row: dict[str, Any], weight: dict[str, Any], base: dict[str, Any]) -> np.ndarray:
+    """``[text]``: ``(ppl_x − ppl_weight) / ppl_unmasked`` of each text (its own perplexities): how much
+    more the selection of ``row`` hurts than the weight selection, in units of the unmasked model."""
+    return (text_perplexity(row) - text_perplexity(weight)) / text_perplexity(base)
+
+
+def _applies(*need: tuple[Callable[[Result], Any], str]) -> Callable[[Result], str | None]:
+    """``applies`` of a spec: not applicable without a massive activation at the ME layer, or when a
+    row it needs was not measured (``(getter, what)`` pairs; ``what`` says why)."""
+
+    def check(r: Result) -> str | None:
+        if not r.massive_at_me:
+            return (
+                f"no massive activation at the ME layer {r.me_layer} of this model (given, not "
+                "detected): there is no massive token whose attention input WeMask would mask"
+            )
+        for get, what in need:
+            if get(r) is None:
+                return f"not measured in this run: {what}"
+        return None
+
+    return check
+
+
+def _weight(r: Result) -> dict | None:
+    return r.row("wemask", "weight", r.claim_rate)
+
+
+def _variant(name: str) -> Callable[[Result], dict | None]:
+    def get(r: Result) -> dict | None:
+        return r.row("wemask", name, r.claim_rate) if _weight(r) is not None else None
+
+    return get
+
+
+def _mc(r: Result) -> dict | None:
+    w = _weight(r)
+    return w if (w is not None and "per_item" in w and "per_item" in r.baseline) else None
+
+
+def _seeds(r: Result) -> list | None:
+    rand = r.random_rows(r.claim_rate)
+    if _weight(r) is None or not rand:
+        return None
+    if why := claims.too_few_seeds(len(rand), "--n-seeds"):
+        raise claims.NotApplicable(why)
+    return rand
+
+
+_NEED_WEIGHT = (_weight, "the weight variant was not run")
+_NEED_FULL = (lambda r: r.full_row(), "r = 1 was not run (--rates)")
+
+
+def _random_measure(r: Result) -> claims.Nested:
+    _seeds(r)  # raises NotApplicable with fewer than MIN_SEEDS seeds
+    return claims.Nested(np.asarray(r.random_gaps()["per_text"], dtype=np.float64), unit="texts")
+
+
+def _random_details(r: Result) -> str:
+    rand, w, base = r.random_rows(r.claim_rate), _weight(r), r.baseline
+    return (
+        f"{_where(r)}; pooled perplexity random {_fmt_list(x['perplexity'] for x in rand)} (seeds "
+        f"{[x['seed'] for x in rand]}) vs weight {w['perplexity']:.4g}, unmasked "
+        f"{base['perplexity']:.4g}; a seed's dim set is shared by every text (per-text, per-seed "
+        "gaps in the result's random_dims_gap)"
+    )
+
+
+def _full_details(r: Result) -> str:
+    full = r.full_row()
+    return (
+        f"layers {r.layers[0]}..{r.layers[-1]}, every dim; perplexity {r.baseline['perplexity']:.4g} "
+        f"→ {full['perplexity']:.4g}; top-1 agreement {full['top1']:.3f}; attention to position 0 "
+        f"{r.baseline['sink']:.3f} → {full['sink']:.3f}"
+    )
+
+
+_VACUOUS = (
+    "informative only where the full mask hurts (wemask.full_mask_collapses): on a model that does "
+    "not use the massive token's attention input, every mask leaves perplexity unchanged"
+)
 
 SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
@@ -479,62 +632,120 @@ SPECS: tuple[claims.Spec, ...] = (
         "§2 claim 5 (training-free WeMask)",
         "Weight-guided WeMask at a small rate leaves the language model's perplexity unchanged",
         "perplexity ratio − 1 (signed; judged by its size), WeMask (weight dims, r = claim rate) "
-        "against the unmasked model, "
-        "pooled over the texts",
+        "against the unmasked model, pooled over the texts",
         "|x|<",
         "ppl_unchanged",
-        _CONTROL_RANDOM,
+        "the full mask (wemask.full_mask_collapses) and the random / magnitude dims at the same "
+        f"rate (wemask.beats_random, wemask.beats_magnitude); {_VACUOUS}",
+        stat=lambda r: claims.Sample(_cols(r.baseline, _weight(r)), _ratio_dev),
+        unit="texts",
+        applies=_applies(_NEED_WEIGHT),
+        details=lambda r: (
+            f"{_where(r)}; perplexity {r.baseline['perplexity']:.4g} → "
+            f"{_weight(r)['perplexity']:.4g} over {r.n_texts} texts "
+            f"({int(sum(r.baseline['per_text']['n_pred']))} predictions); KL "
+            f"{_weight(r)['kl']:.3g} nats, top-1 agreement {_weight(r)['top1']:.3f}"
+        ),
     ),
     claims.Spec(
         "wemask.small_rate_mc_unchanged",
         "§2 claim 5 (training-free WeMask)",
         "Weight-guided WeMask at a small rate leaves multiple-choice accuracy unchanged",
         "MC accuracy ratio − 1 (signed; judged by its size), WeMask (weight dims, r = claim rate) "
-        "against the unmasked model",
+        "against the unmasked model, paired over items",
         "|x|<",
         "mc_unchanged",
-        "the unmasked model on the same items (paired)",
+        "the unmasked model on the same items (paired); when no item changes its answer the "
+        "interval has zero width and the claim is not decided (the items bound the change only "
+        "through their number)",
+        stat=lambda r: claims.Sample(
+            np.column_stack(
+                [r.baseline["per_item"]["correct"], _mc(r)["per_item"]["correct"]]
+            ).astype(np.float64),
+            _acc_dev,
+            keys=range(r.n_items),  # every item is its own measurement
+        ),
+        unit="items",
+        applies=_applies(_NEED_WEIGHT, (_mc, "MC items not scored (--mc none)")),
+        details=lambda r: (
+            f"{_where(r)}; accuracy {r.baseline['mc_accuracy']:.3f} → "
+            f"{_mc(r)['mc_accuracy']:.3f} on {r.n_items} items; "
+            f"{sum(a != b for a, b in zip(r.baseline['per_item']['correct'], _mc(r)['per_item']['correct']))} "
+            "items change their outcome"
+        ),
     ),
     claims.Spec(
         "wemask.beats_random",
         "§2 claim 5 (ablation: random dims)",
         "Random dims masked at the same rate hurt more than the weight-selected dims (by more than "
         "the perplexity change called 'unchanged')",
-        "(perplexity with random dims − perplexity with weight dims) / unmasked perplexity at the "
-        "claim rate, mean over random seeds",
+        "(perplexity with random dims − perplexity with weight dims) / unmasked perplexity, per "
+        "text and random seed (each text's own perplexity), mean over texts × seeds at the claim "
+        "rate",
         ">",
         "ppl_unchanged",
-        "random dim sets of the same size, one per seed",
+        "random dim sets of the same size, one per seed, shared by every text (two-way crossed "
+        "bootstrap over texts and seeds)",
+        stat=_random_measure,
+        unit="texts",
+        applies=_applies(
+            _NEED_WEIGHT,
+            (lambda r: r.random_rows(r.claim_rate) or None, "the random variant was not run"),
+        ),
+        details=_random_details,
     ),
     claims.Spec(
         "wemask.beats_magnitude",
         "§2 claim 5 (ablation: magnitude dims)",
         "Dims selected by the massive token's residual magnitude, masked at the same rate, hurt more "
         "than the weight-selected dims (by more than the perplexity change called 'unchanged')",
-        "(perplexity with magnitude dims − perplexity with weight dims) / unmasked perplexity at the "
-        "claim rate",
+        "(perplexity with magnitude dims − perplexity with weight dims) / unmasked perplexity, per "
+        "text (each text's own perplexity), mean over texts at the claim rate",
         ">",
         "ppl_unchanged",
         "the weight-selected WeMask on the same texts (paired)",
+        stat=lambda r: claims.Sample(text_gap(_variant("magnitude")(r), _weight(r), r.baseline)),
+        unit="texts",
+        applies=_applies(
+            _NEED_WEIGHT, (_variant("magnitude"), "the magnitude or weight variant was not run")
+        ),
+        details=lambda r: (
+            f"{_where(r)}; pooled perplexity magnitude {_variant('magnitude')(r)['perplexity']:.4g} "
+            f"vs weight {_weight(r)['perplexity']:.4g}, unmasked {r.baseline['perplexity']:.4g}"
+        ),
     ),
     claims.Spec(
         "wemask.activation_like_weight",
         "§4 (released code selects by activation)",
         "The released code's activation-selected dims behave like the paper's weight-selected dims",
         "perplexity(activation dims) / perplexity(weight dims) − 1 (signed; judged by its size) at "
-        "the claim rate",
+        "the claim rate, pooled over the texts",
         "|x|<",
         "ppl_unchanged",
-        "the weight-selected WeMask on the same texts (paired)",
+        f"the weight-selected WeMask on the same texts (paired); {_VACUOUS}",
+        stat=lambda r: claims.Sample(_cols(_weight(r), _variant("activation")(r)), _ratio_dev),
+        unit="texts",
+        applies=_applies(
+            _NEED_WEIGHT, (_variant("activation"), "the activation or weight variant was not run")
+        ),
+        details=lambda r: (
+            f"{_where(r)}; perplexity activation {_variant('activation')(r)['perplexity']:.4g} vs "
+            f"weight {_weight(r)['perplexity']:.4g}; KL {_variant('activation')(r)['kl']:.3g} vs "
+            f"{_weight(r)['kl']:.3g} nats"
+        ),
     ),
     claims.Spec(
         "wemask.full_mask_collapses",
         "§2 claim 5 (r = 1.0 collapses)",
         "Masking the whole attention input of the massive token (r = 1) collapses the model",
-        "perplexity ratio at r = 1 against the unmasked model",
+        "perplexity ratio at r = 1 against the unmasked model, pooled over the texts",
         ">=",
         "ppl_damage",
         "the small-rate WeMask (wemask.small_rate_ppl_unchanged)",
+        stat=lambda r: claims.Sample(_cols(r.baseline, r.full_row()), _ratio),
+        unit="texts",
+        applies=_applies(_NEED_FULL),
+        details=_full_details,
     ),
     claims.Spec(
         "wemask.full_mask_removes_sink",
@@ -548,163 +759,19 @@ SPECS: tuple[claims.Spec, ...] = (
         "relative_drop",
         "the unmasked model on the same texts (paired)",
         kind="sanity",
+        stat=lambda r: claims.Sample(
+            np.column_stack([r.baseline["per_text"]["sink"], r.full_row()["per_text"]["sink"]]),
+            _sink_drop,
+        ),
+        unit="texts",
+        applies=_applies(_NEED_FULL),
+        details=lambda r: (
+            f"attention to position 0 in layers {r.layers[0]}..{r.layers[-1]}: "
+            f"{r.baseline['sink']:.3f} → {r.full_row()['sink']:.3f}"
+        ),
     ),
 )
-_SPEC = claims.index(SPECS)
-
-
-def _cols(*rows: dict[str, Any], key: str = "nll") -> np.ndarray:
-    """``[text, 1 + len(rows)]``: the prediction count, then ``key`` of each row, per text."""
-    n = np.asarray(rows[0]["per_text"]["n_pred"], dtype=np.float64)
-    return np.column_stack([n, *(np.asarray(r["per_text"][key], dtype=np.float64) for r in rows)])
-
-
-def _ppl(a: np.ndarray, j: int) -> float:
-    return math.exp(a[:, j].sum() / a[:, 0].sum())
-
-
-def _ratio_dev(a: np.ndarray) -> float:
-    """ppl(column 2) / ppl(column 1) − 1 of ``[n, nll_ref, nll_x]`` rows (signed)."""
-    return math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum()) - 1.0
-
-
-def _ratio(a: np.ndarray) -> float:
-    return math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum())
-
-
-def _gap(a: np.ndarray) -> float:
-    """(ppl(column 3) − ppl(column 2)) / ppl(column 1) of ``[n, nll_base, nll_w, nll_x]`` rows."""
-    return (_ppl(a, 3) - _ppl(a, 2)) / _ppl(a, 1)
-
-
-def _sink_drop(a: np.ndarray) -> float:
-    base = a[:, 0].mean()
-    return 1.0 - a[:, 1].mean() / base if base > 0 else math.nan
-
-
-def _acc_dev(a: np.ndarray) -> float:
-    base = a[:, 0].mean()
-    return a[:, 1].mean() / base - 1.0 if base > 0 else math.nan
-
-
-def verdicts(result: Result) -> list[claims.Claim]:
-    """Every claim of :data:`SPECS` on this result (see the module docstring)."""
-    if not result.massive_at_me:
-        return claims.not_applicable(
-            SPECS,
-            f"no massive activation at the ME layer {result.me_layer} of this model (given, not "
-            "detected): there is no massive token whose attention input WeMask would mask",
-        )
-    boot: Callable[..., claims.Estimate] = partial(claims.bootstrap, seed=result.seed)
-    r0, base = result.claim_rate, result.baseline
-    w = result.row("wemask", "weight", r0)
-    where = (
-        f"r = {r0:g}, layers {result.layers[0]}..{result.layers[-1]} (ME layer {result.me_layer}, "
-        f"1-based {result.me_layer + 1}), positions {_pos_label(result.positions)}"
-    )
-    out: list[claims.Claim] = []
-
-    def need(name: str, row: Any, what: str) -> bool:
-        if row is None:
-            out.append(_SPEC[name].not_applicable(f"not measured in this run: {what}"))
-            return False
-        return True
-
-    # small-rate perplexity
-    if need("small_rate_ppl_unchanged", w, "the weight variant was not run"):
-        est = boot(_cols(base, w), _ratio_dev, unit="texts")
-        out.append(
-            _SPEC["small_rate_ppl_unchanged"].judge(
-                est,
-                details=f"{where}; perplexity {base['perplexity']:.4g} → {w['perplexity']:.4g} "
-                f"over {result.n_texts} texts ({int(sum(base['per_text']['n_pred']))} predictions); "
-                f"KL {w['kl']:.3g} nats, top-1 agreement {w['top1']:.3f}",
-            )
-        )
-    # small-rate MC
-    mc_row = w if (w is not None and "per_item" in w and "per_item" in base) else None
-    if need("small_rate_mc_unchanged", mc_row, "MC items not scored (--mc none)"):
-        a = np.column_stack([base["per_item"]["correct"], mc_row["per_item"]["correct"]]).astype(
-            np.float64
-        )
-        out.append(
-            _SPEC["small_rate_mc_unchanged"].judge(
-                boot(a, _acc_dev, unit="items"),
-                details=f"{where}; accuracy {base['mc_accuracy']:.3f} → {mc_row['mc_accuracy']:.3f} "
-                f"on {result.n_items} items",
-            )
-        )
-    # random dims, over seeds
-    rand = result.random_rows(r0)
-    if need("beats_random", w if rand else None, "the random or weight variant was not run"):
-        gaps = [(r["perplexity"] - w["perplexity"]) / base["perplexity"] for r in rand]
-        per_text = boot(_cols(base, w, rand[0]), _gap, unit="texts")
-        out.append(
-            _SPEC["beats_random"].judge_seeds(
-                gaps,
-                flag="--n-seeds",
-                details=f"{where}; perplexity random {_fmt_list(r['perplexity'] for r in rand)} "
-                f"(seeds {[r['seed'] for r in rand]}) vs weight {w['perplexity']:.4g}, unmasked "
-                f"{base['perplexity']:.4g}; seed {rand[0]['seed']} over texts: {per_text.text()}",
-            )
-        )
-    # magnitude dims
-    mag = result.row("wemask", "magnitude", r0)
-    if need(
-        "beats_magnitude",
-        mag if w is not None else None,
-        "the magnitude or weight variant was not run",
-    ):
-        out.append(
-            _SPEC["beats_magnitude"].judge(
-                boot(_cols(base, w, mag), _gap, unit="texts"),
-                details=f"{where}; perplexity magnitude {mag['perplexity']:.4g} vs weight "
-                f"{w['perplexity']:.4g}, unmasked {base['perplexity']:.4g}",
-            )
-        )
-    # activation dims (the released code)
-    act = result.row("wemask", "activation", r0)
-    if need(
-        "activation_like_weight",
-        act if w is not None else None,
-        "the activation or weight variant was not run",
-    ):
-        out.append(
-            _SPEC["activation_like_weight"].judge(
-                boot(_cols(w, act), _ratio_dev, unit="texts"),
-                details=f"{where}; perplexity activation {act['perplexity']:.4g} vs weight "
-                f"{w['perplexity']:.4g}; KL {act['kl']:.3g} vs {w['kl']:.3g} nats",
-            )
-        )
-    # the full mask
-    full = next(
-        (
-            r
-            for r in result.rows
-            if r["kind"] == "wemask" and r["rate"] == 1.0 and "same_as" not in r
-        ),
-        None,
-    )
-    if need("full_mask_collapses", full, "r = 1 was not run (--rates)"):
-        out.append(
-            _SPEC["full_mask_collapses"].judge(
-                boot(_cols(base, full), _ratio, unit="texts"),
-                details=f"layers {result.layers[0]}..{result.layers[-1]}, every dim; perplexity "
-                f"{base['perplexity']:.4g} → {full['perplexity']:.4g}; top-1 agreement "
-                f"{full['top1']:.3f}",
-            )
-        )
-    if need("full_mask_removes_sink", full, "r = 1 was not run (--rates)"):
-        a = np.column_stack([base["per_text"]["sink"], full["per_text"]["sink"]])
-        out.append(
-            _SPEC["full_mask_removes_sink"].judge(
-                boot(a, _sink_drop, unit="texts"),
-                details=f"attention to position 0 in layers {result.layers[0]}..{result.layers[-1]}: "
-                f"{base['sink']:.3f} → {full['sink']:.3f}",
-            )
-        )
-    order = {s.id: i for i, s in enumerate(SPECS)}
-    return sorted(out, key=lambda c: order[c.id])
+claims.check_specs(SPECS)
 
 
 def _fmt_list(xs) -> str:

@@ -13,7 +13,9 @@ prompts and the hooks work on any batch.
 Where to intervene is measured, never written down: :func:`locate_massive` runs the ME-layer probe
 and raises :class:`me_interp.claims.NotApplicable` on a model without a massive activation (unless a
 layer is given). :func:`prompt_batch` builds the (truncated, subsampled) batch the causal experiments
-run on, and :func:`excess_fraction` is the removal statistic they share.
+run on, :func:`excess_fraction` is the removal statistic they share, and :func:`ffn_share` says
+whether the ME layer's FFN output is the massive token's whole state (then patching or removing it is
+patching or removing the state: a sanity check).
 
 Notation: ``h_t`` the activation of token ``t`` at the hooked site, ``p`` a massive position, ``D`` the
 massive dims, ``h̄ = mean_{t≠p} h_t`` over the other real tokens of the prompt.
@@ -576,6 +578,62 @@ def excess_stat(a: np.ndarray) -> float:
     return excess_fraction(float(m[0]), float(m[1]))
 
 
+FFN_STATE_COS = 0.99
+"""The ME layer's FFN output *is* the massive token's state (:meth:`FfnShare.is_state`) when their
+mean cosine over the prompts exceeds this ..."""
+FFN_STATE_NORM = 0.05
+"""... and the mean of ``‖FFN_p‖ / ‖h_p‖`` lies within this of 1: patching the FFN output back is
+then patching the state back (a sanity check, not evidence about the FFN)."""
+
+
+@dataclass(frozen=True)
+class FfnShare:
+    """How much of the massive token's state at the output of a layer is that layer's FFN output.
+
+    Attributes:
+        cos: per prompt ``cos(FFN_p, h_p)`` (``h_p`` the layer output of the massive token).
+        norm_ratio: per prompt ``‖FFN_p‖ / ‖h_p‖``.
+    """
+
+    cos: tuple[float, ...]
+    norm_ratio: tuple[float, ...]
+
+    def is_state(self) -> bool:
+        """Whether the FFN output is (nearly) the state itself (:data:`FFN_STATE_COS`,
+        :data:`FFN_STATE_NORM`, on prompt means)."""
+        c, r = float(np.mean(self.cos)), float(np.mean(self.norm_ratio))
+        return c > FFN_STATE_COS and abs(r - 1) < FFN_STATE_NORM
+
+    def text(self) -> str:
+        c, r = float(np.mean(self.cos)), float(np.mean(self.norm_ratio))
+        return f"the FFN output at p has cosine {c:.5g} with the state and {r:.3%} of its norm"
+
+    def to_dict(self) -> dict:
+        return {
+            "cos": list(self.cos),
+            "norm_ratio": list(self.norm_ratio),
+            "is_state": self.is_state(),
+        }
+
+
+def ffn_share(
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    position: int,
+    acts: Mapping[str, torch.Tensor] | None = None,
+) -> FfnShare:
+    """The FFN output of ``position`` at ``layer`` against that token's layer output, per prompt
+    (``acts`` as in :func:`remove_massive`)."""
+    model.check_layer(layer)
+    (position,) = _check_positions(batch, [position])
+    f = _read(model, batch, names.ffn_out(layer), acts).float()[:, position]  # [B d]
+    h = _read(model, batch, names.resid_post(layer), acts).float()[:, position]  # [B d]
+    cos = torch.nn.functional.cosine_similarity(f, h, dim=-1)
+    ratio = f.norm(dim=-1) / h.norm(dim=-1)
+    return FfnShare(tuple(cos.cpu().tolist()), tuple(ratio.cpu().tolist()))
+
+
 def sink_not_applicable(site: MassiveSite, sink_heads: Callable[[], list]) -> str | None:
     """Why the sink claims of an experiment at ``site`` are not applicable — no massive activation
     there, or no head after the layer attends to it (``sink_heads()`` is asked only when there is one)
@@ -698,7 +756,9 @@ __all__ = [
     "ablate_dims",
     "cap_ffn_output",
     "capture",
+    "FfnShare",
     "excess_fraction",
+    "ffn_share",
     "flatten_ffn_norm_gain",
     "locate_massive",
     "normalize_ffn_product",

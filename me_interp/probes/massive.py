@@ -16,9 +16,13 @@ the value criterion (its top-1 dim when none does).
 whose outputs have a massive activation; it starts at layer ``l`` (0-based; ``l+1`` 1-based). Its *jump*
 is the median over prompts of ``R_l / R_{l-1}`` with ``R = max_t ‖h_t‖ / mean_{t≠argmax} ‖h_t‖`` (the
 embeddings stand in for ``R_{-1}``). Its *site* is the sub-layer that made most of the jump:
-``log(R_mid/R_pre)`` (attention) against ``log(R_post/R_mid)`` (FFN). The **ME layer** is the start
-layer of the event with the largest jump. Every event is reported, including precursors that vanish
-before the last layer.
+``log(R_mid/R_pre)`` (attention) against ``log(R_post/R_mid)`` (FFN), medians over prompts, the larger
+one (the FFN on a tie). A sub-layer *makes* a jump only when it multiplies the norm ratio by at least
+:data:`SITE_MIN_FACTOR` (2); when neither does, the site is ``"none"``: the ratio was already (about)
+as large at the block input, e.g. a massive activation present in the embeddings, which starts an
+event at layer 0 with a jump of about 1 (it is never credited to the FFN by the tie). The **ME layer**
+is the start layer of the event with the largest jump. Every event is reported, including precursors
+that vanish before the last layer.
 
 **Scans without the block input or the attention output.** The site needs ``resid_pre`` and
 ``resid_mid``; without either, both gains are NaN and the site is ``"unknown"`` (never a guess). The
@@ -39,7 +43,21 @@ from jaxtyping import Bool, Float
 from me_interp.probes.norms import NormScan, ratio_to_others, top_ratio
 
 CriterionKind = Literal["sun", "norm", "either", "both"]
-Site = Literal["attention", "ffn", "unknown"]
+Site = Literal["attention", "ffn", "none", "unknown"]
+
+SITE_MIN_FACTOR = 2.0
+"""The factor by which a sub-layer must multiply the median norm ratio to be an event's site; an
+event whose attention and FFN both stay below it has site ``"none"``."""
+
+
+def site_text(site: str) -> str:
+    """What made an event, in words: ``"the ffn"``, ``"the attention"``, ``"no sub-layer (already
+    massive at the block input)"`` or ``"an unknown sub-layer (no block input or attention output
+    recorded)"``."""
+    return {
+        "none": "no sub-layer (already massive at the block input)",
+        "unknown": "an unknown sub-layer (no block input or attention output recorded)",
+    }.get(site, f"the {site}")
 
 
 @dataclass(frozen=True)
@@ -184,9 +202,12 @@ def _reference(
 
 
 def _site(attn_gain: float, ffn_gain: float) -> Site:
-    """The sub-layer with the larger log gain (the FFN on a tie); ``"unknown"`` when a gain is NaN."""
+    """The sub-layer with the larger log gain (the FFN on a tie); ``"none"`` when neither gain
+    reaches ``log(SITE_MIN_FACTOR)``; ``"unknown"`` when a gain is NaN."""
     if math.isnan(attn_gain) or math.isnan(ffn_gain):
         return "unknown"
+    if max(attn_gain, ffn_gain) < math.log(SITE_MIN_FACTOR):
+        return "none"
     return "attention" if attn_gain > ffn_gain else "ffn"
 
 

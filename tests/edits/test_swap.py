@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from me_interp import edits, load_model, synthetic
+from me_interp import claims, edits, load_model, synthetic
 from me_interp.edits import core
 from me_interp.experiments import weight_patching, weight_swap
 from me_interp.probes import find_me_layer
@@ -328,7 +328,7 @@ def test_weight_experiments_record_the_modules_moved(planted, sandwich, planted_
     assert "ffn_path: pre_feedforward_layernorm + mlp + post_feedforward_layernorm" in (
         weight_swap.summary(res)
     )
-    assert {c.id for c in weight_swap.verdicts(res)} == {s.id for s in weight_swap.SPECS}
+    assert {c.id for c in claims.judge(weight_swap.SPECS, res)} == {s.id for s in weight_swap.SPECS}
     pcfg = weight_patching.Config(prompts=str(prompts), targets=(0,), parts=("ffn_path",))
     pres = weight_patching.run(pcfg, gemma)
     assert pres.to_dict()["part_modules"] == {"ffn_path": want["ffn_path"]}

@@ -1,6 +1,8 @@
-"""The four causal experiments: claim by claim, the verdict the planted construction implies; never
-"holds" on the unplanted twin or a random tiny model; result.json layout; CLI smoke; bad inputs; and
-two-sided bounds on the bundled real model."""
+"""The four causal experiments: claim by claim, the verdict and the kind the planted construction
+implies (judged by the engine from the declarative specs); never "holds" on the unplanted twin or a
+random tiny model; the signed projection metric and the FFN share against hand computations; a late
+FFN that erases (or rewrites) the massive direction; the ME layer at the last layer; result.json
+layout; CLI smoke; bad inputs; and two-sided bounds on the bundled real model."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from me_interp import claims, io, synthetic
 from me_interp.experiments import (
@@ -17,31 +20,58 @@ from me_interp.experiments import (
     transplant,
 )
 from me_interp.experiments.common import execute
+from me_interp.interventions import causal
 
 MODULES = [activation_patching, transplant, component_ablation, sink_causality]
-H, F, NA = claims.HOLDS, claims.FAILS, claims.NOT_APPLICABLE
+H, F, INC, NA = claims.HOLDS, claims.FAILS, claims.INCONCLUSIVE, claims.NOT_APPLICABLE
 
 #: claim id -> the verdict the planted construction implies (with the default config)
 PLANTED = {
     # BOS replaced by a word: the planted gain dims vanish, the neuron never fires
-    "activation_patching.removal": H,
-    "activation_patching.undo": H,  # sanity: the token-0 embedding patched back
-    "activation_patching.ffn_writes": H,  # the neuron writes dim 7 at layer 2
-    "activation_patching.state_causes_sink": H,  # head 0 of layers 3-4 reads dim 7
+    "activation_patching.removal": H,  # sanity (precondition)
+    # sanity: the token-0 embedding patched back gives exactly the clean run, for every prompt: a
+    # zero-width interval, which a sanity check (true by construction) may be decided on
+    "activation_patching.undo": H,
+    # the planted neuron's output is the massive token's whole state (cosine 1): ffn_writes is not
+    # applicable and the same patch is the sanity check ffn_is_state (issue 17, finding 2)
+    "activation_patching.ffn_writes": NA,
+    "activation_patching.ffn_is_state": H,
+    "activation_patching.state_causes_sink": H,  # sanity: head 0 of layers 3-4 reads dim 7
     "activation_patching.not_rewritten": H,  # no later component writes dim 7
-    "sink_causality.remove_ffn": H,
-    "sink_causality.remove_all": H,
+    # the planted FFN output is the state: removing it is remove_all (sanity)
+    "sink_causality.remove_ffn": NA,
+    "sink_causality.remove_all": H,  # sanity
     "sink_causality.remove_dims": H,  # the sink key reads only the massive dim
-    "sink_causality.patch_other": NA,  # every prompt starts with BOS: the swap is the identity
+    "sink_causality.patch_other": NA,  # control; every prompt starts with BOS: the swap is the identity
     "transplant.sink_follows": H,
     "transplant.second_sink": H,  # two equal keys: the sink splits 0.5 / 0.5
-    "component_ablation.cap_site": H,
-    "component_ablation.cap_ffn": H,
-    "component_ablation.normalize_product": H,
+    "component_ablation.cap_site": H,  # sanity
+    "component_ablation.cap_removes": H,  # control (was the claim cap_ffn)
     "component_ablation.flatten_gain": H,  # the neuron reads the boosted gain dims
     "component_ablation.cap_ffn_hurts": F,  # the random LM does not use the sink
-    "component_ablation.mean_dims_harmless": NA,  # BOS everywhere: the mean is the identity
+    "component_ablation.mean_dims_harmless": NA,  # control; BOS everywhere: the mean is the identity
     "component_ablation.zero_dims_hurts": F,
+}
+#: claim id -> kind (issue 17: controls and sanity checks are labelled, never counted)
+KINDS = {
+    "activation_patching.removal": "sanity",
+    "activation_patching.undo": "sanity",
+    "activation_patching.ffn_writes": "claim",
+    "activation_patching.ffn_is_state": "sanity",
+    "activation_patching.state_causes_sink": "sanity",
+    "activation_patching.not_rewritten": "claim",
+    "sink_causality.remove_ffn": "claim",
+    "sink_causality.remove_all": "sanity",
+    "sink_causality.remove_dims": "claim",
+    "sink_causality.patch_other": "control",
+    "transplant.sink_follows": "claim",
+    "transplant.second_sink": "claim",
+    "component_ablation.cap_site": "sanity",
+    "component_ablation.cap_removes": "control",
+    "component_ablation.flatten_gain": "claim",
+    "component_ablation.cap_ffn_hurts": "claim",
+    "component_ablation.mean_dims_harmless": "control",
+    "component_ablation.zero_dims_hurts": "claim",
 }
 
 
@@ -64,7 +94,8 @@ def _check_result(module, result):
     d = result.to_dict()
     json.dumps(io.to_jsonable(d), allow_nan=False)
     assert "per_prompt" in d and "claim" not in d and "verdict" not in d
-    cs = module.verdicts(result)
+    assert not hasattr(module, "verdicts")  # issue 17: the engine judges the declarative specs
+    cs = claims.judge(module.SPECS, result)
     assert [c.id for c in cs] == [s.id for s in module.SPECS]  # every spec, once, in order
     for c in cs:
         assert isinstance(c, claims.Claim)
@@ -82,6 +113,8 @@ def test_planted_verdicts_are_what_was_planted(module, planted, prompt_file):
     cs = _check_result(module, r)
     expect = {k: v for k, v in PLANTED.items() if k.startswith(module.NAME + ".")}
     assert {k: c.verdict for k, c in cs.items()} == expect
+    assert {k: c.kind for k, c in cs.items()} == {k: KINDS[k] for k in expect}
+    assert {s.id: s.kind for s in module.SPECS} == {k: KINDS[k] for k in expect}
     assert set(module.figures(r))
 
 
@@ -120,16 +153,20 @@ def test_activation_patching_planted_cells(planted, prompt_file):
     r = activation_patching.run(_cfg(activation_patching, prompt_file), model)
     assert r.corruption == "first_token"  # replacing BOS removes the planted massive activation
     assert r.undo_cell == ("resid_pre", 0, 0)
-    assert r.restore(("mlp_out", plant.layer, 0), "norm_ratio") > 0.99
+    assert r.restore(("mlp_out", plant.layer, 0)) > 0.99
     assert r.restore(("resid_pre", plant.layer + 1, 0), "sink") > 0.99
-    assert r.restore(("resid_pre", 0, 0), "norm_ratio") == pytest.approx(1.0, abs=1e-5)
-    assert r.sweeps["attn_out"].normalized("norm_ratio").abs().max() < 0.01
+    assert r.restore(("resid_pre", 0, 0)) == pytest.approx(1.0, abs=1e-5)
+    assert r.sweeps["attn_out"].normalized("projection").abs().max() < 0.01
+    # the planted neuron's output is the massive token's whole state (finding 2 of issue 17)
+    assert r.ffn.is_state() and min(r.ffn.cos) > 0.999
+    assert r.direction_cos > 0.999  # dim 7 is carried unchanged to the last layer
     assert r.sweeps["resid_pre"].layers == list(range(plant.layer + 2))
     assert np.mean(r.me_ratio_clean) > 100 > 2 > np.mean(r.me_ratio_corrupt)
     d = r.to_dict()
     assert d["restore"]["ffn_writes"]["cell"] == ["mlp_out", plant.layer, 0]
-    assert len(d["per_prompt"]["ffn_writes.norm_ratio"]["patched"]) == 16
-    assert set(activation_patching.figures(r)) == {"patching_norm_ratio", "patching_sink"}
+    assert len(d["per_prompt"]["ffn_writes.projection"]["patched"]) == 16
+    assert d["ffn_share"]["is_state"] is True
+    assert set(activation_patching.figures(r)) == {"patching_projection", "patching_sink"}
 
 
 def test_activation_patching_remove_input_is_not_decided_by_the_overwritten_cell(
@@ -141,9 +178,10 @@ def test_activation_patching_remove_input_is_not_decided_by_the_overwritten_cell
     assert r.undo_cell == ("resid_pre", plant.layer, 0)
     cs = _check_result(activation_patching, r)
     assert cs["activation_patching.undo"].kind == "sanity"
-    assert [cs[k].verdict for k in PLANTED if k.startswith("activation_patching.")] == [H] * 5
+    expect = {k: v for k, v in PLANTED.items() if k.startswith("activation_patching.")}
+    assert {k: c.verdict for k, c in cs.items()} == expect
     # upstream of the corruption clean == corrupt: those patches do nothing
-    grid = r.sweeps["mlp_out"].normalized("norm_ratio")
+    grid = r.sweeps["mlp_out"].normalized("projection")
     assert grid[: plant.layer].abs().max() < 1e-6
 
 
@@ -151,10 +189,19 @@ def test_activation_patching_remove_ffn_leaves_ffn_writes_not_applicable(planted
     model, plant = planted
     cfg = _cfg(activation_patching, prompt_file, corruption="remove_ffn")
     cs = _check_result(activation_patching, activation_patching.run(cfg, model))
-    assert cs["activation_patching.undo"].verdict == H  # the overwritten cell: sanity only
-    assert cs["activation_patching.ffn_writes"].verdict == NA
-    assert "overwrote this very cell" in cs["activation_patching.ffn_writes"].why
-    assert cs["activation_patching.state_causes_sink"].verdict == H
+    # the overwritten cell patched back gives exactly the clean run (sanity only): a zero-width
+    # interval (here also one distinct measurement: token 0 is <s> everywhere), which a sanity
+    # check may be decided on (a claim or a control would not be)
+    undo = cs["activation_patching.undo"]
+    assert undo.estimate.value == pytest.approx(1.0, abs=1e-6)
+    assert undo.verdict == H and undo.why == ""
+    for k in ("ffn_writes", "ffn_is_state"):
+        assert cs[f"activation_patching.{k}"].verdict == NA
+        assert "overwrote this very cell" in cs[f"activation_patching.{k}"].why
+    # only token 0's FFN output was overwritten, so its clean state at layer L + 1 makes the whole
+    # later run exactly clean: 1 on every prompt, a zero-width interval (a sanity check: decided)
+    sink = cs["activation_patching.state_causes_sink"]
+    assert sink.estimate.value == pytest.approx(1.0, abs=1e-6) and sink.verdict == H
 
 
 def test_activation_patching_without_removal_claims_nothing(planted, tmp_path):
@@ -167,8 +214,11 @@ def test_activation_patching_without_removal_claims_nothing(planted, tmp_path):
     r = activation_patching.run(cfg, model)
     assert r.site.massive
     cs = _check_result(activation_patching, r)
-    assert cs["activation_patching.removal"].verdict == F
-    for k in ("undo", "ffn_writes", "state_causes_sink", "not_rewritten"):
+    # corrupt == clean on every prompt: the removal fraction is exactly 1 (a zero-width interval,
+    # decided for a sanity check): the precondition fails, and gates the rest
+    removal = cs["activation_patching.removal"]
+    assert removal.estimate.value == pytest.approx(1.0) and removal.verdict == F
+    for k in ("undo", "ffn_writes", "ffn_is_state", "state_causes_sink", "not_rewritten"):
         c = cs[f"activation_patching.{k}"]
         assert c.verdict == NA and "did not remove" in c.why
 
@@ -191,12 +241,16 @@ def test_activation_patching_metric_layer_at_the_me_layer(planted, prompt_file):
     model, plant = planted
     cfg = _cfg(activation_patching, prompt_file, metric_layer=plant.layer)
     cs = _check_result(activation_patching, activation_patching.run(cfg, model))
-    assert cs["activation_patching.ffn_writes"].verdict == H
+    assert cs["activation_patching.ffn_is_state"].verdict == H
+    assert cs["activation_patching.ffn_writes"].verdict == NA
+    assert "the FFN output is the state itself" in cs["activation_patching.ffn_writes"].why
     assert cs["activation_patching.not_rewritten"].verdict == NA
     assert "no layer lies between" in cs["activation_patching.not_rewritten"].why
     early = _cfg(activation_patching, prompt_file, metric_layer=plant.layer - 1)
     cs = _check_result(activation_patching, activation_patching.run(early, model))
-    assert cs["activation_patching.ffn_writes"].verdict == NA
+    for k in ("ffn_writes", "ffn_is_state"):
+        assert cs[f"activation_patching.{k}"].verdict == NA
+        assert "before the ME layer" in cs[f"activation_patching.{k}"].why
 
 
 def test_activation_patching_unswept_site_is_not_applicable(planted, prompt_file):
@@ -205,6 +259,7 @@ def test_activation_patching_unswept_site_is_not_applicable(planted, prompt_file
     cs = _check_result(activation_patching, activation_patching.run(cfg, model))
     assert cs["activation_patching.state_causes_sink"].verdict == H
     assert cs["activation_patching.ffn_writes"].verdict == NA
+    assert "not swept" in cs["activation_patching.ffn_is_state"].why
     assert "not swept" in cs["activation_patching.not_rewritten"].why
 
 
@@ -255,7 +310,7 @@ def test_transplant_moves_the_sink(planted, prompt_file):
     rd = transplant.run(
         _cfg(transplant, prompt_file, dst=2, mode="direction", component="full"), model
     )
-    assert {c.verdict for c in transplant.verdicts(rd)} == {H}
+    assert {c.verdict for c in claims.judge(transplant.SPECS, rd)} == {H}
 
 
 def test_transplant_skips_prompts_too_short_for_dst(planted, tmp_path):
@@ -292,6 +347,233 @@ def test_component_ablation_perplexity_matches_evaluation(planted, prompt_file):
     cfg = _cfg(component_ablation, prompt_file, conditions=("zero_dims",))
     r = component_ablation.run(cfg, model)
     assert r.perplexity("baseline") == pytest.approx(perplexity(model, r.prompts.batch), rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# issue 17: signed projections, the FFN output that is the state, the ME layer at the last layer
+# ------------------------------------------------------------------------------------------
+
+
+def _hook_set(x, hook, *, pos, value):
+    x = x.clone()
+    x[:, pos] = value.to(x.dtype)
+    return x
+
+
+def test_projection_metric_and_ffn_share_by_hand(planted, prompt_file):
+    """The projection of the ffn_writes cell and the FFN share, recomputed with plain hooks."""
+    from functools import partial
+
+    from me_interp import names
+    from me_interp.interventions.causal import capture
+
+    model, plant = planted
+    r = activation_patching.run(_cfg(activation_patching, prompt_file), model)
+    L, last = plant.layer, model.n_layers - 1
+    clean = r.prompts.batch
+    acts = capture(model, clean, [names.resid_post(L), names.ffn_out(L)])
+    h, f = acts[names.resid_post(L)][:, 0].double(), acts[names.ffn_out(L)][:, 0].double()
+    u = h.mean(0) / h.mean(0).norm()
+    # FFN share: cosine and norm ratio by hand
+    cos = (f * h).sum(-1) / (f.norm(dim=-1) * h.norm(dim=-1))
+    np.testing.assert_allclose(r.ffn.cos, cos.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(
+        r.ffn.norm_ratio, (f.norm(dim=-1) / h.norm(dim=-1)).numpy(), rtol=1e-5
+    )
+    # the corrupt run with the clean FFN output of token 0 written back, read at the last layer
+    corrupt = activation_patching.first_token_corrupt(clean)
+    hooks = [(names.ffn_out(L), partial(_hook_set, pos=0, value=f.float()))]
+    got = capture(model, corrupt, [names.resid_post(last)], hooks)[names.resid_post(last)]
+    want = got[:, 0].double() @ u
+    sw = r.sweeps["mlp_out"]
+    np.testing.assert_allclose(
+        sw.cell_values("projection", L, 0).double().numpy(), want.numpy(), rtol=1e-4
+    )
+    end = capture(model, clean, [names.resid_post(last)])[names.resid_post(last)][:, 0].double()
+    np.testing.assert_allclose(
+        sw.clean["projection"].double().numpy(), (end @ u).numpy(), rtol=1e-5
+    )
+
+
+def test_projection_metric_is_signed_and_unit_normalised():
+    from me_interp import names
+    from me_interp.patching import Projection
+
+    m = Projection(1, torch.tensor([3.0, 4.0]), position=1)
+    h = torch.tensor([[[9.0, 9.0], [3.0, 4.0]], [[0.0, 0.0], [-6.0, -8.0]]])  # [batch pos d]
+    got = m({names.resid_post(1): h}, torch.ones(2, 2, dtype=torch.bool))
+    torch.testing.assert_close(got, torch.tensor([5.0, -10.0]))  # by hand: h_1 · (0.6, 0.8)
+    with pytest.raises(ValueError, match="non-zero direction"):
+        Projection(0, torch.zeros(2))
+
+
+def _with_late_ffn(planted, scale: float):
+    """A copy of the planted model whose layer-3 FFN gets a neuron that reads the massive dim and
+    writes ``scale`` times its own output along it (``scale < 0``: against the massive direction,
+    it erases part of it; ``> 0``: it rewrites it; ``synthetic:decoy-rewritten`` is the same on
+    the model without BOS)."""
+    from me_interp import load_model
+
+    _, plant = planted
+    hf, tok, fresh = synthetic.planted_llama()  # the same weights, built afresh
+    assert synthetic.add_late_writer(hf, fresh, scale) == plant.layer + 1
+    return load_model(hf, tokenizer=tok, device="cpu")
+
+
+def test_a_late_ffn_that_erases_the_massive_direction_reads_negative(planted, prompt_file):
+    """Finding 1 of issue 17: a later FFN whose output has cosine -1 with the massive direction
+    erases it; patched into the run where it never formed, it *lowers* the signed projection (a
+    norm metric would have read it as a restore: the old, backwards conclusion)."""
+    from me_interp.patching import NormRatio, patch_sweep
+
+    model = _with_late_ffn(planted, -40.0)
+    _, plant = planted
+    late = plant.layer + 1
+    r = activation_patching.run(_cfg(activation_patching, prompt_file), model)
+    assert r.site.layer == plant.layer
+    v = r.restore(("mlp_out", late, 0))
+    assert v < -0.5  # it writes against u
+    cs = _check_result(activation_patching, r)
+    c = cs["activation_patching.not_rewritten"]
+    assert c.verdict == H
+    assert f"at mlp_out of layer {late} (it writes against the massive direction" in c.details
+    # the norm of the same patch goes up: a norm metric calls the eraser a restore
+    clean = r.prompts.batch
+    sw = patch_sweep(
+        model,
+        clean,
+        activation_patching.first_token_corrupt(clean),
+        "mlp_out",
+        {"norm": NormRatio(model.n_layers - 1, 0)},
+        layers=[late],
+        positions=[0],
+    )
+    assert sw.cell("norm", late, 0) > 0.5
+
+
+def test_a_late_ffn_that_rewrites_it_fails_not_rewritten(planted, prompt_file):
+    model = _with_late_ffn(planted, 200.0)
+    _, plant = planted
+    r = activation_patching.run(_cfg(activation_patching, prompt_file), model)
+    assert r.restore(("mlp_out", plant.layer + 1, 0)) > 0.5
+    c = _check_result(activation_patching, r)["activation_patching.not_rewritten"]
+    assert c.verdict == F
+    assert f"largest {r.restore(('mlp_out', plant.layer + 1, 0)):.3g} at mlp_out" in c.details
+
+
+def test_an_overshoot_is_reported_as_such(planted, prompt_file):
+    """A normalised value above 1 is an overshoot in the details, not a restore."""
+    import dataclasses
+
+    model, plant = planted
+    r = activation_patching.run(_cfg(activation_patching, prompt_file), model)
+    sw = r.sweeps["mlp_out"]
+    vals = {k: v.clone() for k, v in sw.values.items()}
+    li, pi = sw.layers.index(plant.layer), sw.positions.index(0)
+    c, k = sw.clean["projection"], sw.corrupt["projection"]
+    vals["projection"][li, pi] = k + 2 * (c - k)  # twice the clean difference, per prompt
+    r2 = dataclasses.replace(
+        r, sweeps={**r.sweeps, "mlp_out": dataclasses.replace(sw, values=vals)}
+    )
+    assert r2.restore(("mlp_out", plant.layer, 0)) == pytest.approx(2.0, rel=1e-6)
+    claim = _by_id(claims.judge(activation_patching.SPECS, r2))["activation_patching.ffn_is_state"]
+    assert "overshoot: 2 > 1" in claim.details and "not a restore" in claim.details
+    assert (
+        "overshoot"
+        not in _by_id(claims.judge(activation_patching.SPECS, r))[
+            "activation_patching.ffn_is_state"
+        ].details
+    )
+    assert r2.to_dict()["restore"]["ffn_writes"]["overshoot"] is True
+
+
+def test_the_ffn_state_decides_which_spec_applies(planted, prompt_file):
+    """ffn_writes (claim) and ffn_is_state (sanity) judge the same patch; which one applies is
+    computed from the FFN share; the same switch decides sink_causality.remove_ffn."""
+    import dataclasses
+
+    model, _ = planted
+    r = activation_patching.run(_cfg(activation_patching, prompt_file), model)
+    assert r.ffn.is_state()
+    n = len(r.ffn.cos)
+    part = causal.FfnShare((0.9,) * n, (0.8,) * n)  # an FFN output that is part of the state
+    assert not part.is_state()
+    cs = _by_id(claims.judge(activation_patching.SPECS, dataclasses.replace(r, ffn=part)))
+    assert cs["activation_patching.ffn_writes"].verdict == H
+    assert cs["activation_patching.ffn_is_state"].verdict == NA
+    assert "it is not the state" in cs["activation_patching.ffn_is_state"].why
+    assert causal.FfnShare((0.995,) * n, (1.04,) * n).is_state()
+    assert not causal.FfnShare((0.995,) * n, (1.06,) * n).is_state()
+    assert not causal.FfnShare((0.98,) * n, (1.0,) * n).is_state()
+    rs = sink_causality.run(_cfg(sink_causality, prompt_file), model)
+    cs = _by_id(claims.judge(sink_causality.SPECS, rs))
+    assert "the sanity check remove_all" in cs["sink_causality.remove_ffn"].why
+    cs = _by_id(claims.judge(sink_causality.SPECS, dataclasses.replace(rs, ffn=part)))
+    assert cs["sink_causality.remove_ffn"].verdict == H
+
+
+def test_edit_size_of_the_residual_ablations_by_hand(planted, prompt_file):
+    from me_interp import names
+    from me_interp.interventions.causal import capture
+
+    model, plant = planted
+    r = component_ablation.run(_cfg(component_ablation, prompt_file), model)
+    h = capture(model, r.prompts.batch, [names.resid_post(plant.layer)])
+    h = h[names.resid_post(plant.layer)][:, 0].double()
+    d = plant.massive_dim
+    np.testing.assert_allclose(
+        r.edit_size["zero_dims"], (h[:, d].abs() / h.norm(dim=-1)).numpy(), rtol=1e-5
+    )
+    # every prompt starts with <s>: the mean over prompts is each prompt's own value
+    assert max(r.edit_size["mean_dims"]) < 1e-6
+    details = component_ablation.SPEC["mean_dims_harmless"].details(r)
+    assert "edit size ‖Δ‖ / ‖h_p‖" in details and "near-identity" in details
+
+
+@pytest.fixture(scope="module")
+def planted_last():
+    """The planted model with its massive activation planted at the last layer."""
+    from me_interp import load_model
+
+    hf, tok, plant = synthetic.planted("llama", layer=4, n_layers=5)
+    return load_model(hf, tokenizer=tok, device="cpu"), plant
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.NAME)
+def test_me_layer_at_the_last_layer_is_not_applicable_where_a_later_layer_is_needed(
+    module, planted_last, prompt_file
+):
+    """Finding 4 of issue 17: transplant raised ValueError; now every claim that needs a later
+    layer says so, and the others are still judged."""
+    model, plant = planted_last
+    kw = {"dst": 3} if module is transplant else {}
+    out = execute(module, module.Config(prompts=prompt_file, **kw), model)
+    assert out.result is not None and out.result.site.layer == plant.layer == model.n_layers - 1
+    cs = _by_id(out.claims)
+    needs_later = {
+        "activation_patching.state_causes_sink",
+        "activation_patching.not_rewritten",
+        "sink_causality.remove_ffn",
+        "sink_causality.remove_all",
+        "sink_causality.remove_dims",
+        "sink_causality.patch_other",
+        "transplant.sink_follows",
+        "transplant.second_sink",
+        "component_ablation.cap_removes",
+    }
+    for k, c in cs.items():
+        if k in needs_later:
+            assert c.verdict == NA and "is the last layer" in c.why, k
+    judged = {
+        "activation_patching.removal": H,
+        "activation_patching.ffn_is_state": H,
+        "component_ablation.cap_site": H,
+        "component_ablation.flatten_gain": H,
+        "component_ablation.cap_ffn_hurts": F,
+    }
+    for k, v in judged.items():
+        if k in cs:
+            assert cs[k].verdict == v, k
 
 
 # ------------------------------------------------------------------------------------------
@@ -388,18 +670,27 @@ def test_bundled_activation_patching(bundled):
     assert r.corruption == "remove_input"
     assert (r.site.layer, r.site.position) == (11, 0) and 507 in r.site.dims
     assert 100 < np.mean(r.me_ratio_clean) < 300 and np.mean(r.me_ratio_corrupt) < 2
-    assert 0.85 < r.restore(("mlp_out", 11, 0), "norm_ratio") < 1.05
+    assert 0.85 < r.restore(("mlp_out", 11, 0)) < 1.05
     assert 0.85 < r.restore(("resid_pre", 12, 0), "sink") < 1.1
-    # the last FFNs write the massive token's last-layer norm: not_rewritten fails there
-    assert 1.2 < r.restore(("mlp_out", 28, 0), "norm_ratio") < 3.0
+    # layer 11's FFN output is token 0's whole state (cosine 0.99998, 99.8 % of the norm): the
+    # mlp_out patch is the sanity check ffn_is_state, not evidence (issue 17, finding 2)
+    assert r.ffn.is_state() and np.mean(r.ffn.cos) > 0.999
+    # layer 28's FFN writes against the massive direction: it erases it (measured -4.17 on the
+    # signed projection). The old norm metric read it as a restore of 1.59 and not_rewritten as
+    # failing: backwards (issue 17, finding 1)
+    assert -8 < r.restore(("mlp_out", 28, 0)) < -2
     cs = _check_result(activation_patching, r)
     assert {k.split(".")[1]: c.verdict for k, c in cs.items()} == {
         "removal": H,
-        "undo": H,
-        "ffn_writes": H,
+        "undo": H,  # exactly 1 on every prompt: a sanity check, decided on its exact value
+        "ffn_writes": NA,
+        "ffn_is_state": H,
         "state_causes_sink": H,
-        "not_rewritten": F,
+        "not_rewritten": H,
     }
+    assert "layer 28 (it writes against the massive direction" in (
+        cs["activation_patching.not_rewritten"].details
+    )
 
 
 @pytest.mark.slow
@@ -413,9 +704,11 @@ def test_bundled_sink_causality(bundled):
     assert 0.05 < r.drop("remove_dims") < 0.3  # the two massive dims alone leave most of it
     assert abs(r.drop("patch_other")) < 0.01
     cs = _check_result(sink_causality, r)
-    assert cs["sink_causality.remove_ffn"].verdict == H
-    assert cs["sink_causality.remove_all"].verdict == H
-    assert cs["sink_causality.patch_other"].verdict == H
+    # the ME layer's FFN output is token 0's whole state: remove_ffn is remove_all (issue 17)
+    assert r.ffn.is_state()
+    assert cs["sink_causality.remove_ffn"].verdict == NA
+    assert cs["sink_causality.remove_all"].verdict == H  # sanity
+    assert cs["sink_causality.patch_other"].verdict == H  # control
 
 
 @pytest.mark.slow
@@ -430,7 +723,7 @@ def test_bundled_transplant(bundled):
     full = transplant.run(transplant.Config(component="full", **SMALL), bundled)
     f_old, f_new = full.sink_to("move")
     assert f_new > 0.5 > 0.05 > f_old  # the whole deviation of token 0 carries the sink
-    assert _by_id(transplant.verdicts(full))["transplant.sink_follows"].verdict == H
+    assert _by_id(claims.judge(transplant.SPECS, full))["transplant.sink_follows"].verdict == H
 
 
 @pytest.mark.slow
@@ -443,11 +736,11 @@ def test_bundled_component_ablation(bundled):
     assert 0.97 < r.ppl_ratio("mean_dims") < 1.03  # Sun et al.
     assert r.ppl_ratio("zero_dims") > 100  # zeroing ruins this model
     assert 3 < r.ppl_ratio("cap_ffn") < 200
+    assert 0.005 < np.mean(r.edit_size["mean_dims"]) < 0.2  # a near-identity edit (0.04)
     cs = _check_result(component_ablation, r)
     assert {k.split(".")[1]: c.verdict for k, c in cs.items()} == {
         "cap_site": H,
-        "cap_ffn": H,
-        "normalize_product": H,
+        "cap_removes": H,
         "flatten_gain": F,
         "cap_ffn_hurts": H,
         "mean_dims_harmless": H,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from me_interp import claims, names, synthetic
+from me_interp import claims, load_model, names, synthetic
 from me_interp.claims import FAILS, HOLDS, NOT_APPLICABLE, NotApplicable
 from me_interp.edits import ffn_matrix, svd_ablated
 from me_interp.experiments import ffn_svd_ablation, rmsnorm_permutation
@@ -20,6 +20,15 @@ from me_interp.experiments.common import execute
 # What the planted construction implies (synthetic.planted_llama: layer 2's pre-FFN gain is 8 on the
 # gain dims (3, 11); FFN neuron 5 reads them through gate and up and writes the massive dim 7; the
 # pre-attention norm plays no part in the creation).
+CONTROLS = {
+    "rmsnorm_permutation.attn_permutation_keeps",
+    "rmsnorm_permutation.other_dims_keep",
+    "ffn_svd_ablation.svd_gate_random_keeps",
+    "ffn_svd_ablation.svd_up_random_keeps",
+    "ffn_svd_ablation.svd_down_random_keeps",
+    "ffn_svd_ablation.random_neurons_keep",
+}
+"""The "random … keeps" comparisons: controls, never counted as evidence (issue 17 finding 6)."""
 PLANTED_PERMUTATION = {
     # a random permutation moves the two large gains away from the dims the neuron reads
     "rmsnorm_permutation.ffn_permutation_removes": HOLDS,
@@ -54,6 +63,10 @@ def snap_hf():
     return lambda model: {k: v.detach().clone() for k, v in model.hf.state_dict().items()}
 
 
+def _judge(module, res):
+    return claims.judge(module.SPECS, res)
+
+
 def _verdicts(cs):
     return {c.id: c.verdict for c in cs}
 
@@ -66,6 +79,7 @@ def _check_claims(cs, specs):
         if c.verdict != NOT_APPLICABLE:
             assert c.estimate is not None and c.estimate.n >= 1
             assert "threshold 'removed'" in c.rule and c.control
+        assert c.kind == ("control" if c.id in CONTROLS else "claim"), c.id
         json.dumps(c.to_dict())
 
 
@@ -121,14 +135,68 @@ def test_rmsnorm_permutation_planted(planted, prompt_file):
     assert len(res.select("ffn", "random")) == cfg.n_random == claims.MIN_SEEDS
     d = _check_result(res, len(synthetic.planted_prompts(8)))
     assert d["layer_1based"] == L + 1 and d["summary"]["ffn_random"]["survival"] == 0.0
-    cs = rmsnorm_permutation.verdicts(res)
+    cs = _judge(rmsnorm_permutation, res)
     _check_claims(cs, rmsnorm_permutation.SPECS)
     assert _verdicts(cs) == PLANTED_PERMUTATION
     by = {c.id: c for c in cs}
-    assert by["rmsnorm_permutation.ffn_permutation_removes"].estimate.unit == "seeds"
+    perm = by["rmsnorm_permutation.ffn_permutation_removes"]
+    assert perm.estimate.unit == "prompts × seeds" and perm.estimate.n == res.n_prompts
+    assert perm.estimate.method == "two-way bootstrap (crossed)"
+    # the point estimate is the mean over seeds of each seed's c (ratio of prompt means)
+    assert perm.estimate.value == pytest.approx(np.mean(res.seed_changes("ffn", "random")))
+    assert perm.estimate.lo < perm.estimate.value < perm.estimate.hi
     assert by["rmsnorm_permutation.flatten_removes"].estimate.unit == "prompts"
     assert set(rmsnorm_permutation.figures(res)) == {"ratio_after_edit", "flatten_sweep"}
     assert " c" in rmsnorm_permutation.summary(res)
+
+
+def test_seed_values_by_hand_and_the_nested_interval(planted, prompt_file):
+    """The random controls' cells [prompt, seed] = (R_b(edited) − 1) / (mean_b R_b(unedited) − 1),
+    whose mean is the mean over seeds of c; and the two-way crossed bootstrap (prompts, and seeds
+    shared by every prompt: a seed is one edit of the model) rebuilt by hand with the engine's seed."""
+    model, plant = planted
+    cfg = rmsnorm_permutation.Config(prompts=prompt_file, n_prompts=0, top_k=2, alphas=())
+    res = rmsnorm_permutation.run(cfg, model)
+    rows = res.select("attn", "random")
+    before = np.mean(res.baseline.prompt_ratio_at(plant.layer))
+    want = np.array(
+        [[(r["ratio_at_layer_per_prompt"][b] - 1) / (before - 1) for r in rows] for b in range(8)]
+    )
+    got = res.seed_values("attn", "random")
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert got.mean() == pytest.approx(np.mean([r["change"] for r in rows]))
+    assert res.to_dict()["per_prompt"]["seed_values"]["attn random"] == got.tolist()
+    rng = np.random.default_rng(res.seed)
+    n, k = got.shape
+    iu = rng.integers(0, n, size=(claims.N_BOOTSTRAP, n))
+    iseed = rng.integers(0, k, size=(claims.N_BOOTSTRAP, k))  # one seed draw per replicate
+    boot = [got[iu[i]][:, iseed[i]].mean() for i in range(claims.N_BOOTSTRAP)]
+    lo, hi = np.quantile(boot, [0.025, 0.975])
+    c = {c.id: c for c in _judge(rmsnorm_permutation, res)}[
+        "rmsnorm_permutation.attn_permutation_keeps"
+    ]
+    assert (c.estimate.lo, c.estimate.hi) == pytest.approx((lo, hi))
+    assert c.kind == "control" and c.verdict == HOLDS
+    assert "c per seed" in c.details
+
+
+def test_me_layer_at_the_last_layer(prompt_file):
+    """A plant at the last layer: the edits act on it, nothing needs a later layer."""
+    hf, tok, plant = synthetic.planted_llama(layer=4)
+    model = load_model(hf, tokenizer=tok, device="cpu")
+    cfg = rmsnorm_permutation.Config(prompts=prompt_file, top_k=2, norms=("ffn",), alphas=(0.0,))
+    res = rmsnorm_permutation.run(cfg, model)
+    assert res.layer == 4
+    v = _verdicts(_judge(rmsnorm_permutation, res))
+    assert v["rmsnorm_permutation.ffn_permutation_removes"] == HOLDS
+    assert v["rmsnorm_permutation.attn_permutation_keeps"] == NOT_APPLICABLE  # not run
+    cfg = ffn_svd_ablation.Config(prompts=prompt_file, ks=(1,), matrices=("down",), n_neurons=1)
+    res = ffn_svd_ablation.run(cfg, model)
+    v = _verdicts(_judge(ffn_svd_ablation, res))
+    assert (
+        v["ffn_svd_ablation.svd_down_removes"] == v["ffn_svd_ablation.random_neurons_keep"] == HOLDS
+    )
+    assert ffn_svd_ablation.summary(res) and ffn_svd_ablation.figures(res)
 
 
 @pytest.mark.parametrize("fixture", ["twin", "tiny_llama"])
@@ -153,7 +221,7 @@ def test_rmsnorm_permutation_explicit_layer_on_twin(twin, prompt_file, snap_hf):
     cfg = rmsnorm_permutation.Config(prompts=prompt_file, layer=plant.layer, n_random=1, top_k=2)
     res = rmsnorm_permutation.run(cfg, model)
     assert res.layer_given and not res.massive_at_layer
-    cs = rmsnorm_permutation.verdicts(res)
+    cs = _judge(rmsnorm_permutation, res)
     assert {c.verdict for c in cs} == {NOT_APPLICABLE}
     assert all("no massive activation at layer 2" in c.why for c in cs)
     after = model.hf.state_dict()
@@ -163,7 +231,7 @@ def test_rmsnorm_permutation_explicit_layer_on_twin(twin, prompt_file, snap_hf):
 def test_rmsnorm_permutation_too_few_seeds_is_not_judged(planted, prompt_file):
     model, _ = planted
     cfg = rmsnorm_permutation.Config(prompts=prompt_file, n_random=2, alphas=(0.0,), norms=("ffn",))
-    cs = {c.id: c for c in rmsnorm_permutation.verdicts(rmsnorm_permutation.run(cfg, model))}
+    cs = {c.id: c for c in _judge(rmsnorm_permutation, rmsnorm_permutation.run(cfg, model))}
     for name in ("ffn_permutation_removes", "top_dims_removes", "other_dims_keep"):
         c = cs[f"rmsnorm_permutation.{name}"]
         assert c.verdict == NOT_APPLICABLE and "at least 5" in c.why
@@ -257,9 +325,11 @@ def test_ffn_svd_ablation_planted(planted, prompt_file):
         assert r["survives"] and not set(r["neurons"]) & set(res.neurons)
     assert len(res.select("neurons_random")) == cfg.n_random
     _check_result(res, len(synthetic.planted_prompts(8)))
-    cs = ffn_svd_ablation.verdicts(res)
+    cs = _judge(ffn_svd_ablation, res)
     _check_claims(cs, ffn_svd_ablation.SPECS)
     assert _verdicts(cs) == PLANTED_SVD
+    keeps = {c.id: c for c in cs}["ffn_svd_ablation.random_neurons_keep"]
+    assert keeps.estimate.unit == "prompts × seeds" and keeps.kind == "control"
     assert set(ffn_svd_ablation.figures(res)) == {"svd_sweep", "neuron_ablation"}
     assert " c" in ffn_svd_ablation.summary(res)
 
@@ -281,7 +351,7 @@ def test_ffn_svd_ablation_explicit_layer_on_twin(twin, prompt_file):
     )
     res = ffn_svd_ablation.run(cfg, model)
     assert not res.massive_at_layer
-    assert {c.verdict for c in ffn_svd_ablation.verdicts(res)} == {NOT_APPLICABLE}
+    assert {c.verdict for c in _judge(ffn_svd_ablation, res)} == {NOT_APPLICABLE}
 
 
 def test_ffn_svd_ablation_bad_inputs(planted, prompt_file):
@@ -366,7 +436,7 @@ def test_rmsnorm_permutation_bundled(bundled):
     for kind in ("random", "top", "other", "flatten"):
         for r in res.select("ffn", kind):
             assert r["survives"] and 0.8 < r["change"] < 1.2
-    v = _verdicts(rmsnorm_permutation.verdicts(res))
+    v = _verdicts(_judge(rmsnorm_permutation, res))
     assert v == {
         "rmsnorm_permutation.ffn_permutation_removes": FAILS,
         "rmsnorm_permutation.attn_permutation_keeps": HOLDS,
@@ -388,7 +458,7 @@ def test_ffn_svd_ablation_bundled(bundled):
     assert res.svd_row("up", 8)["change"] < 0.05 and res.svd_row("gate", 8)["change"] < 0.05
     assert 0.15 < res.neurons_row([1229])["change"] < 0.4
     assert res.neurons_row(res.neurons)["change"] < 0.05
-    v = _verdicts(ffn_svd_ablation.verdicts(res))
+    v = _verdicts(_judge(ffn_svd_ablation, res))
     assert v == {
         "ffn_svd_ablation.svd_gate_removes": HOLDS,
         "ffn_svd_ablation.svd_up_removes": HOLDS,

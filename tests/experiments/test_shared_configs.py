@@ -23,16 +23,20 @@ def test_check_choices_rejects(values, message):
         common.check_choices(values, ("a", "b"), "thing")
 
 
-def test_fmt_verdicts_one_line_per_claim_sanity_marked():
-    spec = claims.Spec("x.a", "§1", "A holds", "fraction", ">=", "moved_fraction", "twin")
-    sanity = claims.Spec("x.b", "§1", "B by construction", "cell", ">=", "restore", kind="sanity")
-    cs = [
-        spec.judge(claims.bootstrap([1.0, 1.0, 1.0])),
-        sanity.judge(claims.exact(1.0, 3, "prompts")),
-    ]
-    lines = common.fmt_verdicts(cs).splitlines()
-    assert lines[0].startswith("[holds] x.a (§1): A holds — fraction = 1 [1, 1]")
+def test_fmt_verdicts_one_line_per_claim_kinds_marked():
+    x = [0.8, 0.9, 1.0]
+    specs = [
+        claims.Spec("x.a", "§1", "A holds", "fraction", ">=", "moved_fraction", "twin",
+                    stat=lambda r: claims.Sample(x)),
+        claims.Spec("x.b", "§1", "B by construction", "cell", ">=", "restore", kind="sanity",
+                    stat=lambda r: claims.Sample([1.0, 1.0, 1.0])),
+        claims.Spec("x.c", "§1", "C as designed", "cell", ">=", "restore", kind="control",
+                    stat=lambda r: claims.Sample(x)),
+    ]  # fmt: skip
+    lines = common.fmt_verdicts(claims.judge(specs, None, seed=0)).splitlines()
+    assert lines[0].startswith("[holds] x.a (§1): A holds — fraction = 0.9 [0.8, 1]")
     assert lines[1].startswith("(sanity check) [holds] x.b")
+    assert lines[2].startswith("(control) [holds] x.c")
 
 
 def test_site_config_validates_the_layer():

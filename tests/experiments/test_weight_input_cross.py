@@ -14,14 +14,29 @@ import pytest
 import torch
 
 from me_interp import claims, load_model, names, synthetic
-from me_interp.claims import FAILS, HOLDS, NOT_APPLICABLE, NotApplicable
+from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotApplicable
 from me_interp.experiments import weight_input_cross as wic
 
-PLANTED = {
+PLANTED = {  # the 8-layer planted model with ME layer 6: 6 earlier inputs, 6 large cells
     "weight_input_cross.row_share": HOLDS,
     "weight_input_cross.row_breadth": HOLDS,
     "weight_input_cross.diagonal": HOLDS,  # sanity
 }
+# ME layer 2 (the 5-layer planted models): 2 of 2 earlier inputs / large cells is [0.16, 1]
+PLANTED_FEW = {
+    "weight_input_cross.row_share": INCONCLUSIVE,
+    "weight_input_cross.row_breadth": INCONCLUSIVE,
+    "weight_input_cross.diagonal": HOLDS,
+}
+
+
+def _judge(res):
+    return claims.judge(wic.SPECS, res)
+
+
+def _load(**kw):
+    hf, tok, plant = synthetic.planted_llama(**kw)
+    return load_model(hf, tokenizer=tok, device="cpu"), plant
 
 
 @pytest.fixture(scope="module")
@@ -117,25 +132,81 @@ def test_planted_cross_is_large_exactly_where_the_construction_says(planted, pla
     pp = res.per_prompt
     assert pp["share"] == [1.0] * 5 and pp["breadth"] == [1.0] * 5
     assert all(n == 2 for n in pp["n_large_in_region"])  # (2, 0) and (2, 1); (2, 2) is left out
+    assert res.majority_cells() == [(m, 0), (m, 1), (m, 2)]
 
 
 def test_planted_verdicts_and_result(planted_result):
     res = planted_result
-    cs = wic.verdicts(res)
+    cs = _judge(res)
     assert [c.id for c in cs] == [s.id for s in wic.SPECS]
-    assert {c.id: c.verdict for c in cs} == PLANTED
+    assert {c.id: c.verdict for c in cs} == PLANTED_FEW
     by = {c.id: c for c in cs}
     assert by["weight_input_cross.diagonal"].kind == "sanity"
+    assert by["weight_input_cross.diagonal"].estimate.unit == "prompts"
     share = by["weight_input_cross.row_share"]
-    assert share.estimate.unit == "prompts" and share.estimate.n == 5
+    assert share.estimate.unit == "large cells" and share.estimate.n == 2
+    assert share.outcomes == {"cell (2, 0) = (m, m-2)": True, "cell (2, 1) = (m, m-1)": True}
     assert share.threshold == claims.threshold("cross_share")
-    assert by["weight_input_cross.row_breadth"].threshold == claims.threshold("moved_fraction")
+    breadth = by["weight_input_cross.row_breadth"]
+    assert breadth.outcomes == {"layer 0 (m-2)": True, "layer 1 (m-1)": True}
+    assert breadth.estimate.lo == pytest.approx(0.025**0.5)
+    assert breadth.threshold == claims.threshold("cross_breadth")
     d = res.to_dict()
     assert len(d["per_prompt"]["share"]) == 5
+    assert d["large_cells_majority"] == [(2, 0), (2, 1), (2, 2)]
     assert np.asarray(d["cross"]).shape == (5, 5, 5)
     json.dumps(d)
     assert set(wic.figures(res)) == {"cross_matrix", "me_row"}
     assert "median over prompts of C[X, Y]" in wic.summary(res)
+
+
+def test_planted_with_enough_earlier_inputs(prompt_file):
+    """ME layer 6 of 8: six earlier inputs, all large in row 6 only: 6 of 6 is [0.54, 1]."""
+    model, plant = _load(layer=6, n_layers=8)
+    res = wic.run(wic.Config(prompts=prompt_file), model)
+    assert res.layer == 6
+    cs = {c.id: c for c in _judge(res)}
+    assert {i: c.verdict for i, c in cs.items()} == PLANTED
+    assert cs["weight_input_cross.row_breadth"].estimate.n == 6
+    assert list(cs["weight_input_cross.row_breadth"].outcomes) == [
+        f"layer {y} (m{y - 6})" for y in range(6)
+    ]
+
+
+def test_me_layer_at_the_last_layer(prompt_file):
+    """Nothing of the cross needs a later layer: the plant at the last layer is judged like any."""
+    model, plant = _load(layer=4)
+    res = wic.run(wic.Config(prompts=prompt_file), model)
+    assert res.layer == 4 and res.majority_cells(4) == [(4, y) for y in range(5)]
+    cs = {c.id: c for c in _judge(res)}
+    assert cs["weight_input_cross.row_breadth"].estimate.value == 1
+    assert cs["weight_input_cross.diagonal"].verdict == HOLDS
+    assert wic.summary(res) and wic.figures(res)
+
+
+def test_outcomes_by_hand():
+    """Majority cells, breadth and share outcomes from a hand-made 3-prompt, 4-layer cross, m = 2:
+    a cell counts when it is large on at least 2 of the 3 prompts."""
+    c = np.ones((3, 4, 4))
+    c[:, 2, 2] = 1000.0  # the observed massive output: large bound 100 on every prompt
+    c[:, 2, 0] = [500.0, 500.0, 1.0]  # large on 2 of 3: counts
+    c[:, 2, 1] = [500.0, 1.0, 1.0]  # large on 1 of 3: does not
+    c[:, 1, 0] = [200.0, 200.0, 200.0]  # another row, in the judged region
+    c[:, 0, 3] = [200.0, 200.0, 200.0]  # input Y = 3 > m: outside the judged region
+    res = wic.Result("m", "b", 2, True, 2, 4, [0] * 3, [4] * 3, c.tolist(), 10.0, 0.1)
+    assert res.per_prompt["large_count"][2][:2] == [2, 1]
+    assert res.majority_cells() == [(0, 3), (1, 0), (2, 0), (2, 2)]
+    b = res.breadth_outcomes()
+    assert list(b.outcomes) == [True, False] and list(b.labels) == [
+        "layer 0 (m-2)",
+        "layer 1 (m-1)",
+    ]
+    sh = res.share_outcomes()  # (1, 0) and (2, 0); (2, 2) left out, (0, 3) outside
+    assert list(sh.outcomes) == [False, True]
+    assert list(sh.labels) == ["cell (1, 0) = (m-1, m-2)", "cell (2, 0) = (m, m-2)"]
+    cs = {x.id: x for x in _judge(res)}
+    assert cs["weight_input_cross.row_share"].estimate.value == 0.5
+    assert cs["weight_input_cross.row_breadth"].estimate.value == 0.5
 
 
 def test_prompt_statistics_by_hand():
@@ -148,6 +219,7 @@ def test_prompt_statistics_by_hand():
     pp = wic.prompt_statistics(c, layer=2, k=10.0, r=0.1)
     assert pp["threshold"] == [100.0] and pp["diagonal"] == [1000.0]
     assert pp["share"] == [0.5] and pp["breadth"] == [0.5] and pp["n_large_in_region"] == [2]
+    assert pp["large_count"] == [[0, 0, 0], [0, 1, 0], [1, 0, 1]]
     small = np.ones((1, 3, 3))
     small[0, 2, 2] = 5.0  # below k: nothing is large, so nothing is "in row m"
     pp = wic.prompt_statistics(small, layer=2, k=10.0, r=0.1)
@@ -161,16 +233,29 @@ def test_without_massive_activation(fixture, request, prompt_file):
     with pytest.raises(NotApplicable, match="no massive activation on this model"):
         wic.run(wic.Config(prompts=prompt_file), model)
     res = wic.run(wic.Config(prompts=prompt_file, layer=2), model)
-    cs = wic.verdicts(res)
-    assert all(c.verdict == FAILS for c in cs if c.kind == "claim"), [c.verdict for c in cs]
-    assert res.large_cells() == []
+    cs = {c.id: c for c in _judge(res)}
+    # was: both row claims fail; the share of no large cell is not a share (not applicable), and
+    # 0 of 2 earlier inputs is [0, 0.84] (inconclusive; test_fails_on_the_twin has 6 inputs)
+    assert "no cell of the judged region" in cs["weight_input_cross.row_share"].why
+    assert cs["weight_input_cross.row_breadth"].verdict == INCONCLUSIVE
+    assert cs["weight_input_cross.row_breadth"].estimate.value == 0
+    assert cs["weight_input_cross.diagonal"].verdict == FAILS  # sanity: no massive output
+    assert res.large_cells() == [] == res.majority_cells()
+
+
+def test_fails_on_the_twin(prompt_file):
+    """--layer 6 of the 8-layer twin: no earlier input makes a large cell, 0 of 6 is [0, 0.46]."""
+    model, _ = _load(n_layers=8, plant=False)
+    cs = {c.id: c for c in _judge(wic.run(wic.Config(prompts=prompt_file, layer=6), model))}
+    assert cs["weight_input_cross.row_breadth"].verdict == FAILS
+    assert cs["weight_input_cross.row_share"].verdict == NOT_APPLICABLE
 
 
 def test_layer_zero_has_no_earlier_input(prompt_file):
     hf, tok, _ = synthetic.planted_llama(layer=0)
     res = wic.run(wic.Config(prompts=prompt_file), load_model(hf, tokenizer=tok, device="cpu"))
     assert res.layer == 0
-    v = {c.id: c.verdict for c in wic.verdicts(res)}
+    v = {c.id: c.verdict for c in _judge(res)}
     assert (
         v["weight_input_cross.row_share"] == v["weight_input_cross.row_breadth"] == NOT_APPLICABLE
     )
@@ -190,11 +275,12 @@ def test_cli_smoke_and_help(prompt_file, tmp_path, capsys):
     argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(tmp_path)]
     assert wic.main([*argv, "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "[holds] weight_input_cross.row_share" in out
+    assert "[inconclusive] weight_input_cross.row_share" in out
+    assert "(sanity check) [holds] weight_input_cross.diagonal" in out
     run_dir = next((tmp_path / wic.NAME).iterdir())
     result = json.loads((run_dir / "result.json").read_text())
     assert result["layer"] == 2
-    assert [c["verdict"] for c in result["claims"]] == list(PLANTED.values())
+    assert [c["verdict"] for c in result["claims"]] == list(PLANTED_FEW.values())
     assert {p.stem for p in run_dir.glob("*.html")} >= {"cross_matrix", "me_row"}
     assert wic.main([*argv, "--layer", "9"]) == 2
     assert "out of range" in capsys.readouterr().err
@@ -219,10 +305,16 @@ def test_bundled(bundled):
     assert 80 < med[11, 10] < 400  # measured 189
     assert 5 < med[11, 9] < 60  # measured 21.5
     assert [c for c in res.large_cells() if c[1] <= 11] == [(11, 10), (11, 11)]
-    v = {c.id: c for c in wic.verdicts(res)}
+    v = {c.id: c for c in _judge(res)}
     share, breadth = v["weight_input_cross.row_share"], v["weight_input_cross.row_breadth"]
-    assert share.verdict == HOLDS and 0.75 < share.estimate.lo < share.estimate.hi < 1.0  # 0.93
-    assert breadth.verdict == FAILS and breadth.estimate.hi < 0.2  # measured 1/11 on every prompt
+    # was: share HOLDS 0.93 [0.75, 1] bootstrapped over prompts and breadth FAILS 0.0909 [0.0909,
+    # 0.0909] (issue 17 finding 4); now k of n over large cells / earlier input layers
+    assert res.majority_cells(10) == [(11, 10)]
+    assert share.verdict == INCONCLUSIVE and share.outcomes == {"cell (11, 10) = (m, m-1)": True}
+    assert (
+        breadth.verdict == FAILS and breadth.estimate.n == 11 and breadth.estimate.value == 1 / 11
+    )
+    assert breadth.estimate.hi < 0.5
 
 
 def _hf_rmsnorm(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -301,7 +393,7 @@ def test_sandwich_planted_cross(sandwich):
         assert cross[b, m, 0] * den == pytest.approx(post_gain * model.d_model**0.5, rel=1e-2)
     others = np.delete(cross[:, :, : m + 1], m, axis=1)  # rows X != m, inputs Y <= m
     assert others.max() < res.large_factor
-    assert {c.id: c.verdict for c in wic.verdicts(res)} == PLANTED
+    assert {c.id: c.verdict for c in _judge(res)} == PLANTED_FEW
 
 
 def test_llama_cross_path_is_the_pre_norm_and_ffn_exactly(planted, planted_result):

@@ -1,6 +1,11 @@
 """weight_swap and weight_patching (and what they share in ``_weights``): the verdicts the planted
 construction implies, "not applicable" / "fails" on models without the mechanism, measurements against
-hand computations, subsampling, CLI smoke and bad inputs, and the bundled model with two-sided bounds."""
+hand computations, subsampling, CLI smoke and bad inputs, and the bundled model with two-sided bounds.
+
+The claims are k-of-n counts over partner / target layers with exact Clopper–Pearson intervals: with
+the 5-layer planted model (4 partners, 2 targets before its ME layer) no verdict can be decided
+against ``moved_fraction`` = 0.5 (4 of 4 give [0.40, 1]), so the verdicts the construction implies
+are checked on 8-layer planted models (7 partners; 6 targets before an ME layer 6)."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import pytest
 import torch
 
 from me_interp import claims, load_model, names, synthetic
-from me_interp.claims import FAILS, HOLDS, NOT_APPLICABLE, NotApplicable
+from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotApplicable
 from me_interp.experiments import _weights, weight_patching, weight_swap
 from me_interp.probes import Criterion
 from me_interp.probes.attention import attention_stats
@@ -28,6 +33,7 @@ PLANTED_SWAP = {
     "weight_swap.block": HOLDS,  # a different claim: the whole layer, attention included
     "weight_swap.ffn_path_needed": HOLDS,  # without its own pair layer 2 is no longer the ME layer
 }
+PLANTED_SWAP_FEW = dict.fromkeys(PLANTED_SWAP, INCONCLUSIVE)  # 4 partners: [0.40, 1] / [0, 0.60]
 PLANTED_PATCH = {
     "weight_patching.ffn_path": HOLDS,
     "weight_patching.ffn_norm": FAILS,
@@ -37,6 +43,23 @@ PLANTED_PATCH = {
     "weight_patching.attn": FAILS,
     "weight_patching.block": HOLDS,
 }
+PLANTED_PATCH_FEW = dict.fromkeys(PLANTED_PATCH, INCONCLUSIVE)  # 2 targets: [0.16, 1] / [0, 0.84]
+
+
+def _load(**kw):
+    hf, tok, plant = synthetic.planted_llama(**kw)
+    return load_model(hf, tokenizer=tok, device="cpu"), plant
+
+
+@pytest.fixture(scope="module")
+def planted8():
+    """The planted construction with 8 layers, ME layer 2: 7 partner layers."""
+    return _load(n_layers=8)
+
+
+@pytest.fixture(scope="module")
+def twin8():
+    return _load(n_layers=8, plant=False)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +89,16 @@ def _check_claims(cs, specs):
 
 
 def _never_holds(cs):
+    # was: every claim fails or is not applicable; with 2-4 partners 0 of n is [0, 0.60+] under
+    # Clopper–Pearson, which is inconclusive (the old "fails" rested on a zero-width bootstrap
+    # interval over 0/1 outcomes, issue 17 finding 4); test_*_fails_on_the_twin checks "fails".
     judged = [c for c in cs if c.kind == "claim"]
-    assert judged and all(c.verdict in (FAILS, NOT_APPLICABLE) for c in judged), _verdicts(cs)
+    assert judged and all(c.verdict != HOLDS for c in judged), _verdicts(cs)
+    assert any(c.verdict != NOT_APPLICABLE for c in judged)
+
+
+def _judge(module, res):
+    return claims.judge(module.SPECS, res)
 
 
 # ---------------------------------------------------------------------------- shared helpers
@@ -133,6 +164,24 @@ def test_measure_matches_hand_computation(planted, prompt_file):
     assert all(s < 0.5 for s in m.sink[: plant.layer + 1])
 
 
+def test_prompt_me_layers_match_one_prompt_batches(planted, twin):
+    """The per-prompt ME layer of `measure` equals the ME layer located on a batch of that prompt
+    alone (a separate forward per prompt)."""
+    prompts = synthetic.planted_prompts(4)
+    for model, want in ((planted[0], planted[1].layer), (twin[0], None)):
+        batch = weight_swap.short_batch(model, prompts, 0, 0)
+        got = weight_swap.measure(model, batch, Criterion(), sink=False).prompt_me_layer
+        alone = [_weights.locate(model, model.tokenize([p]), Criterion()).me_layer for p in prompts]
+        assert got == alone == [want] * 4
+
+
+def test_depth_label_and_majority():
+    assert _weights.depth_label(3, 11) == "layer 3 (m-8)"
+    assert _weights.depth_label(12, 11) == "layer 12 (m+1)"
+    assert _weights.majority([True, True, False]) and not _weights.majority([True, False])
+    assert not _weights.majority([])
+
+
 def test_prepare_on_a_model_without_massive_activation_is_not_applicable(twin, prompt_file):
     with pytest.raises(NotApplicable, match="no massive activation on this model"):
         _weights.prepare(weight_swap.Config(prompts=prompt_file), twin[0])
@@ -151,30 +200,37 @@ def test_weight_swap_planted(planted, prompt_file):
     by = {(r["part"], r["partner"]): r for r in res.rows}
     for p in res.partners:
         assert by[("ffn_path", p)]["me_layer"] == p  # the pair moves the emergence
+        assert by[("ffn_path", p)]["prompt_me_layer"] == [p] * 5  # on every prompt alone too
         assert by[("block", p)]["me_layer"] == p
         assert by[("ffn", p)]["outcome"] == "vanished"  # either half alone makes it vanish
         assert by[("ffn_norm", p)]["outcome"] == "vanished"
+        assert by[("ffn_norm", p)]["prompt_me_layer"] == [None] * 5
         for part in ("attn_path", "attn_norm", "attn"):
             assert by[(part, p)]["outcome"] == "stayed"
     moved = by[("ffn_path", 4)]
     assert moved["ratio_at_partner"] > 100 and moved["ratio_at_layer"] < 10
     assert len(moved["ratio_at_partner_per_prompt"]) == res.n_prompts == 5
     assert moved["sink"][3] < 0.5 < res.baseline.sink[3]  # the sink follows the activation
-    cs = weight_swap.verdicts(res)
+    cs = _judge(weight_swap, res)
     _check_claims(cs, weight_swap.SPECS)
-    assert _verdicts(cs) == PLANTED_SWAP
+    assert _verdicts(cs) == PLANTED_SWAP_FEW
     head = cs[0]
     assert head.id == "weight_swap.ffn_path" and head.estimate.unit == "partner layers"
-    assert (head.estimate.value, head.estimate.lo, head.estimate.hi, head.estimate.n) == (
-        1,
-        1,
-        1,
-        4,
-    )
+    assert head.estimate.method == "clopper-pearson" and head.estimate.n == 4
+    assert head.estimate.value == 1 and head.estimate.lo == pytest.approx(0.025 ** (1 / 4))
+    assert head.outcomes == {
+        "layer 0 (m-2)": True,
+        "layer 1 (m-1)": True,
+        "layer 3 (m+1)": True,
+        "layer 4 (m+2)": True,
+    }
+    assert "layer 0 (m-2) 5/5" in head.details and "more than half" in head.statistic
     assert head.threshold == claims.threshold("moved_fraction")
     d = res.to_dict()
     assert "claims" not in d  # the CLI / battery add them (experiments.common.Outcome)
-    assert d["per_partner"]["ffn_path"]["moved"] == [1.0] * 4
+    assert d["per_partner"]["ffn_path"]["moved"] == [True] * 4
+    assert d["per_partner"]["ffn_path"]["moved_prompts"] == [5] * 4
+    assert d["per_partner"]["ffn_norm"]["left_layer"] == [True] * 4
     assert d["per_part"]["ffn"]["vanished_partners"] == [0, 1, 3, 4]
     json.dumps(d)
     assert set(weight_swap.figures(res)) == {
@@ -185,17 +241,76 @@ def test_weight_swap_planted(planted, prompt_file):
     assert "ffn_path" in weight_swap.summary(res) and "[holds]" not in weight_swap.summary(res)
 
 
+def test_weight_swap_planted_with_enough_partners(planted8, prompt_file):
+    """7 partners: 7 of 7 is [0.59, 1] (holds) and 0 of 7 is [0, 0.41] (fails)."""
+    model, plant = planted8
+    res = weight_swap.run(weight_swap.Config(prompts=prompt_file), model)
+    assert res.layer == plant.layer == 2 and len(res.partners) == 7
+    cs = _judge(weight_swap, res)
+    assert _verdicts(cs) == PLANTED_SWAP
+    head = cs[0]
+    assert head.estimate.lo == pytest.approx(0.025 ** (1 / 7), abs=1e-6)
+    assert list(head.outcomes)[-1] == "layer 7 (m+5)"
+    ffn_norm = next(c for c in cs if c.id == "weight_swap.ffn_norm")
+    assert ffn_norm.estimate.hi == pytest.approx(1 - 0.025 ** (1 / 7), abs=1e-6)
+
+
+def test_weight_swap_majority_over_prompts_by_hand(planted8, prompt_file):
+    """A partner's outcome is the majority of its prompts' own ME layers: rewrite the per-prompt
+    ME layers of one row and count by hand."""
+    model, _ = planted8
+    cfg = weight_swap.Config(prompts=prompt_file, partners=(0, 5, 7), parts=("ffn_path",))
+    res = weight_swap.run(cfg, model)
+    n = res.n_prompts
+    res.rows[0]["prompt_me_layer"] = [0] * (n // 2) + [2] * (n - n // 2)  # half: no majority
+    res.rows[1]["prompt_me_layer"] = [5] * (n // 2 + 1) + [None] * (n - n // 2 - 1)
+    pp = res.per_partner("ffn_path")
+    assert pp["moved_prompts"] == [n // 2, n // 2 + 1, n]
+    assert pp["moved"] == [False, True, True]
+    assert pp["left_layer"] == [False, True, True]  # row 0: half its prompts still at m = 2
+    o = res.partner_outcomes("ffn_path")
+    assert list(o.outcomes) == [False, True, True]
+    assert list(o.labels) == ["layer 0 (m-2)", "layer 5 (m+3)", "layer 7 (m+5)"]
+    c = _judge(weight_swap, res)[0]
+    assert c.estimate.value == pytest.approx(2 / 3) and c.verdict == INCONCLUSIVE
+
+
 def test_weight_swap_partner_subsample_and_parts(planted, prompt_file):
     model, _ = planted
     cfg = weight_swap.Config(prompts=prompt_file, max_partners=2, parts=("ffn_path", "ffn"))
     res = weight_swap.run(cfg, model)
     assert res.partners == [0, 4]  # spread: first and last of the other layers
-    v = _verdicts(weight_swap.verdicts(res))
-    assert v["weight_swap.ffn_path"] == HOLDS and v["weight_swap.ffn"] == FAILS
-    assert v["weight_swap.block"] == NOT_APPLICABLE  # not swapped in this run
-    assert v["weight_swap.ffn_path_needed"] == HOLDS
+    cs = {c.id: c for c in _judge(weight_swap, res)}
+    # was HOLDS / FAILS on a zero-width bootstrap over 2 partners (issue 17 finding 4): 2 of 2 is
+    # [0.16, 1] and 0 of 2 is [0, 0.84]
+    assert cs["weight_swap.ffn_path"].verdict == INCONCLUSIVE
+    assert cs["weight_swap.ffn_path"].outcomes == {"layer 0 (m-2)": True, "layer 4 (m+2)": True}
+    assert cs["weight_swap.ffn"].verdict == INCONCLUSIVE
+    assert cs["weight_swap.ffn"].outcomes == {"layer 0 (m-2)": False, "layer 4 (m+2)": False}
+    assert cs["weight_swap.block"].verdict == NOT_APPLICABLE  # not swapped in this run
+    assert cs["weight_swap.ffn_path_needed"].estimate.value == 1
     res = weight_swap.run(weight_swap.Config(prompts=prompt_file, parts=("block",)), model)
-    assert _verdicts(weight_swap.verdicts(res))["weight_swap.ffn_path_needed"] == NOT_APPLICABLE
+    assert _verdicts(_judge(weight_swap, res))["weight_swap.ffn_path_needed"] == NOT_APPLICABLE
+
+
+def test_weight_swap_me_layer_at_the_last_layer(prompt_file):
+    """An ME layer at the last layer: every partner is earlier, nothing needs a later layer."""
+    model, plant = _load(layer=4)
+    res = weight_swap.run(weight_swap.Config(prompts=prompt_file, parts=("ffn_path",)), model)
+    assert res.layer == 4 and res.partners == [0, 1, 2, 3]
+    assert res.per_partner("ffn_path")["moved"] == [True] * 4
+    c = _judge(weight_swap, res)[0]
+    assert list(c.outcomes) == [f"layer {p} (m{p - 4})" for p in range(4)]
+    assert weight_swap.summary(res) and weight_swap.figures(res)
+
+
+def test_weight_swap_fails_on_the_twin(twin8, prompt_file):
+    """--layer 2 of the 8-layer twin: nothing moves on any of 7 partners, so the claims fail."""
+    model, _ = twin8
+    cfg = weight_swap.Config(prompts=prompt_file, layer=2, parts=("ffn_path", "block"))
+    v = _verdicts(_judge(weight_swap, weight_swap.run(cfg, model)))
+    assert v["weight_swap.ffn_path"] == v["weight_swap.block"] == FAILS
+    assert v["weight_swap.ffn_path_needed"] == NOT_APPLICABLE  # no emergence to remove
 
 
 @pytest.mark.parametrize("fixture", ["twin", "tiny_llama"])
@@ -207,7 +322,7 @@ def test_weight_swap_without_massive_activation(fixture, request, prompt_file, s
     before = snap_hf(model)
     cfg = weight_swap.Config(prompts=prompt_file, layer=2, max_partners=2)
     res = weight_swap.run(cfg, model)  # --layer: judged, and nothing can move
-    cs = weight_swap.verdicts(res)
+    cs = _judge(weight_swap, res)
     _never_holds(cs)
     assert _verdicts(cs)["weight_swap.ffn_path_needed"] == NOT_APPLICABLE  # no emergence to remove
     after = model.hf.state_dict()
@@ -223,7 +338,7 @@ def test_weight_swap_runs_on_qwen3_with_explicit_layer(tiny_qwen3, prompt_file, 
     res = weight_swap.run(cfg, tiny_qwen3)
     assert res.layer == 1 and len(res.rows) == 4
     assert all(r["outcome"] == "vanished" for r in res.rows)  # there was nothing to move
-    _never_holds(weight_swap.verdicts(res))
+    _never_holds(_judge(weight_swap, res))
     after = tiny_qwen3.hf.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
@@ -256,21 +371,50 @@ def test_weight_patching_within_planted(planted, prompt_file):
     by = {(r["part"], r["target"]): r for r in res.rows}
     for t in res.targets:  # copied before the planted layer, the pair makes the emergence there
         assert by[("ffn_path", t)]["outcome"] == "copied"
+        assert by[("ffn_path", t)]["prompt_me_layer"] == [t] * 5
         assert by[("block", t)]["outcome"] == "copied"
         assert by[("ffn_norm", t)]["outcome"] == "kept"  # the gain without the neuron: nothing new
         assert (
             by[("ffn", t)]["outcome"] == "vanished"
         )  # its write to dim 7 raises the RMS at layer 2
         assert by[("attn_path", t)]["outcome"] == "kept"
-    cs = weight_patching.verdicts(res)
+    cs = _judge(weight_patching, res)
     _check_claims(cs, weight_patching.SPECS)
-    assert _verdicts(cs) == PLANTED_PATCH
+    assert _verdicts(cs) == PLANTED_PATCH_FEW  # 2 targets: 2 of 2 is [0.16, 1]
     assert cs[0].estimate.unit == "target layers" and cs[0].estimate.n == 2
+    assert cs[0].estimate.lo == pytest.approx(0.025**0.5)
+    assert cs[0].outcomes == {"layer 0 (m-2)": True, "layer 1 (m-1)": True}
     d = res.to_dict()
-    assert d["per_target"]["ffn_path"]["copied"] == [1.0, 1.0]
+    assert d["per_target"]["ffn_path"]["copied"] == [True, True]
+    assert d["per_target"]["ffn_path"]["copied_prompts"] == [5, 5]
     json.dumps(d)
     assert set(weight_patching.figures(res)) == {"me_layer_after_patch"}
     assert "ffn_path" in weight_patching.summary(res)
+
+
+def test_weight_patching_within_planted_with_enough_targets(prompt_file):
+    """ME layer 6 of 8: six targets before it, so 6 of 6 is [0.54, 1] and 0 of 6 is [0, 0.46]."""
+    model, plant = _load(layer=6, n_layers=8)
+    res = weight_patching.run(weight_patching.Config(prompts=prompt_file), model)
+    assert res.source_layer == 6 and res.eligible == [0, 1, 2, 3, 4, 5]
+    cs = _judge(weight_patching, res)
+    assert _verdicts(cs) == PLANTED_PATCH
+    assert list(cs[0].outcomes) == [f"layer {t} (m{t - 6})" for t in range(6)]
+
+
+def test_weight_patching_majority_over_prompts_by_hand(planted, prompt_file):
+    model, _ = planted
+    cfg = weight_patching.Config(prompts=prompt_file, targets=(0, 1, 3), parts=("ffn_path",))
+    res = weight_patching.run(cfg, model)
+    n = res.n_prompts
+    res.rows[1]["prompt_me_layer"] = [1] * (n // 2) + [None] * (n - n // 2)  # not a majority
+    pp = res.per_target("ffn_path")
+    assert pp["copied_prompts"][:2] == [n, n // 2] and pp["copied"] == [True, False, False]
+    o = res.target_outcomes("ffn_path")  # target 3 (after the ME layer) is not judged
+    assert list(o.outcomes) == [True, False] and list(o.labels) == [
+        "layer 0 (m-2)",
+        "layer 1 (m-1)",
+    ]
 
 
 def test_weight_patching_later_targets_are_reported_not_judged(planted, prompt_file):
@@ -279,10 +423,12 @@ def test_weight_patching_later_targets_are_reported_not_judged(planted, prompt_f
     res = weight_patching.run(cfg, model)
     assert res.eligible == [0]
     assert [r["outcome"] for r in res.rows] == ["copied", "kept", "kept"]
-    c = weight_patching.verdicts(res)[0]
-    assert c.verdict == HOLDS and c.estimate.n == 1 and "[3, 4]" in c.details
+    c = _judge(weight_patching, res)[0]
+    # was HOLDS on one target (a zero-width bootstrap interval); 1 of 1 is [0.025, 1]
+    assert c.verdict == INCONCLUSIVE and c.estimate.n == 1 and "[3, 4]" in c.details
+    assert c.outcomes == {"layer 0 (m-2)": True}
     cfg = weight_patching.Config(prompts=prompt_file, targets=(3, 4), parts=("ffn_path",))
-    cs = weight_patching.verdicts(weight_patching.run(cfg, model))
+    cs = _judge(weight_patching, weight_patching.run(cfg, model))
     assert {c.verdict for c in cs} == {NOT_APPLICABLE}
 
 
@@ -298,8 +444,16 @@ def test_weight_patching_second_model(planted, twin, prompt_file):
     assert res.baseline.me_layer is None
     for part, want in (("ffn_path", "copied"), ("block", "copied"), ("ffn", "vanished")):
         assert {r["outcome"] for r in res.part_rows(part)} == {want}
-    v = _verdicts(weight_patching.verdicts(res))
-    assert v == PLANTED_PATCH
+    # 5 targets: 5 of 5 is [0.48, 1], just short of moved_fraction
+    assert _verdicts(_judge(weight_patching, res)) == PLANTED_PATCH_FEW
+
+
+def test_weight_patching_second_model_with_enough_targets(planted8, twin8, prompt_file):
+    res = weight_patching.run(
+        weight_patching.Config(prompts=prompt_file), twin8[0], source_model=planted8[0]
+    )
+    assert res.eligible == list(range(8))
+    assert _verdicts(_judge(weight_patching, res)) == PLANTED_PATCH
 
 
 def test_weight_patching_without_massive_activation(twin, tiny_llama, prompt_file):
@@ -311,7 +465,7 @@ def test_weight_patching_without_massive_activation(twin, tiny_llama, prompt_fil
         cfg = weight_patching.Config(prompts=prompt_file, layer=2, max_targets=2)
         res = weight_patching.run(cfg, model)
         assert len(res.targets) == 2 and res.targets[0] == 0 and 2 not in res.targets
-        _never_holds(weight_patching.verdicts(res))
+        _never_holds(_judge(weight_patching, res))
 
 
 def test_weight_patching_me_layer_zero_has_no_default_target(prompt_file):
@@ -337,7 +491,7 @@ def test_weight_patching_bad_inputs(planted, tiny_llama, prompt_file):
 
 # ---------------------------------------------------------------------------- command line
 
-CLI = [
+CLI = [  # one partner / 5 targets: decided by no k of n, so the verdict is inconclusive
     (weight_swap, ["--parts", "ffn_path", "block", "--partners", "0"], "weight_swap.ffn_path"),
     (
         weight_patching,
@@ -353,12 +507,13 @@ def test_cli_smoke(module, args, headline, prompt_file, tmp_path, capsys):
     rc = module.main([*argv, "--device", "cpu", *args])  # a later --model overrides the first
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert f"[holds] {headline}" in out
+    assert f"[inconclusive] {headline}" in out and "per unit: layer" in out
     run_dir = next((tmp_path / module.NAME).iterdir())
     result = json.loads((run_dir / "result.json").read_text())
     assert [c["id"] for c in result["claims"]] == [s.id for s in module.SPECS]
     head = next(c for c in result["claims"] if c["id"] == headline)
-    assert head["verdict"] == HOLDS and head["estimate"]["n"] >= 1
+    assert head["verdict"] == INCONCLUSIVE and head["estimate"]["n"] >= 1
+    assert head["outcomes"] and all(head["outcomes"].values())  # every unit moved / copied
     assert (run_dir / "config.json").is_file() and (run_dir / "env.json").is_file()
     assert list(run_dir.glob("*.html"))
 
@@ -435,8 +590,15 @@ def test_weight_swap_bundled(bundled):
     assert by[("ffn_path", 20)]["ratio_at_layer"] < 3
     assert by[("ffn_norm", 20)]["outcome"] == "stayed"
     assert 60 < by[("ffn_norm", 20)]["ratio_at_layer"] < 250
-    v = _verdicts(weight_swap.verdicts(res))
-    assert v["weight_swap.ffn_norm"] == FAILS and v["weight_swap.ffn_path_needed"] == HOLDS
+    v = _verdicts(_judge(weight_swap, res))
+    # was FAILS / HOLDS on a zero-width bootstrap over 3 partners (issue 17 finding 4): 0 of 3 is
+    # [0, 0.71] and 3 of 3 [0.29, 1] under Clopper–Pearson
+    assert v["weight_swap.ffn_norm"] == v["weight_swap.ffn_path_needed"] == INCONCLUSIVE
+    assert res.per_partner("ffn_path")["label"] == [
+        "layer 10 (m-1)",
+        "layer 12 (m+1)",
+        "layer 20 (m+9)",
+    ]
 
 
 @pytest.mark.slow
@@ -453,6 +615,7 @@ def test_weight_patching_bundled(bundled):
     assert by[("ffn_path", 9)]["outcome"] == "vanished"
     assert by[("ffn_path", 9)]["ratio_at_me_before"] < 20  # measured 7.3 (unpatched 159)
     assert {by[("ffn_norm", t)]["outcome"] for t in (9, 10)} == {"kept"}
-    v = _verdicts(weight_patching.verdicts(res))
-    assert v["weight_patching.ffn_norm"] == FAILS
-    assert v["weight_patching.ffn_path"] != HOLDS  # one of two targets: inconclusive on n = 2
+    v = _verdicts(_judge(weight_patching, res))
+    # was FAILS on a zero-width bootstrap over 2 targets: 0 of 2 is [0, 0.84]
+    assert v["weight_patching.ffn_norm"] == INCONCLUSIVE
+    assert v["weight_patching.ffn_path"] == INCONCLUSIVE  # one of two targets

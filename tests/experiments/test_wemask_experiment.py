@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from me_interp import claims, evaluation, io, synthetic
-from me_interp.claims import FAILS, HOLDS, NOT_APPLICABLE, NotApplicable
+from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotApplicable
 from me_interp.experiments import wemask as exp
 from me_interp.experiments.common import execute
 from me_interp.interventions import we_mask
@@ -19,10 +19,12 @@ from me_interp.interventions import we_mask
 # What the planted construction implies for the claims it decides: its sink head reads the massive
 # dim 7 of the attention input, so zeroing that input at r = 1 removes most of the sink; the rest of
 # the planted model is random, so its next-token distribution hardly depends on the masked token and
-# no mask changes perplexity or MC accuracy (the "unchanged" claims hold, nothing "hurts more").
+# no mask changes perplexity or MC accuracy (the "unchanged" claims hold, nothing "hurts more"). No MC
+# item changes its answer, so that claim's interval is [0, 0]: not decided (issue 17, finding 4: a
+# zero-width interval is no evidence; it used to "hold").
 PLANTED = {
     "wemask.small_rate_ppl_unchanged": HOLDS,
-    "wemask.small_rate_mc_unchanged": HOLDS,
+    "wemask.small_rate_mc_unchanged": INCONCLUSIVE,
     "wemask.beats_random": FAILS,
     "wemask.beats_magnitude": FAILS,
     "wemask.activation_like_weight": HOLDS,
@@ -137,16 +139,137 @@ def test_per_text_perplexity_matches_evaluation(planted, planted_result, texts_f
 
 
 def test_planted_verdicts(planted_result):
-    cs = exp.verdicts(planted_result)
+    cs = claims.judge(exp.SPECS, planted_result)
     assert [c.id for c in cs] == [s.id for s in exp.SPECS]
     assert {c.id: c.verdict for c in cs} == PLANTED
     by = {c.id: c for c in cs}
-    assert by["wemask.beats_random"].estimate.unit == "seeds"
-    assert by["wemask.beats_random"].estimate.n == 5
+    # texts × seeds (was a t interval over the 5 seeds alone, blind to which texts were drawn)
+    rnd = by["wemask.beats_random"].estimate
+    assert (rnd.unit, rnd.n, rnd.method) == ("texts × seeds", 12, "two-way bootstrap (crossed)")
     assert by["wemask.small_rate_mc_unchanged"].estimate.unit == "items"
+    assert "zero width" in by["wemask.small_rate_mc_unchanged"].why
+    assert by["wemask.full_mask_removes_sink"].kind == "sanity"
+    assert [s.id for s in exp.SPECS if s.kind == "claim"] == [s.id for s in exp.SPECS][:-1]
     for c in cs:
-        assert c.estimate.unit in ("texts", "items", "seeds") and c.rule and c.control
+        assert c.estimate.unit in ("texts", "items", "texts × seeds") and c.rule and c.control
         json.dumps(c.to_dict())
+    assert not hasattr(exp, "verdicts")  # claims.judge is the only place a verdict is computed
+
+
+def _text_ppl(model, text, hooks=()):
+    return evaluation.perplexity(model, [text], hooks)
+
+
+def test_random_and_magnitude_gaps_match_by_hand(planted, planted_result, texts_file):
+    """beats_random: the mean over texts × seeds of (ppl_random − ppl_weight) / ppl_unmasked of each
+    text, every perplexity recomputed here text by text; beats_magnitude: the same over texts."""
+    model, _ = planted
+    r = planted_result
+    texts = exp.Config(texts=texts_file).load_texts()
+    hooks = lambda v, seed=0: we_mask(model, 0.1, v, layers=r.layers, seed=seed)  # noqa: E731
+    base = np.array([_text_ppl(model, t) for t in texts])
+    w = np.array([_text_ppl(model, t, hooks("weight")) for t in texts])
+    rand = np.array(
+        [[_text_ppl(model, t, hooks("random", s)) for s in range(5)] for t in texts]
+    )  # [text seed]
+    mag = np.array([_text_ppl(model, t, hooks("magnitude")) for t in texts])
+    gaps = (rand - w[:, None]) / base[:, None]
+    recorded = r.to_dict()["random_dims_gap"]
+    assert recorded["seeds"] == [0, 1, 2, 3, 4]
+    # one text at a time vs length-grouped batches: float32 noise of ~1e-6 on gaps of ~1e-4
+    np.testing.assert_allclose(exp.text_perplexity(r.baseline), base, rtol=1e-5)
+    np.testing.assert_allclose(recorded["per_text"], gaps, rtol=0, atol=2e-6)
+    assert np.abs(gaps).max() > 5e-5  # the tolerance is well below the values
+    by = {c.id: c for c in claims.judge(exp.SPECS, r)}
+    assert by["wemask.beats_random"].estimate.value == pytest.approx(gaps.mean(), abs=2e-6)
+    mag_gap = ((mag - w) / base).mean()
+    assert by["wemask.beats_magnitude"].estimate.value == pytest.approx(mag_gap, abs=2e-6)
+
+
+def test_random_interval_carries_the_texts(planted_result):
+    """Five identical seeds: a t interval over seeds would have zero width; the texts × seeds
+    interval still spans the texts' spread of the (same) gap."""
+    r = planted_result
+    first = r.random_rows(r.claim_rate)[0]
+    rows = [
+        {**first, "seed": row["seed"]} if row in r.random_rows(r.claim_rate) else row
+        for row in r.rows
+    ]
+    mod = exp.Result(**{**r.__dict__, "rows": rows})
+    gaps = np.asarray(mod.random_gaps()["per_text"])
+    assert np.ptp(gaps, axis=1).max() == 0  # the seeds agree
+    c = next(c for c in claims.judge(exp.SPECS, mod) if c.id == "wemask.beats_random")
+    assert c.estimate.value == pytest.approx(gaps[:, 0].mean())
+    assert gaps[:, 0].min() <= c.estimate.lo < gaps[:, 0].mean() < c.estimate.hi <= gaps[:, 0].max()
+
+
+def _sink_reliant(massive_gain: float):
+    """The planted model turned into a language model that *needs* its sink
+    (:func:`synthetic.planted_needsink`): a bigram unembedding (the word texts have a perplexity near
+    1), and after the ME layer a sink head with a zero value for the massive token and large values
+    for the others, written out 20 × larger. ``massive_gain`` is the pre-attention gain of dim 7 after
+    the ME layer: 0.5 (``planted-needsink``: the smallest, so the weight selection leaves the sink
+    alone) or 2.0 (``planted-needsink-wide``: the largest, so the weight selection masks it).
+    """
+    from me_interp import load_model
+
+    name = {0.5: "planted-needsink", 2.0: "planted-needsink-wide"}[massive_gain]
+    hf, tok, _ = synthetic.planted_needsink(name)
+    return load_model(hf, tokenizer=tok, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def sink_items_file(tmp_path_factory):
+    """Items the bigram model answers: the next word, against two others."""
+    p = tmp_path_factory.mktemp("sink_items") / "items.json"
+    items = [
+        {
+            "context": synthetic.words(6, start=3 * i),
+            "choices": [synthetic.words(1, start=3 * i + k) for k in (6, 20, 40)],
+            "answer": 0,
+        }
+        for i in range(20)
+    ]
+    p.write_text(json.dumps(items))
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    ("gain", "rate", "expected"),
+    [
+        # the weight dims miss the massive dim: WeMask is harmless, the full mask, the magnitude
+        # and activation dims (which take dim 7) break the model; random dims hit dim 7 only at a
+        # large rate (16 of 32 dims)
+        (
+            0.5,
+            0.1,
+            {"small_rate_ppl_unchanged": HOLDS, "beats_random": FAILS, "beats_magnitude": HOLDS,
+             "activation_like_weight": FAILS, "full_mask_collapses": HOLDS},
+        ),
+        (0.5, 0.5, {"small_rate_ppl_unchanged": HOLDS, "beats_random": HOLDS}),
+        # the weight dims take the massive dim: WeMask breaks the model like the activation dims
+        (
+            2.0,
+            0.1,
+            {"small_rate_ppl_unchanged": FAILS, "small_rate_mc_unchanged": FAILS,
+             "beats_random": FAILS, "activation_like_weight": HOLDS, "full_mask_collapses": HOLDS},
+        ),
+    ],
+)  # fmt: skip
+def test_claims_hold_and_fail_on_a_model_that_needs_its_sink(
+    gain, rate, expected, prompt_file, texts_file, sink_items_file
+):
+    """With the planted model (where the random language model needs nothing: the "unchanged" claims
+    hold, the "hurts" claims fail), every LM claim is shown to come out both ways."""
+    model = _sink_reliant(gain)
+    cfg = exp.Config(
+        prompts=prompt_file, texts=texts_file, mc_items=sink_items_file, rates=(1.0,),
+        claim_rate=rate, alphas=(),
+    )  # fmt: skip
+    r = exp.run(cfg, model)
+    assert r.me_layer == 2 and r.baseline["perplexity"] < 2  # the bigram model reads the texts
+    got = {c.id.split(".", 1)[1]: c.verdict for c in claims.judge(exp.SPECS, r)}
+    assert {k: got[k] for k in expected} == expected
 
 
 def test_claims_not_measured_are_not_judged(planted, prompt_file, texts_file):
@@ -155,7 +278,7 @@ def test_claims_not_measured_are_not_judged(planted, prompt_file, texts_file):
         prompts=prompt_file, texts=texts_file, rates=(0.1,), variants=("weight", "random"),
         n_seeds=2, alphas=(), mc="none",
     )  # fmt: skip
-    by = {c.id: c for c in exp.verdicts(exp.run(cfg, model))}
+    by = {c.id: c for c in claims.judge(exp.SPECS, exp.run(cfg, model))}
     assert by["wemask.beats_random"].verdict == NOT_APPLICABLE
     assert "at least 5" in by["wemask.beats_random"].why
     assert "--mc none" in by["wemask.small_rate_mc_unchanged"].why
@@ -189,7 +312,7 @@ def test_given_me_layer_without_massive_activation(twin, prompt_file, texts_file
     )  # fmt: skip
     r = exp.run(cfg, model)
     assert r.me_layer_given and not r.massive_at_me
-    cs = exp.verdicts(r)
+    cs = claims.judge(exp.SPECS, r)
     assert {c.verdict for c in cs} == {NOT_APPLICABLE}
     assert all("no massive activation at the ME layer 2" in c.why for c in cs)
 
@@ -205,7 +328,7 @@ def test_constructed_straddle_is_inconclusive(planted_result):
     fake = {**w, "per_text": {**w["per_text"], "nll": list(np.add(base["per_text"]["nll"], shift))}}
     rows = [fake if row is w else row for row in r.rows]
     mod = exp.Result(**{**r.__dict__, "rows": rows})
-    c = next(c for c in exp.verdicts(mod) if c.id == "wemask.small_rate_ppl_unchanged")
+    c = next(c for c in claims.judge(exp.SPECS, mod) if c.id == "wemask.small_rate_ppl_unchanged")
     assert c.estimate.lo < claims.threshold("ppl_unchanged") < c.estimate.hi
     assert c.verdict == claims.INCONCLUSIVE
 
@@ -287,7 +410,7 @@ def test_bundled_small_sweep(bundled):
     assert 1.3 < m01 < 2.0
     drop = 1 - r.row("wemask", "weight", 1.0)["sink"] / r.baseline["sink"]
     assert 0.3 < drop < 0.6
-    v = {c.id: c.verdict for c in exp.verdicts(r)}
+    v = {c.id: c.verdict for c in claims.judge(exp.SPECS, r)}
     assert v["wemask.beats_magnitude"] == HOLDS
     assert v["wemask.full_mask_removes_sink"] == HOLDS
     assert v["wemask.full_mask_collapses"] == FAILS
