@@ -441,7 +441,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "the same inputs through every other layer's pre-FFN norm + FFN (the other rows)",
         stat=lambda r: r.share_outcomes(),
         unit="large cells",
-        details=lambda r: _details(r),
+        details=_details,
     ),
     claims.Spec(
         f"{NAME}.row_breadth",
@@ -455,7 +455,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "the observed input Y = m (left out); weight_swap.ffn_path, which moves the same weights",
         stat=lambda r: r.breadth_outcomes(),
         unit="earlier input layers",
-        details=lambda r: _details(r),
+        details=_details,
     ),
     claims.Spec(
         f"{NAME}.diagonal",
@@ -469,7 +469,7 @@ SPECS: tuple[claims.Spec, ...] = (
         kind="sanity",
         stat=lambda r: claims.Sample(r.per_prompt["diagonal"]),
         unit="prompts",
-        details=lambda r: _details(r),
+        details=_details,
     ),
 )
 SPEC = claims.index(SPECS)
