@@ -1,23 +1,36 @@
-"""``python -m me_interp`` / ``me-interp``: the whole battery on one model and one HTML report.
+"""``me-interp`` / ``python -m me_interp``: the battery, the report, the claims and the models.
 
-    python -m me_interp                      # bundled model, every experiment, report in runs/report.html
-    python -m me_interp --only me_layer mechanism --out runs/quick
-    python -m me_interp --model Qwen/Qwen3-4B --device cuda --dtype bfloat16
+    me-interp run                            # every experiment on the bundled model, runs/report.html
+    me-interp run me_layer mechanism --out runs/quick
+    me-interp run --model Qwen/Qwen3-4B --device cuda --dtype bfloat16
+    me-interp report runs                    # rebuild runs/report.html and report.md from battery.json
+    me-interp claims [EXPERIMENT ...]        # every claim with its rule and kind (--json: JSON lines)
+    me-interp models                         # the bundled, packaged and synthetic models
 
-On a model without a massive activation the mechanism experiments answer "not applicable" (with the
-reason) and the battery still exits 0; it exits 1 only when an experiment crashed. An interrupted
-battery resumes: re-run the same command and finished experiments are skipped
-(``--fresh`` re-runs everything).
+``python -m me_interp [--only ...] [flags]`` is ``me-interp run`` (as before). On a model without a
+massive activation the mechanism experiments answer "not applicable" (with the reason) and the
+battery still exits 0; it exits 1 only when an experiment crashed, 2 on bad input. An interrupted
+battery resumes: re-run the same command and finished experiments are skipped (``--fresh`` re-runs
+everything). Output: one line per claim and per experiment (``--verbose``: every claim in full;
+``--json``: JSON lines; ``--quiet``: results only); a progress bar over the experiments with the time
+left, estimated from the previous runs' durations.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
+from me_interp import io, terminal
 from me_interp.claims import Claim, tally_text
 from me_interp.experiments.common import (
     BAD_INPUT,
+    ArgumentParser,
     CommonConfig,
     apply_threads,
     build_parser,
@@ -27,50 +40,210 @@ from me_interp.experiments.common import (
 from me_interp.report import (
     EXPERIMENTS,
     FINISHED,
-    KIND_LABEL,
-    NOT_APPLICABLE,
+    MODULES,
     REPORT_FILE,
+    STATE_FILE,
+    Progress,
     run_battery,
+    write_report,
 )
 
+COMMANDS = ("run", "report", "claims", "models")
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(CommonConfig, "python -m me_interp", __doc__)
-    parser.add_argument("--only", nargs="+", choices=EXPERIMENTS, help="run only these experiments")
+
+class BatteryBar(Progress):
+    """The battery's progress on stderr: a bar over the experiments with the elapsed time and an
+    estimate of the time left (from the previous runs' durations), or one line per experiment when
+    stderr is not a terminal; and each experiment's summary and claim lines as soon as it ends."""
+
+    def __init__(self, output: terminal.Output) -> None:
+        self.output = output
+        self.bar = None
+
+    def begin(self, experiments: Sequence[str], previous: Mapping[str, float]) -> None:
+        self.names, self.previous = list(experiments), dict(previous)
+        self.t0 = time.perf_counter()
+        self.left = list(experiments)
+        self.bar = terminal.bar(
+            total=len(experiments),
+            unit="exp",
+            leave=True,
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+        )
+
+    def _eta(self) -> str:
+        known = [self.previous[n] for n in self.left if n in self.previous]
+        if not known:
+            return ""
+        eta = terminal.fmt_seconds(sum(known))
+        return f"about {eta} left" if len(known) == len(self.left) else f"over {eta} left"
+
+    def start(self, name: str) -> None:
+        eta = self._eta()
+        k = self.names.index(name) + 1
+        if self.bar is not None and not self.bar.disable:
+            self.bar.set_description(name)
+            self.bar.set_postfix_str(eta, refresh=True)
+        else:
+            elapsed = terminal.fmt_seconds(time.perf_counter() - self.t0)
+            terminal.note(
+                f"[{k}/{len(self.names)}] {name} … ({elapsed} elapsed{'; ' + eta if eta else ''})"
+            )
+
+    def end(self, name: str, entry: Mapping[str, Any], skipped: bool = False) -> None:
+        if name in self.left:
+            self.left.remove(name)
+        if self.bar is not None:
+            self.bar.update(1)
+        out = self.output
+        if out.mode != "json" and (not out.quiet or entry.get("status") == "failed"):
+            line = terminal.experiment_line(name, entry, color=out.color)
+            out.text(line + (" (finished earlier: skipped)" if skipped else ""))
+        if entry.get("status") == "done":
+            out.claims(name, [Claim.from_dict(d) for d in entry.get("claims", [])])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _battery_parser(prog: str, positional: bool) -> argparse.ArgumentParser:
+    parser = build_parser(CommonConfig, prog, __doc__)
+    if positional:
+        parser.add_argument(
+            "experiments", nargs="*", metavar="EXPERIMENT", help=f"from: {', '.join(EXPERIMENTS)}"
+        )
+    else:
+        parser.add_argument(
+            "--only", nargs="+", choices=EXPERIMENTS, help="run only these experiments"
+        )
     parser.add_argument("--skip", nargs="+", choices=EXPERIMENTS, default=[], help="skip these")
     parser.add_argument("--fresh", action="store_true", help="re-run experiments already finished")
+    terminal.add_output_flags(parser)
+    return parser
+
+
+def battery(argv: Sequence[str] | None, prog: str, positional: bool) -> int:
+    parser = _battery_parser(prog, positional)
     args = parser.parse_args(argv)
-    chosen = [e for e in (args.only or EXPERIMENTS) if e not in args.skip]
+    picked = args.experiments if positional else args.only
+    unknown = [e for e in picked or () if e not in EXPERIMENTS]
+    if unknown:
+        parser.error(f"unknown experiments {unknown}; choose from {', '.join(EXPERIMENTS)}")
+    chosen = [e for e in (picked or EXPERIMENTS) if e not in args.skip]
+    output = terminal.output_from_args(args)
+    bar = BatteryBar(output)
     try:
         cfg = config_from_args(CommonConfig, args)
         apply_threads(cfg)
-        state = run_battery(
-            cfg,
-            chosen,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-            fresh=args.fresh,
-        )
+        state = run_battery(cfg, chosen, progress=bar, fresh=args.fresh)
     except BAD_INPUT as e:
         if not is_bad_input(e):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        bar.close()
     failed = [n for n in chosen if state["experiments"].get(n, {}).get("status") not in FINISHED]
-    for n in chosen:
-        e = state["experiments"].get(n, {})
-        if e.get("status") == NOT_APPLICABLE:
-            print(f"{n:22s} not applicable: {e['why']}")
-            continue
-        for d in e.get("claims", []):
-            c = Claim.from_dict(d)
-            label = f"({KIND_LABEL[c.kind]}) " if c.kind != "claim" else ""
-            print(f"{n:22s} {label}{c.line()}")
-        if e.get("status") == "failed":
-            print(f"{n:22s} FAILED         {e['error']}")
     if "tally" in state:
-        print(tally_text(state["tally"]))
-    print(f"report: {cfg.out}/{REPORT_FILE}")
+        output.text(tally_text(state["tally"]))
+    output.text(f"report: {cfg.out}/{REPORT_FILE}")
     return 1 if failed else 0
+
+
+def report_command(argv: Sequence[str]) -> int:
+    parser = ArgumentParser(
+        prog="me-interp report",
+        description="Rebuild report.html and report.md of a battery from its battery.json",
+    )
+    parser.add_argument("dir", help=f"a battery's results root (the folder holding {STATE_FILE})")
+    args = parser.parse_args(argv)
+    path = Path(args.dir) / STATE_FILE
+    if not path.is_file():
+        print(f"error: {path} not found: give a battery's --out directory", file=sys.stderr)
+        return 2
+    try:
+        state = io.read_json(path)
+    except (ValueError, UnicodeDecodeError) as e:
+        print(f"error: {path} is not valid JSON: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(state, dict) or not isinstance(state.get("experiments"), dict):
+        print(f"error: {path} is not a battery state (no 'experiments')", file=sys.stderr)
+        return 2
+    ran = [e for e in EXPERIMENTS if e in state["experiments"]]
+    html_path = write_report(Path(args.dir), state, ran or EXPERIMENTS)
+    print(f"report: {html_path}")
+    return 0
+
+
+def claims_command(argv: Sequence[str]) -> int:
+    parser = ArgumentParser(
+        prog="me-interp claims", description="Every claim the battery states, with its rule"
+    )
+    parser.add_argument(
+        "experiments", nargs="*", metavar="EXPERIMENT", help=f"from: {', '.join(EXPERIMENTS)}"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per claim")
+    args = parser.parse_args(argv)
+    unknown = [e for e in args.experiments if e not in EXPERIMENTS]
+    if unknown:
+        parser.error(f"unknown experiments {unknown}; choose from {', '.join(EXPERIMENTS)}")
+    for module in MODULES:
+        if args.experiments and module.NAME not in args.experiments:
+            continue
+        for s in module.SPECS:
+            if args.json:
+                row = {
+                    "id": s.id,
+                    "kind": s.kind,
+                    "section": s.section,
+                    "statement": s.statement,
+                    "statistic": s.statistic,
+                    "op": s.op,
+                    "threshold": s.threshold,
+                    "value": s.value,
+                    "control": s.control,
+                }
+                print(json.dumps(row))
+            else:
+                kind = f" ({terminal.claims.KIND_LABEL[s.kind]})" if s.kind != "claim" else ""
+                print(f"{s.id}{kind}: {s.statistic} {s.op} {s.value:g} ('{s.threshold}')")
+    return 0
+
+
+def models_command(argv: Sequence[str]) -> int:
+    from me_interp.models import catalogue
+
+    parser = ArgumentParser(
+        prog="me-interp models",
+        description="The models me_interp loads by name (any HF name or local directory of a "
+        "supported architecture loads too)",
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per model")
+    args = parser.parse_args(argv)
+    rows = catalogue()
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        if args.json:
+            print(json.dumps(r))
+        else:
+            about = f"  {r['about']}" if r["about"] else ""
+            print(f"{r['name']:<{width}}  {r['kind']:<9}  {r['status']}{about}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``me-interp COMMAND ...`` (see the module docstring); without a command, the battery as
+    ``python -m me_interp`` has always run it (``--only``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        command, rest = argv[0], argv[1:]
+        if command == "run":
+            return battery(rest, "me-interp run", positional=True)
+        return {"report": report_command, "claims": claims_command, "models": models_command}[
+            command
+        ](rest)
+    return battery(argv, "python -m me_interp", positional=False)
 
 
 if __name__ == "__main__":

@@ -442,10 +442,15 @@ def load_mc_items(path: str | None = None) -> list[MCItem]:
     if path is None:
         text = resources.files("me_interp.data").joinpath(MC_FILE).read_text(encoding="utf-8")
     else:
-        text = open(path, encoding="utf-8").read()
-    data = json.loads(text)
+        from me_interp.prompts import read_text_file
+
+        text = read_text_file(path, "MC item file")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"MC item file {path} is not valid JSON: {e}") from None
     if not isinstance(data, list) or not data:
-        raise ValueError("an MC file must hold a non-empty JSON list of items")
+        raise ValueError(f"MC item file {path} must hold a non-empty JSON list of items")
     try:
         return [MCItem(d["context"], tuple(d["choices"]), int(d["answer"])) for d in data]
     except (KeyError, TypeError) as e:

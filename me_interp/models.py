@@ -613,6 +613,9 @@ def ensure_cache(
     with _exclusive_lock(target.parent / (target.name + ".lock")):
         if not rebuild and verify_cache(target):
             return target  # another process converted it while we waited
+        from me_interp import terminal
+
+        terminal.note(f"me_interp: converting {target.name} once into {target.parent} …")
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
         old = None
         try:
@@ -770,6 +773,14 @@ def load_model(
         raise ValueError(f"bos must be one of {BOS_CHOICES}, got {bos!r}")
     if isinstance(model, LoadedModel):
         return _reload(model, tokenizer=tokenizer, bos=bos, dtype=dtype, device=device)
+    from me_interp import terminal
+
+    with terminal.quiet_libraries():  # the libraries' bars and logs; a conversion says one line
+        return _load(model, tokenizer, bos, dtype, device)
+
+
+def _load(model: Any, tokenizer: Any, bos: str | None, dtype: Any, device: Any) -> LoadedModel:
+    """:func:`load_model` for everything but an existing :class:`LoadedModel`."""
     bos = "auto" if bos is None else bos
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -897,6 +908,61 @@ architecture ``a`` of
 :data:`me_interp.synthetic.ARCHS` also has ``planted-a``, ``twin-a`` and ``tiny-a`` (e.g.
 ``synthetic:planted-gemma3``), and every kind ``k`` of :data:`me_interp.synthetic.DECOYS`
 ``decoy-k`` (e.g. ``synthetic:decoy-attention``)."""
+
+
+def catalogue() -> list[dict[str, str]]:
+    """Every model me_interp can load by name, as rows ``{"name", "kind", "status", "about"}``: the
+    bundled model, the packaged models (installed or not, converted or not) and the synthetic ones
+    (:data:`SYNTHETIC_MODELS`, then per architecture and per decoy). Any HF name or local directory
+    of a supported architecture loads too."""
+    from me_interp import packaged, synthetic
+
+    def status(installed: bool, cache: Path) -> str:
+        if not installed:
+            return "not installed"
+        return "installed, converted" if (cache / MANIFEST).is_file() else "installed"
+
+    try:
+        bundled_gguf_path()
+        bundled_ok = True
+    except ModelLoadError:
+        bundled_ok = False
+    rows = [
+        {
+            "name": BUNDLED,
+            "kind": "bundled",
+            "status": status(bundled_ok, _bundled_cache_path()),
+            "about": f"{BUNDLED_DISPLAY_NAME} (the default; {BUNDLED_PACKAGE}=={BUNDLED_VERSION})",
+        }
+    ]
+    for spec in packaged.PACKAGED.values():
+        rows.append(
+            {
+                "name": spec.name,
+                "kind": "packaged",
+                "status": status(spec.installed_version() is not None, spec.cache_path()),
+                "about": f"{spec.display_name}; {spec.requirement}; {spec.licence}",
+            }
+        )
+    what = {
+        "planted": "the mechanism planted at a known layer",
+        "twin": "the planted model's twin: no massive activation",
+        "tiny": "random weights",
+    }
+    about = {k: what[k.partition("-")[0]] for k in SYNTHETIC_MODELS if k.partition("-")[0] in what}
+    about.update(
+        {
+            f"{w}-{a}": f"{what[w]} ({a})"
+            for a in synthetic.ARCHS
+            for w in ("planted", "twin", "tiny")
+        }
+    )
+    about.update({f"decoy-{k}": f"decoy: {v}" for k, v in synthetic.DECOYS.items()})
+    rows += [
+        {"name": SYNTHETIC_PREFIX + k, "kind": "synthetic", "status": "built on load", "about": v}
+        for k, v in {**dict.fromkeys(SYNTHETIC_MODELS, ""), **about}.items()
+    ]
+    return rows
 
 
 def _synthetic(spec: str):

@@ -42,9 +42,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Bool, Float
-from tqdm.auto import tqdm
 
-from me_interp import names
+from me_interp import names, terminal
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.norms import ratio_to_others
 
@@ -417,7 +416,8 @@ def patch_sweep(
         batch_size: at most this many rows (patched prompts) per forward (at least one cell).
         corrupt_hooks: row-wise hooks that define the corruption (run before the patch hooks).
         clean_hooks: hooks of the clean run.
-        progress: tqdm on stderr (``None``: only on a terminal).
+        progress: ``False``: no progress bar; else a tqdm bar on stderr when it is a terminal (off
+            in quiet mode, :func:`me_interp.terminal.bar`).
         skip_shared: run only what a patch can change. A cell whose clean activation equals the
             corrupt one for every prompt (bit for bit: e.g. every layer upstream of a hook-based
             corruption, or the unchanged tokens at layer 0) and a cell after the last layer a metric
@@ -496,9 +496,8 @@ def patch_sweep(
         )
         suffix = (kwargs, resid_in) if fallback is None else None
     chunks = range(0, len(cells), per_fwd)
-    for start in tqdm(
-        chunks, desc=f"patching {site}", disable=None if progress is None else not progress
-    ):
+    bar = terminal.bar(chunks, desc=f"patching {site}") if progress is not False else chunks
+    for start in bar:
         chunk = cells[start : start + per_fwd]
         n = len(chunk)
         rows_batch = Batch(corrupt.tokens.repeat(n, 1), corrupt.attention_mask.repeat(n, 1), None)

@@ -107,6 +107,28 @@ def builtin_texts() -> list[str]:
     return _parse_lines(_data_text(TEXTS_FILE))
 
 
+def read_text_file(path: str | Path, what: str) -> str:
+    """The UTF-8 text of the file ``path`` (``what`` names it in errors).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: ``path`` is a directory, unreadable, or not UTF-8 text.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{what} {path} is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ValueError(f"{what} {path} cannot be read: {e.strerror}") from None
+
+
 def read_prompts(path: str | Path) -> list[str]:
     """Read prompts from a text file (one per line) or a JSON list.
 
@@ -115,11 +137,12 @@ def read_prompts(path: str | Path) -> list[str]:
         ValueError: the file holds no prompts or is malformed.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = read_text_file(path, "prompt file")
     if path.suffix == ".json":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"prompt file {path} is not valid JSON: {e}") from None
         if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
             raise ValueError(f"{path}: a JSON prompt file must hold a list of strings")
         prompts = [p for p in data if p.strip()]

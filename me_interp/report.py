@@ -18,12 +18,12 @@ from __future__ import annotations
 import html
 import traceback
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from me_interp import claims as claims_mod
-from me_interp import io
+from me_interp import io, terminal, usage
 from me_interp.experiments import (
     activation_patching,
     attention_sinks,
@@ -103,7 +103,7 @@ def run_battery(
     common: CommonConfig,
     experiments: Sequence[str] = EXPERIMENTS,
     model: Any = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
     fresh: bool = False,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
@@ -113,7 +113,8 @@ def run_battery(
         common: the shared settings (model, prompts, bos, dtype, device, seed, out).
         experiments: names from :data:`EXPERIMENTS`, in order.
         model: an already loaded model (else loaded from ``common``), loaded at most once.
-        progress: called with a line of text before each experiment (the CLI prints it to stderr).
+        progress: told when each experiment starts and ends (:class:`Progress`; the CLI draws a
+            bar with an estimate of the time left from the previous runs' durations).
         fresh: ignore finished experiments of an earlier battery in the same ``out``.
         overrides: per experiment, config fields beyond the shared ones (e.g. ``{"wemask":
             {"texts": FILE}}``); part of the battery's fingerprint.
@@ -135,7 +136,11 @@ def run_battery(
     if state.get("settings") not in (None, fp):
         state = {"experiments": {}}  # other settings: start over, keep the old runs on disk
     state["settings"] = fp
-    for i, name in enumerate(experiments):
+    key = _durations_key(model)
+    previous = {**_durations().get(key, {}), **_seconds_of(state)}
+    if progress:
+        progress.begin(experiments, previous)
+    for name in experiments:
         entry = state["experiments"].get(name, {})
         done = (
             entry.get("status") in FINISHED
@@ -143,36 +148,97 @@ def run_battery(
         )
         if done:
             if progress:
-                progress(f"[{i + 1}/{len(experiments)}] {name}: already done, skipped")
+                progress.end(name, entry, skipped=True)
             continue
         if progress:
-            progress(f"[{i + 1}/{len(experiments)}] {name} ...")
-        try:
-            module = _BY_NAME[name]
-            cfg = module.Config(**common.to_dict(), **overrides.get(name, {}))
-            seed_everything(cfg.seed)
-            outcome = execute(module, cfg, model)
-            run_dir = write_outcome(name, cfg, model, outcome)
-            entry = {
-                "status": "done" if outcome.not_applicable is None else NOT_APPLICABLE,
-                "run_dir": str(run_dir),
-                "figures": sorted(outcome.figures),
-                "claims": io.to_jsonable(outcome.claims),
-            }
-            if outcome.not_applicable is not None:
-                entry["why"] = outcome.not_applicable
-        except Exception as e:  # one failing experiment must not stop the battery
-            entry = {
-                "status": "failed",
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(limit=8),
-            }
+            progress.start(name)
+        with usage.track() as cost:
+            try:
+                module = _BY_NAME[name]
+                cfg = module.Config(**common.to_dict(), **overrides.get(name, {}))
+                seed_everything(cfg.seed)
+                outcome = execute(module, cfg, model)
+                run_dir = write_outcome(name, cfg, model, outcome)
+                entry = {
+                    "status": "done" if outcome.not_applicable is None else NOT_APPLICABLE,
+                    "run_dir": str(run_dir),
+                    "figures": sorted(outcome.figures),
+                    "claims": io.to_jsonable(outcome.claims),
+                }
+                if outcome.not_applicable is not None:
+                    entry["why"] = outcome.not_applicable
+            except Exception as e:  # one failing experiment must not stop the battery
+                entry = {
+                    "status": "failed",
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc(limit=8),
+                }
+        entry.update(cost.to_dict())
         state["experiments"][name] = entry
+        if entry["status"] in FINISHED:
+            _record_duration(key, name, cost.seconds)
+        if progress:
+            progress.end(name, entry)
         state["tally"] = claims_mod.tally(_finished_claims(state, experiments))
         io.write_json(out / STATE_FILE, state)
         write_report(out, state, experiments)
     write_report(out, state, experiments)
     return state
+
+
+class Progress:
+    """What :func:`run_battery` tells about its progress (subclass and override; all no-ops here)."""
+
+    def begin(self, experiments: Sequence[str], previous: Mapping[str, float]) -> None:
+        """The battery starts ``experiments``; ``previous``: seconds each took in earlier runs on
+        this model, device and dtype (where known)."""
+
+    def start(self, name: str) -> None:
+        """Experiment ``name`` starts."""
+
+    def end(self, name: str, entry: Mapping[str, Any], skipped: bool = False) -> None:
+        """Experiment ``name`` ended with battery entry ``entry`` (``skipped``: finished earlier)."""
+
+
+DURATIONS_FILE = "battery_seconds.json"
+"""In the model cache directory: per model, device and dtype, the seconds each experiment last took
+(the battery's time estimate)."""
+
+
+def _durations_key(model: Any) -> str:
+    info = model.info()
+    return f"{info['model']}|{info['device']}|{info['dtype']}"
+
+
+def _durations() -> dict[str, dict[str, float]]:
+    from me_interp.models import cache_dir
+
+    path = cache_dir() / DURATIONS_FILE
+    try:
+        data = io.read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _record_duration(key: str, name: str, seconds: float) -> None:
+    from me_interp.models import cache_dir
+
+    data = _durations()
+    data.setdefault(key, {})[name] = round(seconds, 2)
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        io.write_json(cache_dir() / DURATIONS_FILE, data)
+    except OSError:
+        pass  # an estimate only: a read-only cache must not fail the battery
+
+
+def _seconds_of(state: Mapping[str, Any]) -> dict[str, float]:
+    return {
+        n: e["seconds"]
+        for n, e in state.get("experiments", {}).items()
+        if e.get("seconds") is not None and e.get("status") in FINISHED
+    }
 
 
 _COLOR = {
@@ -434,7 +500,10 @@ def write_report(
             continue
         if entry["status"] not in FINISHED:
             err = html.escape(entry.get("error", ""))
-            sections.append(f"<section>{head}<p style='color:#cf222e'>failed: {err}</p></section>")
+            sections.append(
+                f"<section>{head}<p class=links>{html.escape(cost_text(entry))}</p>"
+                f"<p style='color:#cf222e'>failed: {err}</p></section>"
+            )
             continue
         cs = entry.get("claims") or []
         run_dir, rel = _run_dir(entry, out)
@@ -472,7 +541,7 @@ def write_report(
             else _claim_lines(cs, adjusted)
         ) + below
         sections.append(
-            f"<section>{head}<p class=links>{result_link} "
+            f"<section>{head}<p class=links>{html.escape(cost_text(entry))} &middot; {result_link} "
             f"{('&middot; figures: ' + links) if links else ''}</p>{na}{row}{table}</section>"
         )
     t = claims_mod.tally(all_claims)
@@ -550,6 +619,19 @@ interactive (hover, zoom); its full file is one click away.</p>
     return io.atomic_write_text(out / REPORT_FILE, body)
 
 
+def cost_text(entry: Mapping[str, Any]) -> str:
+    """An experiment's wall time and peak memory as recorded in battery.json (``usage.track``)."""
+    if entry.get("seconds") is None:
+        return "time not recorded"
+    text = f"{terminal.fmt_seconds(entry['seconds'])}"
+    if entry.get("peak_rss_mib") is not None:
+        scope = "" if entry.get("rss_scope", "block") == "block" else " (process peak)"
+        text += f", peak RSS {entry['peak_rss_mib']:.0f} MiB{scope}"
+    if entry.get("peak_cuda_mib") is not None:
+        text += f", peak CUDA {entry['peak_cuda_mib']:.0f} MiB"
+    return text
+
+
 def _finished_claims(state: dict[str, Any], experiments: Sequence[str]) -> list[dict[str, Any]]:
     """Every claim (as stored in battery.json) of the experiments that finished, in order."""
     out: list[dict[str, Any]] = []
@@ -598,6 +680,14 @@ def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str] = EXPERI
                 f"{est} | {n} |"
             )
     head = claims_mod.tally_text(claims_mod.tally(all_claims))
+    costs = [
+        f"| {name} | {(state['experiments'].get(name) or {}).get('status', 'not run')} | "
+        f"{cost_text(state['experiments'].get(name) or {})} |"
+        for name in experiments
+    ]
+    total = sum(
+        (state["experiments"].get(name) or {}).get("seconds") or 0.0 for name in experiments
+    )
     lines = [
         f"- {name}: "
         + (f"({KIND_LABEL[d.get('kind', 'claim')]}) " if d.get("kind", "claim") != "claim" else "")
@@ -610,6 +700,9 @@ def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str] = EXPERI
         + "\n".join(rows)
         + "\n\nEach claim in full (statistic, interval, n, rule, control, context):\n\n"
         + "\n".join(lines)
+        + f"\n\nCost per experiment (wall time, peak memory; {terminal.fmt_seconds(total)} in all):"
+        + "\n\n| experiment | status | cost |\n| --- | --- | --- |\n"
+        + "\n".join(costs)
         + "\n"
     )
 

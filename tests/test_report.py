@@ -45,7 +45,13 @@ def test_full_battery_on_planted_model(args, capsys):
     assert "holds:" in html and "95% CI" in html
     md = (out / report.SUMMARY_FILE).read_text()
     n_claims = sum(len(e["claims"]) for e in state["experiments"].values())
-    assert md.count("\n| ") == n_claims + 2  # header, rule, one row per claim
+    table, _, rest = md.partition("\n\nEach claim in full")
+    assert table.count("\n| ") == n_claims + 2  # header, rule, one row per claim
+    # each experiment's wall time and peak memory: in battery.json, report.md and report.html
+    costs = rest.split("Cost per experiment", 1)[1]
+    for name, entry in state["experiments"].items():
+        assert 0 < entry["seconds"] < 600 and entry["peak_rss_mib"] > 50, (name, entry)
+        assert f"| {name} | done | " in costs and report.cost_text(entry) in html
     assert "| me_layer | `me_layer.sudden_birth` | claim | **holds** | holds |" in md
     # raw and Holm-adjusted counts, controls and sanity checks apart: the same numbers everywhere
     t = state["tally"]
@@ -161,9 +167,10 @@ def test_battery_resumes_after_a_crash(args, monkeypatch, capsys):
     monkeypatch.undo()
     capsys.readouterr()
     assert cli.main(argv + only) == 0
-    err = capsys.readouterr().err
-    assert "me_layer: already done, skipped" in err and "invariance: already done, skipped" in err
-    assert "[2/3] mechanism ..." in err
+    printed = capsys.readouterr()
+    skipped = [line for line in printed.out.splitlines() if "(finished earlier: skipped)" in line]
+    assert [line.split()[0] for line in skipped] == ["me_layer", "invariance"]
+    assert "[2/3] mechanism … (" in printed.err and "[1/3]" not in printed.err
     state = json.loads((out / report.STATE_FILE).read_text())
     assert state["experiments"]["mechanism"]["status"] == "done"
     assert state["experiments"]["me_layer"]["run_dir"] == first_me_run

@@ -26,6 +26,7 @@ import dataclasses
 import inspect
 import os
 import random
+import re
 import sys
 import types
 import typing
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from me_interp import claims, io
+from me_interp import claims, io, terminal
 from me_interp.models import BOS_CHOICES, DTYPES, LoadedModel, ModelLoadError, load_model
 from me_interp.prompts import Prompt, as_prompts, builtin_prompts, read_prompts
 
@@ -72,6 +73,12 @@ class CommonConfig:
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in 0..{2**32 - 1} (numpy's range), got {self.seed}")
+        if self.prompts is not None:
+            read_prompts(self.prompts)  # missing, unreadable, not UTF-8, malformed: said now
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ValueError(f"out {self.out} is a file, not a directory")
         if self.bos not in BOS_CHOICES:
             raise ValueError(f"bos must be one of {BOS_CHOICES}, got {self.bos!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -207,10 +214,29 @@ def field_docs(config_cls: type) -> dict[str, str]:
     return {k: v.replace("``", "") for k, v in docs.items()}
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (``error: argument --seed: invalid int value: 'x'``, exit 2)
+    instead of the whole usage block."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def flag_names(message: str, config_cls: type) -> str:
+    """``message`` with config field names written as their ``--flag`` (for the command line): a
+    name with an underscore anywhere (``max_tokens``), a plain word (``seed``) only as the message's
+    first word, where it is the subject (elsewhere it is prose: "holds no prompts")."""
+    for f in sorted(dataclasses.fields(config_cls), key=lambda f: -len(f.name)):
+        flag = "--" + f.name.replace("_", "-")
+        where = r"(?<![\w-])" if "_" in f.name else "^"
+        message = re.sub(rf"{where}{f.name}(?![\w-])", flag, message)
+    return message
+
+
 def build_parser(config_cls: type, prog: str, description: str | None = None):
     """An argparse parser with one ``--flag`` per config field (``_`` → ``-``), documented from the
     config's ``Attributes:`` docstring section."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog,
         description=(description or "").strip().split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -250,13 +276,20 @@ def build_parser(config_cls: type, prog: str, description: str | None = None):
 
 
 def config_from_args(config_cls: type, args: argparse.Namespace):
+    """The config the parsed flags ask for; a ``ValueError`` of its checks names the flags
+    (``--max-tokens must be >= 2``)."""
     values = {}
     for f in dataclasses.fields(config_cls):
         v = getattr(args, f.name)
         if isinstance(v, list):
             v = tuple(v)
         values[f.name] = v
-    return config_cls(**values)
+    try:
+        return config_cls(**values)
+    except ValueError as e:
+        if type(e) is not ValueError:
+            raise
+        raise ValueError(flag_names(str(e), config_cls)).with_traceback(e.__traceback__) from None
 
 
 @dataclass
@@ -291,11 +324,7 @@ def execute(module: types.ModuleType, cfg: CommonConfig, model: LoadedModel) -> 
         result = module.run(cfg, model)
     except claims.NotApplicable as e:
         return Outcome(None, claims.not_applicable(module.SPECS, str(e)), {}, str(e))
-    verdicts = getattr(
-        module, "verdicts", None
-    )  # TODO(issue 17): gone once every module is declarative
-    judged = verdicts(result) if verdicts is not None else claims.judge(module.SPECS, result)
-    return Outcome(result, list(judged), dict(module.figures(result)))
+    return Outcome(result, claims.judge(module.SPECS, result), dict(module.figures(result)))
 
 
 def write_outcome(name: str, cfg: CommonConfig, model: LoadedModel, outcome: Outcome) -> Path:
@@ -342,16 +371,18 @@ def cli_main(
     description: str | None = None,
 ) -> int:
     """Parse ``argv``, run the experiment, write ``<out>/<name>/<run_id>/``, print a summary and one
-    line per claim.
+    line per claim (:mod:`me_interp.terminal`: ``--verbose``, ``--json``, ``--quiet``).
 
-    The experiment module is the one that defines ``run`` (its ``SPECS`` and ``verdicts`` are used).
+    The experiment module is the one that defines ``run`` (its ``SPECS`` are judged).
     Returns 0 on success, also when the experiment is not applicable to the model (it says why), and 2
     on bad input (with a one-line ``error:`` message on stderr); any other exception propagates with
     its traceback (exit 1 from the shell).
     """
     module = sys.modules[run.__module__]
     parser = build_parser(config_cls, f"python -m me_interp.experiments.{name}", description)
+    terminal.add_output_flags(parser)
     args = parser.parse_args(argv)
+    output = terminal.output_from_args(args)
     try:
         cfg = config_from_args(config_cls, args)
         apply_threads(cfg)
@@ -365,11 +396,11 @@ def cli_main(
         print(f"error: {e}", file=sys.stderr)
         return 2
     if outcome.not_applicable is not None:
-        print(f"not applicable to {model.name}: {outcome.not_applicable}")
-    elif summary:
-        print(summary(outcome.result))
-    print(fmt_verdicts(outcome.claims))
-    print(f"results: {run_dir}")
+        output.text(f"not applicable to {model.name}: {outcome.not_applicable}")
+    elif summary and not output.quiet:
+        output.text(summary(outcome.result))
+    output.claims(name, outcome.claims)
+    output.text(f"results: {run_dir}")
     return 0
 
 
@@ -388,9 +419,6 @@ def fmt_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def fmt_verdicts(verdicts: Sequence[claims.Claim]) -> str:
-    """One citable line per claim (:meth:`claims.Claim.line`); controls and sanity checks are marked
-    as such."""
-    return "\n".join(
-        (f"({claims.KIND_LABEL[c.kind]}) " if c.kind != "claim" else "") + c.line()
-        for c in verdicts
-    )
+    """One citable line per claim in full (:func:`terminal.verbose_line`); controls and sanity
+    checks are marked as such."""
+    return "\n".join(terminal.verbose_line(c) for c in verdicts)

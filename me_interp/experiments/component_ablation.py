@@ -44,6 +44,7 @@ with another factor (the former ``normalize_product`` claim was a duplicate of `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -281,6 +282,11 @@ class Config(SiteConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choices(self.conditions, CONDITIONS, "condition")
+        if not (math.isfinite(self.alpha) and self.alpha >= 0):
+            raise ValueError(
+                f"alpha must be finite and >= 0 (the FFN product's factor; below 0 flips its "
+                f"sign), got {self.alpha}"
+            )
         if self.max_tokens < 2:
             raise ValueError("max_tokens must be >= 2")
         if self.max_prompts is not None and self.max_prompts < 1:

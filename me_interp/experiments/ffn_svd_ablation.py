@@ -49,9 +49,8 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 from jaxtyping import Int
-from tqdm.auto import tqdm
 
-from me_interp import claims, names
+from me_interp import claims, names, terminal
 from me_interp.edits import MATRICES, edited_parameters, ffn_matrix, neurons_ablated
 from me_interp.experiments._weights import (
     EDIT_COLUMNS,
@@ -360,7 +359,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 
     before = np.asarray(s.baseline.prompt_ratio_at(m), dtype=np.float64)
     rows = []
-    for what, ctx in tqdm(edits, desc=NAME, disable=None):
+    for what, ctx in terminal.bar(edits, desc=NAME):
         with ctx():
             after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
         full = {

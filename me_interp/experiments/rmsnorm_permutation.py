@@ -56,9 +56,8 @@ import plotly.graph_objects as go
 import torch
 from jaxtyping import Float
 from plotly.subplots import make_subplots
-from tqdm.auto import tqdm
 
-from me_interp import claims
+from me_interp import claims, terminal
 from me_interp.edits import (
     NORMS,
     flattened_gain,
@@ -122,8 +121,11 @@ class Config(WeightConfig):
             if n not in NORMS:
                 raise ValueError(f"unknown norm {n!r}; choose from {NORMS}")
         for a in self.alphas:
-            if not math.isfinite(a):
-                raise ValueError(f"every alpha must be finite, got {a}")
+            if not (math.isfinite(a) and a >= 0):
+                raise ValueError(
+                    f"every alpha must be finite and >= 0 (0 = constant gain, 1 = unchanged; "
+                    f"below 0 inverts the gain, not a flattening), got {a}"
+                )
 
 
 def other_dims_permutation(w: Float[torch.Tensor, " d"], k: int, seed: int) -> torch.Tensor:
@@ -276,9 +278,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     before = np.asarray(s.baseline.prompt_ratio_at(m), dtype=np.float64)
     n_edits = len(cfg.norms) * (3 * cfg.n_random + len(cfg.alphas))
     rows = []
-    for norm, kind, param, ctx in tqdm(
-        _edits(s.model, cfg, m), total=n_edits, desc=NAME, disable=None
-    ):
+    for norm, kind, param, ctx in terminal.bar(_edits(s.model, cfg, m), total=n_edits, desc=NAME):
         with ctx:
             after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
         row = edit_row(after, m, per_prompt=True, norm=norm, kind=kind, param=param)

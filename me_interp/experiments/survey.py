@@ -51,7 +51,7 @@ from me_interp.experiments.common import (
     is_bad_input,
     seed_everything,
 )
-from me_interp.models import LoadedModel, ModelLoadError, load_model
+from me_interp.models import LoadedModel, ModelLoadError, load_model, resolve_device
 
 NAME = "survey"
 TABLE_FILE = "survey.md"
@@ -230,6 +230,7 @@ def run(
     the survey.
     """
     given = dict(models or {})
+    resolve_device(cfg.device)  # a device this machine lacks is bad input, not a row per model
     prompts = cfg.load_prompts()
     rows = []
     for i, spec in enumerate(cfg.models):

@@ -47,9 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
-from tqdm.auto import tqdm
 
-from me_interp import claims
+from me_interp import claims, terminal
 from me_interp.claims import NotApplicable
 from me_interp.edits import PARTS, check_part, patched_weights
 from me_interp.edits.core import moved_modules
@@ -311,7 +310,7 @@ def run(
     part_modules = {part: moved_modules(target, part) for part in cfg.parts}
     rows = []
     todo = [(part, t) for part in cfg.parts for t in targets]
-    for part, t in tqdm(todo, desc=f"{NAME} (source layer {source_layer})", disable=None):
+    for part, t in terminal.bar(todo, desc=f"{NAME} (source layer {source_layer})"):
         with patched_weights(target, source_layer, t, part, source_model=None if same else src):
             after = measure(target, s.batch, s.criterion, s.positions, cfg.sink)
         rows.append(

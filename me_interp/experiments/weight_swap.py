@@ -56,9 +56,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
-from tqdm.auto import tqdm
 
-from me_interp import claims
+from me_interp import claims, terminal
 from me_interp.edits import PARTS, check_part, swapped_layers
 from me_interp.edits.core import moved_modules
 from me_interp.experiments._weights import (
@@ -263,7 +262,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     part_modules = {part: moved_modules(s.model, part) for part in cfg.parts}  # raises if absent
     rows = []
     todo = [(part, p) for part in cfg.parts for p in partners]
-    for part, p in tqdm(todo, desc=f"{NAME} (layer {m})", disable=None):
+    for part, p in terminal.bar(todo, desc=f"{NAME} (layer {m})"):
         with swapped_layers(s.model, m, p, part):
             after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
         rows.append(

@@ -48,9 +48,8 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
-from tqdm.auto import tqdm
 
-from me_interp import claims, evaluation, names
+from me_interp import claims, evaluation, names, terminal
 from me_interp.experiments._weights import short_batch, spread
 from me_interp.experiments.common import (
     INDEX_CONVENTION,
@@ -420,6 +419,16 @@ def _rows(cfg: Config, cond: Condition, m: dict[str, Any]) -> list[dict[str, Any
     return rows
 
 
+def _check_rank_layer(layer: int, n_layers: int) -> int:
+    """``rank_layer`` as a 0-based layer (negative: from the end), or ``ValueError``."""
+    if not -n_layers <= layer < n_layers:
+        raise ValueError(
+            f"rank_layer {layer} is out of range: this model has {n_layers} layers "
+            f"(0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
+        )
+    return layer % n_layers
+
+
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """Run the sweep. No printing (a tqdm bar on stderr), no files.
 
@@ -450,7 +459,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         cfg=cfg,
         model=model,
         layers=layers,
-        rank_layer=cfg.rank_layer % model.n_layers,
+        rank_layer=_check_rank_layer(cfg.rank_layer, model.n_layers),
         chunks=evaluation.length_batches(model, texts, cfg.batch_tokens),
         n_texts=len(texts),
         positions=positions,
@@ -460,7 +469,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     )
     base, refs = sweep.measure(None, None)
     rows: list[dict[str, Any]] = []
-    for cond in tqdm(conditions(cfg), desc="wemask sweep", disable=None):
+    for cond in terminal.bar(conditions(cfg), desc="wemask sweep"):
         rows += _rows(cfg, cond, sweep.measure(cond, refs)[0])
     if 0.0 in cfg.rates:  # the identity: the baseline, once per selection (for the sweep figure)
         for v in cfg.variants:

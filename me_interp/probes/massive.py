@@ -73,9 +73,13 @@ class Criterion:
     def __post_init__(self) -> None:
         if self.kind not in ("sun", "norm", "either", "both"):
             raise ValueError(f"criterion kind must be sun/norm/either/both, got {self.kind!r}")
-        for f in ("abs_threshold", "rel_threshold", "norm_ratio"):
-            if not getattr(self, f) >= 0:
-                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+        if not self.abs_threshold >= 0:
+            raise ValueError(f"abs_threshold must be >= 0, got {self.abs_threshold}")
+        for f in ("rel_threshold", "norm_ratio"):  # ratios to a median: below 1 every token passes
+            if not getattr(self, f) >= 1:
+                raise ValueError(
+                    f"{f} must be >= 1 (a ratio to the median), got {getattr(self, f)}"
+                )
         if not 0 < self.min_prompt_fraction <= 1:
             raise ValueError("min_prompt_fraction must be in (0, 1]")
 

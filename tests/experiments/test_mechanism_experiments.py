@@ -402,7 +402,8 @@ def test_figures_are_labelled(planted_results):
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.NAME)
 def test_cli_writes_a_run(module, tmp_path, prompt_file, capsys):
     out = tmp_path / "runs"
-    rc = module.main(["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(out)])
+    argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(out)]
+    rc = module.main([*argv, "--verbose"])  # every claim in full
     assert rc == 0
     runs = list((out / module.NAME).iterdir())
     assert len(runs) == 1
@@ -429,7 +430,7 @@ def test_cli_writes_a_run(module, tmp_path, prompt_file, capsys):
     "module, argv, msg",
     [
         (mechanism, ["--k-frac", "0"], "fractional k"),
-        (mechanism, ["--k-abs", "-1"], "k_abs"),
+        (mechanism, ["--k-abs", "-1"], "--k-abs"),
         (mechanism, ["--criterion", "max"], "criterion"),
         (invariance, ["--layer", "-1"], "layer"),
         (attention_sinks, ["--criterion", "loud"], "criterion"),

@@ -379,7 +379,7 @@ CLI = [
 @pytest.mark.parametrize("module,args", CLI, ids=[m.NAME for m, _ in CLI])
 def test_cli_smoke(module, args, prompt_file, tmp_path, capsys):
     argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(tmp_path)]
-    rc = module.main(argv + ["--device", "cpu", *args])
+    rc = module.main(argv + ["--device", "cpu", "--verbose", *args])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"[holds] {module.NAME}." in out and "rule: holds if" in out

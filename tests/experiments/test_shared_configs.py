@@ -134,4 +134,4 @@ def test_cli_keeps_the_traceback_of_a_bug(monkeypatch, tmp_path, capsys):
         )
         == 2
     )
-    assert capsys.readouterr().err.startswith("error: threads must be >= 1")
+    assert capsys.readouterr().err.startswith("error: --threads must be >= 1")

@@ -273,7 +273,7 @@ def test_bad_inputs(planted, prompt_file):
 
 def test_cli_smoke_and_help(prompt_file, tmp_path, capsys):
     argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(tmp_path)]
-    assert wic.main([*argv, "--device", "cpu"]) == 0
+    assert wic.main([*argv, "--device", "cpu", "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "[inconclusive] weight_input_cross.row_share" in out
     assert "(sanity check) [holds] weight_input_cross.diagonal" in out

@@ -504,7 +504,7 @@ CLI = [  # one partner / 5 targets: decided by no k of n, so the verdict is inco
 @pytest.mark.parametrize("module,args,headline", CLI, ids=[m.NAME for m, _, _ in CLI])
 def test_cli_smoke(module, args, headline, prompt_file, tmp_path, capsys):
     argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(tmp_path)]
-    rc = module.main([*argv, "--device", "cpu", *args])  # a later --model overrides the first
+    rc = module.main([*argv, "--device", "cpu", "--verbose", *args])  # a later --model overrides the first
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"[inconclusive] {headline}" in out and "per unit: layer" in out

@@ -363,7 +363,7 @@ def test_cli_smoke(tmp_path, prompt_file, texts_file, capsys):
         [
             "--model", "synthetic:planted", "--prompts", prompt_file, "--texts", texts_file,
             "--rates", "0", "1", "--variants", "weight", "random", "--alphas", "1",
-            "--mc", "none", "--out", str(tmp_path),
+            "--mc", "none", "--out", str(tmp_path), "--verbose",
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
