@@ -103,6 +103,7 @@ def battery_state(
         CommonConfig(model=model, prompts=str(path), out=str(out)),
         experiments=report.EXPERIMENTS if experiments is None else tuple(experiments),
         overrides=overrides(model, root),
+        figures=False,  # only the verdicts are read
     )
     return {**state, "out": str(out)}
 

@@ -106,6 +106,7 @@ def run_battery(
     progress: Progress | None = None,
     fresh: bool = False,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    figures: bool = True,
 ) -> dict[str, Any]:
     """Run ``experiments`` with the shared settings ``common``; returns the battery state.
 
@@ -118,6 +119,8 @@ def run_battery(
         fresh: ignore finished experiments of an earlier battery in the same ``out``.
         overrides: per experiment, config fields beyond the shared ones (e.g. ``{"wemask":
             {"texts": FILE}}``); part of the battery's fingerprint.
+        figures: draw each experiment's figures (``False``: claims and results only, for callers
+            that read only the verdicts, e.g. :mod:`me_interp.falsifiability`).
     """
     unknown = [e for e in experiments if e not in EXPERIMENTS]
     if unknown:
@@ -157,7 +160,7 @@ def run_battery(
                 module = _BY_NAME[name]
                 cfg = module.Config(**common.to_dict(), **overrides.get(name, {}))
                 seed_everything(cfg.seed)
-                outcome = execute(module, cfg, model)
+                outcome = execute(module, cfg, model, figures=figures)
                 run_dir = write_outcome(name, cfg, model, outcome)
                 entry = {
                     "status": "done" if outcome.not_applicable is None else NOT_APPLICABLE,

@@ -8,7 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("ME_INTERP_STRICT", "1")  # patching fails loudly instead of falling back
 
+import contextlib
+import fcntl
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,18 +77,79 @@ def planted_prompts():
     return synthetic.planted_prompts()
 
 
+def _shared_dir(tmp_path_factory) -> Path:
+    """A directory shared by every pytest-xdist worker of this run (the run's own dir without
+    xdist), for results computed once per run."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp()
+    path = base.parent / f"shared-{run}" if run else base / "shared"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(path: Path, block: bool = True):
+    """An exclusive lock on ``path`` for the block (yields False when ``block`` is False and another
+    process holds it)."""
+    with open(path, "a+b") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def constructed_battery(tmp_path_factory):
     """``get(model)``: the battery state of a constructed model (``me_interp.falsifiability``), run
-    once per session and shared by the meta-tests and the falsifiability test."""
-    from me_interp import falsifiability
+    once per test run and shared by the meta-tests and the falsifiability tests, across pytest-xdist
+    workers too (on disk, under a lock per model). ``get.prefetch(models)`` runs the batteries of
+    ``models`` that no other worker is running, so two workers split the constructed models."""
+    from me_interp import falsifiability, io
 
-    cache: dict[str, dict] = {}
+    shared = _shared_dir(tmp_path_factory) / "constructed"
+    shared.mkdir(exist_ok=True)
+
+    def paths(model: str) -> tuple[Path, Path, Path]:
+        stem = model.replace(":", "_")
+        return shared / f"{stem}.json", shared / f"{stem}.lock", shared / stem
+
+    def compute(model: str) -> None:
+        done, _, root = paths(model)
+        if not done.is_file():
+            io.write_json(done, falsifiability.battery_state(model, root))
 
     def get(model: str) -> dict:
-        if model not in cache:
-            root = tmp_path_factory.mktemp(model.replace(":", "_"))
-            cache[model] = falsifiability.battery_state(model, root)
-        return cache[model]
+        done, lock, _ = paths(model)
+        if not done.is_file():
+            with _locked(lock):
+                compute(model)
+        return io.read_json(done)
 
+    def prefetch(models) -> None:
+        for model in models:
+            done, lock, _ = paths(model)
+            if done.is_file():
+                continue
+            with _locked(lock, block=False) as mine:
+                if mine:
+                    compute(model)
+
+    get.prefetch = prefetch
     return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``--dist loadgroup``), keep each test file on one worker (its module
+    fixtures are built once), except the files whose tests are independent and expensive one by one
+    (:data:`SPREAD_FILES`), which spread over the workers."""
+    for item in items:
+        if item.path.name not in SPREAD_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+SPREAD_FILES = {"test_falsifiability.py", "test_cli_inputs.py", "test_architectures.py"}

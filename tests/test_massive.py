@@ -338,3 +338,40 @@ def test_massive_reference_at_a_given_layer(planted):
     assert locate_me_layer(scan).reference_positions == [2, 1, 0]
     with pytest.raises(ValueError, match="out of range"):
         massive_reference(scan, None, 9)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "synthetic:planted",
+        "synthetic:decoy-gradual",
+        "synthetic:decoy-erased",
+        "synthetic:twin-nobos",
+    ],
+)
+@pytest.mark.parametrize("kind", ["sun", "norm", "either"])
+def test_prompt_me_layers_equal_locate_me_layer_on_each_prompt_alone(spec, kind):
+    """The vectorised per-prompt ME layer equals locate_me_layer on each prompt's scan rows."""
+    from me_interp import load_model, synthetic
+    from me_interp.probes.massive import prompt_me_layers
+
+    model = load_model(spec, device="cpu")
+    prompts = synthetic.distinct_first_prompts(6) + synthetic.planted_prompts(4)
+    scan = scan_norms(model, model.tokenize(prompts), ("resid_pre", "resid_mid", "resid_post"))
+    crit = Criterion(kind=kind, norm_ratio=20.0)
+    alone = []
+    for b in range(len(prompts)):
+        one = dataclasses.replace(
+            scan,
+            norms=scan.norms[:, :, b : b + 1],
+            top_abs=scan.top_abs[:, b : b + 1],
+            top_dims=scan.top_dims[:, b : b + 1],
+            median_abs=scan.median_abs[:, b : b + 1],
+            mask=scan.mask[b : b + 1],
+        )
+        alone.append(locate_me_layer(one, crit).me_layer)
+    assert prompt_me_layers(scan, crit) == alone
+    if spec == "synthetic:twin-nobos":
+        assert set(alone) == {None}
+    elif spec == "synthetic:planted":
+        assert None not in alone

@@ -15,7 +15,6 @@ the set (:func:`spread`), each cut to ``max_tokens`` tokens. The result reports 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,8 +30,8 @@ from me_interp.experiments.common import INDEX_CONVENTION, CommonConfig, model_f
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.attention import mean_to_keys
 from me_interp.probes.batching import Chunk, record
-from me_interp.probes.massive import Criterion, MELocation, locate_me_layer
-from me_interp.probes.norms import NormRecorder, NormScan, scan_norms, top_ratio
+from me_interp.probes.massive import Criterion, MELocation, locate_me_layer, prompt_me_layers
+from me_interp.probes.norms import NormRecorder, scan_norms, top_ratio
 from me_interp.prompts import spread
 
 SCAN_SITES = ("resid_pre", "resid_mid", "resid_post")
@@ -313,24 +312,6 @@ def _measure(model, batch, criterion, positions, sink: bool) -> tuple[Measuremen
         prompt_me_layer=prompt_me_layers(scan, criterion),
     )
     return m, loc
-
-
-def prompt_me_layers(scan: NormScan, criterion: Criterion) -> list[int | None]:
-    """Per prompt, the ME layer :func:`~me_interp.probes.massive.locate_me_layer` finds on that
-    prompt alone (its scan rows; no forward pass): a layer "has" the massive activation when the
-    prompt has a massive token there."""
-    out = []
-    for b in range(scan.mask.shape[0]):
-        one = dataclasses.replace(
-            scan,
-            norms=scan.norms[:, :, b : b + 1],
-            top_abs=scan.top_abs[:, b : b + 1],
-            top_dims=scan.top_dims[:, b : b + 1],
-            median_abs=scan.median_abs[:, b : b + 1],
-            mask=scan.mask[b : b + 1],
-        )
-        out.append(locate_me_layer(one, criterion).me_layer)
-    return out
 
 
 def locate(model: LoadedModel, batch: Batch, criterion: Criterion) -> MELocation:

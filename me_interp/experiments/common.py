@@ -314,8 +314,11 @@ class Outcome:
         return {**body, "claims": io.to_jsonable(self.claims)}
 
 
-def execute(module: types.ModuleType, cfg: CommonConfig, model: LoadedModel) -> Outcome:
-    """Run experiment ``module`` (see the module docstring) with ``cfg`` on ``model``.
+def execute(
+    module: types.ModuleType, cfg: CommonConfig, model: LoadedModel, figures: bool = True
+) -> Outcome:
+    """Run experiment ``module`` (see the module docstring) with ``cfg`` on ``model``; without
+    ``figures`` none are drawn (for callers that read only the claims).
 
     A :class:`claims.NotApplicable` raised by ``run`` becomes "not applicable" for every claim of
     ``module.SPECS``, with its message as the reason.
@@ -324,7 +327,8 @@ def execute(module: types.ModuleType, cfg: CommonConfig, model: LoadedModel) -> 
         result = module.run(cfg, model)
     except claims.NotApplicable as e:
         return Outcome(None, claims.not_applicable(module.SPECS, str(e)), {}, str(e))
-    return Outcome(result, claims.judge(module.SPECS, result), dict(module.figures(result)))
+    drawn = dict(module.figures(result)) if figures else {}
+    return Outcome(result, claims.judge(module.SPECS, result), drawn)
 
 
 def write_outcome(name: str, cfg: CommonConfig, model: LoadedModel, outcome: Outcome) -> Path:

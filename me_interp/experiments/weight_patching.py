@@ -43,7 +43,7 @@ prompt), and the downstream attention sink.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
@@ -108,6 +108,37 @@ class Config(WeightConfig):
             raise ValueError(f"max_targets must be >= 0 (0 = all), got {self.max_targets}")
 
 
+@dataclass(frozen=True)
+class PatchRow:
+    """One weight patch: the source layer's ``part`` copied into layer ``target`` (0-based).
+
+    Attributes:
+        me_layer: the ME layer located after the patch (all prompts at once; ``None``: none).
+        outcome: the patch's outcome (:func:`outcome`).
+        event_layers: the first layer of every emergence event after the patch.
+        ratio_at_target, ratio_at_target_before: median norm ratio ``R`` at the target after and
+            before; ``ratio_at_me_before``: after the patch, at the unpatched ME layer; ``ratio_last``:
+            at the last layer; ``ratio_at_target_per_prompt``: per prompt.
+        prompt_me_layer: per prompt, the ME layer located on that prompt alone.
+        sink_downstream: the mean sink after the unpatched ME layer (or the target); ``top_ratio``:
+            per layer.
+    """
+
+    part: str
+    target: int
+    me_layer: int | None
+    outcome: str
+    event_layers: list[int]
+    ratio_at_target: float
+    ratio_at_target_before: float
+    ratio_at_me_before: float | None
+    ratio_last: float
+    ratio_at_target_per_prompt: list[float]
+    prompt_me_layer: list[int | None]
+    sink_downstream: float | None
+    top_ratio: list[float]
+
+
 @dataclass
 class Result:
     """What :func:`run` measured (0-based layers).
@@ -131,38 +162,38 @@ class Result:
     eligible: list[int]
     parts: list[str]
     baseline: Measurement
-    rows: list[dict[str, Any]]
+    rows: list[PatchRow]
     n_prompts: int
     prompt_lengths: list[int]
     seed: int = 0
     part_modules: dict[str, list[str]] = field(default_factory=dict)
 
-    def part_rows(self, part: str, eligible_only: bool = False) -> list[dict[str, Any]]:
+    def part_rows(self, part: str, eligible_only: bool = False) -> list[PatchRow]:
         """The rows of ``part`` in target order (only eligible targets with ``eligible_only``)."""
         return [
             r
             for r in self.rows
-            if r["part"] == part and (not eligible_only or r["target"] in self.eligible)
+            if r.part == part and (not eligible_only or r.target in self.eligible)
         ]
 
     def fraction(self, part: str, outcome: str, eligible_only: bool = False) -> float:
         rows = self.part_rows(part, eligible_only)
-        return sum(r["outcome"] == outcome for r in rows) / max(len(rows), 1)
+        return sum(r.outcome == outcome for r in rows) / max(len(rows), 1)
 
     def targets_with(self, part: str, outcome: str) -> list[int]:
-        return [r["target"] for r in self.part_rows(part) if r["outcome"] == outcome]
+        return [r.target for r in self.part_rows(part) if r.outcome == outcome]
 
     def per_target(self, part: str) -> dict[str, list[Any]]:
         """Per target layer (the claim's units): its depth label, the new ME layer (all prompts at
         once), eligibility, how many prompts' own ME layer is the target, and the majority outcome
         ``copied`` the claim counts (:func:`~me_interp.experiments._weights.majority`)."""
         rows = self.part_rows(part)
-        hits = [[pl == r["target"] for pl in r["prompt_me_layer"]] for r in rows]
+        hits = [[pl == r.target for pl in r.prompt_me_layer] for r in rows]
         return {
-            "target": [r["target"] for r in rows],
-            "label": [depth_label(r["target"], self.source_layer) for r in rows],
-            "me_layer": [r["me_layer"] for r in rows],
-            "eligible": [r["target"] in self.eligible for r in rows],
+            "target": [r.target for r in rows],
+            "label": [depth_label(r.target, self.source_layer) for r in rows],
+            "me_layer": [r.me_layer for r in rows],
+            "eligible": [r.target in self.eligible for r in rows],
             "copied_prompts": [sum(h) for h in hits],
             "copied": [majority(h) for h in hits],
         }
@@ -212,7 +243,7 @@ class Result:
             "n_prompts": self.n_prompts,
             "n_targets": len(self.targets),
             "seed": self.seed,
-            "rows": self.rows,
+            "rows": [asdict(r) for r in self.rows],
             "baseline_detail": b.to_dict(),
         }
 
@@ -314,21 +345,21 @@ def run(
         with patched_weights(target, source_layer, t, part, source_model=None if same else src):
             after = measure(target, s.batch, s.criterion, s.positions, cfg.sink)
         rows.append(
-            {
-                "part": part,
-                "target": t,
-                "me_layer": after.me_layer,
-                "outcome": outcome(after.me_layer, me0, t),
-                "event_layers": after.event_layers,
-                "ratio_at_target": after.ratio_at(t),
-                "ratio_at_target_before": s.baseline.ratio_at(t),
-                "ratio_at_me_before": None if me0 is None else after.ratio_at(me0),
-                "ratio_last": after.top_ratio[-1],
-                "ratio_at_target_per_prompt": after.prompt_ratio_at(t),
-                "prompt_me_layer": after.prompt_me_layer,
-                "sink_downstream": after.sink_after(me0 if me0 is not None else t),
-                "top_ratio": after.top_ratio,
-            }
+            PatchRow(
+                part=part,
+                target=t,
+                me_layer=after.me_layer,
+                outcome=outcome(after.me_layer, me0, t),
+                event_layers=after.event_layers,
+                ratio_at_target=after.ratio_at(t),
+                ratio_at_target_before=s.baseline.ratio_at(t),
+                ratio_at_me_before=None if me0 is None else after.ratio_at(me0),
+                ratio_last=after.top_ratio[-1],
+                ratio_at_target_per_prompt=after.prompt_ratio_at(t),
+                prompt_me_layer=after.prompt_me_layer,
+                sink_downstream=after.sink_after(me0 if me0 is not None else t),
+                top_ratio=after.top_ratio,
+            )
         )
     return Result(
         model=target.name,
@@ -422,9 +453,9 @@ claims.check_specs(SPECS)
 
 def figures(result: Result) -> dict[str, go.Figure]:
     xs = [str(t) for t in result.targets]
-    index = {(r["part"], r["target"]): r for r in result.rows}
-    me = [[index[(p, t)]["me_layer"] for t in result.targets] for p in result.parts]
-    ratio = [[index[(p, t)]["ratio_at_target"] for t in result.targets] for p in result.parts]
+    index = {(r.part, r.target): r for r in result.rows}
+    me = [[index[(p, t)].me_layer for t in result.targets] for p in result.parts]
+    ratio = [[index[(p, t)].ratio_at_target for t in result.targets] for p in result.parts]
     src = "" if result.source_model == result.model else f" of {result.source_model}"
     fig = go.Figure(
         go.Heatmap(

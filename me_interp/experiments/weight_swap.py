@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
@@ -117,6 +117,36 @@ class Config(WeightConfig):
             raise ValueError(f"max_partners must be >= 0 (0 = all), got {self.max_partners}")
 
 
+@dataclass(frozen=True)
+class SwapRow:
+    """One swap: ``part`` of the ME layer ``m`` swapped with layer ``partner`` (0-based).
+
+    Attributes:
+        me_layer: the ME layer located after the swap (all prompts at once; ``None``: none).
+        outcome: ``moved`` / ``stayed`` / ``vanished`` / ``elsewhere`` (:func:`outcome`).
+        event_layers: the first layer of every emergence event after the swap.
+        ratio_at_partner, ratio_at_layer, ratio_last: median norm ratio ``R`` at the partner, at
+            ``m`` and at the last layer; ``*_per_prompt``: per prompt.
+        prompt_me_layer: per prompt, the ME layer located on that prompt alone.
+        sink_downstream: the mean sink after ``m``; ``top_ratio``, ``sink``: per layer.
+    """
+
+    part: str
+    partner: int
+    me_layer: int | None
+    outcome: str
+    event_layers: list[int]
+    ratio_at_partner: float
+    ratio_at_layer: float
+    ratio_last: float
+    ratio_at_partner_per_prompt: list[float]
+    ratio_at_layer_per_prompt: list[float]
+    prompt_me_layer: list[int | None]
+    sink_downstream: float | None
+    top_ratio: list[float]
+    sink: list[float]
+
+
 @dataclass
 class Result:
     """What :func:`run` measured (0-based layers).
@@ -137,19 +167,19 @@ class Result:
     partners: list[int]
     parts: list[str]
     baseline: Measurement
-    rows: list[dict[str, Any]]
+    rows: list[SwapRow]
     n_prompts: int
     prompt_lengths: list[int]
     seed: int = 0
     part_modules: dict[str, list[str]] = field(default_factory=dict)
 
-    def part_rows(self, part: str) -> list[dict[str, Any]]:
+    def part_rows(self, part: str) -> list[SwapRow]:
         """The rows of ``part``, in partner order."""
-        return [r for r in self.rows if r["part"] == part]
+        return [r for r in self.rows if r.part == part]
 
     def outcomes(self, part: str) -> list[str]:
         """Per partner: the outcome of swapping ``part``."""
-        return [r["outcome"] for r in self.part_rows(part)]
+        return [r.outcome for r in self.part_rows(part)]
 
     def fractions(self, part: str) -> dict[str, float]:
         """Share of partners per outcome (:data:`OUTCOMES`)."""
@@ -158,19 +188,19 @@ class Result:
         return {o: sum(g == o for g in got) / n for o in OUTCOMES}
 
     def partners_with(self, part: str, outcome: str) -> list[int]:
-        return [r["partner"] for r in self.part_rows(part) if r["outcome"] == outcome]
+        return [r.partner for r in self.part_rows(part) if r.outcome == outcome]
 
     def per_partner(self, part: str) -> dict[str, list[Any]]:
         """The claims' units: per partner layer, its depth label, the new ME layer (all prompts at
         once), how many prompts' own ME layer moved to the partner / left ``m``, and the majority
         outcomes ``moved`` / ``left_layer`` the claims count (:func:`majority`)."""
         rows = self.part_rows(part)
-        moved = [[pl == r["partner"] for pl in r["prompt_me_layer"]] for r in rows]
-        left = [[pl != self.layer for pl in r["prompt_me_layer"]] for r in rows]
+        moved = [[pl == r.partner for pl in r.prompt_me_layer] for r in rows]
+        left = [[pl != self.layer for pl in r.prompt_me_layer] for r in rows]
         return {
-            "partner": [r["partner"] for r in rows],
-            "label": [depth_label(r["partner"], self.layer) for r in rows],
-            "me_layer": [r["me_layer"] for r in rows],
+            "partner": [r.partner for r in rows],
+            "label": [depth_label(r.partner, self.layer) for r in rows],
+            "me_layer": [r.me_layer for r in rows],
             "moved_prompts": [sum(f) for f in moved],
             "left_prompts": [sum(f) for f in left],
             "moved": [majority(f) for f in moved],
@@ -218,7 +248,7 @@ class Result:
             "n_prompts": self.n_prompts,
             "n_partners": len(self.partners),
             "seed": self.seed,
-            "rows": self.rows,
+            "rows": [asdict(r) for r in self.rows],
             "baseline_detail": b.to_dict(),
         }
 
@@ -266,22 +296,22 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         with swapped_layers(s.model, m, p, part):
             after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
         rows.append(
-            {
-                "part": part,
-                "partner": p,
-                "me_layer": after.me_layer,
-                "outcome": outcome(after.me_layer, m, p),
-                "event_layers": after.event_layers,
-                "ratio_at_partner": after.ratio_at(p),
-                "ratio_at_layer": after.ratio_at(m),
-                "ratio_last": after.top_ratio[-1],
-                "ratio_at_partner_per_prompt": after.prompt_ratio_at(p),
-                "ratio_at_layer_per_prompt": after.prompt_ratio_at(m),
-                "prompt_me_layer": after.prompt_me_layer,
-                "sink_downstream": after.sink_after(m),
-                "top_ratio": after.top_ratio,
-                "sink": after.sink,
-            }
+            SwapRow(
+                part=part,
+                partner=p,
+                me_layer=after.me_layer,
+                outcome=outcome(after.me_layer, m, p),
+                event_layers=after.event_layers,
+                ratio_at_partner=after.ratio_at(p),
+                ratio_at_layer=after.ratio_at(m),
+                ratio_last=after.top_ratio[-1],
+                ratio_at_partner_per_prompt=after.prompt_ratio_at(p),
+                ratio_at_layer_per_prompt=after.prompt_ratio_at(m),
+                prompt_me_layer=after.prompt_me_layer,
+                sink_downstream=after.sink_after(m),
+                top_ratio=after.top_ratio,
+                sink=after.sink,
+            )
         )
     return Result(
         model=s.model.name,
@@ -401,7 +431,7 @@ claims.check_specs(SPECS)
 
 
 def _grid(result: Result, key: str) -> list[list[Any]]:
-    index = {(r["part"], r["partner"]): r[key] for r in result.rows}
+    index = {(r.part, r.partner): getattr(r, key) for r in result.rows}
     return [[index.get((part, p)) for p in result.partners] for part in result.parts]
 
 

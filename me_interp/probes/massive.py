@@ -222,6 +222,40 @@ def _rank(e: Event) -> tuple[bool, float, int]:
     return known, e.jump if known else 0.0, -e.layer
 
 
+def prompt_me_layers(scan: NormScan, crit: Criterion | None = None) -> list[int | None]:
+    """Per prompt, the ME layer :func:`locate_me_layer` finds on that prompt's scan rows alone, for
+    every prompt at once: on one prompt a layer "has" the massive activation when the prompt has a
+    massive token there, an event is a run of such layers, its jump the prompt's ratio ``R`` across
+    the run's first layer, and the ME layer the event of the largest known jump (the earliest on a
+    tie), as :func:`locate_me_layer` ranks them."""
+    crit = crit or Criterion()
+    has = massive_tokens(scan, crit).any(-1)  # [layer batch]
+    r_post = top_ratio(scan.site_norms("resid_post"), scan.mask)  # [layer batch]
+    r_pre = (
+        top_ratio(scan.site_norms("resid_pre"), scan.mask) if "resid_pre" in scan.sites else None
+    )
+    out: list[int | None] = []
+    for b in range(scan.mask.shape[0]):
+        best: tuple[tuple[bool, float, int], int] | None = None
+        layer = 0
+        while layer < scan.n_layers:
+            if not has[layer, b]:
+                layer += 1
+                continue
+            start = layer
+            while layer + 1 < scan.n_layers and has[layer + 1, b]:
+                layer += 1
+            before = r_post[start - 1, b] if start > 0 else (None if r_pre is None else r_pre[0, b])
+            jump = math.nan if before is None else float((r_post[start, b] / before).float())
+            known = not math.isnan(jump)
+            rank = (known, jump if known else 0.0, -start)
+            if best is None or rank > best[0]:
+                best = (rank, start)
+            layer += 1
+        out.append(None if best is None else best[1])
+    return out
+
+
 def massive_reference(scan: NormScan, crit: Criterion | None, layer: int) -> list[int]:
     """The *reference* massive token of each prompt at ``layer``: its largest-norm massive token
     there, position 0 where it has none (as :attr:`MELocation.reference_positions` at the ME layer).

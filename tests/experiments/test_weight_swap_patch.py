@@ -9,6 +9,7 @@ are checked on 8-layer planted models (7 partners; 6 targets before an ME layer 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import partial
 
@@ -197,20 +198,20 @@ def test_weight_swap_planted(planted, prompt_file):
     res = weight_swap.run(weight_swap.Config(prompts=prompt_file, n_prompts=0, max_tokens=0), model)
     L = plant.layer
     assert res.layer == L and res.partners == [0, 1, 3, 4] and not res.layer_given
-    by = {(r["part"], r["partner"]): r for r in res.rows}
+    by = {(r.part, r.partner): r for r in res.rows}
     for p in res.partners:
-        assert by[("ffn_path", p)]["me_layer"] == p  # the pair moves the emergence
-        assert by[("ffn_path", p)]["prompt_me_layer"] == [p] * 5  # on every prompt alone too
-        assert by[("block", p)]["me_layer"] == p
-        assert by[("ffn", p)]["outcome"] == "vanished"  # either half alone makes it vanish
-        assert by[("ffn_norm", p)]["outcome"] == "vanished"
-        assert by[("ffn_norm", p)]["prompt_me_layer"] == [None] * 5
+        assert by[("ffn_path", p)].me_layer == p  # the pair moves the emergence
+        assert by[("ffn_path", p)].prompt_me_layer == [p] * 5  # on every prompt alone too
+        assert by[("block", p)].me_layer == p
+        assert by[("ffn", p)].outcome == "vanished"  # either half alone makes it vanish
+        assert by[("ffn_norm", p)].outcome == "vanished"
+        assert by[("ffn_norm", p)].prompt_me_layer == [None] * 5
         for part in ("attn_path", "attn_norm", "attn"):
-            assert by[(part, p)]["outcome"] == "stayed"
+            assert by[(part, p)].outcome == "stayed"
     moved = by[("ffn_path", 4)]
-    assert moved["ratio_at_partner"] > 100 and moved["ratio_at_layer"] < 10
-    assert len(moved["ratio_at_partner_per_prompt"]) == res.n_prompts == 5
-    assert moved["sink"][3] < 0.5 < res.baseline.sink[3]  # the sink follows the activation
+    assert moved.ratio_at_partner > 100 and moved.ratio_at_layer < 10
+    assert len(moved.ratio_at_partner_per_prompt) == res.n_prompts == 5
+    assert moved.sink[3] < 0.5 < res.baseline.sink[3]  # the sink follows the activation
     cs = _judge(weight_swap, res)
     _check_claims(cs, weight_swap.SPECS)
     assert _verdicts(cs) == PLANTED_SWAP_FEW
@@ -262,8 +263,10 @@ def test_weight_swap_majority_over_prompts_by_hand(planted8, prompt_file):
     cfg = weight_swap.Config(prompts=prompt_file, partners=(0, 5, 7), parts=("ffn_path",))
     res = weight_swap.run(cfg, model)
     n = res.n_prompts
-    res.rows[0]["prompt_me_layer"] = [0] * (n // 2) + [2] * (n - n // 2)  # half: no majority
-    res.rows[1]["prompt_me_layer"] = [5] * (n // 2 + 1) + [None] * (n - n // 2 - 1)
+    half = [0] * (n // 2) + [2] * (n - n // 2)  # half: no majority
+    res.rows[0] = dataclasses.replace(res.rows[0], prompt_me_layer=half)
+    more = [5] * (n // 2 + 1) + [None] * (n - n // 2 - 1)
+    res.rows[1] = dataclasses.replace(res.rows[1], prompt_me_layer=more)
     pp = res.per_partner("ffn_path")
     assert pp["moved_prompts"] == [n // 2, n // 2 + 1, n]
     assert pp["moved"] == [False, True, True]
@@ -337,7 +340,7 @@ def test_weight_swap_runs_on_qwen3_with_explicit_layer(tiny_qwen3, prompt_file, 
     )
     res = weight_swap.run(cfg, tiny_qwen3)
     assert res.layer == 1 and len(res.rows) == 4
-    assert all(r["outcome"] == "vanished" for r in res.rows)  # there was nothing to move
+    assert all(r.outcome == "vanished" for r in res.rows)  # there was nothing to move
     _never_holds(_judge(weight_swap, res))
     after = tiny_qwen3.hf.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
@@ -368,16 +371,14 @@ def test_weight_patching_within_planted(planted, prompt_file):
     model, plant = planted
     res = weight_patching.run(weight_patching.Config(prompts=prompt_file), model)
     assert res.source_layer == plant.layer and res.targets == [0, 1] == res.eligible
-    by = {(r["part"], r["target"]): r for r in res.rows}
+    by = {(r.part, r.target): r for r in res.rows}
     for t in res.targets:  # copied before the planted layer, the pair makes the emergence there
-        assert by[("ffn_path", t)]["outcome"] == "copied"
-        assert by[("ffn_path", t)]["prompt_me_layer"] == [t] * 5
-        assert by[("block", t)]["outcome"] == "copied"
-        assert by[("ffn_norm", t)]["outcome"] == "kept"  # the gain without the neuron: nothing new
-        assert (
-            by[("ffn", t)]["outcome"] == "vanished"
-        )  # its write to dim 7 raises the RMS at layer 2
-        assert by[("attn_path", t)]["outcome"] == "kept"
+        assert by[("ffn_path", t)].outcome == "copied"
+        assert by[("ffn_path", t)].prompt_me_layer == [t] * 5
+        assert by[("block", t)].outcome == "copied"
+        assert by[("ffn_norm", t)].outcome == "kept"  # the gain without the neuron: nothing new
+        assert by[("ffn", t)].outcome == "vanished"  # its write to dim 7 raises the RMS at layer 2
+        assert by[("attn_path", t)].outcome == "kept"
     cs = _judge(weight_patching, res)
     _check_claims(cs, weight_patching.SPECS)
     assert _verdicts(cs) == PLANTED_PATCH_FEW  # 2 targets: 2 of 2 is [0.16, 1]
@@ -407,7 +408,9 @@ def test_weight_patching_majority_over_prompts_by_hand(planted, prompt_file):
     cfg = weight_patching.Config(prompts=prompt_file, targets=(0, 1, 3), parts=("ffn_path",))
     res = weight_patching.run(cfg, model)
     n = res.n_prompts
-    res.rows[1]["prompt_me_layer"] = [1] * (n // 2) + [None] * (n - n // 2)  # not a majority
+    res.rows[1] = dataclasses.replace(  # not a majority
+        res.rows[1], prompt_me_layer=[1] * (n // 2) + [None] * (n - n // 2)
+    )
     pp = res.per_target("ffn_path")
     assert pp["copied_prompts"][:2] == [n, n // 2] and pp["copied"] == [True, False, False]
     o = res.target_outcomes("ffn_path")  # target 3 (after the ME layer) is not judged
@@ -422,7 +425,7 @@ def test_weight_patching_later_targets_are_reported_not_judged(planted, prompt_f
     cfg = weight_patching.Config(prompts=prompt_file, targets=(0, 3, 4), parts=("ffn_path",))
     res = weight_patching.run(cfg, model)
     assert res.eligible == [0]
-    assert [r["outcome"] for r in res.rows] == ["copied", "kept", "kept"]
+    assert [r.outcome for r in res.rows] == ["copied", "kept", "kept"]
     c = _judge(weight_patching, res)[0]
     # was HOLDS on one target (a zero-width bootstrap interval); 1 of 1 is [0.025, 1]
     assert c.verdict == INCONCLUSIVE and c.estimate.n == 1 and "[3, 4]" in c.details
@@ -443,7 +446,7 @@ def test_weight_patching_second_model(planted, twin, prompt_file):
     assert res.source_layer == plant.layer and res.targets == res.eligible == [0, 1, 2, 3, 4]
     assert res.baseline.me_layer is None
     for part, want in (("ffn_path", "copied"), ("block", "copied"), ("ffn", "vanished")):
-        assert {r["outcome"] for r in res.part_rows(part)} == {want}
+        assert {r.outcome for r in res.part_rows(part)} == {want}
     # 5 targets: 5 of 5 is [0.48, 1], just short of moved_fraction
     assert _verdicts(_judge(weight_patching, res)) == PLANTED_PATCH_FEW
 
@@ -504,7 +507,9 @@ CLI = [  # one partner / 5 targets: decided by no k of n, so the verdict is inco
 @pytest.mark.parametrize("module,args,headline", CLI, ids=[m.NAME for m, _, _ in CLI])
 def test_cli_smoke(module, args, headline, prompt_file, tmp_path, capsys):
     argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(tmp_path)]
-    rc = module.main([*argv, "--device", "cpu", "--verbose", *args])  # a later --model overrides the first
+    rc = module.main(
+        [*argv, "--device", "cpu", "--verbose", *args]
+    )  # a later --model overrides the first
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"[inconclusive] {headline}" in out and "per unit: layer" in out
@@ -582,14 +587,14 @@ def test_weight_swap_bundled(bundled):
     assert 100 < res.baseline.ratio_at(11) < 250
     assert 3 < res.baseline.top_ratio[-1] < 15
     assert 0.8 < res.baseline.sink_after(11) < 1.0
-    by = {(r["part"], r["partner"]): r for r in res.rows}
+    by = {(r.part, r.partner): r for r in res.rows}
     for p, lo, hi in ((10, 20, 150), (12, 20, 150)):
-        assert by[("ffn_path", p)]["outcome"] == "moved"
-        assert lo < by[("ffn_path", p)]["ratio_at_partner"] < hi
-    assert by[("ffn_path", 20)]["outcome"] == "vanished"
-    assert by[("ffn_path", 20)]["ratio_at_layer"] < 3
-    assert by[("ffn_norm", 20)]["outcome"] == "stayed"
-    assert 60 < by[("ffn_norm", 20)]["ratio_at_layer"] < 250
+        assert by[("ffn_path", p)].outcome == "moved"
+        assert lo < by[("ffn_path", p)].ratio_at_partner < hi
+    assert by[("ffn_path", 20)].outcome == "vanished"
+    assert by[("ffn_path", 20)].ratio_at_layer < 3
+    assert by[("ffn_norm", 20)].outcome == "stayed"
+    assert 60 < by[("ffn_norm", 20)].ratio_at_layer < 250
     v = _verdicts(_judge(weight_swap, res))
     # was FAILS / HOLDS on a zero-width bootstrap over 3 partners (issue 17 finding 4): 0 of 3 is
     # [0, 0.71] and 3 of 3 [0.29, 1] under Clopper–Pearson
@@ -609,12 +614,12 @@ def test_weight_patching_bundled(bundled):
     cfg = weight_patching.Config(parts=("ffn_path", "ffn_norm"), targets=(9, 10))
     res = weight_patching.run(cfg, bundled)
     assert res.source_layer == 11 and res.eligible == [9, 10]
-    by = {(r["part"], r["target"]): r for r in res.rows}
-    assert by[("ffn_path", 10)]["outcome"] == "copied"
-    assert 20 < by[("ffn_path", 10)]["ratio_at_target"] < 100  # measured 39.9
-    assert by[("ffn_path", 9)]["outcome"] == "vanished"
-    assert by[("ffn_path", 9)]["ratio_at_me_before"] < 20  # measured 7.3 (unpatched 159)
-    assert {by[("ffn_norm", t)]["outcome"] for t in (9, 10)} == {"kept"}
+    by = {(r.part, r.target): r for r in res.rows}
+    assert by[("ffn_path", 10)].outcome == "copied"
+    assert 20 < by[("ffn_path", 10)].ratio_at_target < 100  # measured 39.9
+    assert by[("ffn_path", 9)].outcome == "vanished"
+    assert by[("ffn_path", 9)].ratio_at_me_before < 20  # measured 7.3 (unpatched 159)
+    assert {by[("ffn_norm", t)].outcome for t in (9, 10)} == {"kept"}
     v = _verdicts(_judge(weight_patching, res))
     # was FAILS on a zero-width bootstrap over 2 targets: 0 of 2 is [0, 0.84]
     assert v["weight_patching.ffn_norm"] == INCONCLUSIVE
