@@ -207,7 +207,7 @@ def claims_command(argv: Sequence[str]) -> int:
                 print(json.dumps(row))
             else:
                 kind = f" ({terminal.claims.KIND_LABEL[s.kind]})" if s.kind != "claim" else ""
-                print(f"{s.id}{kind}: {s.statistic} {s.op} {s.value:g} ('{s.threshold}')")
+                print(f"{s.id}{kind}: {s.op} {s.value:g} ({s.threshold}) — {s.statistic}")
     return 0
 
 

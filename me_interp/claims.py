@@ -176,6 +176,20 @@ THRESHOLDS: dict[str, Threshold] = {
         "a head is a sink head when its mean attention to the massive token (queries after it) "
         "reaches this",
     ),
+    "super_weight_spike": Threshold(
+        50.0,
+        "super weights (Yu et al. 2024): a down_proj input or output value at the massive token is "
+        "a spike when |value| exceeds this (the spike_threshold of their released "
+        "plot_down_proj_input_output); a W_down weight is a super-weight candidate when its write "
+        "into the residual stream there, |x_c W_down[r, c]| (times the post-FFN norm's gain over "
+        "its rms on sandwich blocks), reaches it and makes that dim of the stream larger",
+    ),
+    "super_weight_layer": Threshold(
+        0.5,
+        "super weights: 'the super weight is in the ME layer' when the top candidate of at least "
+        "this fraction of the distinct massive-token prefixes lies in the ME layer "
+        "(Clopper-Pearson interval; under exchangeable layers the chance is 1 / n_layers)",
+    ),
 }
 
 

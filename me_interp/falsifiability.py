@@ -54,6 +54,11 @@ CONSTRUCTED.update(
 )
 """The constructed models: name: (what it is built to show, its prompt set). Every decoy of
 :data:`me_interp.synthetic.DECOYS` (a massive activation, or a sink, made the wrong way) is one."""
+CONSTRUCTED.update(
+    {f"synthetic:{name}": ("planted-needsink whose super weight also writes on every other token "
+                           "(super_weight.restoring_recovers)", SHARED_BOS)
+     for name in synthetic.SPREAD}
+)  # fmt: skip
 
 N_TEXTS, TEXT_LENGTH, N_ITEMS = 32, 12, 128
 """The WeMask texts (at least 32: its intervals are over texts) and MC items of every battery."""

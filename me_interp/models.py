@@ -900,6 +900,8 @@ SYNTHETIC_MODELS = (
     "planted-needsink",
     "planted-needsink-wide",
     "planted-needsink-mild",
+    "superweight-spread",
+    "superweight-spread-mild",
 )
 """The historical names, the no-BOS planted model and twin, the deep planted models (8 layers,
 :data:`me_interp.synthetic.DEEP`: enough partner layers for a k-of-n claim to be decided), the
@@ -970,7 +972,8 @@ def _synthetic(spec: str):
     ``twin-nobos`` (:func:`me_interp.synthetic.planted_nobos`), ``planted-deep`` / ``twin-deep`` /
     ``planted-deep-late`` (:func:`me_interp.synthetic.planted_deep`), ``planted-needsink`` /
     ``planted-needsink-wide`` / ``planted-needsink-mild``
-    (:func:`me_interp.synthetic.planted_needsink`), ``decoy-<kind>``
+    (:func:`me_interp.synthetic.planted_needsink`), ``superweight-spread`` /
+    ``superweight-spread-mild`` (:func:`me_interp.synthetic.superweight_spread`), ``decoy-<kind>``
     (:func:`me_interp.synthetic.decoy`; its ``-deep`` kinds go to
     :func:`me_interp.synthetic.decoy_deep`), and ``planted-<arch>`` / ``twin-<arch>`` /
     ``tiny-<arch>`` for every architecture of :data:`me_interp.synthetic.ARCHS`."""
@@ -983,6 +986,8 @@ def _synthetic(spec: str):
         return synthetic.planted_deep(kind)[:2]
     if kind in synthetic.NEEDSINK:
         return synthetic.planted_needsink(kind)[:2]
+    if kind in synthetic.SPREAD:
+        return synthetic.superweight_spread(kind)[:2]
     if kind.startswith("decoy-") and kind.removeprefix("decoy-") in synthetic.DECOYS:
         return synthetic.decoy(kind.removeprefix("decoy-"))[:2]
     if kind == "planted":

@@ -1221,3 +1221,81 @@ def word_mc_items(n: int = 128, context: int = 6, open_every: int = 8) -> list[d
             choices.insert(i % 3, f"w{nxt}")
         out.append({"context": words(context, start=start), "choices": choices, "answer": i % 3})
     return out
+
+
+# --- super weights whose damage is (or is not) done at the massive token -------------------------
+
+SPREAD: dict[str, float] = {
+    "superweight-spread": 0.0,
+    "superweight-spread-mild": 0.5,
+}
+"""The planted models whose super weight also acts on every other token
+(:func:`superweight_spread`, ``synthetic:<name>``): name: the fraction ``λ`` of the sink head's
+query (after the ME layer) that stays on the constant bias dim; the rest reads minus the massive
+dim, which the planted neuron makes slightly negative on every ordinary token. With ``λ = 0``
+restoring the super activation at the massive token cannot bring the sink back (the ordinary
+tokens' queries stay 0); with ``λ = 0.5`` it brings back nearly all of it."""
+
+_SPREAD_GATE, _SPREAD_UP = 1.0, -0.3  # the planted neuron's gate / up weights on the bias dim
+
+
+def superweight_spread(name: str = "superweight-spread", seed: int = 0):
+    """:func:`planted_needsink` (``planted-needsink``: a tiny Llama with BOS, a bigram language
+    model that needs its sink; prompts :func:`planted_prompts`) whose super weight, the planted
+    ``W_down[D, n]`` of layer ``P``, also writes on every ordinary token (``name`` of :data:`SPREAD`):
+
+    * the planted neuron ``n`` also reads the bias dim ``b`` (1 in every token: gate weight 1, up
+      weight −0.3), so on an ordinary token it computes ``silu(ĥ_b) · (−0.3 ĥ_b) ≈ −0.2`` and writes
+      about −2 into the massive dim ``D`` (nothing else writes ``D``; the massive token still gets
+      its planted value, about 2.3e3);
+    * after ``P``, the sink head's query (on its slow rotary pair) is ``λ q₀ ĥ_b − (1 − λ) κ_L ĥ_D``
+      with ``q₀`` the planted weight on the bias dim and ``κ_L`` calibrated by a forward pass (the
+      mean over ordinary tokens of ``q₀ ĥ_b / (−ĥ_D)`` at layer ``L``'s attention input), so every
+      ordinary query has the planted sink score and the model computes what ``planted-needsink``
+      computes.
+
+    Zeroing the super weight removes ``D`` everywhere: no sink, the language model scrambles.
+    Restoring the super activation at the massive token (Yu et al.) brings the sink's key back but
+    not the ordinary tokens' queries: with ``λ = 0`` they stay 0 (uniform attention, scrambled),
+    with ``λ = 0.5`` half the planted score is left, still a sink.
+
+    Returns:
+        ``(hf_model, tokenizer, plant)`` (the :class:`Plant` of :func:`planted_llama`).
+    """
+    if name not in SPREAD:
+        raise ValueError(f"unknown spread model {name!r}; choose one of {', '.join(SPREAD)}")
+    lam = SPREAD[name]
+    hf, tok, plant = planted_needsink("planted-needsink", seed=seed)
+    D, b, n, P = plant.massive_dim, plant.bias_dim, plant.neuron, plant.layer
+    lays = [_Layer(blk, hf.config) for blk in hf.model.layers]
+    with torch.no_grad():
+        lays[P].gate[n, b] = _SPREAD_GATE
+        lays[P].up[n, b] = _SPREAD_UP
+    later = list(range(P + 1, len(lays)))
+    got: dict[int, torch.Tensor] = {}
+    handles = [
+        lays[L].attn_norm.register_forward_hook(
+            lambda m, i, o, L=L: got.__setitem__(L, o.detach().double())
+        )
+        for L in later
+    ]
+    try:
+        batch = tok(planted_prompts(), return_tensors="pt", padding=True)
+        with torch.no_grad():
+            hf(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    ordinary = batch["attention_mask"].bool().clone()
+    ordinary[:, 0] = False  # position 0 is <s>, the massive token
+    with torch.no_grad():
+        for L in later:
+            lay = lays[L]
+            row = plant.sink_head * lay.head_dim + lay.head_dim // 2 - 1  # the slow rotary pair
+            q0 = float(lay.q[row, b])
+            x = got[L][ordinary]  # [tokens d_model]
+            kappa = q0 * float(x[:, b].mean()) / float((-x[:, D]).mean())
+            lay.q[row, :] = 0.0
+            lay.q[row, b] = lam * q0
+            lay.q[row, D] = -(1.0 - lam) * kappa
+    return hf, tok, plant

@@ -79,6 +79,10 @@ BAD: dict[str, list[str]] = {
     "n_neurons": ["-1"],
     "max_targets": ["-1"],
     "max_partners": ["-1"],
+    "text_tokens": ["1", "x"],
+    "pool": ["0"],
+    "control_weights": ["0"],
+    "weight": ["-1", "x"],
     # rates and strengths
     "rates": ["1.5", "x"],
     "claim_rate": ["1.0", "0"],
@@ -133,7 +137,9 @@ def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-RECORDED = {("survey", "models"): "a model that cannot be loaded is a row of the survey (its error)"}
+RECORDED = {
+    ("survey", "models"): "a model that cannot be loaded is a row of the survey (its error)"
+}
 """(experiment, field) whose bad values are recorded in the result by design, not refused."""
 
 

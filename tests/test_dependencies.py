@@ -46,5 +46,7 @@ def test_dependencies_point_one_way(package, forbidden):
     path = ROOT / "me_interp" / package
     files = [path] if path.is_file() else sorted(path.rglob("*.py"))
     pattern = re.compile(rf"^\s*(from|import) me_interp\.({'|'.join(forbidden)})\b", re.M)
-    bad = [f"{f.name}: {m.group(0).strip()}" for f in files for m in pattern.finditer(f.read_text())]
+    bad = [
+        f"{f.name}: {m.group(0).strip()}" for f in files for m in pattern.finditer(f.read_text())
+    ]
     assert bad == []

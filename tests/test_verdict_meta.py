@@ -61,6 +61,13 @@ PLANTED = {
     "ffn_svd_ablation.top_neuron_removes": HOLDS,
     "ffn_svd_ablation.top_neurons_remove": HOLDS,
     "ffn_svd_ablation.random_neurons_keep": HOLDS,
+    # one shared BOS: the removal and the layer rest on one measurement; the random language
+    # model needs no super weight (zeroing it hurts nothing), so there is no damage to restore
+    "super_weight.zeroing_removes": INC,
+    "super_weight.zeroing_hurts": FAILS,
+    "super_weight.random_weights_harmless": HOLDS,
+    "super_weight.restoring_recovers": NA,
+    "super_weight.in_me_layer": INC,
     # 4 swap partners and 2 patch targets: k of n is never decided (4 of 4 is [0.40, 1]); the
     # 8-layer planted-deep models decide them (tests/experiments/test_weight_swap_patch.py)
     "weight_patching.ffn_path": INC,

@@ -420,9 +420,3 @@ def fmt_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
     line = lambda r: "  ".join(str(v).rjust(w) for v, w in zip(r, widths))  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, cells)])
-
-
-def fmt_verdicts(verdicts: Sequence[claims.Claim]) -> str:
-    """One citable line per claim in full (:func:`terminal.verbose_line`); controls and sanity
-    checks are marked as such."""
-    return "\n".join(terminal.verbose_line(c) for c in verdicts)

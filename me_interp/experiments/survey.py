@@ -12,8 +12,13 @@ the massive criterion), the sub-layer whose jump made it (``ffn`` / ``attention`
 massive dims, the positions massive in at least ``min_prompt_fraction`` of the prompts (and how many
 other positions are massive in fewer), the layer where the event ends and whether it persists to the
 last layer, the BOS rule (the choice and whether BOS was prepended), the ratio's peak, the verdict of
-``me_layer.sudden_birth``. A model that cannot be loaded (no hub, a missing package, an unsupported
-architecture) or whose scan crashes gives a row with the error, and the survey goes on.
+``me_layer.sudden_birth``, and the super weight
+(:func:`me_interp.experiments.super_weight.survey_entry`: detection only, on 16 of the prompts cut to
+16 tokens: the ``W_down`` weight that writes most into the massive token's residual stream, its
+layer, row and column, whether it is in the ME layer, and on how many prompts it is the top one;
+``none`` when no weight writes ``super_weight_spike``). A model that cannot be loaded (no hub, a
+missing package, an unsupported architecture) or whose scan crashes gives a row with the error, and
+the survey goes on.
 
 Exit status: 0 when every model was scanned (also when some have no massive activation), 1 when a
 model could not be loaded or scanned (its row says why), 2 on bad input (a bad flag or prompt file).
@@ -40,14 +45,13 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from me_interp import claims, io
-from me_interp.experiments import me_layer
+from me_interp import claims, io, terminal
+from me_interp.experiments import me_layer, super_weight
 from me_interp.experiments.common import (
     BAD_INPUT,
     apply_threads,
     build_parser,
     config_from_args,
-    fmt_verdicts,
     is_bad_input,
     seed_everything,
 )
@@ -122,6 +126,7 @@ class Row:
     others_norm: list[float] = field(default_factory=list)
     peak_layer: int | None = None
     peak_ratio: float | None = None
+    super_weight: dict[str, Any] | None = None
     claims: list[Any] = field(default_factory=list)
 
     @property
@@ -258,6 +263,10 @@ def run(
         try:
             res = me_layer.run(cfg.scan_config(spec), model)
             rows.append(_row(spec, model, res, cfg.min_prompt_fraction))
+            try:  # detection only (two short forwards); its failure must not lose the scan
+                rows[-1].super_weight = super_weight.survey_entry(model, prompts, cfg.detection())
+            except Exception as e:
+                rows[-1].super_weight = {"error": f"{type(e).__name__}: {e}"}
         except Exception as e:  # one model's crash (e.g. out of memory) must not lose the others
             rows.append(
                 Row(
@@ -298,13 +307,14 @@ def table(result: Result) -> str:
         "BOS rule",
         "peak ratio (layer)",
         "sudden_birth",
+        "super weight (layer [row, col])",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in result.rows:
         if not r.ok:
             err = " ".join((r.error or "").split()).replace("|", "\\|")
             err = err if len(err) <= ERROR_CHARS else err[: ERROR_CHARS - 1] + "…"
-            cells = [r.model, r.architecture or "", "", f"{r.status}: {err}"] + [""] * 10
+            cells = [r.model, r.architecture or "", "", f"{r.status}: {err}"] + [""] * 11
         else:
             has = r.me_layer is not None
             pos = ", ".join(map(str, r.positions)) + (
@@ -325,6 +335,7 @@ def table(result: Result) -> str:
                 r.bos_rule(),
                 f"{_fmt(r.peak_ratio)} ({r.peak_layer})",
                 r.verdict("me_layer.sudden_birth") or "",
+                super_weight.survey_text(r.super_weight),
             ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -414,24 +425,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     for action in parser._actions:  # the common --model is refused here (--models): not offered
         if "--model" in action.option_strings:
             action.help = argparse.SUPPRESS
+    terminal.add_output_flags(parser)
     args = parser.parse_args(argv)
+    output = terminal.output_from_args(args)
     try:
         cfg = config_from_args(Config, args)
         apply_threads(cfg)
         seed_everything(cfg.seed)
-        result = run(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        result = run(cfg, progress=terminal.note)
         run_dir = write(cfg, result)
     except BAD_INPUT as e:
         if not is_bad_input(e):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(summary(result))
+    if not output.quiet:
+        output.text(summary(result))
     for r in result.rows:
-        print(f"\n{r.model}:" + (f" {r.status}: {r.error}" if not r.ok else ""))
-        if r.claims:
-            print(fmt_verdicts(r.claims))
-    print(f"results: {run_dir}")
+        output.text(f"{r.model}:" + (f" {r.status}: {r.error}" if not r.ok else ""))
+        output.claims(f"{NAME}:{r.model}", r.claims or [])
+    output.text(f"results: {run_dir}")
     return 1 if result.failed else 0
 
 

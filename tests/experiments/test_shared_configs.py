@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from me_interp import claims
+from me_interp import claims, terminal
 from me_interp.experiments import common
 from me_interp.experiments._layer_report import DetectConfig
 from me_interp.experiments._weights import EDIT_COLUMNS, Measurement, edit_cells, edit_row
@@ -23,7 +23,7 @@ def test_check_choices_rejects(values, message):
         common.check_choices(values, ("a", "b"), "thing")
 
 
-def test_fmt_verdicts_one_line_per_claim_kinds_marked():
+def test_verbose_lines_one_per_claim_kinds_marked():
     x = [0.8, 0.9, 1.0]
     specs = [
         claims.Spec("x.a", "§1", "A holds", "fraction", ">=", "moved_fraction", "twin",
@@ -33,7 +33,7 @@ def test_fmt_verdicts_one_line_per_claim_kinds_marked():
         claims.Spec("x.c", "§1", "C as designed", "cell", ">=", "restore", kind="control",
                     stat=lambda r: claims.Sample(x)),
     ]  # fmt: skip
-    lines = common.fmt_verdicts(claims.judge(specs, None, seed=0)).splitlines()
+    lines = [terminal.verbose_line(c) for c in claims.judge(specs, None, seed=0)]
     assert lines[0].startswith("[holds] x.a (§1): A holds — fraction = 0.9 [0.8, 1]")
     assert lines[1].startswith("(sanity check) [holds] x.b")
     assert lines[2].startswith("(control) [holds] x.c")

@@ -1,0 +1,192 @@
+"""The down_proj spikes at the massive token, for super-weight detection (Yu et al. 2024).
+
+Per layer and prompt, in one forward: ``down_proj``'s input ``x`` (the FFN's hidden activation,
+``mlp.hook_post``) and output ``y`` (``mlp.hook_out``) at the prompt's massive position, their
+largest ``|value|`` over the other real tokens, and the residual stream the FFN adds to; and from
+them each ``W_down`` entry's write into the residual stream there (:class:`Spikes`), the top writes
+(:func:`top_writes`), a weight-only score (:func:`weight_only_scores`) and the shares of the ME
+layer's neurons (:func:`me_neuron_shares`). ``me_interp.experiments.super_weight`` states the claims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from jaxtyping import Float
+
+from me_interp import names
+from me_interp.architecture import norm_eps
+from me_interp.models import Batch, LoadedModel
+from me_interp.probes.batching import Chunk, record
+
+
+class SpikeRecorder:
+    """Records, per layer and prompt, ``down_proj``'s input ``x`` (``mlp.hook_post``) and output ``y``
+    (``mlp.hook_out``) at the prompt's massive position, and their largest ``|value|`` over the other
+    real tokens, and the residual stream ``h`` the FFN adds to (``hook_resid_mid``) at the massive
+    position (``probes.batching`` recorder: chunk by chunk, no logits)."""
+
+    def __init__(self, model: LoadedModel, batch: Batch, positions: Sequence[int]) -> None:
+        if len(positions) != len(batch):
+            raise ValueError(f"{len(positions)} positions for {len(batch)} prompts")
+        for b, p in enumerate(positions):
+            if not 0 <= int(p) < batch.lengths[b]:
+                raise ValueError(f"position {p} is outside prompt {b} ({batch.lengths[b]} tokens)")
+        L, B = model.n_layers, len(batch)
+        self.model = model
+        self.positions = torch.as_tensor([int(p) for p in positions], dtype=torch.long)
+        self.x = torch.zeros(L, B, model.d_mlp)
+        self.y = torch.zeros(L, B, model.d_model)
+        self.h = torch.zeros(L, B, model.d_model)
+        self.others_x = torch.zeros(L, B)
+        self.others_y = torch.zeros(L, B)
+
+    def hooks(self, chunk: Chunk) -> list:
+        pos = self.positions[chunk.rows]
+        mask = chunk.batch.attention_mask.bool().clone().cpu()
+        mask[torch.arange(len(chunk)), pos] = False  # the other real tokens
+        out = []
+        for L in range(self.model.n_layers):
+            for site, at, others in (
+                ("ffn_act", self.x, self.others_x),
+                ("ffn_own", self.y, self.others_y),
+            ):
+                fn = partial(
+                    self._record, layer=L, rows=chunk.rows, pos=pos, mask=mask, at=at, others=others
+                )
+                out.append((names.site(site, L), fn))
+            fn = partial(self._record, layer=L, rows=chunk.rows, pos=pos, mask=None, at=self.h)
+            out.append((names.resid_mid(L), fn))
+        return out
+
+    @staticmethod
+    def _record(act, hook, *, layer, rows, pos, mask, at, others=None):
+        a = act.detach().float().cpu()  # [n pos d]
+        at[layer, rows] = a[torch.arange(len(rows)), pos]
+        if others is None:
+            return act
+        peak = a.abs().amax(-1).masked_fill(~mask[:, : a.shape[1]], 0.0)  # [n pos]
+        others[layer, rows] = peak.amax(-1)
+        return act
+
+
+@dataclass(frozen=True)
+class Spikes:
+    """What :func:`down_proj_spikes` measured (``[layer, prompt, ...]`` tensors, float32, CPU).
+
+    Attributes:
+        x: ``down_proj``'s input at each prompt's massive position ``[layer batch d_mlp]``.
+        y: its output there ``[layer batch d_model]`` (before any post-FFN norm).
+        h: the residual stream the FFN adds to there (``resid_mid``) ``[layer batch d_model]``.
+        scale: the signed ``f`` of the module docstring (``g / rms``; 1 without a post-FFN norm)
+            ``[layer batch d_model]``.
+        others_x, others_y: the largest ``|x|``, ``|y|`` over the other real tokens ``[layer batch]``.
+        positions: the massive position of each prompt.
+    """
+
+    x: Float[torch.Tensor, "layer batch d_mlp"]
+    y: Float[torch.Tensor, "layer batch d_model"]
+    h: Float[torch.Tensor, "layer batch d_model"]
+    scale: Float[torch.Tensor, "layer batch d_model"]
+    others_x: Float[torch.Tensor, "layer batch"]
+    others_y: Float[torch.Tensor, "layer batch"]
+    positions: tuple[int, ...]
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.x.shape[0])
+
+    def in_max(self) -> torch.Tensor:
+        """``max_c |x_c|`` ``[layer batch]``."""
+        return self.x.abs().amax(-1)
+
+    def out_max(self) -> torch.Tensor:
+        """``max_r |y_r|`` ``[layer batch]``."""
+        return self.y.abs().amax(-1)
+
+    def signed_write(self, model: LoadedModel, layer: int, row: int, col: int) -> torch.Tensor:
+        """``w_b = x_{b,col} · W_down[row, col] · f_{b,row}``: what one weight adds to the residual
+        stream's dim ``row`` at the massive token, per prompt ``[batch]`` (``s = |w|``)."""
+        w = float(model.ffn_weights(layer).down.detach()[row, col])
+        return self.x[layer, :, col] * w * self.scale[layer, :, row]
+
+    def write(self, model: LoadedModel, layer: int, row: int, col: int) -> torch.Tensor:
+        """``s_b = |x_{b,col} · W_down[row, col] · f_{b,row}|`` of one weight, per prompt ``[batch]``."""
+        return self.signed_write(model, layer, row, col).abs()
+
+    def builds(self, model: LoadedModel, layer: int, row: int, col: int) -> torch.Tensor:
+        """Per prompt, whether the weight's write makes ``|h_row|`` larger (``|h + w| > |h|``, ``h`` the
+        residual stream it is added to): it builds the activation rather than erasing it."""
+        w = self.signed_write(model, layer, row, col)
+        return w * (2 * self.h[layer, :, row] + w) > 0
+
+    def share(self, model: LoadedModel, layer: int, row: int, col: int) -> torch.Tensor:
+        """``x_col · W_down[row, col] / y_row`` per prompt: the weight's share of its output dim."""
+        w = float(model.ffn_weights(layer).down.detach()[row, col])
+        return self.x[layer, :, col] * w / self.y[layer, :, row]
+
+
+def post_norm_scale(model: LoadedModel, layer: int, y: torch.Tensor) -> torch.Tensor:
+    """``f`` of the module docstring for outputs ``y`` ``[..., d_model]`` of ``layer``'s ``down_proj``:
+    ``g / sqrt(mean(y²) + ε)`` with ``g`` the post-FFN norm's effective gain (signed) on a sandwich
+    block, else ones."""
+    norm = model.post_ffn_norm_module(layer)
+    if norm is None:
+        return torch.ones_like(y)
+    g = model.arch.gain(norm.weight).float().cpu()
+    rms = (y.pow(2).mean(-1, keepdim=True) + norm_eps(norm)).sqrt()
+    return g / rms
+
+
+def down_proj_spikes(model: LoadedModel, batch: Batch, positions: Sequence[int]) -> Spikes:
+    """``down_proj``'s input and output at ``positions[b]`` of every prompt, in every layer (one
+    chunked forward, no logits; module docstring)."""
+    rec = SpikeRecorder(model, batch, positions)
+    record(model, batch, [rec])
+    scale = torch.stack([post_norm_scale(model, L, rec.y[L]) for L in range(model.n_layers)])
+    pos = tuple(int(p) for p in positions)
+    return Spikes(rec.x, rec.y, rec.h, scale, rec.others_x, rec.others_y, pos)
+
+
+def top_writes(
+    model: LoadedModel, spikes: Spikes, layer: int, k: int
+) -> tuple[list[list[tuple]], list[tuple]]:
+    """Per prompt, the ``k`` largest *building* writes ``s[r, c]`` of ``layer`` (``|h_r + w| > |h_r|``)
+    as ``[(row, col, s), ...]``, and its largest *erasing* write ``(row, col, s)``."""
+    W = model.ffn_weights(layer).down.detach().float()
+    builds, erases = [], []
+    for b in range(spikes.x.shape[1]):
+        x = spikes.x[layer, b].to(W.device)
+        f = spikes.scale[layer, b].to(W.device)
+        h = spikes.h[layer, b].to(W.device)
+        w = W * x[None, :] * f[:, None]  # [d_model d_mlp]: signed residual writes
+        up = w * (2 * h[:, None] + w) > 0
+        s = w.abs()
+        n = s.shape[1]
+        v, i = s.masked_fill(~up, -1.0).flatten().topk(min(k, s.numel()))
+        builds.append([(j // n, j % n, val) for j, val in zip(i.tolist(), v.tolist()) if val >= 0])
+        down = s.masked_fill(up, -1.0).flatten()
+        j = int(down.argmax())
+        erases.append((j // n, j % n, max(float(down[j]), 0.0)))
+    return builds, erases
+
+
+def weight_only_scores(model: LoadedModel, layer: int) -> torch.Tensor:
+    """``ω[r, c] = |W_down[r, c]| · ‖W_gate[c] ⊙ g‖ · ‖W_up[c] ⊙ g‖`` (module docstring), float32."""
+    w = model.ffn_weights(layer)
+    g = model.ffn_norm_gain(layer).float().to(w.down.device)
+    gate = (w.gate.detach().float() * g).norm(dim=-1)  # [d_mlp]
+    up = (w.up.detach().float() * g).norm(dim=-1)
+    return w.down.detach().float().abs() * (gate * up)[None, :]
+
+
+def me_neuron_shares(model: LoadedModel, spikes: Spikes, layer: int) -> torch.Tensor:
+    """Mean over prompts of ``s_n = x_n ⟨W_down[:, n], y⟩ / ‖y‖²`` at ``layer`` ``[d_mlp]`` (shares of
+    the massive token's FFN output; they sum to 1 per prompt)."""
+    W = model.ffn_weights(layer).down.detach().float().cpu()
+    x, y = spikes.x[layer].double(), spikes.y[layer].double()  # [batch d_mlp], [batch d_model]
+    proj = y @ W.double()  # [batch d_mlp]: ⟨W[:, n], y⟩
+    return (x * proj / y.pow(2).sum(-1, keepdim=True)).mean(0).float()
