@@ -323,7 +323,7 @@ def test_weight_experiments_record_the_modules_moved(planted, sandwich, planted_
     cfg = weight_swap.Config(prompts=str(prompts), partners=(0,), parts=parts, sink=False)
     res = weight_swap.run(cfg, gemma)
     assert res.part_modules == want and res.to_dict()["part_modules"] == want
-    assert [r["outcome"] for r in res.rows] == ["moved", "stayed", "stayed"]
+    assert [r.outcome for r in res.rows] == ["moved", "stayed", "stayed"]
     assert "post_ffn_norm: post_feedforward_layernorm" in weight_swap.summary(res)
     assert "ffn_path: pre_feedforward_layernorm + mlp + post_feedforward_layernorm" in (
         weight_swap.summary(res)
