@@ -36,6 +36,7 @@ from me_interp.experiments.common import (
     build_parser,
     config_from_args,
     is_bad_input,
+    model_for,
 )
 from me_interp.report import (
     EXPERIMENTS,
@@ -135,8 +136,9 @@ def battery(argv: Sequence[str] | None, prog: str, positional: bool) -> int:
     bar = BatteryBar(output)
     try:
         cfg = config_from_args(CommonConfig, args)
-        apply_threads(cfg)
-        state = run_battery(cfg, chosen, progress=bar, fresh=args.fresh)
+        model = model_for(cfg)
+        apply_threads(cfg, model)
+        state = run_battery(cfg, chosen, model=model, progress=bar, fresh=args.fresh)
     except BAD_INPUT as e:
         if not is_bad_input(e):
             raise

@@ -143,11 +143,15 @@ def constructed_battery(tmp_path_factory):
     return get
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadgroup``), keep each test file on one worker (its module
+    """Mark ``slow`` every test that loads the bundled model (the ``bundled`` fixture), before ``-m``
+    selects; under pytest-xdist (``--dist loadgroup``) keep each test file on one worker (its module
     fixtures are built once), except the files whose tests are independent and expensive one by one
     (:data:`SPREAD_FILES`), which spread over the workers."""
     for item in items:
+        if "bundled" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
         if item.path.name not in SPREAD_FILES:
             item.add_marker(pytest.mark.xdist_group(item.path.name))
 

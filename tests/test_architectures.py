@@ -477,6 +477,7 @@ GEMMA2_VS_GEMMA3 = {"attention_sinks.entropy_drop": "fails"}
 BATTERY_ARCHS = tuple(a for a in synthetic.ARCHS if a != "llama")
 
 
+@pytest.mark.slow  # end to end: the whole battery, per architecture
 @pytest.mark.parametrize("arch", BATTERY_ARCHS)
 def test_battery_on_planted_model_finds_what_was_planted(arch, tmp_path):
     """Every claim of the battery gets the verdict planted Llama gets (``test_verdict_meta.PLANTED``,

@@ -80,6 +80,7 @@ def battery_out(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # end to end: the whole battery, then its report in a browser
 def test_report_draws_every_figure_offline(browser, battery_out):
     page, errors, remote = _open(browser, battery_out / report.REPORT_FILE)
     plots = page.locator("div.plot")

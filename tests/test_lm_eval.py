@@ -257,6 +257,7 @@ def test_wemasklm_device(no_cuda):
     lm.remove_hooks()
 
 
+@pytest.mark.slow  # end to end: lm-eval's own command line
 def test_cli_run_records_the_device_used(no_cuda, tmp_path):
     """A CLI run without --device on a machine without CUDA: both config.device (lm-eval's) and
     config.me_interp.device say cpu (before: config.device was lm-eval's default cuda:0)."""
@@ -289,6 +290,7 @@ def test_cli_args_include_path_every_subcommand():
         assert cli_args(["ls", "tasks", *own]) == ["ls", "tasks", *own]
 
 
+@pytest.mark.slow  # end to end: lm-eval indexes every task it ships
 def test_cli_ls_and_validate_see_local_tasks(capsys, monkeypatch):
     """``ls tasks`` and ``validate`` through lm-eval's own CLI find the local tasks (before: "Tasks
     not found", exit status 1). ``ls`` builds lm-eval's real task index; only its table of every

@@ -20,6 +20,7 @@ def args(tmp_path):
     return ["--model", "synthetic:planted", "--prompts", str(p), "--out", str(out)], out
 
 
+@pytest.mark.slow  # end to end: the whole battery from the command line
 def test_full_battery_on_planted_model(args, capsys):
     argv, out = args
     assert cli.main(argv) == 0
@@ -33,6 +34,18 @@ def test_full_battery_on_planted_model(args, capsys):
         assert name in html
         run_dir = out / name
         assert len(list(run_dir.iterdir())) == 1
+    for path in out.glob("*/*/*.json"):  # every figure: no annotation placed in data units of a
+        fig = json.loads(path.read_text())  # log axis (plotly reads it as log10: a broken range)
+        if not isinstance(fig, dict) or "layout" not in fig:
+            continue
+        lay = fig["layout"]
+        for a in lay.get("annotations", []):
+            for ax in ("x", "y"):
+                ref = a.get(f"{ax}ref", ax)
+                key = ref.split(" ")[0].replace(ax, f"{ax}axis", 1)
+                if ref.endswith("domain") or ref == "paper" or key not in lay:
+                    continue
+                assert lay[key].get("type") != "log", (path, a.get("text"), key)
     # every experiment states at least one claim, in the one claim format
     for name, entry in state["experiments"].items():
         assert entry["claims"], name

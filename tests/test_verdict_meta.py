@@ -129,6 +129,7 @@ def _claims(state: dict) -> dict[str, dict]:
     return out
 
 
+@pytest.mark.slow  # end to end: the battery on a constructed model
 def test_null_models_complete_and_claim_nothing(null_battery):
     model, state = null_battery
     statuses = {n: state["experiments"][n]["status"] for n in report.EXPERIMENTS}
@@ -144,6 +145,7 @@ def test_null_models_complete_and_claim_nothing(null_battery):
     assert "not applicable" in html and "failed:" not in html
 
 
+@pytest.mark.slow  # end to end: the battery on a constructed model
 def test_the_planted_model_gets_exactly_what_was_planted(planted_battery):
     assert all(e["status"] == "done" for e in planted_battery["experiments"].values())
     got = {i: c["verdict"] for i, c in _claims(planted_battery).items()}
@@ -152,6 +154,7 @@ def test_the_planted_model_gets_exactly_what_was_planted(planted_battery):
     assert set(got) == set(PLANTED), set(got) ^ set(PLANTED)
 
 
+@pytest.mark.slow  # end to end: the battery on a constructed model
 def test_every_claim_in_the_battery_is_in_docs(planted_battery):
     specs = {
         s.id

@@ -136,17 +136,27 @@ def check_choices(values: Sequence[str], allowed: Sequence[str], what: str) -> N
             raise ValueError(f"unknown {what} {v!r}; choose from {', '.join(allowed)}")
 
 
-def apply_threads(cfg: CommonConfig) -> None:
-    """Set torch's CPU threads: ``cfg.threads`` if given; else 1 on small CPU machines (≤ 4 cores, no
-    ``OMP_NUM_THREADS``), where one thread measured several times faster than the default."""
+SMALL_MODEL_PARAMS = 10_000_000
+"""Below this many parameters a model's CPU forward is dominated by per-op overhead, not arithmetic."""
+
+
+def apply_threads(cfg: CommonConfig, model: LoadedModel | None = None) -> None:
+    """Set torch's CPU threads: ``cfg.threads`` if given; else, on small CPU machines (≤ 4 cores, no
+    ``OMP_NUM_THREADS``), 1 thread for a small model (fewer than :data:`SMALL_MODEL_PARAMS`
+    parameters, or before the model is known), where one thread measured several times faster than
+    two, and every core for a larger one (measured on SmolLM2-135M with 2 cores: the WeMask sweep
+    1.8× and the mechanism scan 1.5× faster than on one thread; docs/performance.md)."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    elif (
+        return
+    if not (
         (cfg.device or "cpu").startswith("cpu")
         and "OMP_NUM_THREADS" not in os.environ
         and (os.cpu_count() or 1) <= 4
     ):
-        torch.set_num_threads(1)
+        return
+    params = 0 if model is None else sum(p.numel() for p in model.hf.parameters())
+    torch.set_num_threads(1 if params < SMALL_MODEL_PARAMS else os.cpu_count() or 1)
 
 
 def seed_everything(seed: int) -> None:
@@ -389,9 +399,9 @@ def cli_main(
     output = terminal.output_from_args(args)
     try:
         cfg = config_from_args(config_cls, args)
-        apply_threads(cfg)
         seed_everything(cfg.seed)
         model = model_for(cfg)
+        apply_threads(cfg, model)
         outcome = execute(module, cfg, model)
         run_dir = write_outcome(name, cfg, model, outcome)
     except BAD_INPUT as e:

@@ -635,10 +635,11 @@ def figures(result: Result) -> dict[str, go.Figure]:
                     name=f"W_{mat}: k others (seeds)",
                 )
             )
-    fig.add_hline(y=base, line_dash="dash", line_color="gray", annotation_text="unedited")
+    # no annotation on the line: on a log axis plotly reads an annotation's y as log10(y)
+    fig.add_hline(y=base, line_dash="dash", line_color="gray")
     fig.update_layout(
         title=f"Massive ratio at layer {result.layer} after removing singular directions — "
-        f"{result.model}",
+        f"{result.model}<br><sup>dashed: the unedited model ({base:.3g})</sup>",
         xaxis_title="k (directions removed)",
         xaxis_type="log",
         yaxis_title="max token / mean others at the ME layer",

@@ -958,7 +958,9 @@ def figures(result: Result) -> dict[str, go.Figure]:
             )
         spikes.add_hline(y=thr, line_dash="dot", line_color="black", row=1, col=col)
         spikes.update_yaxes(type="log", row=1, col=col)
-        spikes.update_xaxes(title_text="layer (0-based)", row=1, col=col)
+        spikes.update_xaxes(
+            title_text="layer (0-based)", range=[-0.5, len(xs) - 0.5], row=1, col=col
+        )
     sw = result.super_weight
     plotting.mark_layer(spikes, result.me_layer)
     spikes.update_layout(
@@ -966,6 +968,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
         f"{result.model}<br><sup>dotted: Yu et al.'s spike threshold {thr:g}; super weight: "
         f"{sw.label() if sw else 'none'}</sup>",
         template="plotly_white",
+        margin={"t": 130},
     )
     out = {"down_proj_spikes": spikes}
     if result.texts:
@@ -992,15 +995,13 @@ def figures(result: Result) -> dict[str, go.Figure]:
                     name="random weights (each seed)",
                 )
             )
-        ppl.add_hline(
-            y=result.ppl("unedited") * claims.threshold("ppl_damage"),
-            line_dash="dash",
-            line_color="gray",
-            annotation_text="× ppl_damage",
-        )
+        damage = claims.threshold("ppl_damage")
+        # no annotation on the line: on a log axis plotly reads an annotation's y as log10(y)
+        ppl.add_hline(y=result.ppl("unedited") * damage, line_dash="dash", line_color="gray")
         ppl.update_layout(
             title=f"Perplexity under each ablation of {sw.label()} — {result.model}<br><sup>"
-            f"{result.n_texts} texts of ≤ {max(result.text_lengths)} tokens</sup>",
+            f"{result.n_texts} texts of ≤ {max(result.text_lengths)} tokens; dashed: the "
+            f"unedited perplexity × {damage:g} ('ppl_damage')</sup>",
             yaxis_title="perplexity",
             yaxis_type="log",
             template="plotly_white",

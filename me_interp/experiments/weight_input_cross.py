@@ -550,7 +550,8 @@ def figures(result: Result) -> dict[str, go.Figure]:
             )
         )
     thr = float(np.median(result.per_prompt["threshold"]))
-    fig_row.add_hline(y=thr, line_dash="dot", annotation_text=f"large (median threshold {thr:.3g})")
+    # no annotation on the line: on a log axis plotly reads an annotation's y as log10(y)
+    fig_row.add_hline(y=thr, line_dash="dot")
     fig_row.add_vline(
         x=m, line_dash="dash", line_color="firebrick", annotation_text=f"ME layer {m}"
     )
@@ -558,7 +559,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
     fig_row.update_layout(
         title=f"The ME layer's FFN path fed the massive token's state of every layer — "
         f"{result.model}<br><sup>{_path_text(result)}; median and interquartile range over "
-        f"{result.n_prompts} prompts</sup>",
+        f"{result.n_prompts} prompts; dotted: large (median threshold {thr:.3g})</sup>",
         xaxis_title="input: resid_mid of layer Y (0-based)",
         yaxis_title="C (massive-token FFN contribution / others' median)",
         template="plotly_white",
