@@ -415,6 +415,19 @@ def _run_dir(entry: dict[str, Any], out: Path) -> tuple[Path, Path]:
     return run_dir, Path(_relpath(run_dir, out))
 
 
+def _battery_cost(state: Mapping[str, Any], experiments: Sequence[str]) -> str | None:
+    """The experiments' summed wall time and largest peak memory (battery.json), or ``None``."""
+    entries = [state["experiments"].get(n) or {} for n in experiments]
+    timed = [e for e in entries if e.get("seconds") is not None]
+    if not timed:
+        return None
+    peak = max((e.get("peak_rss_mib") or 0.0) for e in timed)
+    return (
+        f"{terminal.fmt_seconds(sum(e['seconds'] for e in timed))} over {len(timed)} experiments "
+        f"(each one's time and peak memory in its heading); largest peak RSS {peak:.0f} MiB"
+    )
+
+
 def _model_card(out: Path, state: dict[str, Any], experiments: Sequence[str]) -> str:
     """The model, prompts and code the battery ran: ``env.json`` and the ME-layer result of a
     finished run (the first one), the battery's settings."""
@@ -456,6 +469,7 @@ def _model_card(out: Path, state: dict[str, Any], experiments: Sequence[str]) ->
         ("prompts", f"{prompts}{n} (each claim gives its own n)"),
         ("seed", settings.get("seed")),
         ("ME layer", found),
+        ("cost", _battery_cost(state, experiments)),
         (
             "me_interp",
             f"{settings.get('me_interp', env.get('me_interp'))}, commit "

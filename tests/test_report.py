@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from me_interp import __main__ as cli
-from me_interp import claims, report, synthetic
+from me_interp import claims, report, synthetic, terminal
 
 
 @pytest.fixture()
@@ -127,6 +127,10 @@ def _check_report_figures(out: Path, state: dict, html: str) -> None:
     assert "layer 2 (0-based) = 3 (1-based), made by the ffn" in card
     assert "n = 4 in the ME-layer scan" in card and state["settings"]["git_commit"] in card
     assert "every prompt starts with BOS" in card
+    total = sum(e["seconds"] for e in state["experiments"].values())
+    assert (
+        f"<th>cost</th><td>{terminal.fmt_seconds(total)} over {len(state['experiments'])} " in card
+    )
     for href in re.findall(r"href='([^'#][^']*)'", html):
         assert (out / href).is_file(), href
 
