@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from me_interp import io, terminal
-from me_interp.claims import Claim, tally_text
+from me_interp.claims import KIND_LABEL, Claim, tally_text
 from me_interp.experiments.common import (
     BAD_INPUT,
     ArgumentParser,
@@ -208,7 +208,7 @@ def claims_command(argv: Sequence[str]) -> int:
                 }
                 print(json.dumps(row))
             else:
-                kind = f" ({terminal.claims.KIND_LABEL[s.kind]})" if s.kind != "claim" else ""
+                kind = f" ({KIND_LABEL[s.kind]})" if s.kind != "claim" else ""
                 print(f"{s.id}{kind}: {s.op} {s.value:g} ({s.threshold}) — {s.statistic}")
     return 0
 

@@ -709,9 +709,7 @@ def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str] = EXPERI
         (state["experiments"].get(name) or {}).get("seconds") or 0.0 for name in experiments
     )
     lines = [
-        f"- {name}: "
-        + (f"({KIND_LABEL[d.get('kind', 'claim')]}) " if d.get("kind", "claim") != "claim" else "")
-        + claims_mod.Claim.from_dict(d).line()
+        f"- {name}: {terminal.verbose_line(claims_mod.Claim.from_dict(d))}"
         for name in experiments
         for d in (state["experiments"].get(name) or {}).get("claims") or []
     ]

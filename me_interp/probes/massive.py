@@ -34,6 +34,7 @@ no event has a measured jump).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -215,11 +216,29 @@ def _site(attn_gain: float, ffn_gain: float) -> Site:
     return "attention" if attn_gain > ffn_gain else "ffn"
 
 
+def _rank_of(jump: float, layer: int) -> tuple[bool, float, int]:
+    """ME-layer order of an event at ``layer`` with ``jump``: a measured jump beats an unknown (NaN)
+    one; then the larger jump; then the earlier layer."""
+    known = not math.isnan(jump)
+    return known, jump if known else 0.0, -layer
+
+
 def _rank(e: Event) -> tuple[bool, float, int]:
-    """ME-layer order: a measured jump beats an unknown (NaN) one; then the larger jump; then the
-    earlier layer."""
-    known = not math.isnan(e.jump)
-    return known, e.jump if known else 0.0, -e.layer
+    return _rank_of(e.jump, e.layer)
+
+
+def _runs(has: Sequence[bool]) -> list[tuple[int, int]]:
+    """``(first, last)`` layer of each run of consecutive layers that have the massive activation:
+    the emergence events."""
+    runs: list[tuple[int, int]] = []
+    for layer, h in enumerate(has):
+        if not h:
+            continue
+        if runs and runs[-1][1] == layer - 1:
+            runs[-1] = (runs[-1][0], layer)
+        else:
+            runs.append((layer, layer))
+    return runs
 
 
 def prompt_me_layers(scan: NormScan, crit: Criterion | None = None) -> list[int | None]:
@@ -237,21 +256,12 @@ def prompt_me_layers(scan: NormScan, crit: Criterion | None = None) -> list[int 
     out: list[int | None] = []
     for b in range(scan.mask.shape[0]):
         best: tuple[tuple[bool, float, int], int] | None = None
-        layer = 0
-        while layer < scan.n_layers:
-            if not has[layer, b]:
-                layer += 1
-                continue
-            start = layer
-            while layer + 1 < scan.n_layers and has[layer + 1, b]:
-                layer += 1
+        for start, _ in _runs(has[:, b].tolist()):
             before = r_post[start - 1, b] if start > 0 else (None if r_pre is None else r_pre[0, b])
             jump = math.nan if before is None else float((r_post[start, b] / before).float())
-            known = not math.isnan(jump)
-            rank = (known, jump if known else 0.0, -start)
+            rank = _rank_of(jump, start)
             if best is None or rank > best[0]:
                 best = (rank, start)
-            layer += 1
         out.append(None if best is None else best[1])
     return out
 
@@ -293,14 +303,7 @@ def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation
     r_mid = top_ratio(scan.site_norms("resid_mid"), mask) if "resid_mid" in scan.sites else None
 
     events: list[Event] = []
-    layer = 0
-    while layer < n_layers:
-        if not has[layer]:
-            layer += 1
-            continue
-        start = layer
-        while layer + 1 < n_layers and has[layer + 1]:
-            layer += 1
+    for start, layer in _runs(has):
         before = r_post[start - 1] if start > 0 else (r_pre[0] if r_pre is not None else None)
         jump = _median(r_post[start] / before) if before is not None else math.nan
         if r_pre is not None and r_mid is not None:
@@ -323,7 +326,6 @@ def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation
                 prompt_fraction=float(frac[start]),
             )
         )
-        layer += 1
 
     me_event = max(events, key=_rank) if events else None
     me_layer = None if me_event is None else me_event.layer
