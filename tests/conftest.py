@@ -156,4 +156,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
-SPREAD_FILES = {"test_falsifiability.py", "test_cli_inputs.py", "test_architectures.py"}
+SPREAD_FILES = {
+    "test_falsifiability.py",
+    "test_cli_inputs.py",
+    "test_architectures.py",
+    "test_patching_pairs.py",
+}

@@ -1,26 +1,28 @@
-"""Batched activation patching: many (layer, position) patches in one forward, one patch per batch row.
+"""Batched activation patching: many patches in one forward, one patch per batch row.
 
 Activation patching (ROME; ARENA) runs a *corrupt* input, overwrites one activation with its value from
-the *clean* run, and measures how much of the clean behaviour comes back. Here the behaviour is the
-massive activation and the sink it causes, so the metrics read activations, not logits:
-
-* :class:`NormRatio` — ``R = ‖h_p‖ / mean_{t≠p} ‖h_t‖`` at ``blocks.L.hook_resid_post`` (the massive
-  token ``p`` against the other real tokens of its prompt);
-* :class:`SinkMass` — ``S = mean_{l∈layers} mean_{h} mean_{q>p} A^{(l,h)}[q, p]``, the attention mass on
-  ``p`` (queries after ``p`` only: earlier queries cannot see it);
-* :class:`Projection` — ``P = ⟨h_p, u⟩`` at ``blocks.L.hook_resid_post`` for a fixed unit direction
-  ``u`` (e.g. the clean massive direction): *signed*, so a write against ``u`` (one that erases the
-  massive activation) lowers it, where a norm would rise.
+the *clean* run, and measures how much of the clean behaviour comes back, by a metric
+(:mod:`me_interp.patching.metrics`: the massive activation's norm, projection and sink, or logits —
+logit difference, answer probability, KL to the clean distribution, any callable).
 
 The normalised score of a patch is ARENA's ``(m_patched − m_corrupt) / (m_clean − m_corrupt)`` on the
 prompt-mean metric: 1 = the patch restores the clean value, 0 = it does nothing.
 
-**Batching.** For one site (``resid_pre``, ``attn_out``, ``mlp_out``/``ffn_out``, ``ffn_in``, ...) every
-cell ``(layer, pos)`` becomes ``B`` rows of one big batch (``B`` = number of prompts): row
+**Cells.** A sweep patches one site over a grid of cells, with TransformerLens's patch setters:
+
+* residual-shaped sites (``resid_pre``, ``attn_out``, ``mlp_out``/``ffn_out``, ``ffn_in``, ...,
+  ``[batch, pos, d_model]``): cell ``(layer, pos)``, or ``(layer,)`` for the whole sequence
+  (``per_position=False``);
+* per-head sites: ``attn_head_out`` (``hook_z``, each head's output before ``W_O``), ``q``, ``k``,
+  ``v`` (``[batch, pos, head, d_head]``; ``k``/``v`` have the key-value heads) and
+  ``attn_head_pattern`` (``[batch, head, query, key]``): cell ``(layer, pos, head)`` — for the
+  pattern ``pos`` is the destination (query) position — or ``(layer, head)`` over all positions.
+
+**Batching.** Every cell becomes ``B`` rows of one big batch (``B`` = number of prompts): row
 ``c·B + b`` is prompt ``b`` of the corrupt input with cell ``c`` patched. One hook per layer copies the
-clean activation of prompt ``b`` at ``pos_c`` into exactly the rows whose cell has that layer, so a
+clean activation of prompt ``b`` at cell ``c`` into exactly the rows of that layer's cells, so a
 chunk of ``batch_size`` rows is one forward instead of ``batch_size / B`` forwards. The results equal
-``transformer_lens.patching.generic_activation_patch`` on the same inputs (tests/test_patching.py).
+``transformer_lens.patching`` on the same inputs (tests/test_patching.py, tests/test_patching_pairs.py).
 
 Corruption hooks (``corrupt_hooks``) run in the corrupt and in every patched forward, before the patch
 hooks, so patching the corrupted site itself from the clean run undoes the corruption. They see
@@ -32,127 +34,76 @@ per-prompt values that way: the hooks of :mod:`me_interp.interventions.causal` d
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Float
 
 from me_interp import names, terminal
 from me_interp.models import Batch, LoadedModel
-from me_interp.probes.norms import ratio_to_others
+from me_interp.patching.metrics import LOGITS, PatchMetric, hook_layer, metric_hooks, normalized
 
 #: Environment variable: when set (not ``""``/``"0"``), a ``skip_shared`` sweep that cannot run the
 #: block suffix raises instead of warning and falling back to full forwards (tests set it).
 STRICT_ENV = "ME_INTERP_STRICT"
 
+HEAD_SITES: dict[str, str] = {
+    "attn_head_out": "z",
+    "attn_head_pattern": "pattern",
+    "q": "q",
+    "k": "k",
+    "v": "v",
+}
+"""Per-head sites and the :mod:`me_interp.names` site each one patches."""
+
 #: Sites a sweep can patch; ``mlp_out`` is TransformerLens' name for ``ffn_out``.
-PATCH_SITES: tuple[str, ...] = (*names.SITES, "mlp_out")
+PATCH_SITES: tuple[str, ...] = (*names.SITES, "mlp_out", *HEAD_SITES)
 
 
 def site_hook(site: str, layer: int) -> str:
     """Hook name of a patchable ``site`` of block ``layer`` (``mlp_out`` = ``ffn_out``)."""
     if site not in PATCH_SITES:
         raise ValueError(f"unknown patching site {site!r}; choose from {', '.join(PATCH_SITES)}")
+    if site in HEAD_SITES:
+        return names.site(HEAD_SITES[site], layer)
     return names.site("ffn_out" if site == "mlp_out" else site, layer)
 
 
-# ------------------------------------------------------------------------------------------
-# metrics
-# ------------------------------------------------------------------------------------------
+def _index(site: str, rows, pos, head) -> tuple:
+    """Index of the patched part of ``site``'s activation for rows ``rows`` (TransformerLens's
+    patch setters): ``pos`` / ``head`` per row, ``None`` for every position / not a head site."""
+    if head is None:
+        return (rows,) if pos is None else (rows, pos)
+    if site == "attn_head_pattern":  # [batch head query key]
+        return (rows, head) if pos is None else (rows, head, pos)
+    return (rows, slice(None), head) if pos is None else (rows, pos, head)  # [batch pos head d]
 
 
-@runtime_checkable
-class PatchMetric(Protocol):
-    """A row-wise metric read from recorded activations.
-
-    ``hook_names()`` are the activations it needs; ``__call__(acts, mask)`` returns one value per row.
-    """
-
-    def hook_names(self) -> tuple[str, ...]: ...
-
-    def __call__(
-        self, acts: Mapping[str, torch.Tensor], mask: Bool[torch.Tensor, "batch pos"]
-    ) -> Float[torch.Tensor, " batch"]: ...
-
-
-@dataclass(frozen=True)
-class NormRatio:
-    """``‖h_p‖ / mean_{t≠p} ‖h_t‖`` at the output of ``layer`` (real tokens only)."""
-
-    layer: int
-    position: int = 0
-
-    def hook_names(self) -> tuple[str, ...]:
-        return (names.resid_post(self.layer),)
-
-    def __call__(
-        self, acts: Mapping[str, torch.Tensor], mask: Bool[torch.Tensor, "batch pos"]
-    ) -> Float[torch.Tensor, " batch"]:
-        norms = acts[names.resid_post(self.layer)].float().norm(dim=-1).cpu()  # [batch pos]
-        ref = torch.full((norms.shape[0],), self.position, dtype=torch.long)
-        return ratio_to_others(norms, mask.cpu(), ref)
+def last_token_logits(
+    model: LoadedModel, resid: Float[torch.Tensor, "batch pos d_model"], mask: torch.Tensor
+) -> Float[torch.Tensor, "batch vocab"]:
+    """The logits at each row's last real token from the last block's output ``resid``: the final
+    norm and the unembedding (and a final logit soft-cap where the model has one) at that position
+    only."""
+    idx = mask.to(resid.device).long().sum(-1) - 1
+    x = resid[torch.arange(resid.shape[0], device=resid.device), idx][:, None]  # [batch 1 d]
+    bridge = model.bridge
+    with torch.no_grad():
+        logits = bridge.unembed(bridge.ln_final(x))[:, 0]
+    cap = getattr(model.hf.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
-@dataclass(frozen=True, eq=False)
-class Projection:
-    """``⟨h_p, u⟩`` at the output of ``layer``: the signed component of token ``p``'s state along the
-    fixed direction ``direction`` (normalised to a unit vector here)."""
-
-    layer: int
-    direction: torch.Tensor
-    position: int = 0
-
-    def __post_init__(self) -> None:
-        u = torch.as_tensor(self.direction, dtype=torch.float32).flatten().cpu()
-        n = float(u.norm())
-        if not math.isfinite(n) or n == 0:
-            raise ValueError("Projection needs a finite, non-zero direction")
-        object.__setattr__(self, "direction", u / n)
-
-    def hook_names(self) -> tuple[str, ...]:
-        return (names.resid_post(self.layer),)
-
-    def __call__(
-        self, acts: Mapping[str, torch.Tensor], mask: Bool[torch.Tensor, "batch pos"]
-    ) -> Float[torch.Tensor, " batch"]:
-        h = acts[names.resid_post(self.layer)][:, self.position].float().cpu()  # [batch d]
-        return h @ self.direction
-
-
-@dataclass(frozen=True)
-class SinkMass:
-    """Mean over ``layers``, heads and real queries ``q > p`` of the attention ``A[q, p]``."""
-
-    layers: tuple[int, ...]
-    position: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.layers:
-            raise ValueError("SinkMass needs at least one layer")
-
-    def hook_names(self) -> tuple[str, ...]:
-        return tuple(names.pattern(layer) for layer in self.layers)
-
-    def __call__(
-        self, acts: Mapping[str, torch.Tensor], mask: Bool[torch.Tensor, "batch pos"]
-    ) -> Float[torch.Tensor, " batch"]:
-        p = self.position
-        q = mask.cpu().clone()
-        q[:, : p + 1] = False  # queries after p
-        if not q.any(-1).all():
-            raise ValueError(f"SinkMass needs every prompt to have a token after position {p}")
-        qm = q.float()  # [batch q]
-        per_layer = []
-        for layer in self.layers:
-            a = acts[names.pattern(layer)].float().cpu()[..., p]  # [batch head q]
-            per_layer.append(((a * qm[:, None]).sum(-1) / qm.sum(-1)[:, None]).mean(-1))
-        return torch.stack(per_layer).mean(0)
+def _gather_last(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    idx = mask.to(logits.device).long().sum(-1) - 1
+    return logits[torch.arange(logits.shape[0], device=logits.device), idx]
 
 
 def _record(x: torch.Tensor, hook, *, store: dict, key: str):
@@ -170,37 +121,20 @@ def evaluate_metrics(
     """One forward of ``batch`` with ``fwd_hooks``; every metric per prompt.
 
     ``stop_at_layer``: run only blocks ``0 .. stop_at_layer − 1`` (no unembedding); it must cover
-    every block a metric (and any recording hook in ``fwd_hooks``) reads.
+    every block a metric (and any recording hook in ``fwd_hooks``) reads. It is ignored when a metric
+    reads :data:`~me_interp.patching.metrics.LOGITS`.
     """
     store: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(_record, store=store, key=n)) for n in _metric_hooks(metrics)]
-    kwargs = {} if stop_at_layer is None else {"stop_at_layer": int(stop_at_layer)}
-    model.run_with_hooks(batch, [*fwd_hooks, *rec], **kwargs)
+    wanted = metric_hooks(metrics)
+    rec = [(n, partial(_record, store=store, key=n)) for n in wanted if n != LOGITS]
+    kwargs = (
+        {} if stop_at_layer is None or LOGITS in wanted else {"stop_at_layer": int(stop_at_layer)}
+    )
+    logits = model.run_with_hooks(batch, [*fwd_hooks, *rec], **kwargs)
     mask = batch.attention_mask.bool()
-    return {k: m(store, mask).float() for k, m in metrics.items()}
-
-
-def _metric_hooks(metrics: Mapping[str, PatchMetric]) -> list[str]:
-    return list(dict.fromkeys(n for m in metrics.values() for n in m.hook_names()))
-
-
-def _hook_layer(name: str) -> int:
-    """Block index of a ``blocks.L....`` hook name."""
-    parts = name.split(".")
-    if len(parts) < 2 or parts[0] != "blocks" or not parts[1].isdigit():
-        raise ValueError(f"metric hook {name!r} is not inside a block")
-    return int(parts[1])
-
-
-def normalized(patched: torch.Tensor, clean: torch.Tensor, corrupt: torch.Tensor) -> torch.Tensor:
-    """ARENA normalisation ``(patched − corrupt) / (clean − corrupt)`` (clean → 1, corrupt → 0).
-
-    ``clean`` and ``corrupt`` are scalars (prompt means); NaN where they coincide.
-    """
-    denom = float(clean) - float(corrupt)
-    if denom == 0 or not math.isfinite(denom):
-        return torch.full_like(patched, float("nan"))
-    return (patched - float(corrupt)) / denom
+    if LOGITS in wanted:
+        store[LOGITS] = _gather_last(logits, mask)
+    return {k: m(store, mask) for k, m in metrics.items()}
 
 
 # ------------------------------------------------------------------------------------------
@@ -212,8 +146,10 @@ def normalized(patched: torch.Tensor, clean: torch.Tensor, corrupt: torch.Tensor
 class SweepResult:
     """Per-prompt metric values of a patching sweep over one site.
 
-    ``values[metric]`` is ``[layer, pos, batch]`` in the order of ``layers`` and ``positions``;
-    ``clean`` / ``corrupt`` are the unpatched runs' ``[batch]`` values. ``to_dict()`` keeps them all
+    ``values[metric]`` is ``[layer, (pos), (head), batch]`` in the order of ``layers``,
+    ``positions`` (absent when ``positions`` is ``None``: every cell patches all positions) and
+    ``heads`` (absent when ``None``: not a per-head site) — ``axes`` names them. ``clean`` /
+    ``corrupt`` are the unpatched runs' ``[batch]`` values. ``to_dict()`` keeps them all
     (``per_prompt``), so intervals can be bootstrapped over prompts from a saved result.
     ``prefix_fallback`` says why a ``skip_shared`` sweep fell back to full forwards (``None`` when it
     did not, or did not try).
@@ -221,7 +157,7 @@ class SweepResult:
 
     site: str
     layers: list[int]
-    positions: list[int]
+    positions: list[int] | None
     values: dict[str, torch.Tensor]
     clean: dict[str, torch.Tensor]
     corrupt: dict[str, torch.Tensor]
@@ -230,33 +166,67 @@ class SweepResult:
     metric_names: list[str] = field(default_factory=list)
     prefix_skipped: bool = False
     prefix_fallback: str | None = None
+    heads: list[int] | None = None
+    n_cells_run: int = 0
 
-    def mean(self, metric: str) -> Float[torch.Tensor, "layer pos"]:
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (
+            "layer",
+            *(("pos",) if self.positions is not None else ()),
+            *(("head",) if self.heads is not None else ()),
+        )
+
+    def mean(self, metric: str) -> torch.Tensor:
+        """Prompt-mean metric per cell, ``[layer, (pos), (head)]``."""
         return self.values[metric].mean(-1)
 
-    def normalized(self, metric: str) -> Float[torch.Tensor, "layer pos"]:
+    def normalized(self, metric: str) -> torch.Tensor:
         """``(mean patched − mean corrupt) / (mean clean − mean corrupt)`` per cell."""
         return normalized(self.mean(metric), self.clean[metric].mean(), self.corrupt[metric].mean())
 
-    def cell(self, metric: str, layer: int, pos: int, normalise: bool = True) -> float:
-        li, pi = self.layers.index(layer), self.positions.index(pos)
-        grid = self.normalized(metric) if normalise else self.mean(metric)
-        return float(grid[li, pi])
+    def _at(self, layer: int, pos: int | None, head: int | None) -> tuple[int, ...]:
+        at = [self.layers.index(layer)]
+        if self.positions is not None:
+            if pos is None:
+                raise ValueError("this sweep patched each position: give pos")
+            at.append(self.positions.index(pos))
+        if self.heads is not None:
+            if head is None:
+                raise ValueError("this sweep patched each head: give head")
+            at.append(self.heads.index(head))
+        return tuple(at)
 
-    def cell_values(self, metric: str, layer: int, pos: int) -> Float[torch.Tensor, " batch"]:
-        """Per-prompt metric values of the run with cell ``(layer, pos)`` patched."""
-        return self.values[metric][self.layers.index(layer), self.positions.index(pos)]
+    def cell(
+        self,
+        metric: str,
+        layer: int,
+        pos: int | None = None,
+        normalise: bool = True,
+        head: int | None = None,
+    ) -> float:
+        grid = self.normalized(metric) if normalise else self.mean(metric)
+        return float(grid[self._at(layer, pos, head)])
+
+    def cell_values(
+        self, metric: str, layer: int, pos: int | None = None, head: int | None = None
+    ) -> Float[torch.Tensor, " batch"]:
+        """Per-prompt metric values of the run with cell ``(layer, pos, head)`` patched."""
+        return self.values[metric][self._at(layer, pos, head)]
 
     def to_dict(self) -> dict:
         return {
             "site": self.site,
+            "axes": list(self.axes),
             "layers": self.layers,
             "positions": self.positions,
+            "heads": self.heads,
             "clean_mean": {k: float(v.mean()) for k, v in self.clean.items()},
             "corrupt_mean": {k: float(v.mean()) for k, v in self.corrupt.items()},
             "normalized": {k: self.normalized(k).tolist() for k in self.values},
             "mean": {k: self.mean(k).tolist() for k in self.values},
             "n_forwards": self.n_forwards,
+            "n_cells_run": self.n_cells_run,
             "batch_size": self.batch_size,
             "prefix_skipped": self.prefix_skipped,
             "prefix_fallback": self.prefix_fallback,
@@ -342,21 +312,29 @@ def _check_suffix(
     kwargs: Mapping,
     corrupt_hooks: Sequence,
     want: Mapping[str, torch.Tensor],
+    mask: torch.Tensor,
 ) -> str | None:
     """Run blocks ``first..last`` from the corrupt run's residual stream and compare the metric
-    activations with the full corrupt forward's (``want``). ``None`` when they agree, else why not:
-    a warning, or (:func:`strict`) a ``RuntimeError``."""
+    inputs (activations, last-token logits) with the full corrupt forward's (``want``). ``None``
+    when they agree, else why not: a warning, or (:func:`strict`) a ``RuntimeError``."""
+    n_layers = model.n_layers
     got: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(_record, store=got, key=n)) for n in want if _hook_layer(n) >= first]
+    rec = [
+        (n, partial(_record, store=got, key=n))
+        for n in want
+        if n != LOGITS and hook_layer(n, n_layers) >= first
+    ]
     why = None
     try:
-        _run_blocks(model, resid_in[first], first, last, kwargs, [*corrupt_hooks, *rec])
-    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        h = _run_blocks(model, resid_in[first], first, last, kwargs, [*corrupt_hooks, *rec])
+        if LOGITS in want:
+            got[LOGITS] = last_token_logits(model, h, mask)
+    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError) as e:
         why = f"running blocks {first}..{last} directly failed: {type(e).__name__}: {e}"
         err: BaseException | None = e
     else:
         err = None
-        for n, _ in rec:
+        for n in got:
             a, b = got[n].float(), want[n].float()
             if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
                 why = (
@@ -373,9 +351,9 @@ def _check_suffix(
     return why
 
 
-def _patch(x: torch.Tensor, hook, *, rows, pos, src):
+def _patch(x: torch.Tensor, hook, *, index, src):
     x = x.clone()
-    x[rows, pos] = src.to(device=x.device, dtype=x.dtype)
+    x[index] = src.to(device=x.device, dtype=x.dtype)
     return x
 
 
@@ -387,6 +365,10 @@ def _check_pair(clean: Batch, corrupt: Batch) -> None:
         )
     if not torch.equal(clean.attention_mask, corrupt.attention_mask):
         raise ValueError("clean and corrupt batches must have the same attention mask (lengths)")
+
+
+def _n_heads(site: str, act: torch.Tensor) -> int:
+    return int(act.shape[1] if site == "attn_head_pattern" else act.shape[2])
 
 
 def patch_sweep(
@@ -402,17 +384,21 @@ def patch_sweep(
     clean_hooks: Sequence = (),
     progress: bool | None = None,
     skip_shared: bool = True,
+    heads: Sequence[int] | None = None,
+    per_position: bool = True,
 ) -> SweepResult:
-    """Patch ``site`` from the clean run into the corrupt run at every ``(layer, pos)``, batched.
+    """Patch ``site`` from the clean run into the corrupt run at every cell, batched.
 
     Args:
         model: the loaded model.
         clean: clean prompts.
         corrupt: corrupt prompts, same shape and attention mask as ``clean``.
-        site: one of :data:`PATCH_SITES`.
-        metrics: name → :class:`PatchMetric` (e.g. :class:`NormRatio`, :class:`SinkMass`).
+        site: one of :data:`PATCH_SITES` (per-head sites: :data:`HEAD_SITES`).
+        metrics: name → :class:`~me_interp.patching.metrics.PatchMetric` (e.g. ``NormRatio``,
+            ``SinkMass``, ``LogitDiff``).
         layers: layers to patch (default all).
-        positions: positions to patch (default all).
+        positions: positions to patch (default all); for ``attn_head_pattern`` the destination
+            (query) positions.
         batch_size: at most this many rows (patched prompts) per forward (at least one cell).
         corrupt_hooks: row-wise hooks that define the corruption (run before the patch hooks).
         clean_hooks: hooks of the clean run.
@@ -423,17 +409,22 @@ def patch_sweep(
             corruption, or the unchanged tokens at layer 0) and a cell after the last layer a metric
             reads cannot change the corrupt run, so its value is the corrupt value and it is not run.
             Each chunk (cells sorted by layer) runs only the blocks from its first patched layer to
-            the last layer a metric reads, starting from the corrupt run's residual stream (the
-            blocks are called directly with the masks and rotary embeddings captured from the
-            corrupt run; checked once against the full corrupt forward, else full forwards are
-            used with a ``RuntimeWarning`` — ``SweepResult.prefix_skipped`` says which and
-            ``prefix_fallback`` why; with :data:`STRICT_ENV` set the fallback raises). Metric activations before the first
-            patched layer are the corrupt run's. (TransformerBridge's own ``start_at_layer`` runs
-            the earlier blocks anyway in TL 4.3, so it is not used.) ``False``: every cell, full
-            forwards (the plain reference).
+            the last layer a metric reads (and the unembedding at the last token when a metric
+            reads logits), starting from the corrupt run's residual stream (the blocks are called
+            directly with the masks and rotary embeddings captured from the corrupt run; checked
+            once against the full corrupt forward, else full forwards are used with a
+            ``RuntimeWarning`` — ``SweepResult.prefix_skipped`` says which and ``prefix_fallback``
+            why; with :data:`STRICT_ENV` set the fallback raises). Metric activations before the
+            first patched layer are the corrupt run's. (TransformerBridge's own ``start_at_layer``
+            runs the earlier blocks anyway in TL 4.3, so it is not used.) ``False``: every cell,
+            full forwards (the plain reference).
+        heads: heads to patch at a per-head site (default all of that site: ``k``/``v`` have the
+            key-value heads).
+        per_position: ``False``: one cell per layer (and head) patching every position at once
+            (TransformerLens's ``*_all_pos``).
 
     Raises:
-        ValueError: unknown site, layer/position out of range, mismatched batches, no metric.
+        ValueError: unknown site, layer/position/head out of range, mismatched batches, no metric.
         RuntimeError: the block suffix cannot be run while :data:`STRICT_ENV` is set.
     """
     _check_pair(clean, corrupt)
@@ -441,45 +432,80 @@ def patch_sweep(
         raise ValueError("give at least one metric")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    site_hook(site, 0)  # the site's name is checked before anything runs
+    is_head = site in HEAD_SITES
+    if heads is not None and not is_head:
+        raise ValueError(
+            f"heads are only for the per-head sites ({', '.join(HEAD_SITES)}), not {site!r}"
+        )
     B, T = clean.tokens.shape
     layers = list(range(model.n_layers)) if layers is None else [int(x) for x in layers]
-    positions = list(range(T)) if positions is None else [int(p) for p in positions]
-    if not layers or not positions:
-        raise ValueError("nothing to patch: layers and positions must not be empty")
+    if not per_position:
+        if positions is not None:
+            raise ValueError("per_position=False patches every position: give no positions")
+        pos_list: list[int] | None = None
+    else:
+        pos_list = list(range(T)) if positions is None else [int(p) for p in positions]
+        if not pos_list:
+            raise ValueError("nothing to patch: positions must not be empty")
+    if not layers:
+        raise ValueError("nothing to patch: layers must not be empty")
     for layer in layers:
         model.check_layer(layer)
-    for p in positions:
+    for p in pos_list or ():
         if not 0 <= p < T:
             raise ValueError(f"position {p} out of range for prompts of {T} tokens")
     hook_of = {layer: site_hook(site, layer) for layer in layers}
 
-    mhooks = _metric_hooks(metrics)
-    last_needed = max(_hook_layer(n) for n in mhooks)
-    stop = max(last_needed, *layers) + 1  # the unpatched runs need no unembedding
+    n_layers = model.n_layers
+    mhooks = metric_hooks(metrics)
+    last_needed = max(hook_layer(n, n_layers) for n in mhooks)
+    wants_logits = LOGITS in mhooks
+    stop = None if wants_logits else max(last_needed, *layers) + 1  # no unembedding unless read
     # clean run: the site's activations at every patched layer, and the clean metrics
     store: dict[str, torch.Tensor] = {}
     rec = [(n, partial(_record, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
     clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec], stop)
     clean_acts = {layer: store[hook_of[layer]].clone() for layer in layers}  # [B T ...]
-    # corrupt run: the metrics, and the site's activations (to find cells where clean == corrupt)
+    head_list: list[int] | None = None
+    if is_head:
+        n_heads = _n_heads(site, clean_acts[layers[0]])
+        head_list = list(range(n_heads)) if heads is None else [int(h) for h in heads]
+        if not head_list:
+            raise ValueError("nothing to patch: heads must not be empty")
+        for h in head_list:
+            if not 0 <= h < n_heads:
+                raise ValueError(f"head {h} out of range: {site} has {n_heads} heads")
+    # corrupt run: the metrics and their inputs, and the site's activations (to find cells where
+    # clean == corrupt)
     cstore: dict[str, torch.Tensor] = {}
     cstore_m: dict[str, torch.Tensor] = {}
     rec = [(n, partial(_record, store=cstore, key=n)) for n in dict.fromkeys(hook_of.values())]
-    rec += [(n, partial(_record, store=cstore_m, key=n)) for n in mhooks]
+    rec += [(n, partial(_record, store=cstore_m, key=n)) for n in mhooks if n != LOGITS]
     corrupt_vals = evaluate_metrics(model, corrupt, metrics, [*corrupt_hooks, *rec], stop)
+    mask_b = corrupt.attention_mask.bool()
 
-    out = {k: v[None, None].repeat(len(layers), len(positions), 1) for k, v in corrupt_vals.items()}
+    axes_len = [len(layers), *([len(pos_list)] if pos_list is not None else [])]
+    axes_len += [len(head_list)] if head_list is not None else []
+    out = {k: v.expand(*axes_len, B).clone() for k, v in corrupt_vals.items()}
+    grid = [range(len(layers)), range(len(pos_list)) if pos_list is not None else [None]]
+    grid.append(range(len(head_list)) if head_list is not None else [None])
+    arange_b = torch.arange(B, device=clean.tokens.device)
 
-    def changes(li: int, pi: int) -> bool:
-        layer, p = layers[li], positions[pi]
-        same = torch.equal(clean_acts[layer][:, p], cstore[hook_of[layer]][:, p])
-        return layer <= last_needed and not same
+    def values_at(c) -> tuple:
+        li, pi, hi = c
+        pos = None if pi is None else torch.full((B,), pos_list[pi], device=arange_b.device)
+        head = None if hi is None else torch.full((B,), head_list[hi], device=arange_b.device)
+        return _index(site, arange_b, pos, head)
 
-    cells = [
-        c
-        for c in itertools.product(range(len(layers)), range(len(positions)))
-        if not skip_shared or changes(*c)
-    ]
+    def changes(c) -> bool:
+        layer = layers[c[0]]
+        if layer > last_needed:
+            return False
+        idx = values_at(c)
+        return not torch.equal(clean_acts[layer][idx], cstore[hook_of[layer]][idx])
+
+    cells = [c for c in itertools.product(*grid) if not skip_shared or changes(c)]
     cells.sort(key=lambda c: layers[c[0]])  # layer-major: each chunk starts as late as possible
     per_fwd = max(1, batch_size // B)
     n_fwd = 0
@@ -489,10 +515,13 @@ def patch_sweep(
         # run only blocks first_patched..last_needed, from the corrupt run's residual stream; checked
         # once against the full corrupt forward, else fall back to full forwards
         kwargs, resid_in = _capture_block_inputs(
-            model, corrupt, corrupt_hooks, sorted({layers[li] for li, _ in cells})
+            model, corrupt, corrupt_hooks, sorted({layers[c[0]] for c in cells})
         )
+        want = dict(cstore_m)
+        if wants_logits:
+            want[LOGITS] = _gather_last(model.run_with_hooks(corrupt, corrupt_hooks), mask_b)
         fallback = _check_suffix(
-            model, resid_in, layers[cells[0][0]], last_needed, kwargs, corrupt_hooks, cstore_m
+            model, resid_in, layers[cells[0][0]], last_needed, kwargs, corrupt_hooks, want, mask_b
         )
         suffix = (kwargs, resid_in) if fallback is None else None
     chunks = range(0, len(cells), per_fwd)
@@ -502,27 +531,38 @@ def patch_sweep(
         n = len(chunk)
         rows_batch = Batch(corrupt.tokens.repeat(n, 1), corrupt.attention_mask.repeat(n, 1), None)
         patch_hooks = []
-        for li in sorted({li for li, _ in chunk}):
-            idx = [c for c, (cl, _) in enumerate(chunk) if cl == li]
-            rows = torch.tensor([c * B + b for c in idx for b in range(B)])
-            pos = torch.tensor([positions[chunk[c][1]] for c in idx for _ in range(B)])
-            prompt = torch.arange(B).repeat(len(idx))
-            src = clean_acts[layers[li]][
-                prompt.to(clean.tokens.device), pos.to(clean.tokens.device)
-            ]
-            patch_hooks.append((hook_of[layers[li]], partial(_patch, rows=rows, pos=pos, src=src)))
+        for li in sorted({c[0] for c in chunk}):
+            idx = [j for j, c in enumerate(chunk) if c[0] == li]
+            dev = clean.tokens.device
+            rows = torch.tensor([j * B + b for j in idx for b in range(B)], device=dev)
+            prompt = torch.arange(B, device=dev).repeat(len(idx))
+            pos = head = None
+            if pos_list is not None:
+                pos = torch.tensor(
+                    [pos_list[chunk[j][1]] for j in idx for _ in range(B)], device=dev
+                )
+            if head_list is not None:
+                head = torch.tensor(
+                    [head_list[chunk[j][2]] for j in idx for _ in range(B)], device=dev
+                )
+            src = clean_acts[layers[li]][_index(site, prompt, pos, head)]
+            fn = partial(_patch, index=_index(site, rows, pos, head), src=src)
+            patch_hooks.append((hook_of[layers[li]], fn))
         acts: dict[str, torch.Tensor] = {}
-        first = min(layers[li] for li, _ in chunk) if suffix is not None else 0
+        first = min(layers[c[0]] for c in chunk) if suffix is not None else 0
         for n_ in mhooks:  # read before the first patched layer: the corrupt run's, exactly
-            if _hook_layer(n_) < first:
+            if n_ != LOGITS and hook_layer(n_, n_layers) < first:
                 acts[n_] = cstore_m[n_].repeat(n, *([1] * (cstore_m[n_].dim() - 1)))
         rec = [
-            (n_, partial(_record, store=acts, key=n_)) for n_ in mhooks if _hook_layer(n_) >= first
+            (n_, partial(_record, store=acts, key=n_))
+            for n_ in mhooks
+            if n_ != LOGITS and hook_layer(n_, n_layers) >= first
         ]
         hooks = [*corrupt_hooks, *patch_hooks, *rec]
+        mask = rows_batch.attention_mask.bool()
         if suffix is not None:
             kwargs, resid_in = suffix
-            _run_blocks(
+            h = _run_blocks(
                 model,
                 _tile(resid_in[first], n, B),
                 first,
@@ -530,24 +570,27 @@ def patch_sweep(
                 _tile_kwargs(kwargs, n, B),
                 hooks,
             )
+            if wants_logits:
+                acts[LOGITS] = last_token_logits(model, h, mask)
         else:
             with torch.no_grad():
-                model.bridge.run_with_hooks(
+                logits = model.bridge.run_with_hooks(
                     rows_batch.tokens,
                     attention_mask=rows_batch.attention_mask,
-                    stop_at_layer=last_needed + 1 if skip_shared else None,
+                    stop_at_layer=last_needed + 1 if skip_shared and not wants_logits else None,
                     fwd_hooks=hooks,
                 )
+            if wants_logits:
+                acts[LOGITS] = _gather_last(logits, mask)
         n_fwd += 1
-        mask = rows_batch.attention_mask.bool()
         for k, m in metrics.items():
-            v = m(acts, mask).float().view(n, B)
-            for c, (li, pi) in enumerate(chunk):
-                out[k][li, pi] = v[c]
+            v = m(acts, mask).view(n, B)
+            for j, c in enumerate(chunk):
+                out[k][tuple(i for i in c if i is not None)] = v[j]
     return SweepResult(
         site=site,
         layers=layers,
-        positions=positions,
+        positions=pos_list,
         values=out,
         clean=clean_vals,
         corrupt=corrupt_vals,
@@ -556,6 +599,8 @@ def patch_sweep(
         metric_names=list(metrics),
         prefix_skipped=suffix is not None,
         prefix_fallback=fallback,
+        heads=head_list,
+        n_cells_run=len(cells),
     )
 
 
@@ -568,8 +613,9 @@ def patch_loop(
     layers: Sequence[int] | None = None,
     positions: Sequence[int] | None = None,
     corrupt_hooks: Sequence = (),
+    **kwargs: Any,
 ) -> SweepResult:
-    """The unbatched reference: one forward per ``(layer, pos)`` cell (for tests and benchmarks)."""
+    """The unbatched reference: one forward per cell (for tests and benchmarks)."""
     return patch_sweep(
         model,
         clean,
@@ -582,21 +628,5 @@ def patch_loop(
         corrupt_hooks=corrupt_hooks,
         progress=False,
         skip_shared=False,
+        **kwargs,
     )
-
-
-__all__ = [
-    "PATCH_SITES",
-    "STRICT_ENV",
-    "NormRatio",
-    "PatchMetric",
-    "Projection",
-    "SinkMass",
-    "SweepResult",
-    "evaluate_metrics",
-    "normalized",
-    "patch_loop",
-    "patch_sweep",
-    "site_hook",
-    "strict",
-]

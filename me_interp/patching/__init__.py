@@ -1,0 +1,57 @@
+"""Activation patching: batched sweeps over layers, positions and heads, with user pairs.
+
+* :mod:`me_interp.patching.metrics` — what a patched run is scored by (massive-activation metrics,
+  logit metrics, any callable);
+* :mod:`me_interp.patching.sweep` — the batched sweep (:func:`patch_sweep`) and its result;
+* :mod:`me_interp.patching.pairs` — clean/corrupt pairs from a JSONL file, with their metrics.
+"""
+
+from me_interp.patching.metrics import (
+    LOGITS,
+    AnswerProb,
+    Custom,
+    KLToClean,
+    LogitDiff,
+    NormRatio,
+    PatchMetric,
+    Projection,
+    SinkMass,
+    normalized,
+    tile_rows,
+)
+from me_interp.patching.sweep import (
+    HEAD_SITES,
+    PATCH_SITES,
+    STRICT_ENV,
+    SweepResult,
+    evaluate_metrics,
+    last_token_logits,
+    patch_loop,
+    patch_sweep,
+    site_hook,
+    strict,
+)
+
+__all__ = [
+    "HEAD_SITES",
+    "LOGITS",
+    "PATCH_SITES",
+    "STRICT_ENV",
+    "AnswerProb",
+    "Custom",
+    "KLToClean",
+    "LogitDiff",
+    "NormRatio",
+    "PatchMetric",
+    "Projection",
+    "SinkMass",
+    "SweepResult",
+    "evaluate_metrics",
+    "last_token_logits",
+    "normalized",
+    "patch_loop",
+    "patch_sweep",
+    "site_hook",
+    "strict",
+    "tile_rows",
+]
