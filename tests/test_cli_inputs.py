@@ -109,6 +109,10 @@ BAD: dict[str, list[str]] = {
     "texts": PROMPT_FILES,
     "mc_items": [MISSING, NOT_UTF8, BAD_JSON],
     "source_model": [MISSING],
+    "pairs": PROMPT_FILES,
+    "metric": ["bogus"],
+    "heads": ["-1", "x"],
+    "head_positions": ["bogus"],
 }
 
 

@@ -50,8 +50,14 @@ ME layer restores the downstream sink (``state_causes_sink``) [sanity]; no later
 value and is named in the details. None is decided by a cell the corruption overwrote, and none but
 the precondition applies when the corruption did not remove the activation.
 
+With ``--pairs FILE.jsonl`` it answers *your* question instead: your clean/corrupt pairs, scored by
+``--metric`` (``logit_diff``, ``prob``, ``kl``, or a massive-activation metric), every layer and
+position of every site (per-head sites: ``attn_head_out``, ``attn_head_pattern``, ``q``, ``k``,
+``v``), with no claims (:mod:`me_interp.experiments.patching_pairs`).
+
     python -m me_interp.experiments.activation_patching
     python -m me_interp.experiments.activation_patching --model synthetic:planted --prompts p.txt
+    python -m me_interp.experiments.activation_patching --pairs ioi.jsonl --metric logit_diff
 """
 
 from __future__ import annotations
@@ -66,10 +72,19 @@ import torch
 from plotly.subplots import make_subplots
 
 from me_interp import claims, names, plotting
+from me_interp.experiments import patching_pairs
 from me_interp.experiments.common import CommonConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.models import Batch, LoadedModel
-from me_interp.patching import PATCH_SITES, Projection, SinkMass, SweepResult, patch_sweep
+from me_interp.patching import (
+    HEAD_SITES,
+    PATCH_SITES,
+    Projection,
+    SinkMass,
+    SweepResult,
+    patch_sweep,
+)
+from me_interp.patching.pairs import read_pairs
 
 NAME = "activation_patching"
 CORRUPTIONS = ("auto", "first_token", "remove_input", "remove_ffn")
@@ -331,6 +346,15 @@ class Config(CommonConfig):
             layer.
         layer: the ME layer (0-based); ``None`` = detected on the prompts.
         batch_size: rows (patched prompts) per forward of the sweep.
+        pairs: a JSONL file of your own pairs (``{"clean", "corrupt", "answer", "wrong"}`` a line):
+            patch them instead of asking the built-in question (no claims; see
+            :mod:`me_interp.experiments.patching_pairs`).
+        metric: with ``pairs``: ``logit_diff`` (default), ``prob``, ``kl``, ``projection``,
+            ``sink`` or ``norm_ratio``.
+        heads: heads to patch at the per-head sites (``attn_head_out``, ``attn_head_pattern``,
+            ``q``, ``k``, ``v``); ``None`` = all.
+        head_positions: per-head sites patch ``all`` positions at once (a layer × head grid) or
+            ``each`` position (layer × position × head; for the pattern, the query position).
     """
 
     sites: tuple[str, ...] = ("resid_pre", "attn_out", "mlp_out")
@@ -341,10 +365,26 @@ class Config(CommonConfig):
     metric_layer: int | None = None
     layer: int | None = None
     batch_size: int = 64
+    pairs: str | None = None
+    metric: str | None = None
+    heads: tuple[int, ...] | None = None
+    head_positions: Literal["all", "each"] = "all"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choices(self.sites, PATCH_SITES, "site")
+        if self.metric is not None and self.metric not in patching_pairs.METRICS:
+            raise ValueError(
+                f"unknown metric {self.metric!r}; choose from {', '.join(patching_pairs.METRICS)}"
+            )
+        if self.pairs is not None:
+            read_pairs(self.pairs)  # missing, not UTF-8, malformed: said before the model loads
+        elif self.metric is not None:
+            raise ValueError("metric applies only with pairs (the built-in question has its own)")
+        if self.heads is not None and any(h < 0 for h in self.heads):
+            raise ValueError("heads must be >= 0")
+        if self.head_positions not in ("all", "each"):
+            raise ValueError(f"head_positions must be all or each, got {self.head_positions!r}")
         if self.corruption not in CORRUPTIONS:
             raise ValueError(f"corruption must be one of {CORRUPTIONS}, got {self.corruption!r}")
         if self.max_tokens < 2:
@@ -509,12 +549,20 @@ class Result:
         }
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Build the clean/corrupt pair and sweep every site. No printing, no files.
+def specs_for(result: Result | patching_pairs.PairsResult) -> tuple[claims.Spec, ...]:
+    """The claims judged on ``result``: none for a run on the user's own pairs."""
+    return () if isinstance(result, patching_pairs.PairsResult) else SPECS
+
+
+def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pairs.PairsResult:
+    """Build the clean/corrupt pair and sweep every site (with ``cfg.pairs``: the user's pairs,
+    :func:`me_interp.experiments.patching_pairs.run`). No printing, no files.
 
     Raises:
         claims.NotApplicable: no massive activation on this model and no ``layer`` given.
     """
+    if cfg.pairs is not None:
+        return patching_pairs.run(cfg, model)
     model = model_for(cfg, model)
     pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
     site = causal.locate_massive(model, pb.batch, cfg.layer, None)
@@ -573,9 +621,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
             s,
             metrics,
             layers=short if s == "resid_pre" and not cfg.all_positions else None,
-            positions=positions,
+            positions=positions if s not in HEAD_SITES or cfg.head_positions == "each" else None,
             batch_size=cfg.batch_size,
             corrupt_hooks=hooks,
+            heads=cfg.heads if s in HEAD_SITES else None,
+            per_position=s not in HEAD_SITES or cfg.head_positions == "each",
         )
         for s in cfg.sites
     }
@@ -600,15 +650,17 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     )
 
 
-def figures(result: Result) -> dict[str, Any]:
+def figures(result: Result | patching_pairs.PairsResult) -> dict[str, Any]:
+    if isinstance(result, patching_pairs.PairsResult):
+        return patching_pairs.figures(result)
     figs: dict[str, Any] = {}
     p, L = result.site.position, result.site.layer
     metric_names = next(iter(result.sweeps.values())).metric_names
     for metric in metric_names:
         series = {}
         for s, sw in result.sweeps.items():
-            grid = sw.normalized(metric)  # [layer pos]
-            series[s] = grid[:, sw.positions.index(p)].tolist()
+            if sw.heads is None:  # per-head sweeps: the pairs-style heat map below
+                series[s] = sw.normalized(metric)[:, sw.positions.index(p)].tolist()
         fig = plotting.layer_lines(
             series,
             f"Activation patching at position {p}, metric {metric} (clean = 1, corrupt = 0) — "
@@ -617,14 +669,23 @@ def figures(result: Result) -> dict[str, Any]:
             L,
         )
         figs[f"patching_{metric}"] = fig
-        if any(len(sw.positions) > 2 for sw in result.sweeps.values()):
+        if any(sw.heads is None and len(sw.positions) > 2 for sw in result.sweeps.values()):
             figs[f"patching_{metric}_positions"] = _heatmaps(result, metric)
+        for s, sw in result.sweeps.items():
+            if sw.heads is not None:
+                figs[f"patching_{metric}_{s}"] = patching_pairs.heatmap(
+                    sw,
+                    metric,
+                    result.tokens,
+                    f"Activation patching of {s}, metric {metric} (clean = 1, corrupt = 0) — "
+                    f"{result.model}<br><sup>corruption: {result.corruption}</sup>",
+                )
     return figs
 
 
 def _heatmaps(result: Result, metric: str) -> go.Figure:
     labels = [f"{i}: {t!r}" for i, t in enumerate(result.tokens)]
-    sites = list(result.sweeps)
+    sites = [s for s, sw in result.sweeps.items() if sw.heads is None]
     fig = make_subplots(rows=1, cols=len(sites), subplot_titles=sites, shared_yaxes=True)
     for i, s in enumerate(sites):
         sw = result.sweeps[s]
@@ -656,23 +717,26 @@ def _heatmaps(result: Result, metric: str) -> go.Figure:
     return fig
 
 
-def summary(result: Result) -> str:
+def summary(result: Result | patching_pairs.PairsResult) -> str:
+    if isinstance(result, patching_pairs.PairsResult):
+        return patching_pairs.summary(result)
     s = result.site
     rows = []
     for name, sw in result.sweeps.items():
         for metric in sw.metric_names:
-            grid = sw.normalized(metric)[:, sw.positions.index(s.position)]
-            li = int(grid.nan_to_num(-1e9).argmax())
-            v = float(grid[li])
+            grid = sw.normalized(metric)
+            if sw.heads is None:
+                grid = grid[:, sw.positions.index(s.position)]
+            flat = int(grid.nan_to_num(-1e9).flatten().argmax())
+            at = tuple(int(i) for i in np.unravel_index(flat, tuple(grid.shape)))
+            v = float(grid[at])
+            where = (
+                str(sw.layers[at[0]])
+                if sw.heads is None
+                else patching_pairs.cell_label(sw, at, result.tokens)
+            )
             rows.append(
-                (
-                    name,
-                    metric,
-                    sw.layers[li],
-                    v,
-                    "overshoot" if v > OVERSHOOT else "",
-                    sw.n_forwards,
-                )
+                (name, metric, where, v, "overshoot" if v > OVERSHOOT else "", sw.n_forwards)
             )
     return "\n".join(
         [
@@ -680,7 +744,7 @@ def summary(result: Result) -> str:
             f"{s.position}; {len(result.me_ratio_clean)} prompts; corruption {result.corruption} "
             f"({result.corruption_note or 'chosen'}); {result.ffn.text()}",
             fmt_table(
-                ["site", "metric", "largest at layer", "normalised (1 = clean)", "", "forwards"],
+                ["site", "metric", "largest at", "normalised (1 = clean)", "", "forwards"],
                 rows,
             ),
         ]

@@ -331,14 +331,16 @@ def execute(
     ``figures`` none are drawn (for callers that read only the claims).
 
     A :class:`claims.NotApplicable` raised by ``run`` becomes "not applicable" for every claim of
-    ``module.SPECS``, with its message as the reason.
+    ``module.SPECS``, with its message as the reason. A module whose result decides which claims
+    apply (activation_patching on the user's own pairs has none) says so in ``specs_for(result)``.
     """
     try:
         result = module.run(cfg, model)
     except claims.NotApplicable as e:
         return Outcome(None, claims.not_applicable(module.SPECS, str(e)), {}, str(e))
     drawn = dict(module.figures(result)) if figures else {}
-    return Outcome(result, claims.judge(module.SPECS, result), drawn)
+    specs = module.specs_for(result) if hasattr(module, "specs_for") else module.SPECS
+    return Outcome(result, claims.judge(specs, result), drawn)
 
 
 def write_outcome(name: str, cfg: CommonConfig, model: LoadedModel, outcome: Outcome) -> Path:
