@@ -113,6 +113,7 @@ BAD: dict[str, list[str]] = {
     "metric": ["bogus"],
     "heads": ["-1", "x"],
     "head_positions": ["bogus"],
+    "method": ["bogus", "attribution"],  # attribution without --pairs
 }
 
 

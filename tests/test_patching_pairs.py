@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -270,3 +271,82 @@ def test_head_arguments_are_checked(planted):
         patch_sweep(model, clean, clean, "attn_head_out", m, heads=[99])
     with pytest.raises(ValueError, match="give no positions"):
         patch_sweep(model, clean, clean, "attn_head_out", m, positions=[0], per_position=False)
+
+
+# -- attribution patching ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    from me_interp import load_model, synthetic
+
+    hf, tok = synthetic.tiny_llama()
+    return load_model(hf, tokenizer=tok, device="cpu", dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "site,per_position",
+    [("resid_pre", True), ("attn_head_out", False), ("mlp_out", True), ("attn_head_pattern", True)],
+)
+def test_attribution_is_exact_to_first_order(tiny64, site, per_position):
+    """A corruption of size ε (a fixed random direction added to layer 1's input): exact patching
+    moves each metric by O(ε) and the attribution estimate misses it by O(ε²) — an independent
+    check of the gradients and of which elements each cell sums. Measured: at ε = 1e-2 the miss is
+    up to 9 % of the move, at ε = 1e-3 up to 0.9 % (first-order, as it must be), apart from moves
+    near the float32 floor of the bridge's softmax."""
+    from me_interp import names
+    from me_interp.patching import attribution_sweep
+
+    model = tiny64
+    batch = model.tokenize(["w1 w2 w3 w4 w5", "w7 w8 w9 w10 w11"])
+    eps = 1e-3
+    noise = torch.randn(
+        batch.tokens.shape[1], model.d_model, generator=torch.Generator().manual_seed(0)
+    )
+
+    def shift(x, hook):
+        return x + eps * float(x.norm(dim=-1).mean()) * noise.to(x.dtype)
+
+    last = model.n_layers - 1
+    out, pat = names.resid_post(last), names.pattern(last)
+    metrics = {
+        "norm": Custom(
+            lambda logits, a: a[out][:, 0].double().norm(dim=-1), reads=(out,), logits=False
+        ),
+        "sink": Custom(
+            lambda logits, a: a[pat][:, :, 1:, 0].double().mean((1, 2)), reads=(pat,), logits=False
+        ),
+        "logit": Custom(lambda logits, a: logits[:, 3].double() - logits[:, 5].double()),
+    }
+    kw = {"per_position": per_position, "corrupt_hooks": [(names.resid_pre(1), shift)]}
+    exact = patch_sweep(model, batch, batch, site, metrics, skip_shared=False, **kw)
+    attr = attribution_sweep(model, batch, batch, site, metrics, **kw)
+    assert attr.method == "attribution" and attr.values["norm"].shape == exact.values["norm"].shape
+    moved = {k: float((exact.values[k] - exact.corrupt[k]).abs().max()) for k in metrics}
+    assert max(moved.values()) > 1e-6  # the patches do move the metrics
+    for k in metrics:
+        err = float((attr.values[k] - exact.values[k]).abs().max())
+        assert err <= 0.05 * moved[k] + 1e-9, (k, err, moved[k])
+
+
+def test_rank_agreement_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    from me_interp.patching import SweepResult, rank_agreement
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(4, 5, 3)), rng.normal(size=(4, 5, 3))
+    a[0, 0] = a[0, 1]  # a tie
+
+    def sw(v):
+        z = torch.zeros(3, dtype=torch.float64)
+        return SweepResult(
+            "resid_pre",
+            [0, 1, 2, 3],
+            [0, 1, 2, 3, 4],
+            {"m": torch.tensor(v)},
+            {"m": z + 1},
+            {"m": z},
+        )
+
+    want = stats.spearmanr(a.mean(-1).ravel(), b.mean(-1).ravel()).statistic
+    assert rank_agreement(sw(a), sw(b), "m") == pytest.approx(want, abs=1e-12)

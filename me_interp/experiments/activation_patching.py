@@ -355,6 +355,8 @@ class Config(CommonConfig):
             ``q``, ``k``, ``v``); ``None`` = all.
         head_positions: per-head sites patch ``all`` positions at once (a layer × head grid) or
             ``each`` position (layer × position × head; for the pattern, the query position).
+        method: with ``pairs``: ``exact`` patching, ``attribution`` patching (one forward and one
+            backward estimate every cell) or ``both`` (with their rank correlation per site).
     """
 
     sites: tuple[str, ...] = ("resid_pre", "attn_out", "mlp_out")
@@ -369,6 +371,7 @@ class Config(CommonConfig):
     metric: str | None = None
     heads: tuple[int, ...] | None = None
     head_positions: Literal["all", "each"] = "all"
+    method: Literal["exact", "attribution", "both"] = "exact"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -383,6 +386,12 @@ class Config(CommonConfig):
             raise ValueError("metric applies only with pairs (the built-in question has its own)")
         if self.heads is not None and any(h < 0 for h in self.heads):
             raise ValueError("heads must be >= 0")
+        if self.method not in ("exact", "attribution", "both"):
+            raise ValueError(f"method must be exact, attribution or both, got {self.method!r}")
+        if self.method != "exact" and self.pairs is None:
+            raise ValueError(
+                "method applies only with pairs (the built-in claims use exact patching)"
+            )
         if self.head_positions not in ("all", "each"):
             raise ValueError(f"head_positions must be all or each, got {self.head_positions!r}")
         if self.corruption not in CORRUPTIONS:

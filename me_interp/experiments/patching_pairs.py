@@ -14,6 +14,10 @@ head, over all positions at once or, with ``--head-positions each``, by position
 * ``projection`` / ``sink`` / ``norm_ratio`` — the massive-activation metrics of the built-in
   question, at the massive token located on the clean texts.
 
+``--method attribution`` estimates every cell from one forward and one backward pass instead
+(:mod:`me_interp.patching.attribution`); ``--method both`` runs both and reports their rank
+correlation over the cells of each site.
+
 A cell's value is normalised the TransformerLens way, ``(m_patched − m_corrupt) / (m_clean −
 m_corrupt)`` on pair means (clean = 1, corrupt = 0), with a percentile bootstrap over pairs. The
 result holds every cell with its interval and the per-pair values; the summary lists the top cells;
@@ -40,7 +44,9 @@ from me_interp.patching import (
     Projection,
     SinkMass,
     SweepResult,
+    attribution_sweep,
     patch_sweep,
+    rank_agreement,
 )
 from me_interp.patching.pairs import (
     LOGIT_METRICS,
@@ -112,6 +118,11 @@ class PairsResult:
     tokens: list[str]
     metric_note: str = ""
     seed: int = 0
+    method: str = "exact"
+    attribution: dict[str, SweepResult] | None = None
+    agreement: dict[str, float] | None = None
+    """With ``method="both"``: the attribution sweeps and their Spearman correlation with the exact
+    ones over each site's cells."""
 
     def top_cells(self, k: int = TOP) -> list[dict[str, Any]]:
         """Each site's ``k`` cells with the largest ``|normalised|``, site by site."""
@@ -138,6 +149,11 @@ class PairsResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "mode": "pairs",
+            "method": self.method,
+            "attribution_agreement": self.agreement,
+            "attribution_sweeps": None
+            if self.attribution is None
+            else {s: sw.to_dict() for s, sw in self.attribution.items()},
             "model": self.model,
             "bos": self.bos,
             "metric": self.metric,
@@ -193,25 +209,43 @@ def run(cfg, model: LoadedModel | None = None) -> PairsResult:
     model = model_for(cfg, model)
     pb = tokenize_pairs(model, read_pairs(cfg.pairs))
     metric, note = _metric(cfg, model, pb)
-    sweeps = {}
+    name = cfg.metric or "logit_diff"
+    runs = {"exact": patch_sweep, "attribution": attribution_sweep}
+    wanted = ("exact", "attribution") if cfg.method == "both" else (cfg.method,)
+    got: dict[str, dict[str, SweepResult]] = {m: {} for m in wanted}
     for s in cfg.sites:
         head = s in HEAD_SITES
-        sweeps[s] = patch_sweep(
-            model,
-            pb.clean,
-            pb.corrupt,
-            s,
-            {cfg.metric or "logit_diff": metric},
-            heads=cfg.heads if head else None,
-            per_position=not head or cfg.head_positions == "each",
-            batch_size=cfg.batch_size,
-        )
-    name = cfg.metric or "logit_diff"
+        kw = {
+            "heads": cfg.heads if head else None,
+            "per_position": not head or cfg.head_positions == "each",
+        }
+        for m in wanted:
+            extra = {"batch_size": cfg.batch_size} if m == "exact" else {}
+            got[m][s] = runs[m](model, pb.clean, pb.corrupt, s, {name: metric}, **kw, **extra)
+    sweeps = got[wanted[0]]
+    attribution = got.get("attribution") if cfg.method == "both" else None
+    agreement = None
+    if attribution is not None:
+        agreement = {s: rank_agreement(attribution[s], sweeps[s], name) for s in sweeps}
     lo, hi = {}, {}
     for s, sw in sweeps.items():
         lo[s], hi[s] = bootstrap_cells(sw, name, cfg.seed)
     tokens = [model.tokenizer.decode([int(t)]) for t in pb.clean.tokens[0, : pb.clean.lengths[0]]]
-    return PairsResult(model.name, model.bos, name, pb, sweeps, lo, hi, tokens, note, cfg.seed)
+    return PairsResult(
+        model.name,
+        model.bos,
+        name,
+        pb,
+        sweeps,
+        lo,
+        hi,
+        tokens,
+        note,
+        cfg.seed,
+        cfg.method,
+        attribution,
+        agreement,
+    )
 
 
 def heatmap(sw: SweepResult, metric: str, tokens: list[str], title: str) -> go.Figure:
@@ -278,6 +312,11 @@ def summary(result: PairsResult) -> str:
         (r["site"], r["cell"], r["normalised"], f"[{r['lo']:.3g}, {r['hi']:.3g}]")
         for r in result.top_cells()
     ]
+    if result.method == "attribution":
+        head += "\nmethod: attribution patching (first-order estimate, one forward + one backward)"
+    if result.agreement:
+        rho = ", ".join(f"{s} {v:.3f}" for s, v in result.agreement.items())
+        head += f"\nattribution vs exact, Spearman rank correlation over cells: {rho}"
     table = fmt_table(
         ["site", "cell", "normalised (1 = clean)", f"{claims.LEVEL:.0%} CI over pairs"], rows
     )

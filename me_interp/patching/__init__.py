@@ -3,9 +3,12 @@
 * :mod:`me_interp.patching.metrics` — what a patched run is scored by (massive-activation metrics,
   logit metrics, any callable);
 * :mod:`me_interp.patching.sweep` — the batched sweep (:func:`patch_sweep`) and its result;
-* :mod:`me_interp.patching.pairs` — clean/corrupt pairs from a JSONL file, with their metrics.
+* :mod:`me_interp.patching.pairs` — clean/corrupt pairs from a JSONL file, with their metrics;
+* :mod:`me_interp.patching.attribution` — the first-order estimate of a whole sweep from one forward
+  and one backward pass, and its rank agreement with exact patching.
 """
 
+from me_interp.patching.attribution import attribution_sweep, rank_agreement
 from me_interp.patching.metrics import (
     LOGITS,
     AnswerProb,
@@ -54,4 +57,6 @@ __all__ = [
     "site_hook",
     "strict",
     "tile_rows",
+    "attribution_sweep",
+    "rank_agreement",
 ]

@@ -152,7 +152,8 @@ class SweepResult:
     ``corrupt`` are the unpatched runs' ``[batch]`` values. ``to_dict()`` keeps them all
     (``per_prompt``), so intervals can be bootstrapped over prompts from a saved result.
     ``prefix_fallback`` says why a ``skip_shared`` sweep fell back to full forwards (``None`` when it
-    did not, or did not try).
+    did not, or did not try). ``method`` is ``"exact"`` (patched forwards) or ``"attribution"``
+    (the first-order estimate, :mod:`me_interp.patching.attribution`).
     """
 
     site: str
@@ -168,6 +169,7 @@ class SweepResult:
     prefix_fallback: str | None = None
     heads: list[int] | None = None
     n_cells_run: int = 0
+    method: str = "exact"
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -227,6 +229,7 @@ class SweepResult:
             "mean": {k: self.mean(k).tolist() for k in self.values},
             "n_forwards": self.n_forwards,
             "n_cells_run": self.n_cells_run,
+            "method": self.method,
             "batch_size": self.batch_size,
             "prefix_skipped": self.prefix_skipped,
             "prefix_fallback": self.prefix_fallback,

@@ -120,3 +120,26 @@ def test_head_sites_in_the_built_in_question(planted, tmp_path):
     figs = ap.figures(r)
     assert "patching_projection_attn_head_out" in figs
     assert "largest at" in ap.summary(r)
+
+
+def test_method_both_reports_the_rank_agreement(planted, pairs_file):
+    model, _ = planted
+    cfg = ap.Config(
+        model=MODEL, pairs=pairs_file, sites=("resid_pre", "attn_head_out"), method="both"
+    )
+    r = ap.run(cfg, model)
+    assert set(r.agreement) == {"resid_pre", "attn_head_out"}
+    assert all(-1 <= v <= 1 for v in r.agreement.values())
+    assert (
+        r.attribution["resid_pre"].method == "attribution"
+        and r.sweeps["resid_pre"].method == "exact"
+    )
+    assert "Spearman rank correlation over cells" in patching_pairs.summary(r)
+    only = ap.run(
+        ap.Config(model=MODEL, pairs=pairs_file, sites=("resid_pre",), method="attribution"), model
+    )
+    assert only.sweeps["resid_pre"].method == "attribution" and only.agreement is None
+    torch.testing.assert_close(
+        only.sweeps["resid_pre"].values["logit_diff"],
+        r.attribution["resid_pre"].values["logit_diff"],
+    )

@@ -1,0 +1,199 @@
+"""Attribution patching: every cell of a sweep from one forward and one backward pass.
+
+The first-order estimate of patching cell ``c`` (Nanda 2023; Syed et al. 2023) is
+
+    m_patched(c) ≈ m_corrupt + Σ_{i∈c} (a_clean − a_corrupt)_i · ∂m/∂a_i |_corrupt,
+
+with the gradient taken in the corrupt run (with its corruption hooks) and summed over the elements
+the cell would overwrite (the same index as the exact patch, :func:`me_interp.patching.sweep._index`).
+One forward and one backward give every cell of every layer of a site, so it is the fast first pass;
+how well it ranks the cells like exact patching is measured, not assumed (:func:`rank_agreement`;
+tests/test_patching_pairs.py, benchmarks/bench_patching.py). The estimate is linear: it misses
+saturation (a softmax that is already one-hot, an RMSNorm that rescales), so large patches of the
+massive activation itself are where it is least trustworthy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from functools import partial
+
+import numpy as np
+import torch
+
+from me_interp.models import Batch, LoadedModel
+from me_interp.patching.metrics import LOGITS, PatchMetric, metric_hooks
+from me_interp.patching.sweep import (
+    HEAD_SITES,
+    SweepResult,
+    _check_pair,
+    _gather_last,
+    _index,
+    _n_heads,
+    _record,
+    evaluate_metrics,
+    site_hook,
+)
+
+
+def _grad_forward(model: LoadedModel, batch: Batch, metrics, site_names, hooks):
+    """The corrupt forward with gradients: the site activations (grads retained) and each
+    metric's per-row values; the embedding output is made a leaf so every activation is in the
+    graph."""
+    acts: dict[str, torch.Tensor] = {}
+    store: dict[str, torch.Tensor] = {}
+
+    def leaf(x, hook):
+        return x.detach().requires_grad_(True)
+
+    def keep(x, hook, *, key):
+        if x.requires_grad:
+            x.retain_grad()
+        acts[key] = x
+        return x
+
+    wanted = metric_hooks(metrics)
+    rec = [(n, partial(_record_grad, store=store, key=n)) for n in wanted if n != LOGITS]
+    fwd = [("hook_embed", leaf), *hooks, *[(n, partial(keep, key=n)) for n in site_names], *rec]
+    with torch.enable_grad():
+        logits = model.bridge.run_with_hooks(
+            batch.tokens, attention_mask=batch.attention_mask, fwd_hooks=fwd
+        )
+        mask = batch.attention_mask.bool()
+        if LOGITS in wanted:
+            store[LOGITS] = _gather_last(logits, mask)
+        values = {k: m(store, mask) for k, m in metrics.items()}
+    return acts, values
+
+
+def _record_grad(x: torch.Tensor, hook, *, store: dict, key: str):
+    store[key] = x
+    return x
+
+
+def attribution_sweep(
+    model: LoadedModel,
+    clean: Batch,
+    corrupt: Batch,
+    site: str,
+    metrics: Mapping[str, PatchMetric],
+    layers: Sequence[int] | None = None,
+    positions: Sequence[int] | None = None,
+    corrupt_hooks: Sequence = (),
+    heads: Sequence[int] | None = None,
+    per_position: bool = True,
+) -> SweepResult:
+    """The attribution-patching estimate of :func:`me_interp.patching.patch_sweep` (same arguments,
+    same result shape): ``values`` hold ``m_corrupt + attribution`` per prompt, so normalising,
+    intervals and figures work unchanged; ``method`` is ``"attribution"``. One forward and one
+    backward per metric, whatever the number of cells.
+    """
+    _check_pair(clean, corrupt)
+    if not metrics:
+        raise ValueError("give at least one metric")
+    site_hook(site, 0)
+    is_head = site in HEAD_SITES
+    if heads is not None and not is_head:
+        raise ValueError(
+            f"heads are only for the per-head sites ({', '.join(HEAD_SITES)}), not {site!r}"
+        )
+    B, T = clean.tokens.shape
+    layers = (
+        list(range(model.n_layers))
+        if layers is None
+        else [model.check_layer(int(x)) for x in layers]
+    )
+    pos_list = (
+        None
+        if not per_position
+        else (list(range(T)) if positions is None else [int(p) for p in positions])
+    )
+    if not per_position and positions is not None:
+        raise ValueError("per_position=False patches every position: give no positions")
+    for p in pos_list or ():
+        if not 0 <= p < T:
+            raise ValueError(f"position {p} out of range for prompts of {T} tokens")
+    hook_of = {layer: site_hook(site, layer) for layer in layers}
+    store: dict[str, torch.Tensor] = {}
+    rec = [(n, partial(_record, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
+    clean_vals = evaluate_metrics(model, clean, metrics, rec)
+    clean_acts = {layer: store[hook_of[layer]].detach().clone() for layer in layers}
+    head_list = None
+    if is_head:
+        n_heads = _n_heads(site, clean_acts[layers[0]])
+        head_list = list(range(n_heads)) if heads is None else [int(h) for h in heads]
+        for h in head_list:
+            if not 0 <= h < n_heads:
+                raise ValueError(f"head {h} out of range: {site} has {n_heads} heads")
+    names_ = list(dict.fromkeys(hook_of.values()))
+    dev = clean.tokens.device
+    arange_b = torch.arange(B, device=dev)
+    grid = [range(len(layers)), range(len(pos_list)) if pos_list is not None else [None]]
+    grid.append(range(len(head_list)) if head_list is not None else [None])
+    values, corrupt_vals = {}, {}
+    for k, metric in metrics.items():
+        acts, vals = _grad_forward(model, corrupt, {k: metric}, names_, corrupt_hooks)
+        v = vals[k]
+        v.sum().backward()  # rows are independent prompts: row b's gradient is its own
+        corrupt_vals[k] = v.detach()
+        shape = [
+            len(layers),
+            *([len(pos_list)] if pos_list else []),
+            *([len(head_list)] if head_list else []),
+        ]
+        out = v.detach().double().cpu().expand(*shape, B).clone()
+        for layer in layers:
+            a = acts[hook_of[layer]]
+            if a.grad is None:  # the metric does not depend on this activation
+                continue
+            prod = ((clean_acts[layer] - a.detach()) * a.grad).double()  # [B, ...]
+            for c in itertools.product(*grid):
+                if layers[c[0]] != layer:
+                    continue
+                li, pi, hi = c
+                pos = None if pi is None else torch.full((B,), pos_list[pi], device=dev)
+                head = None if hi is None else torch.full((B,), head_list[hi], device=dev)
+                part = prod[_index(site, arange_b, pos, head)]  # [B, ...]
+                at = tuple(i for i in c if i is not None)
+                out[at] += part.reshape(B, -1).sum(-1).cpu()
+        values[k] = out
+    return SweepResult(
+        site=site,
+        layers=layers,
+        positions=pos_list,
+        values=values,
+        clean={k: v.detach() for k, v in clean_vals.items()},
+        corrupt=corrupt_vals,
+        n_forwards=2 + len(metrics),
+        batch_size=B,
+        metric_names=list(metrics),
+        heads=head_list,
+        n_cells_run=0,
+        method="attribution",
+    )
+
+
+def rank_agreement(a: SweepResult, b: SweepResult, metric: str) -> float:
+    """Spearman rank correlation over the cells of two sweeps of the same grid (e.g. attribution
+    against exact patching), on the normalised values; NaN cells are left out."""
+    x = a.normalized(metric).double().flatten().numpy()
+    y = b.normalized(metric).double().flatten().numpy()
+    if x.shape != y.shape:
+        raise ValueError(f"the sweeps have different grids ({a.axes} vs {b.axes})")
+    keep = np.isfinite(x) & np.isfinite(y)
+    if keep.sum() < 3:
+        return float("nan")
+    rx, ry = _ranks(x[keep]), _ranks(y[keep])
+    if rx.std() == 0 or ry.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def _ranks(v: np.ndarray) -> np.ndarray:
+    """1-based ranks; ties share their mean rank."""
+    _, inv, counts = np.unique(v, return_inverse=True, return_counts=True)
+    return (np.cumsum(counts) - (counts - 1) / 2.0)[inv]
+
+
+__all__ = ["attribution_sweep", "rank_agreement"]
