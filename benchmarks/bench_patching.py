@@ -2,14 +2,28 @@
 
 Same inputs, same metrics (the massive token's norm ratio at the last layer and its attention sink
 after the ME layer), same corruption (the ME layer's FFN output of the massive token replaced by the
-other tokens' mean, as a row-wise hook; TransformerLens gets it as a permanent hook). Prints the wall
-time of each method, the largest difference between the results, and *both* speed ratios on the same
-inputs: with cell skipping (``skip_shared=True``: cells whose patch cannot change the metrics are not
-run) and without it (every cell run, as TransformerLens does). The first is the everyday speed-up; the
-second is what batching alone gives.
+other tokens' mean, as a row-wise hook; TransformerLens gets it as a permanent hook). For each site
+it prints, measured in one run:
 
-    python benchmarks/bench_patching.py                       # bundled model, resid_pre
-    python benchmarks/bench_patching.py --site mlp_out --n-prompts 4 --n-tokens 8
+* the wall time of TransformerLens (one forward per cell) and of me_interp with cell skipping
+  (``skip_shared=True``: cells whose patch cannot change the metrics are not run, and each chunk
+  runs only the blocks from its first patched layer) and without it (every cell, full forwards);
+* both speed ratios to TransformerLens;
+* the ratio to the **FLOP floor**: the matrix-multiply FLOPs a cell cannot avoid (blocks ``L …
+  metric layer`` at positions ``p …`` for cell ``(L, p)``; per-head cells patch every position, so
+  from position 0), summed over the cells that can change the metrics, at the FLOP rate of one plain
+  batched forward measured here; 1.0 would be doing exactly that work at that rate;
+* the largest difference to TransformerLens (equality), and the attribution-patching estimate's
+  time and its Spearman rank agreement with exact patching over the cells.
+
+TransformerLens runs every cell, or with ``--tl-cells N`` a random N of them (its time is then
+scaled to all cells, and equality is checked on those N) — for the longer benchmark, where one
+forward per cell takes an hour on this CPU.
+
+    python benchmarks/bench_patching.py                                  # 4 prompts x 8 tokens
+    python benchmarks/bench_patching.py --n-prompts 16 --n-tokens 64 --layers 4 12 20 29 \
+        --positions 0 1 8 32 63 --tl-cells 8
+    python benchmarks/bench_patching.py --sites resid_pre attn_head_out
 """
 
 from __future__ import annotations
@@ -21,6 +35,8 @@ from functools import partial
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np
+import pandas as pd
 import torch
 
 torch.set_num_threads(1)
@@ -29,17 +45,27 @@ from transformer_lens import patching as tl_patching  # noqa: E402
 
 from me_interp import load_model  # noqa: E402
 from me_interp.interventions import causal  # noqa: E402
-from me_interp.patching import NormRatio, SinkMass, patch_sweep  # noqa: E402
+from me_interp.patching import (  # noqa: E402
+    HEAD_SITES,
+    NormRatio,
+    SinkMass,
+    attribution_sweep,
+    patch_sweep,
+    rank_agreement,
+)
+from me_interp.patching.sweep import _index, site_hook  # noqa: E402
 from me_interp.prompts import builtin_prompts  # noqa: E402
 
 TL_FUNCS = {
     "resid_pre": tl_patching.get_act_patch_resid_pre,
     "attn_out": tl_patching.get_act_patch_attn_out,
     "mlp_out": tl_patching.get_act_patch_mlp_out,
+    "attn_head_out": tl_patching.get_act_patch_attn_head_out_all_pos,
 }
+TL_AXES = {"attn_head_out": ("layer", "head")}
 
 
-def tl_sweep(model, clean, corrupt_hooks, site, metrics):
+def tl_sweep(model, clean, corrupt_hooks, site, metrics, index_df):
     store: dict = {}
 
     def rec(x, hook, key):
@@ -56,24 +82,69 @@ def tl_sweep(model, clean, corrupt_hooks, site, metrics):
             for n in m.hook_names():
                 bridge.add_hook(n, partial(rec, key=n), is_permanent=True)
         fns = {k: (lambda logits, m=m: m(store, mask)) for k, m in metrics.items()}
-        res = TL_FUNCS[site](bridge, clean.tokens, cache, fns, reduce="none")
+        res = TL_FUNCS[site](
+            bridge,
+            clean.tokens,
+            cache,
+            fns,
+            reduce="none",
+            index_df=index_df,
+            index_axis_names=None,
+        )
     finally:
         bridge.reset_hooks(including_permanent=True)
-    return {k: res[k].values for k in metrics}
+    return {k: res[k].values for k in metrics}  # [cell batch], cells in index_df order
+
+
+def block_flops(model, T: int) -> tuple[float, float]:
+    """Matrix-multiply FLOPs per token of one block (weights) and per query-key pair (attention)."""
+    b = model.bridge.blocks[0]
+    weights = sum(p.numel() for n, p in b.named_parameters() if p.dim() == 2)
+    cfg = model.bridge.cfg
+    return 2.0 * weights, 4.0 * cfg.n_heads * cfg.d_head  # QK^T and AV per (q, k) pair
+
+
+def floor_flops(model, sw, B: int, T: int, last: int, changed) -> float:
+    """The FLOPs the cells that can change the metrics cannot avoid: cell (L, p) needs blocks
+    L..last at positions p.. (per-head and whole-sequence cells: from position 0)."""
+    per_tok, per_pair = block_flops(model, T)
+    total = 0.0
+    for li, layer in enumerate(sw.layers):
+        for pi, p in enumerate(sw.positions or [0]):
+            for hi in range(len(sw.heads or [None])):
+                if not changed(li, pi, hi):
+                    continue
+                q = T - p  # queries that change
+                pairs = sum(range(p + 1, T + 1))  # each query q attends to q + 1 keys
+                total += (last - layer + 1) * B * (q * per_tok + pairs * per_pair)
+    return total
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    ap.add_argument("--site", default="resid_pre", choices=sorted(TL_FUNCS))
+    ap.add_argument(
+        "--sites", nargs="+", default=["resid_pre", "attn_head_out"], choices=sorted(TL_FUNCS)
+    )
     ap.add_argument("--n-prompts", type=int, default=4)
     ap.add_argument("--n-tokens", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--layers", type=int, nargs="+", default=None, help="default: every layer")
+    ap.add_argument(
+        "--positions", type=int, nargs="+", default=None, help="default: every position"
+    )
+    ap.add_argument("--tl-cells", type=int, default=None, help="time TL on this many random cells")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
     model = load_model(args.model, device="cpu", dtype="float32")
-    # the experiment's own batch: n_prompts spread over the built-in set, cut to n_tokens each
-    clean = causal.prompt_batch(model, builtin_prompts(), args.n_tokens, args.n_prompts).batch
+    texts = builtin_prompts()
+    if args.n_tokens > 32:  # the built-in prompts are short: join neighbours to reach the length
+        texts = [" ".join(texts[i : i + 4]) for i in range(0, len(texts) - 3, 4)]
+    clean = causal.prompt_batch(model, texts, args.n_tokens, args.n_prompts).batch
+    if clean.tokens.shape[1] < args.n_tokens or clean.padded:
+        ap.error(f"the prompts give {clean.tokens.shape[1]} tokens, not --n-tokens {args.n_tokens}")
+    B, T = clean.tokens.shape
     site = causal.locate_massive(model, clean)
     p, last = site.position, model.n_layers - 1
     metrics = {
@@ -83,60 +154,115 @@ def main(argv=None) -> int:
     hooks = causal.remove_massive(
         model, clean, site.layer, [p], None, site="ffn_out", per_prompt=False
     )
-    n_cells = model.n_layers * clean.tokens.shape[1]
-    print(
-        f"model {model.name}; ME layer {site.layer}; site {args.site}; {len(clean)} prompts x "
-        f"{clean.tokens.shape[1]} tokens; {n_cells} cells; torch threads {torch.get_num_threads()}"
-    )
-
-    timings, results, seconds = {}, {}, {}
-    t = time.perf_counter()
-    results["tl"] = tl_sweep(model, clean, hooks, args.site, metrics)
-    timings["transformer_lens.patching (one forward per cell)"] = time.perf_counter() - t
-    for skip in (False, True):
+    layers = args.layers or list(range(model.n_layers))
+    # the FLOP rate of one plain batched forward of the same prompts, tiled to a sweep's batch
+    rows = clean.tokens.repeat(max(1, args.batch_size // B), 1)
+    mask_rows = clean.attention_mask.repeat(max(1, args.batch_size // B), 1)
+    per_tok, per_pair = block_flops(model, T)
+    fwd_flops = rows.shape[0] * model.n_layers * (T * per_tok + T * (T + 1) / 2 * per_pair)
+    with torch.no_grad():
+        model.bridge(rows, attention_mask=mask_rows, stop_at_layer=model.n_layers)
         t = time.perf_counter()
-        sw = patch_sweep(
-            model,
-            clean,
-            clean,
-            args.site,
-            metrics,
-            batch_size=args.batch_size,
-            corrupt_hooks=hooks,
-            progress=False,
-            skip_shared=skip,
-        )
-        label = f"me_interp.patching batched (batch {sw.batch_size}, skip_shared={skip}, {sw.n_forwards} forwards)"
-        timings[label] = seconds[skip] = time.perf_counter() - t
-        results[skip] = sw.values
-    base = timings["transformer_lens.patching (one forward per cell)"]
-    for label, secs in timings.items():
-        print(f"{secs:8.2f} s  x{base / secs:5.2f}  {label}")
-    for skip in (False, True):
-        diff = max(
-            float((results[skip][k] - results["tl"][k].float()).abs().max()) for k in metrics
-        )
-        rel = max(
-            float(
-                (
-                    (results[skip][k] - results["tl"][k].float()).abs()
-                    / results["tl"][k].float().abs().clamp_min(1e-6)
-                ).max()
+        model.bridge(rows, attention_mask=mask_rows, stop_at_layer=model.n_layers)
+        rate = fwd_flops / (time.perf_counter() - t)
+    print(
+        f"model {model.name}; ME layer {site.layer}; {B} prompts x {T} tokens; layers "
+        f"{layers[0]}..{layers[-1]} ({len(layers)}); torch threads {torch.get_num_threads()}; "
+        f"plain forward {rate / 1e9:.1f} GFLOP/s (blocks' matrix multiplies)"
+    )
+    rng = np.random.default_rng(args.seed)
+    for s in args.sites:
+        head = s in HEAD_SITES
+        kw = {"layers": layers, "per_position": not head}
+        if not head:
+            kw["positions"] = args.positions
+        got, secs = {}, {}
+        for skip in (True, False):
+            t = time.perf_counter()
+            got[skip] = patch_sweep(
+                model,
+                clean,
+                clean,
+                s,
+                metrics,
+                batch_size=args.batch_size,
+                corrupt_hooks=hooks,
+                progress=False,
+                skip_shared=skip,
+                **kw,
             )
-            for k in metrics
+            secs[skip] = time.perf_counter() - t
+        t = time.perf_counter()
+        attr = attribution_sweep(model, clean, clean, s, metrics, corrupt_hooks=hooks, **kw)
+        secs["attribution"] = time.perf_counter() - t
+        sw = got[True]
+        axes = TL_AXES.get(s, ("layer", "pos"))
+        grid = [sw.layers, sw.heads] if head else [sw.layers, sw.positions]
+        cells = pd.MultiIndex.from_product(grid, names=list(axes)).to_frame(index=False)
+        n_cells = len(cells)
+        if args.tl_cells is not None and args.tl_cells < n_cells:
+            cells = cells.iloc[np.sort(rng.choice(n_cells, args.tl_cells, replace=False))]
+        t = time.perf_counter()
+        ref = tl_sweep(model, clean, hooks, s, metrics, cells.reset_index(drop=True))
+        tl_secs = (time.perf_counter() - t) * n_cells / len(cells)
+        idx = [
+            tuple(
+                sw.layers.index(r[0]) if i == 0 else (sw.heads or sw.positions).index(r[i])
+                for i in range(2)
+            )
+            for r in cells.itertuples(index=False)
+        ]
+        diff = max(
+            float((torch.stack([got[k].values[m][i] for i in idx]) - ref[m].float()).abs().max())
+            for m in metrics
+            for k in (True, False)
+        )
+
+        run_cells = sw.n_cells_run
+        # the cells that can change the metrics: the ones the skipping sweep runs
+        floor = _floor_of_run(model, sw, B, T, last, hooks, clean)
+        floor_secs = floor / rate
+        rho = {m: rank_agreement(attr, sw, m) for m in metrics}
+        sampled = "" if len(cells) == n_cells else f" (timed on {len(cells)} random cells, scaled)"
+        print(f"\nsite {s}: {n_cells} cells, {run_cells} can change the metrics")
+        print(f"  transformer_lens.patching    {tl_secs:8.2f} s{sampled}")
+        for skip in (True, False):
+            print(
+                f"  me_interp skip_shared={str(skip):5} {secs[skip]:8.2f} s  x{tl_secs / secs[skip]:6.2f} vs TL  "
+                f"{secs[skip] / floor_secs:6.2f}x the FLOP floor  ({got[skip].n_forwards} forwards)"
+            )
+        print(
+            f"  FLOP floor                   {floor_secs:8.2f} s  ({floor / 1e12:.3g} TFLOP at the plain-forward rate)"
         )
         print(
-            f"skip_shared={skip}: max |difference| to transformer_lens = {diff:.3g} (relative {rel:.3g})"
+            f"  attribution patching         {secs['attribution']:8.2f} s  x{tl_secs / secs['attribution']:6.1f} vs TL; "
+            f"rank agreement with exact: " + ", ".join(f"{m} {v:.3f}" for m, v in rho.items())
         )
-    print(
-        f"speed ratio transformer_lens / me_interp, with cell skipping (skip_shared=True): "
-        f"{base / seconds[True]:.2f}x"
-    )
-    print(
-        f"speed ratio transformer_lens / me_interp, without cell skipping (skip_shared=False): "
-        f"{base / seconds[False]:.2f}x"
-    )
+        print(f"  max |difference| to transformer_lens: {diff:.3g}")
+        print(
+            f"  speed ratio vs TL: with cell skipping {tl_secs / secs[True]:.2f}x, without {tl_secs / secs[False]:.2f}x; "
+            f"ratio to the FLOP floor {secs[True] / floor_secs:.2f}x"
+        )
     return 0
+
+
+def _floor_of_run(model, sw, B, T, last, hooks, clean) -> float:
+    """:func:`floor_flops` over the cells a skipping sweep runs (the others cannot change the
+    metrics: their clean and corrupt activations are equal, or they lie after the last layer read)."""
+    ran = set()
+    names_ = {layer: site_hook(sw.site, layer) for layer in sw.layers}
+    clean_acts = causal.capture(model, clean, list(names_.values()))
+    corrupt_acts = causal.capture(model, clean, list(names_.values()), hooks)
+    ar = torch.arange(B)
+    for li, layer in enumerate(sw.layers):
+        for pi in range(len(sw.positions or [None])):
+            for hi in range(len(sw.heads or [None])):
+                pos = None if sw.positions is None else torch.full((B,), sw.positions[pi])
+                head = None if sw.heads is None else torch.full((B,), sw.heads[hi])
+                ix = _index(sw.site, ar, pos, head)
+                if not torch.equal(clean_acts[names_[layer]][ix], corrupt_acts[names_[layer]][ix]):
+                    ran.add((li, pi, hi))
+    return floor_flops(model, sw, B, T, last, lambda li, pi, hi: (li, pi, hi) in ran)
 
 
 if __name__ == "__main__":

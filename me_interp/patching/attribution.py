@@ -15,7 +15,6 @@ massive activation itself are where it is least trustworthy.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from functools import partial
 
@@ -27,10 +26,10 @@ from me_interp.patching.metrics import LOGITS, PatchMetric, metric_hooks
 from me_interp.patching.sweep import (
     HEAD_SITES,
     SweepResult,
-    _check_pair,
+    _Cells,
     _gather_last,
-    _index,
-    _n_heads,
+    _grid,
+    _heads,
     _record,
     evaluate_metrics,
     site_hook,
@@ -89,74 +88,35 @@ def attribution_sweep(
     intervals and figures work unchanged; ``method`` is ``"attribution"``. One forward and one
     backward per metric, whatever the number of cells.
     """
-    _check_pair(clean, corrupt)
-    if not metrics:
-        raise ValueError("give at least one metric")
-    site_hook(site, 0)
-    is_head = site in HEAD_SITES
-    if heads is not None and not is_head:
-        raise ValueError(
-            f"heads are only for the per-head sites ({', '.join(HEAD_SITES)}), not {site!r}"
-        )
-    B, T = clean.tokens.shape
-    layers = (
-        list(range(model.n_layers))
-        if layers is None
-        else [model.check_layer(int(x)) for x in layers]
-    )
-    pos_list = (
-        None
-        if not per_position
-        else (list(range(T)) if positions is None else [int(p) for p in positions])
-    )
-    if not per_position and positions is not None:
-        raise ValueError("per_position=False patches every position: give no positions")
-    for p in pos_list or ():
-        if not 0 <= p < T:
-            raise ValueError(f"position {p} out of range for prompts of {T} tokens")
+    if heads is not None and site not in HEAD_SITES:
+        _heads(site, clean.tokens, heads)  # the error, before any forward
+    layers, pos_list = _grid(model, clean, corrupt, site, metrics, layers, positions, per_position)
+    B = clean.tokens.shape[0]
     hook_of = {layer: site_hook(site, layer) for layer in layers}
     store: dict[str, torch.Tensor] = {}
     rec = [(n, partial(_record, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
     clean_vals = evaluate_metrics(model, clean, metrics, rec)
     clean_acts = {layer: store[hook_of[layer]].detach().clone() for layer in layers}
-    head_list = None
-    if is_head:
-        n_heads = _n_heads(site, clean_acts[layers[0]])
-        head_list = list(range(n_heads)) if heads is None else [int(h) for h in heads]
-        for h in head_list:
-            if not 0 <= h < n_heads:
-                raise ValueError(f"head {h} out of range: {site} has {n_heads} heads")
+    grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[layers[0]], heads))
     names_ = list(dict.fromkeys(hook_of.values()))
-    dev = clean.tokens.device
-    arange_b = torch.arange(B, device=dev)
-    grid = [range(len(layers)), range(len(pos_list)) if pos_list is not None else [None]]
-    grid.append(range(len(head_list)) if head_list is not None else [None])
+    arange_b = torch.arange(B, device=clean.tokens.device)
     values, corrupt_vals = {}, {}
     for k, metric in metrics.items():
         acts, vals = _grad_forward(model, corrupt, {k: metric}, names_, corrupt_hooks)
         v = vals[k]
         v.sum().backward()  # rows are independent prompts: row b's gradient is its own
         corrupt_vals[k] = v.detach()
-        shape = [
-            len(layers),
-            *([len(pos_list)] if pos_list else []),
-            *([len(head_list)] if head_list else []),
-        ]
-        out = v.detach().double().cpu().expand(*shape, B).clone()
-        for layer in layers:
+        out = v.detach().double().cpu().expand(*grid.shape, B).clone()
+        prods: dict[int, torch.Tensor] = {}
+        for c in grid.all():
+            layer = layers[c[0]]
             a = acts[hook_of[layer]]
             if a.grad is None:  # the metric does not depend on this activation
                 continue
-            prod = ((clean_acts[layer] - a.detach()) * a.grad).double()  # [B, ...]
-            for c in itertools.product(*grid):
-                if layers[c[0]] != layer:
-                    continue
-                li, pi, hi = c
-                pos = None if pi is None else torch.full((B,), pos_list[pi], device=dev)
-                head = None if hi is None else torch.full((B,), head_list[hi], device=dev)
-                part = prod[_index(site, arange_b, pos, head)]  # [B, ...]
-                at = tuple(i for i in c if i is not None)
-                out[at] += part.reshape(B, -1).sum(-1).cpu()
+            if layer not in prods:
+                prods[layer] = ((clean_acts[layer] - a.detach()) * a.grad).double()  # [B, ...]
+            part = prods[layer][grid.index([c], arange_b, B)]  # [B, ...]: what the cell patches
+            out[grid.at(c)] += part.reshape(B, -1).sum(-1).cpu()
         values[k] = out
     return SweepResult(
         site=site,
@@ -165,10 +125,10 @@ def attribution_sweep(
         values=values,
         clean={k: v.detach() for k, v in clean_vals.items()},
         corrupt=corrupt_vals,
-        n_forwards=2 + len(metrics),
+        n_forwards=1 + len(metrics),  # the clean run, one forward (and backward) per metric
         batch_size=B,
         metric_names=list(metrics),
-        heads=head_list,
+        heads=grid.heads,
         n_cells_run=0,
         method="attribution",
     )

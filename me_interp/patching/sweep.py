@@ -370,8 +370,98 @@ def _check_pair(clean: Batch, corrupt: Batch) -> None:
         raise ValueError("clean and corrupt batches must have the same attention mask (lengths)")
 
 
-def _n_heads(site: str, act: torch.Tensor) -> int:
-    return int(act.shape[1] if site == "attn_head_pattern" else act.shape[2])
+@dataclass(frozen=True)
+class _Cells:
+    """The grid of a sweep: cell ``(li, pi, hi)`` indexes ``layers``, ``positions`` (``None``:
+    every position at once) and ``heads`` (``None``: not a per-head site)."""
+
+    site: str
+    layers: list[int]
+    positions: list[int] | None
+    heads: list[int] | None
+
+    @property
+    def shape(self) -> list[int]:
+        return [len(x) for x in (self.layers, self.positions, self.heads) if x is not None]
+
+    def all(self) -> list[tuple]:
+        grid = [range(len(self.layers))]
+        grid.append(range(len(self.positions)) if self.positions is not None else [None])
+        grid.append(range(len(self.heads)) if self.heads is not None else [None])
+        return list(itertools.product(*grid))
+
+    @staticmethod
+    def at(c: tuple) -> tuple[int, ...]:
+        """Index of cell ``c`` in a ``[layer, (pos), (head), ...]`` grid."""
+        return tuple(i for i in c if i is not None)
+
+    def index(self, cells: Sequence[tuple], rows: torch.Tensor, n_rows: int) -> tuple:
+        """Index of the patched part of the site's activation: ``rows`` (``n_rows`` per cell) of
+        each of ``cells`` in turn."""
+        dev = rows.device
+        pos = head = None
+        if self.positions is not None:
+            pos = torch.tensor(
+                [self.positions[c[1]] for c in cells for _ in range(n_rows)], device=dev
+            )
+        if self.heads is not None:
+            head = torch.tensor(
+                [self.heads[c[2]] for c in cells for _ in range(n_rows)], device=dev
+            )
+        return _index(self.site, rows, pos, head)
+
+
+def _grid(
+    model: LoadedModel,
+    clean: Batch,
+    corrupt: Batch,
+    site: str,
+    metrics: Mapping[str, PatchMetric],
+    layers: Sequence[int] | None,
+    positions: Sequence[int] | None,
+    per_position: bool,
+) -> tuple[list[int], list[int] | None]:
+    """The checked layers and positions of a sweep (``ValueError`` for bad ones)."""
+    _check_pair(clean, corrupt)
+    if not metrics:
+        raise ValueError("give at least one metric")
+    site_hook(site, 0)  # the site's name is checked before anything runs
+    T = clean.tokens.shape[1]
+    layers = list(range(model.n_layers)) if layers is None else [int(x) for x in layers]
+    if not layers:
+        raise ValueError("nothing to patch: layers must not be empty")
+    for layer in layers:
+        model.check_layer(layer)
+    if not per_position:
+        if positions is not None:
+            raise ValueError("per_position=False patches every position: give no positions")
+        return layers, None
+    pos_list = list(range(T)) if positions is None else [int(p) for p in positions]
+    if not pos_list:
+        raise ValueError("nothing to patch: positions must not be empty")
+    for p in pos_list:
+        if not 0 <= p < T:
+            raise ValueError(f"position {p} out of range for prompts of {T} tokens")
+    return layers, pos_list
+
+
+def _heads(site: str, act: torch.Tensor, heads: Sequence[int] | None) -> list[int] | None:
+    """The checked heads of a per-head ``site`` (``None`` for any other site) from its activation
+    (``k``/``v`` have the key-value heads)."""
+    if site not in HEAD_SITES:
+        if heads is not None:
+            raise ValueError(
+                f"heads are only for the per-head sites ({', '.join(HEAD_SITES)}), not {site!r}"
+            )
+        return None
+    n_heads = int(act.shape[1] if site == "attn_head_pattern" else act.shape[2])
+    head_list = list(range(n_heads)) if heads is None else [int(h) for h in heads]
+    if not head_list:
+        raise ValueError("nothing to patch: heads must not be empty")
+    for h in head_list:
+        if not 0 <= h < n_heads:
+            raise ValueError(f"head {h} out of range: {site} has {n_heads} heads")
+    return head_list
 
 
 def patch_sweep(
@@ -430,34 +520,12 @@ def patch_sweep(
         ValueError: unknown site, layer/position/head out of range, mismatched batches, no metric.
         RuntimeError: the block suffix cannot be run while :data:`STRICT_ENV` is set.
     """
-    _check_pair(clean, corrupt)
-    if not metrics:
-        raise ValueError("give at least one metric")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    site_hook(site, 0)  # the site's name is checked before anything runs
-    is_head = site in HEAD_SITES
-    if heads is not None and not is_head:
-        raise ValueError(
-            f"heads are only for the per-head sites ({', '.join(HEAD_SITES)}), not {site!r}"
-        )
-    B, T = clean.tokens.shape
-    layers = list(range(model.n_layers)) if layers is None else [int(x) for x in layers]
-    if not per_position:
-        if positions is not None:
-            raise ValueError("per_position=False patches every position: give no positions")
-        pos_list: list[int] | None = None
-    else:
-        pos_list = list(range(T)) if positions is None else [int(p) for p in positions]
-        if not pos_list:
-            raise ValueError("nothing to patch: positions must not be empty")
-    if not layers:
-        raise ValueError("nothing to patch: layers must not be empty")
-    for layer in layers:
-        model.check_layer(layer)
-    for p in pos_list or ():
-        if not 0 <= p < T:
-            raise ValueError(f"position {p} out of range for prompts of {T} tokens")
+    if heads is not None and site not in HEAD_SITES:
+        _heads(site, clean.tokens, heads)  # the error, before any forward
+    layers, pos_list = _grid(model, clean, corrupt, site, metrics, layers, positions, per_position)
+    B = clean.tokens.shape[0]
     hook_of = {layer: site_hook(site, layer) for layer in layers}
 
     n_layers = model.n_layers
@@ -470,15 +538,7 @@ def patch_sweep(
     rec = [(n, partial(_record, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
     clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec], stop)
     clean_acts = {layer: store[hook_of[layer]].clone() for layer in layers}  # [B T ...]
-    head_list: list[int] | None = None
-    if is_head:
-        n_heads = _n_heads(site, clean_acts[layers[0]])
-        head_list = list(range(n_heads)) if heads is None else [int(h) for h in heads]
-        if not head_list:
-            raise ValueError("nothing to patch: heads must not be empty")
-        for h in head_list:
-            if not 0 <= h < n_heads:
-                raise ValueError(f"head {h} out of range: {site} has {n_heads} heads")
+    grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[layers[0]], heads))
     # corrupt run: the metrics and their inputs, and the site's activations (to find cells where
     # clean == corrupt)
     cstore: dict[str, torch.Tensor] = {}
@@ -488,27 +548,17 @@ def patch_sweep(
     corrupt_vals = evaluate_metrics(model, corrupt, metrics, [*corrupt_hooks, *rec], stop)
     mask_b = corrupt.attention_mask.bool()
 
-    axes_len = [len(layers), *([len(pos_list)] if pos_list is not None else [])]
-    axes_len += [len(head_list)] if head_list is not None else []
-    out = {k: v.expand(*axes_len, B).clone() for k, v in corrupt_vals.items()}
-    grid = [range(len(layers)), range(len(pos_list)) if pos_list is not None else [None]]
-    grid.append(range(len(head_list)) if head_list is not None else [None])
+    out = {k: v.expand(*grid.shape, B).clone() for k, v in corrupt_vals.items()}
     arange_b = torch.arange(B, device=clean.tokens.device)
-
-    def values_at(c) -> tuple:
-        li, pi, hi = c
-        pos = None if pi is None else torch.full((B,), pos_list[pi], device=arange_b.device)
-        head = None if hi is None else torch.full((B,), head_list[hi], device=arange_b.device)
-        return _index(site, arange_b, pos, head)
 
     def changes(c) -> bool:
         layer = layers[c[0]]
         if layer > last_needed:
             return False
-        idx = values_at(c)
+        idx = grid.index([c], arange_b, B)
         return not torch.equal(clean_acts[layer][idx], cstore[hook_of[layer]][idx])
 
-    cells = [c for c in itertools.product(*grid) if not skip_shared or changes(c)]
+    cells = [c for c in grid.all() if not skip_shared or changes(c)]
     cells.sort(key=lambda c: layers[c[0]])  # layer-major: each chunk starts as late as possible
     per_fwd = max(1, batch_size // B)
     n_fwd = 0
@@ -539,17 +589,9 @@ def patch_sweep(
             dev = clean.tokens.device
             rows = torch.tensor([j * B + b for j in idx for b in range(B)], device=dev)
             prompt = torch.arange(B, device=dev).repeat(len(idx))
-            pos = head = None
-            if pos_list is not None:
-                pos = torch.tensor(
-                    [pos_list[chunk[j][1]] for j in idx for _ in range(B)], device=dev
-                )
-            if head_list is not None:
-                head = torch.tensor(
-                    [head_list[chunk[j][2]] for j in idx for _ in range(B)], device=dev
-                )
-            src = clean_acts[layers[li]][_index(site, prompt, pos, head)]
-            fn = partial(_patch, index=_index(site, rows, pos, head), src=src)
+            mine = [chunk[j] for j in idx]
+            src = clean_acts[layers[li]][grid.index(mine, prompt, B)]
+            fn = partial(_patch, index=grid.index(mine, rows, B), src=src)
             patch_hooks.append((hook_of[layers[li]], fn))
         acts: dict[str, torch.Tensor] = {}
         first = min(layers[c[0]] for c in chunk) if suffix is not None else 0
@@ -589,7 +631,7 @@ def patch_sweep(
         for k, m in metrics.items():
             v = m(acts, mask).view(n, B)
             for j, c in enumerate(chunk):
-                out[k][tuple(i for i in c if i is not None)] = v[j]
+                out[k][grid.at(c)] = v[j]
     return SweepResult(
         site=site,
         layers=layers,
@@ -602,7 +644,7 @@ def patch_sweep(
         metric_names=list(metrics),
         prefix_skipped=suffix is not None,
         prefix_fallback=fallback,
-        heads=head_list,
+        heads=grid.heads,
         n_cells_run=len(cells),
     )
 
