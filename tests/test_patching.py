@@ -369,3 +369,26 @@ def test_fast_path_on_gemma3_with_sliding_and_global_layers():
     assert fast.prefix_skipped and fast.prefix_fallback is None
     for k in metrics:
         torch.testing.assert_close(fast.values[k], full.values[k], rtol=1e-4, atol=1e-5)
+
+
+def test_position_suffix_runs_only_later_positions_and_equals_full_forwards(planted):
+    """Pairs that differ at one late position: chunks start at their first patched position (the
+    earlier keys and values from the corrupt run's cache) and give the plain loop's values, for
+    metrics that read earlier positions (norm ratio, sink) and the last token's logits."""
+    from me_interp.patching import LogitDiff
+
+    model, plant = planted
+    clean = model.tokenize(["w1 w2 w3 w4 w5 w6", "w7 w8 w9 w10 w11 w12"])
+    t = clean.tokens.clone()
+    t[:, 4] = t.flip(0)[:, 4]
+    corrupt = Batch(t, clean.attention_mask.clone())
+    metrics = {
+        **_metrics(plant),
+        "ld": LogitDiff(torch.tensor([3, 4]), torch.tensor([5, 6])),
+    }
+    for site in ("resid_pre", "attn_out", "attn_head_pattern"):
+        fast = patch_sweep(model, clean, corrupt, site, metrics, batch_size=6)
+        assert fast.positions_skipped and fast.positions_fallback is None
+        ref = patch_loop(model, clean, corrupt, site, metrics)
+        for k in metrics:
+            torch.testing.assert_close(fast.values[k], ref.values[k], rtol=1e-4, atol=1e-5)

@@ -85,8 +85,8 @@ def attribution_sweep(
 ) -> SweepResult:
     """The attribution-patching estimate of :func:`me_interp.patching.patch_sweep` (same arguments,
     same result shape): ``values`` hold ``m_corrupt + attribution`` per prompt, so normalising,
-    intervals and figures work unchanged; ``method`` is ``"attribution"``. One forward and one
-    backward per metric, whatever the number of cells.
+    intervals and figures work unchanged; ``method`` is ``"attribution"``. The clean forward, one
+    corrupt forward with gradients and one backward per metric, whatever the number of cells.
     """
     if heads is not None and site not in HEAD_SITES:
         _heads(site, clean.tokens, heads)  # the error, before any forward
@@ -101,10 +101,13 @@ def attribution_sweep(
     names_ = list(dict.fromkeys(hook_of.values()))
     arange_b = torch.arange(B, device=clean.tokens.device)
     values, corrupt_vals = {}, {}
-    for k, metric in metrics.items():
-        acts, vals = _grad_forward(model, corrupt, {k: metric}, names_, corrupt_hooks)
-        v = vals[k]
-        v.sum().backward()  # rows are independent prompts: row b's gradient is its own
+    acts, vals = _grad_forward(model, corrupt, metrics, names_, corrupt_hooks)
+    site_acts = [acts[n] for n in names_]
+    for j, (k, v) in enumerate(vals.items()):
+        for a in site_acts:
+            a.grad = None
+        # rows are independent prompts: row b's gradient is its own; one graph for every metric
+        v.sum().backward(retain_graph=j < len(vals) - 1)
         corrupt_vals[k] = v.detach()
         out = v.detach().double().cpu().expand(*grid.shape, B).clone()
         prods: dict[int, torch.Tensor] = {}
@@ -125,7 +128,7 @@ def attribution_sweep(
         values=values,
         clean={k: v.detach() for k, v in clean_vals.items()},
         corrupt=corrupt_vals,
-        n_forwards=1 + len(metrics),  # the clean run, one forward (and backward) per metric
+        n_forwards=2,  # the clean run; the corrupt run with one backward per metric
         batch_size=B,
         metric_names=list(metrics),
         heads=grid.heads,

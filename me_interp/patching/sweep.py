@@ -152,7 +152,8 @@ class SweepResult:
     ``corrupt`` are the unpatched runs' ``[batch]`` values. ``to_dict()`` keeps them all
     (``per_prompt``), so intervals can be bootstrapped over prompts from a saved result.
     ``prefix_fallback`` says why a ``skip_shared`` sweep fell back to full forwards (``None`` when it
-    did not, or did not try). ``method`` is ``"exact"`` (patched forwards) or ``"attribution"``
+    did not, or did not try); ``positions_skipped`` whether chunks ran only the positions their
+    patches can change, and ``positions_fallback`` why not where that was tried and failed. ``method`` is ``"exact"`` (patched forwards) or ``"attribution"``
     (the first-order estimate, :mod:`me_interp.patching.attribution`).
     """
 
@@ -170,6 +171,8 @@ class SweepResult:
     heads: list[int] | None = None
     n_cells_run: int = 0
     method: str = "exact"
+    positions_skipped: bool = False
+    positions_fallback: str | None = None
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -230,6 +233,8 @@ class SweepResult:
             "n_forwards": self.n_forwards,
             "n_cells_run": self.n_cells_run,
             "method": self.method,
+            "positions_skipped": self.positions_skipped,
+            "positions_fallback": self.positions_fallback,
             "batch_size": self.batch_size,
             "prefix_skipped": self.prefix_skipped,
             "prefix_fallback": self.prefix_fallback,
@@ -354,6 +359,97 @@ def _check_suffix(
     return why
 
 
+_QUERY_AXIS_2 = ("hook_pattern", "hook_attn_scores")
+
+
+def _pos_axis(name: str) -> int:
+    """The position axis of a recorded activation: the query axis of patterns and scores
+    ``[batch, head, query, key]``, else axis 1 (``[batch, pos, ...]``)."""
+    return 2 if name.endswith(_QUERY_AXIS_2) else 1
+
+
+def _slice_kwargs(kwargs: Mapping[int, Mapping], p: int, T: int, device) -> dict[int, dict]:
+    """Block kwargs for running positions ``p..T-1`` only, the earlier keys and values coming from
+    a cache: the mask's query rows, the rotary embeddings and position ids from ``p`` on."""
+
+    def cut(k: str, v):
+        if torch.is_tensor(v):
+            if k == "attention_mask" and v.dim() == 4:
+                return v[:, :, p:, :]
+            if k == "position_ids" and v.dim() == 2:
+                return v[:, p:]
+            return v
+        if k == "position_embeddings" and isinstance(v, tuple):
+            return tuple(x[:, p:] for x in v)
+        if k == "attention_mask" and isinstance(v, dict):
+            return {kk: cut(k, vv) for kk, vv in v.items()}
+        return v
+
+    memo: dict[tuple, Any] = {}
+    out = {}
+    cache_position = torch.arange(p, T, device=device)
+    for i, kw in kwargs.items():
+        out[i] = {}
+        for k, v in kw.items():
+            key = (id(v), k)
+            if key not in memo:
+                memo[key] = (v, cut(k, v))  # keep v alive so its id stays unique
+            out[i][k] = memo[key][1]
+        out[i]["cache_position"] = cache_position
+    return out
+
+
+def _capture_kv(model: LoadedModel, resid_in, first: int, last: int, kwargs, hooks) -> dict:
+    """The corrupt run's keys and values (after rotary embeddings, as attention caches them) of
+    blocks ``first..last``: ``{layer: (keys, values)}``, each ``[batch, kv_head, pos, d_head]``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    kw = {i: {**kv, "layer_past": cache} for i, kv in kwargs.items()}
+    _run_blocks(model, resid_in[first], first, last, kw, hooks)
+    return {i: (cache.layers[i].keys, cache.layers[i].values) for i in range(first, last + 1)}
+
+
+def _prefix_cache(kv: Mapping, first: int, last: int, p: int, n: int):
+    """A cache holding positions ``< p`` of ``kv`` for blocks ``first..last``, tiled ``n`` times."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i in range(first, last + 1):
+        k, v = kv[i]
+        cache.update(k[:, :, :p].repeat(n, 1, 1, 1), v[:, :, :p].repeat(n, 1, 1, 1), i)
+    return cache
+
+
+def _run_suffix(model, suffix, first: int, last: int, p: int, n: int, B: int, hooks):
+    """Run blocks ``first..last`` on ``n`` tiles of the corrupt residual stream, at positions ``p..``
+    only when ``p > 0`` (the earlier keys and values from the corrupt run's cache)."""
+    kwargs, resid_in, kv = suffix
+    resid = _tile(resid_in[first], n, B)
+    if p == 0:
+        return _run_blocks(model, resid, first, last, _tile_kwargs(kwargs, n, B), hooks)
+    T = resid.shape[1]
+    kw = _tile_kwargs(_slice_kwargs(kwargs, p, T, resid.device), n, B)
+    cache = _prefix_cache(kv, first, last, p, n)
+    kw = {i: {**x, "layer_past": cache} for i, x in kw.items()}
+    return _run_blocks(model, resid[:, p:], first, last, kw, hooks)
+
+
+def _assemble(acts: dict, full: Mapping[str, torch.Tensor], p: int, n: int) -> None:
+    """Complete the activations named in ``full``, recorded at positions ``p..``, with the corrupt
+    run's earlier positions (unchanged: attention is causal), in place."""
+    if p == 0:
+        return
+    for name in full:  # the activations recorded in the run
+        part = acts[name]
+        whole = full[name].repeat(n, *([1] * (full[name].dim() - 1))).clone()
+        if _pos_axis(name) == 2:
+            whole[:, :, p:] = part
+        else:
+            whole[:, p:] = part
+        acts[name] = whole
+
+
 def _patch(x: torch.Tensor, hook, *, index, src):
     x = x.clone()
     x[index] = src.to(device=x.device, dtype=x.dtype)
@@ -395,14 +491,17 @@ class _Cells:
         """Index of cell ``c`` in a ``[layer, (pos), (head), ...]`` grid."""
         return tuple(i for i in c if i is not None)
 
-    def index(self, cells: Sequence[tuple], rows: torch.Tensor, n_rows: int) -> tuple:
+    def index(
+        self, cells: Sequence[tuple], rows: torch.Tensor, n_rows: int, shift: int = 0
+    ) -> tuple:
         """Index of the patched part of the site's activation: ``rows`` (``n_rows`` per cell) of
-        each of ``cells`` in turn."""
+        each of ``cells`` in turn (positions counted from ``shift``, for a run of positions
+        ``shift..`` only)."""
         dev = rows.device
         pos = head = None
         if self.positions is not None:
             pos = torch.tensor(
-                [self.positions[c[1]] for c in cells for _ in range(n_rows)], device=dev
+                [self.positions[c[1]] - shift for c in cells for _ in range(n_rows)], device=dev
             )
         if self.heads is not None:
             head = torch.tensor(
@@ -464,6 +563,67 @@ def _heads(site: str, act: torch.Tensor, heads: Sequence[int] | None) -> list[in
     return head_list
 
 
+def _check_positions(
+    model, suffix, first: int, last: int, p: int, B: int, want, mask
+) -> tuple[str | None, dict | None]:
+    """Capture the corrupt run's keys and values of blocks ``first..last`` (above every corruption
+    hook), run those blocks at positions ``p..`` only from them, and compare the metric inputs with the full corrupt forward's. Returns
+    ``(None, kv)`` when they agree, else ``(why, None)`` (a warning, or under :func:`strict` a
+    ``RuntimeError``); the sweep then runs every position of each chunk's layers."""
+    kwargs, resid_in, _ = suffix
+    names_ = [n for n in want if n != LOGITS and hook_layer(n, model.n_layers) >= first]
+    got: dict[str, torch.Tensor] = {}
+    rec = [(n, partial(_record, store=got, key=n)) for n in names_]
+    why = None
+    try:
+        kv = _capture_kv(
+            model, resid_in, first, last, kwargs, []
+        )  # no corruption hook from first on
+        h = _run_suffix(model, (kwargs, resid_in, kv), first, last, p, 1, B, rec)
+        _assemble(got, {n: want[n] for n in names_}, p, 1)
+        if LOGITS in want:
+            got[LOGITS] = last_token_logits(model, h, mask[:, p:])
+    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, IndexError) as e:
+        why = f"running positions {p}.. of blocks {first}..{last} failed: {type(e).__name__}: {e}"
+        err: BaseException | None = e
+    else:
+        err = None
+        for n in got:
+            a, b = got[n].float(), want[n].float()
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+                gap = float((a - b).abs().max()) if a.shape == b.shape else float("nan")
+                why = f"running positions {p}.. gave {n} up to {gap:.3g} away from the full run"
+                break
+    if why is None:
+        return None, kv
+    msg = f"patch_sweep runs every position (slower, same values): {why}"
+    if strict():
+        raise RuntimeError(f"{msg} [{STRICT_ENV} is set]") from err
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return why, None
+
+
+def _order(cells: list, per_fwd: int, layers: list[int], start_pos, last: int, T: int) -> list:
+    """The cells in the order whose chunks of ``per_fwd`` cost the least block-position work
+    (a chunk runs blocks from its first layer to ``last`` at positions from ``start_pos(chunk)``):
+    layer-major, position-major, or layer blocks of 2–8 by position."""
+    if not cells:
+        return cells
+
+    def cost(order: list) -> int:
+        total = 0
+        for i in range(0, len(order), per_fwd):
+            chunk = order[i : i + per_fwd]
+            first = min(layers[c[0]] for c in chunk)
+            total += len(chunk) * (last - first + 1) * (T - start_pos(chunk))
+        return total
+
+    pos = lambda c: -1 if c[1] is None else c[1]  # noqa: E731
+    keys = [lambda c: (layers[c[0]], pos(c)), lambda c: (pos(c), layers[c[0]])]
+    keys += [lambda c, g=g: (layers[c[0]] // g, pos(c), layers[c[0]]) for g in (2, 4, 8)]
+    return min((sorted(cells, key=k) for k in keys), key=cost)
+
+
 def patch_sweep(
     model: LoadedModel,
     clean: Batch,
@@ -509,8 +669,14 @@ def patch_sweep(
             ``RuntimeWarning`` — ``SweepResult.prefix_skipped`` says which and ``prefix_fallback``
             why; with :data:`STRICT_ENV` set the fallback raises). Metric activations before the
             first patched layer are the corrupt run's. (TransformerBridge's own ``start_at_layer``
-            runs the earlier blocks anyway in TL 4.3, so it is not used.) ``False``: every cell,
-            full forwards (the plain reference).
+            runs the earlier blocks anyway in TL 4.3, so it is not used.) A chunk of cells patched
+            at one position each also runs only positions from its first patched position on
+            (a patch cannot change earlier positions: attention is causal), the earlier keys and
+            values coming from the corrupt run's cache — when the prompts are unpadded and no
+            corruption hook acts inside the run; checked once the same way, else every position
+            (``SweepResult.positions_skipped`` / ``positions_fallback``). Cells are ordered so
+            that the chunks' block × position work is least. ``False``: every cell, full
+            forwards (the plain reference).
         heads: heads to patch at a per-head site (default all of that site: ``k``/``v`` have the
             key-value heads).
         per_position: ``False``: one cell per layer (and head) patching every position at once
@@ -559,30 +725,64 @@ def patch_sweep(
         return not torch.equal(clean_acts[layer][idx], cstore[hook_of[layer]][idx])
 
     cells = [c for c in grid.all() if not skip_shared or changes(c)]
-    cells.sort(key=lambda c: layers[c[0]])  # layer-major: each chunk starts as late as possible
     per_fwd = max(1, batch_size // B)
+    hook_layers = [hook_layer(name, n_layers) for name, _ in corrupt_hooks]
+    T = clean.tokens.shape[1]
+
+    def start_pos(chunk) -> int:
+        """The first position a chunk's run needs: its cells' first position, when positions
+        are patched one by one, the prompts are not padded (each row's last real token is then
+        in the run) and no corruption hook acts inside the run (it may index positions)."""
+        if not pos_ok or grid.positions is None or corrupt.padded:
+            return 0
+        first = min(layers[c[0]] for c in chunk)
+        if any(h >= first for h in hook_layers):
+            return 0
+        return min(grid.positions[c[1]] for c in chunk)
+
     n_fwd = 0
     suffix = None
     fallback: str | None = None
+    pos_ok = False
+    pos_fallback: str | None = None
     if skip_shared and cells:
         # run only blocks first_patched..last_needed, from the corrupt run's residual stream; checked
         # once against the full corrupt forward, else fall back to full forwards
+        first0 = min(layers[c[0]] for c in cells)
+        # the first layer a position-suffix run can start at: above every corruption hook
+        first_p = max([first0, *(h + 1 for h in hook_layers)])
         kwargs, resid_in = _capture_block_inputs(
-            model, corrupt, corrupt_hooks, sorted({layers[c[0]] for c in cells})
+            model, corrupt, corrupt_hooks, sorted({layers[c[0]] for c in cells} | {first_p})
         )
         want = dict(cstore_m)
         if wants_logits:
             want[LOGITS] = _gather_last(model.run_with_hooks(corrupt, corrupt_hooks), mask_b)
         fallback = _check_suffix(
-            model, resid_in, layers[cells[0][0]], last_needed, kwargs, corrupt_hooks, want, mask_b
+            model, resid_in, first0, last_needed, kwargs, corrupt_hooks, want, mask_b
         )
-        suffix = (kwargs, resid_in) if fallback is None else None
+        if fallback is None:
+            suffix = (kwargs, resid_in, None)
+            if (
+                grid.positions is not None
+                and T > 1
+                and not corrupt.padded
+                and first_p <= last_needed
+            ):
+                pos_fallback, kv = _check_positions(
+                    model, suffix, first_p, last_needed, T // 2, B, want, mask_b
+                )
+                if pos_fallback is None:
+                    suffix = (kwargs, resid_in, kv)
+                    pos_ok = True
+    cells = _order(cells, per_fwd, layers, start_pos, last_needed, T)
     chunks = range(0, len(cells), per_fwd)
     bar = terminal.bar(chunks, desc=f"patching {site}") if progress is not False else chunks
     for start in bar:
         chunk = cells[start : start + per_fwd]
         n = len(chunk)
         rows_batch = Batch(corrupt.tokens.repeat(n, 1), corrupt.attention_mask.repeat(n, 1), None)
+        first = min(layers[c[0]] for c in chunk) if suffix is not None else 0
+        p0 = start_pos(chunk) if suffix is not None else 0
         patch_hooks = []
         for li in sorted({c[0] for c in chunk}):
             idx = [j for j, c in enumerate(chunk) if c[0] == li]
@@ -591,10 +791,9 @@ def patch_sweep(
             prompt = torch.arange(B, device=dev).repeat(len(idx))
             mine = [chunk[j] for j in idx]
             src = clean_acts[layers[li]][grid.index(mine, prompt, B)]
-            fn = partial(_patch, index=grid.index(mine, rows, B), src=src)
+            fn = partial(_patch, index=grid.index(mine, rows, B, shift=p0), src=src)
             patch_hooks.append((hook_of[layers[li]], fn))
         acts: dict[str, torch.Tensor] = {}
-        first = min(layers[c[0]] for c in chunk) if suffix is not None else 0
         for n_ in mhooks:  # read before the first patched layer: the corrupt run's, exactly
             if n_ != LOGITS and hook_layer(n_, n_layers) < first:
                 acts[n_] = cstore_m[n_].repeat(n, *([1] * (cstore_m[n_].dim() - 1)))
@@ -606,17 +805,10 @@ def patch_sweep(
         hooks = [*corrupt_hooks, *patch_hooks, *rec]
         mask = rows_batch.attention_mask.bool()
         if suffix is not None:
-            kwargs, resid_in = suffix
-            h = _run_blocks(
-                model,
-                _tile(resid_in[first], n, B),
-                first,
-                last_needed,
-                _tile_kwargs(kwargs, n, B),
-                hooks,
-            )
+            h = _run_suffix(model, suffix, first, last_needed, p0, n, B, hooks)
+            _assemble(acts, {k: cstore_m[k] for k, _ in rec}, p0, n)
             if wants_logits:
-                acts[LOGITS] = last_token_logits(model, h, mask)
+                acts[LOGITS] = last_token_logits(model, h, mask[:, p0:])
         else:
             with torch.no_grad():
                 logits = model.bridge.run_with_hooks(
@@ -646,6 +838,8 @@ def patch_sweep(
         prefix_fallback=fallback,
         heads=grid.heads,
         n_cells_run=len(cells),
+        positions_skipped=pos_ok,
+        positions_fallback=pos_fallback,
     )
 
 
