@@ -161,4 +161,5 @@ SPREAD_FILES = {
     "test_cli_inputs.py",
     "test_architectures.py",
     "test_patching_pairs.py",
+    "test_patching.py",
 }

@@ -392,3 +392,30 @@ def test_position_suffix_runs_only_later_positions_and_equals_full_forwards(plan
         ref = patch_loop(model, clean, corrupt, site, metrics)
         for k in metrics:
             torch.testing.assert_close(fast.values[k], ref.values[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
+)
+def test_position_suffix_on_every_architecture(arch):
+    """Running later positions from cached keys and values (rotary embeddings, sliding windows,
+    q/k norms, sandwich norms, soft-capping) equals the plain loop on every supported block."""
+    from me_interp import load_model
+    from me_interp.patching import LogitDiff
+
+    model = load_model(f"synthetic:planted-{arch}")
+    clean = model.tokenize(["w1 w2 w3 w4 w5 w6 w7", "w7 w8 w9 w10 w11 w12 w13"])
+    t = clean.tokens.clone()
+    t[:, 4] = t.flip(0)[:, 4]
+    corrupt = Batch(t, clean.attention_mask.clone())
+    last = model.n_layers - 1
+    metrics = {
+        "ratio": NormRatio(last, 0),
+        "sink": SinkMass((last,), 0),
+        "ld": LogitDiff(torch.tensor([3, 4]), torch.tensor([5, 6])),
+    }
+    fast = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=6)
+    assert fast.positions_skipped
+    ref = patch_loop(model, clean, corrupt, "resid_pre", metrics)
+    for k in metrics:
+        torch.testing.assert_close(fast.values[k], ref.values[k], rtol=1e-4, atol=1e-4)
