@@ -1,12 +1,8 @@
 """me_interp: locate, measure and causally test massive activations (the ME layer) in LLMs."""
 
-from me_interp.models import (
-    Batch,
-    LoadedModel,
-    ModelLoadError,
-    UnsupportedArchitectureError,
-    load_model,
-)
+from me_interp.loading import load_model
+from me_interp.loading.errors import ModelLoadError, UnsupportedArchitectureError
+from me_interp.loading.loaded import Batch, LoadedModel
 
 __version__ = "0.1.0"
 

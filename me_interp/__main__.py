@@ -214,7 +214,7 @@ def claims_command(argv: Sequence[str]) -> int:
 
 
 def models_command(argv: Sequence[str]) -> int:
-    from me_interp.models import catalogue
+    from me_interp.loading import catalogue
 
     parser = ArgumentParser(
         prog="me-interp models",

@@ -32,7 +32,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import names
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.geometry import effective_rank
 
 

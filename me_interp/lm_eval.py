@@ -322,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device checked (:func:`cli_args`); returns the exit status (2: a device this machine lacks)."""
     from lm_eval.__main__ import cli_evaluate
 
-    from me_interp.models import ModelLoadError
+    from me_interp.loading.errors import ModelLoadError
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args in ([], ["-h"], ["--help"]):

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
-    from me_interp.models import LoadedModel
+    from me_interp.loading.loaded import LoadedModel
 
 PROMPTS_FILE = "prompts.txt"
 GENRES_FILE = "prompts_genres.json"

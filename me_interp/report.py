@@ -216,7 +216,7 @@ def _durations_key(model: Any) -> str:
 
 
 def _durations() -> dict[str, dict[str, float]]:
-    from me_interp.models import cache_dir
+    from me_interp.loading.cache import cache_dir
 
     path = cache_dir() / DURATIONS_FILE
     try:
@@ -227,7 +227,7 @@ def _durations() -> dict[str, dict[str, float]]:
 
 
 def _record_duration(key: str, name: str, seconds: float) -> None:
-    from me_interp.models import cache_dir
+    from me_interp.loading.cache import cache_dir
 
     data = _durations()
     data.setdefault(key, {})[name] = round(seconds, 2)

@@ -39,7 +39,7 @@ import torch
 from jaxtyping import Float
 
 from me_interp import io, names
-from me_interp.models import LoadedModel
+from me_interp.loading.loaded import LoadedModel
 
 MARK = "★"
 """Prefix of the massive token's label."""

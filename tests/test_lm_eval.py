@@ -183,7 +183,7 @@ def test_packaged_name_resolves_to_its_cache(tiny_saved, monkeypatch):
     """``pretrained=gemma-3-270m`` evaluates the converted cache, not a hub name (before: OSError
     from the hub); the cache function is replaced by one returning a saved tiny model."""
     from me_interp import lm_eval as mle
-    from me_interp import packaged
+    from me_interp.loading import packaged  # where local_path looks the cache up
 
     asked = []
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from me_interp import models, synthetic
+from me_interp.loading import bundled
 from me_interp.models import ModelLoadError, UnsupportedArchitectureError, load_model
 
 
@@ -326,9 +327,10 @@ def test_concurrent_conversions_convert_once_and_both_get_a_verified_cache(tmp_p
 
     cache, log = tmp_path / "cache", tmp_path / "conversions.log"
     monkeypatch.setenv(models.CACHE_ENV, str(cache))
-    monkeypatch.setattr(models, "bundled_gguf_path", lambda: tmp_path / "fake.gguf")
+    # replaced where ensure_bundled_cache looks them up
+    monkeypatch.setattr(bundled, "bundled_gguf_path", lambda: tmp_path / "fake.gguf")
     monkeypatch.setattr(
-        models, "_convert_bundled", functools.partial(_slow_fake_conversion, log=log)
+        bundled, "_convert_bundled", functools.partial(_slow_fake_conversion, log=log)
     )
     ctx = multiprocessing.get_context("fork")  # the children inherit the monkeypatches
     barrier, results = ctx.Barrier(2), ctx.Queue()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from me_interp import claims, load_model, models, packaged
+from me_interp.loading import cache as loading_cache
 from me_interp.models import ModelLoadError
 from me_interp.packaged import GEMMA_3_270M, PackagedGGUF
 
@@ -87,7 +88,7 @@ def fake_env(tmp_path, monkeypatch):
         (out / "tokenizer_config.json").write_text("{}")
         (out / models.WEIGHTS_FILE).write_bytes(gguf.read_bytes())
 
-    monkeypatch.setattr(models, "convert_gguf", fake_convert)
+    monkeypatch.setattr(loading_cache, "convert_gguf", fake_convert)  # where it is looked up
     yield cache, root, calls
     for name in [m for m in sys.modules if m.startswith("fakepkg")]:
         del sys.modules[name]

@@ -332,7 +332,7 @@ def test_script_lora_targets_fused_projections(script, tmp_path):
 def test_script_model_dir_packaged(script, tmp_path, monkeypatch):
     """A packaged model's short name goes to TRL as its cache directory (before: passed on as a hub
     name, OSError); the cache function is replaced by one returning a fixed path."""
-    from me_interp import packaged
+    from me_interp.loading import packaged  # where local_path looks the cache up
 
     monkeypatch.setattr(packaged, "ensure_packaged_cache", lambda name, rebuild=False: tmp_path)
     assert script.model_dir("gemma-3-270m", tmp_path / "unused") == str(tmp_path)

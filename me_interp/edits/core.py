@@ -44,7 +44,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from me_interp.models import LoadedModel
+from me_interp.loading.loaded import LoadedModel
 
 SINGLE_PARTS: tuple[str, ...] = ("attn_norm", "ffn_norm", "ffn", "attn")
 """The parts that are one module each and that every supported model has."""

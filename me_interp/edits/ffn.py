@@ -19,7 +19,7 @@ import torch
 from jaxtyping import Float
 
 from me_interp.edits.core import edited_parameters
-from me_interp.models import LoadedModel
+from me_interp.loading.loaded import LoadedModel
 
 MATRICES: tuple[str, ...] = ("gate", "up", "down")
 

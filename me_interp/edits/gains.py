@@ -25,7 +25,7 @@ import torch
 from jaxtyping import Float
 
 from me_interp.edits.core import edited_parameters
-from me_interp.models import LoadedModel
+from me_interp.loading.loaded import LoadedModel
 from me_interp.selection import top_abs_dims
 
 NORMS: tuple[str, ...] = ("ffn", "attn")

@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Iterator
 
 from me_interp.edits.core import check_model_part, edited_parameters, part_members, part_parameters
-from me_interp.models import LoadedModel
+from me_interp.loading.loaded import LoadedModel
 
 
 @contextlib.contextmanager

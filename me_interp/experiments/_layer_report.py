@@ -31,7 +31,7 @@ import torch
 
 from me_interp import claims
 from me_interp.experiments.common import INDEX_CONVENTION, CommonConfig, fmt_table
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.massive import (
     Criterion,
     MELocation,

@@ -27,7 +27,7 @@ from me_interp import names
 from me_interp.claims import NotApplicable
 from me_interp.edits import PARTS
 from me_interp.experiments.common import INDEX_CONVENTION, CommonConfig, model_for
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.attention import mean_to_keys
 from me_interp.probes.batching import Chunk, record
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer, prompt_me_layers

@@ -75,7 +75,7 @@ from me_interp import claims, names, plotting
 from me_interp.experiments import patching_pairs
 from me_interp.experiments.common import CommonConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching import (
     HEAD_SITES,
     PATCH_SITES,

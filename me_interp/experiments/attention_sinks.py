@@ -48,7 +48,7 @@ from me_interp.experiments._layer_report import (
     relative_drop,
 )
 from me_interp.experiments.common import cli_main, model_for
-from me_interp.models import LoadedModel
+from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.attention import AttentionRecorder
 from me_interp.probes.batching import record
 from me_interp.probes.geometry import METRICS, GeometryRecorder

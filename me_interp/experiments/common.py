@@ -39,7 +39,10 @@ import numpy as np
 import torch
 
 from me_interp import claims, io, terminal
-from me_interp.models import BOS_CHOICES, DTYPES, LoadedModel, ModelLoadError, load_model
+from me_interp.loading import load_model
+from me_interp.loading.devices import DTYPES
+from me_interp.loading.errors import ModelLoadError
+from me_interp.loading.loaded import BOS_CHOICES, LoadedModel
 from me_interp.prompts import Prompt, as_prompts, builtin_prompts, read_prompts
 
 INDEX_CONVENTION = "0-based layers (blocks.L); *_1based = L + 1"

@@ -58,7 +58,7 @@ from me_interp import claims, names
 from me_interp.evaluation import token_nll
 from me_interp.experiments.common import SiteConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching import NormRatio, SinkMass
 
 NAME = "component_ablation"

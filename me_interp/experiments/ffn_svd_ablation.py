@@ -67,7 +67,7 @@ from me_interp.experiments._weights import (
 )
 from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.causal import excess_fraction, excess_stat
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 
 NAME = "ffn_svd_ablation"
 KINDS = ("svd", "svd_random", "neurons", "neurons_random")

@@ -44,7 +44,7 @@ import torch
 from me_interp import claims, names, plotting
 from me_interp.experiments._layer_report import DetectConfig, LayerReport, detect, massive_units
 from me_interp.experiments.common import cli_main, model_for
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.batching import record
 from me_interp.probes.invariance import (
     InvarianceRecorder,

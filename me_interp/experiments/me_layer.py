@@ -54,7 +54,7 @@ from me_interp.experiments.common import (
     fmt_table,
     model_for,
 )
-from me_interp.models import LoadedModel
+from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import (
     Criterion,
     MELocation,

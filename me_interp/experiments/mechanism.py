@@ -56,7 +56,7 @@ from me_interp.experiments.common import (
     fmt_table,
     model_for,
 )
-from me_interp.models import LoadedModel
+from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.alignment import (
     ALIGN_SITES,
     AlignmentRecorder,

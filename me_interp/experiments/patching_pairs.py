@@ -36,7 +36,7 @@ import torch
 from me_interp import claims, names
 from me_interp.experiments.common import fmt_table, model_for
 from me_interp.interventions import causal
-from me_interp.models import LoadedModel
+from me_interp.loading.loaded import LoadedModel
 from me_interp.patching import (
     HEAD_SITES,
     NormRatio,

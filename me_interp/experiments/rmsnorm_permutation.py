@@ -82,7 +82,7 @@ from me_interp.experiments._weights import (
 )
 from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.causal import excess_fraction, excess_stat
-from me_interp.models import LoadedModel
+from me_interp.loading.loaded import LoadedModel
 
 NAME = "rmsnorm_permutation"
 KINDS = ("random", "top", "other", "flatten")

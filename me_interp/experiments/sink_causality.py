@@ -50,7 +50,7 @@ import torch
 from me_interp import claims, names, plotting
 from me_interp.experiments.common import SiteConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.attention import attention_entropy
 from me_interp.probes.norms import ratio_to_others
 

@@ -96,7 +96,7 @@ from me_interp.experiments._weights import (
 )
 from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
 from me_interp.interventions.causal import excess_fraction, excess_stat
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.down_proj import (
     Spikes,
     down_proj_spikes,

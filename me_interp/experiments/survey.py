@@ -55,7 +55,10 @@ from me_interp.experiments.common import (
     is_bad_input,
     seed_everything,
 )
-from me_interp.models import LoadedModel, ModelLoadError, load_model, resolve_device
+from me_interp.loading import load_model
+from me_interp.loading.devices import resolve_device
+from me_interp.loading.errors import ModelLoadError
+from me_interp.loading.loaded import LoadedModel
 
 NAME = "survey"
 TABLE_FILE = "survey.md"

@@ -39,7 +39,7 @@ import torch
 from me_interp import claims, names, plotting
 from me_interp.experiments.common import SiteConfig, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.norms import ratio_to_others
 
 NAME = "transplant"

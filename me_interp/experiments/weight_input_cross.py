@@ -90,7 +90,7 @@ from me_interp.experiments.common import (
     fmt_table,
     model_for,
 )
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, record
 from me_interp.probes.massive import Criterion, locate_me_layer
 from me_interp.probes.norms import NormRecorder

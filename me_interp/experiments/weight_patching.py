@@ -70,7 +70,8 @@ from me_interp.experiments._weights import (
 )
 from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
 from me_interp.interventions.core import check_layers
-from me_interp.models import LoadedModel, load_model
+from me_interp.loading import load_model
+from me_interp.loading.loaded import LoadedModel
 
 NAME = "weight_patching"
 OUTCOMES = ("copied", "kept", "vanished", "elsewhere")

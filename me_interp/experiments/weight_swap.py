@@ -77,7 +77,7 @@ from me_interp.experiments._weights import (
 )
 from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.core import check_layers
-from me_interp.models import LoadedModel
+from me_interp.loading.loaded import LoadedModel
 
 NAME = "weight_swap"
 OUTCOMES = ("moved", "stayed", "vanished", "elsewhere")

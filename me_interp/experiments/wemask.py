@@ -68,7 +68,7 @@ from me_interp.interventions.wemask import (
     massive_positions,
     no_massive_activation,
 )
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes import find_me_layer
 from me_interp.prompts import builtin_texts, read_prompts
 

@@ -47,7 +47,7 @@ import torch
 from jaxtyping import Float
 
 from me_interp import claims, names
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.prompts import spread
 
 HookList = list[tuple[str, object]]

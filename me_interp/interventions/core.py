@@ -256,7 +256,7 @@ def apply_edit(
 
 def hf_of(model: Any) -> torch.nn.Module:
     """The HF model behind ``model`` (a :class:`~me_interp.models.LoadedModel` or an HF model)."""
-    from me_interp.models import LoadedModel
+    from me_interp.loading.loaded import LoadedModel
 
     return model.hf if isinstance(model, LoadedModel) else model
 
@@ -278,7 +278,7 @@ def attn_norm(model: Any, layer: int) -> torch.nn.Module:
     :class:`~me_interp.models.LoadedModel`, :func:`me_interp.architecture.hf_attn_norm` of the
     decoder layer for a plain HF model."""
     from me_interp.architecture import hf_attn_norm
-    from me_interp.models import LoadedModel
+    from me_interp.loading.loaded import LoadedModel
 
     if isinstance(model, LoadedModel):
         return model.attn_norm_module(layer)
@@ -293,7 +293,7 @@ def attn_norm_gain(model: Any, layer: int) -> torch.Tensor:
     :class:`~me_interp.models.LoadedModel` from its :class:`~me_interp.architecture.Architecture`;
     for a plain HF model the offset is measured on the norm module itself."""
     from me_interp.architecture import measure_norm_offset
-    from me_interp.models import LoadedModel
+    from me_interp.loading.loaded import LoadedModel
 
     if isinstance(model, LoadedModel):
         return model.attn_norm_gain(layer)
@@ -304,7 +304,7 @@ def attn_norm_gain(model: Any, layer: int) -> torch.Tensor:
 
 
 def n_layers_of(model: Any) -> int:
-    from me_interp.models import LoadedModel
+    from me_interp.loading.loaded import LoadedModel
 
     return model.n_layers if isinstance(model, LoadedModel) else len(decoder_layers(model))
 

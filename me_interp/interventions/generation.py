@@ -83,7 +83,7 @@ def generate(
     Raises:
         ValueError: empty prompts or ``max_new_tokens < 1``.
     """
-    from me_interp.models import LoadedModel
+    from me_interp.loading.loaded import LoadedModel
 
     if (
         isinstance(max_new_tokens, bool)

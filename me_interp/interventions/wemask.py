@@ -153,7 +153,7 @@ def me_layer_index(model: Any, batch: Any = None) -> int:
         NotApplicable: when no layer meets the massive-activation criterion
             (:class:`me_interp.claims.NotApplicable`; the experiments report it as "not applicable").
     """
-    from me_interp.models import LoadedModel
+    from me_interp.loading.loaded import LoadedModel
     from me_interp.probes import find_me_layer as _find
 
     if not isinstance(model, LoadedModel):

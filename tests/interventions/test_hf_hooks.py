@@ -205,14 +205,15 @@ def test_mask_positions_on_gemma3(plain_gemma3):
 def test_load_hf_and_local_path_resolve_packaged_names(tmp_path, monkeypatch):
     """``load_hf("gemma-3-270m")`` loads the packaged model's cache directory, which
     :func:`me_interp.models.local_path` gives (the cache functions replaced by a saved tiny model)."""
-    from me_interp import models, packaged
+    from me_interp import models
     from me_interp.interventions import load_hf
+    from me_interp.loading import bundled, packaged  # where local_path looks the caches up
 
     hf, tok = synthetic.tiny_llama(2)
     hf.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     monkeypatch.setattr(packaged, "ensure_packaged_cache", lambda name, rebuild=False: tmp_path)
-    monkeypatch.setattr(models, "ensure_bundled_cache", lambda rebuild=False: tmp_path / "b")
+    monkeypatch.setattr(bundled, "ensure_bundled_cache", lambda rebuild=False: tmp_path / "b")
     assert models.local_path("gemma-3-270m") == str(tmp_path)
     assert models.local_path(None) == models.local_path("bundled") == str(tmp_path / "b")
     for other in ("some/hub-name", "synthetic:planted", str(tmp_path), hf):
