@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from me_interp import names
-from me_interp.probes.norms import ratio_to_others, scan_norms, top_ratio
+from me_interp import names, synthetic
+from me_interp.probes.batching import chunks, record
+from me_interp.probes.norms import NormRecorder, ratio_to_others, scan_norms, top_ratio
 
 
 def _hf_reference(model, batch):
@@ -167,13 +168,21 @@ def test_fp16_overflow_is_detected():
 # -- where the statistics live during the forward ------------------------------------------
 
 
+def _row_medians(a, lengths):
+    """Per row, the lower median of ``a`` over its real tokens and all dims, one ``kthvalue`` per
+    row (the recorder's computation before it selected with numpy: the reference)."""
+    out = torch.empty(a.shape[0], dtype=a.dtype, device=a.device)
+    for i, n in enumerate(lengths):
+        flat = a[i, :n].flatten()
+        out[i] = flat.kthvalue((flat.numel() + 1) // 2).values
+    return out
+
+
 class _PerHookCPURecorder:
     """The recorder as it was before the statistics stayed on the device: every hook computes the
     same statistics and copies them to CPU buffers at once (the reference for bit-identity)."""
 
     def __init__(self, model, batch, sites=names.SITES, top_k=16, keep_prompt=0):
-        from me_interp.probes.norms import _row_medians
-
         self.median = _row_medians
         self.sites = tuple(dict.fromkeys((*sites, "resid_post")))
         L, (B, T), d = model.n_layers, batch.tokens.shape, model.d_model
@@ -237,13 +246,15 @@ def test_scan_is_bit_identical_to_per_hook_copies(planted, max_tokens):
 
 def _count_host_copies(monkeypatch, model, fn) -> int:
     """How many ``Tensor.cpu/item/tolist/numpy`` calls (each one a device sync on an accelerator)
-    ``fn()`` makes inside ``model``'s forward passes (hooks included, hook set-up not)."""
+    ``fn()`` makes inside ``model``'s forward passes (hooks included, hook set-up not). ``numpy()``
+    of a CPU tensor is a view, no copy (the CPU median selects with numpy; on an accelerator
+    ``numpy()`` raises instead), so only ``numpy()`` of other tensors counts."""
     calls, active = [0], [False]
     for meth in ("cpu", "item", "tolist", "numpy"):
         real = getattr(torch.Tensor, meth)
 
-        def counted(self, *a, _real=real, **k):
-            calls[0] += active[0]
+        def counted(self, *a, _real=real, _meth=meth, **k):
+            calls[0] += active[0] and not (_meth == "numpy" and self.device.type == "cpu")
             return _real(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, meth, counted)
@@ -324,3 +335,157 @@ def test_cuda_scan_adds_no_synchronisation_and_matches_cpu(planted, planted_prom
     torch.testing.assert_close(got.norms, want.norms, equal_nan=True, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got.median_abs, want.median_abs, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got.top_abs, want.top_abs, rtol=1e-4, atol=1e-4)
+
+
+# -- the recorder against run_with_cache and hand-computed statistics ------------------------
+
+
+def _cache_reference(model, batch, sites, top_k, keep_prompt):
+    """Every statistic of a scan from ``run_with_cache`` (one unchunked forward, full activations)
+    and plain torch: norms by ``float().norm``, top-k by ``topk``, medians by a full sort."""
+    with torch.no_grad():
+        _, cache = model.bridge.run_with_cache(batch.tokens, attention_mask=batch.attention_mask)
+    L, k = model.n_layers, min(top_k, model.d_model)
+    norms = torch.stack(
+        [
+            torch.stack([cache[names.site(s, i)].float().norm(dim=-1) for i in range(L)])
+            for s in sites
+        ]
+    )
+    post = torch.stack([cache[names.resid_post(i)].float() for i in range(L)])  # [L B T d]
+    top_abs, top_dims = post.abs().topk(k, dim=-1)
+    median = torch.empty(L, len(batch))
+    for b, n in enumerate(batch.lengths):
+        vals = post[:, b, :n].abs().reshape(L, -1).sort(dim=-1).values
+        median[:, b] = vals[:, (vals.shape[1] - 1) // 2]  # the lower median, as torch.median
+    kept = post[:, keep_prompt, : batch.lengths[keep_prompt]]
+    return norms, top_abs, top_dims, median, kept
+
+
+def _assert_scan_equals_reference(got, ref, batch, exact: bool):
+    norms, top_abs, top_dims, median, kept = ref
+    mask = batch.attention_mask.bool()
+    real = got.norms[:, :, mask]
+    assert torch.isnan(got.norms[:, :, ~mask]).all()
+    if exact:
+        assert torch.equal(real, norms[:, :, mask])
+        assert torch.equal(got.top_abs[:, mask], top_abs[:, mask])
+        assert torch.equal(got.top_dims[:, mask], top_dims[:, mask])
+        assert torch.equal(got.median_abs, median)
+        assert torch.equal(got.kept_resid, kept)
+    else:  # another chunking: other matmul shapes, the same values to rounding
+        tol = {"rtol": 1e-6, "atol": 1e-6}
+        torch.testing.assert_close(real, norms[:, :, mask], **tol)
+        torch.testing.assert_close(got.top_abs[:, mask], top_abs[:, mask], **tol)
+        torch.testing.assert_close(got.median_abs, median, **tol)
+        torch.testing.assert_close(got.kept_resid, kept, **tol)
+
+
+_PADDED = ["w1 w2 w3 w4 w5 w6", "w9 w8", "w20 w21 w22 w23", "w7", "w3 w5 w7 w9 w11 w13"]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "planted"])
+def test_recorder_equals_run_with_cache_and_hand_statistics(fixture, request):
+    """The recorder (one hook per hook point, ``out=`` buffers, numpy medians) against
+    ``run_with_cache`` + hand-computed norms, top-k and medians: bit-identical on the same
+    (unchunked) forward, within 1e-6 when chunked (padded prompts of 1-6 words)."""
+    model = request.getfixturevalue(fixture)
+    model = model[0] if isinstance(model, tuple) else model
+    batch = model.tokenize(_PADDED)
+    sites = names.NORM_SITES
+    ref = _cache_reference(model, batch, sites, top_k=4, keep_prompt=2)
+    one = NormRecorder(model, batch, sites, top_k=4, keep_prompt=2)
+    record(model, batch, [one], fwd_hooks=[(names.resid_pre(0), lambda x, hook: x)])  # unchunked
+    _assert_scan_equals_reference(one.result(), ref, batch, exact=True)
+    for max_tokens in (1024, 7):
+        chunked = NormRecorder(model, batch, sites, top_k=4, keep_prompt=2)
+        record(model, batch, [chunked], max_tokens=max_tokens)
+        _assert_scan_equals_reference(chunked.result(), ref, batch, exact=False)
+
+
+@pytest.mark.parametrize("arch", synthetic.ARCHS)
+def test_recorder_equals_run_with_cache_on_every_architecture(arch):
+    """Every architecture's planted model, all norm sites (the sub-layers' own outputs are the
+    residual contributions' hook points outside sandwich blocks, and are read once there)."""
+    from me_interp import load_model
+
+    hf, tok, _ = synthetic.planted(arch)
+    model = load_model(hf, tokenizer=tok, device="cpu")
+    batch = model.tokenize(_PADDED)
+    ref = _cache_reference(model, batch, names.NORM_SITES, top_k=16, keep_prompt=0)
+    rec = NormRecorder(model, batch, names.NORM_SITES)
+    record(model, batch, [rec], fwd_hooks=[(names.resid_pre(0), lambda x, hook: x)])
+    _assert_scan_equals_reference(rec.result(), ref, batch, exact=True)
+    got = scan_norms(model, batch, names.NORM_SITES)
+    _assert_scan_equals_reference(got, ref, batch, exact=False)
+    # one hook per hook point and layer (sandwich blocks: the own outputs are hook points of their own)
+    own_apart = arch in ("gemma2", "gemma3")
+    hooks = NormRecorder(model, batch, names.NORM_SITES).hooks(chunks(batch)[0])
+    assert len(hooks) == model.n_layers * (9 if own_apart else 7)
+
+
+def test_recorder_in_bfloat16_equals_the_fp32_upcast_reference():
+    """bf16 activations: norms by ``vector_norm(dtype=float32)`` and ``|a|`` by an upcast copy give
+    what ``x.float()`` then the fp32 statistics give (within 1e-6; bit-identical here)."""
+    from me_interp import load_model
+
+    model = load_model("synthetic:planted", dtype="bfloat16", device="cpu")
+    batch = model.tokenize(_PADDED)
+    ref = _cache_reference(model, batch, names.SITES, top_k=16, keep_prompt=1)
+    rec = NormRecorder(model, batch, names.SITES, keep_prompt=1)
+    record(model, batch, [rec], fwd_hooks=[(names.resid_pre(0), lambda x, hook: x)])
+    got = rec.result()
+    mask = batch.attention_mask.bool()
+    torch.testing.assert_close(got.norms[:, :, mask], ref[0][:, :, mask], rtol=1e-6, atol=0)
+    assert torch.equal(got.top_abs[:, mask], ref[1][:, mask])
+    assert torch.equal(got.median_abs, ref[3]) and torch.equal(got.kept_resid, ref[4])
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+def test_medians_numpy_and_torch_select_the_lower_median(use_numpy):
+    """Both selections (numpy's on the CPU, ``kthvalue`` elsewhere) give the sort's lower median,
+    with ties, an even count, padding beyond each row's length and runs of equal lengths."""
+    from me_interp.probes.norms import _equal_runs, _medians_into
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, 3, 3, 5, 5, 5, 2]
+    a = torch.randint(0, 7, (len(lengths), 5, 4), generator=g).float()  # many ties
+    a[0, 1:] = 1e9  # padding: never selected
+    want = torch.stack(
+        [a[i, :n].flatten().sort().values[(n * 4 - 1) // 2] for i, n in enumerate(lengths)]
+    )
+    assert want[0] == a[0, 0].sort().values[1]
+    out = torch.full((len(lengths),), float("nan"))
+    runs = _equal_runs(lengths)
+    assert runs == [(0, 1, 1), (1, 3, 3), (3, 6, 5), (6, 7, 2)]
+    _medians_into(out, a.clone(), runs, use_numpy=use_numpy)
+    assert torch.equal(out, want)
+    x = torch.randn(3, 8, 16, generator=g)  # distinct values, odd and even counts
+    out3 = torch.empty(3)
+    _medians_into(out3, x.abs(), _equal_runs([8, 7, 7]), use_numpy=use_numpy)
+    for i, n in enumerate([8, 7, 7]):
+        assert out3[i] == x[i, :n].abs().flatten().median()
+
+
+def test_top_k_and_median_on_ties_zeros_and_inf_equal_float_topk(planted):
+    """The CPU hook ranks ``|a|`` by its bits as int32: with many ties, ``±0`` and ``inf`` it keeps
+    ``torch.topk``'s values *and* dims (ties in the same order) and ``kthvalue``'s median."""
+    model, _ = planted
+    batch = model.tokenize(["w1 w2 w3 w4 w5", "w9 w8", "w2 w4 w6 w8 w10"])
+    rec = NormRecorder(model, batch, ("resid_post",), top_k=16)
+    chunk = chunks(batch)[0]
+    (name, hook) = rec.hooks(chunk)[0]
+    assert name == names.resid_post(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (len(chunk), chunk.width, model.d_model), generator=g).float()
+    x[x == 0] = -0.0
+    x[0, 1, 3] = float("inf")
+    hook(x, None)
+    rec._flush()
+    want_vals, want_dims = x.abs().topk(rec.k, dim=-1)
+    got = rec._buf
+    rows = chunk.rows
+    assert torch.equal(got["top_abs"][0, rows, : chunk.width], want_vals)
+    assert torch.equal(got["top_dims"][0, rows, : chunk.width], want_dims)
+    want_med = _row_medians(x.abs(), chunk.lengths)
+    assert torch.equal(got["median_abs"][0, rows], want_med)
