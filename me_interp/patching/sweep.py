@@ -33,6 +33,7 @@ per-prompt values that way: the hooks of :mod:`me_interp.interventions.causal` d
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import warnings
@@ -280,19 +281,6 @@ def _tile(v, n: int, B: int):
     return v
 
 
-def _tile_kwargs(kwargs: Mapping[int, Mapping], n: int, B: int) -> dict[int, dict]:
-    """:func:`_tile` every block's kwargs; a value shared by several blocks is tiled once."""
-    memo: dict[int, Any] = {}
-    out = {}
-    for i, kw in kwargs.items():
-        out[i] = {}
-        for k, v in kw.items():
-            if id(v) not in memo:
-                memo[id(v)] = (v, _tile(v, n, B))  # keep v alive so its id stays unique
-            out[i][k] = memo[id(v)][1]
-    return out
-
-
 def _run_blocks(
     model: LoadedModel, resid: torch.Tensor, start: int, stop: int, kwargs: Mapping, hooks
 ):
@@ -410,43 +398,65 @@ def _capture_kv(model: LoadedModel, resid_in, first: int, last: int, kwargs, hoo
     return {i: (cache.layers[i].keys, cache.layers[i].values) for i in range(first, last + 1)}
 
 
-def _prefix_cache(kv: Mapping, first: int, last: int, p: int, n: int):
-    """A cache holding positions ``< p`` of ``kv`` for blocks ``first..last``, tiled ``n`` times."""
-    from transformers import DynamicCache
+def _run_suffix(model, suffix, entry: Sequence[int], last: int, p: int, B: int, hooks):
+    """Run row groups of ``B`` rows (the corrupt prompts), group ``j`` joining at block
+    ``entry[j]`` (ascending) with the corrupt residual stream entering that block, through block
+    ``last``; at positions ``p..`` only when ``p > 0``, the earlier keys and values from the corrupt
+    run's cache. A cell patched at layer ``L`` cannot change blocks before ``L``, so its rows run
+    exactly blocks ``L..last``.
 
-    cache = DynamicCache()
-    for i in range(first, last + 1):
-        k, v = kv[i]
-        cache.update(k[:, :, :p].repeat(n, 1, 1, 1), v[:, :, :p].repeat(n, 1, 1, 1), i)
-    return cache
-
-
-def _run_suffix(model, suffix, first: int, last: int, p: int, n: int, B: int, hooks):
-    """Run blocks ``first..last`` on ``n`` tiles of the corrupt residual stream, at positions ``p..``
-    only when ``p > 0`` (the earlier keys and values from the corrupt run's cache)."""
+    Returns the last block's output (every group, in order) and ``rows_at(layer)``: how many rows
+    the batch held in that block (what a hook there recorded)."""
     kwargs, resid_in, kv = suffix
-    resid = _tile(resid_in[first], n, B)
-    if p == 0:
-        return _run_blocks(model, resid, first, last, _tile_kwargs(kwargs, n, B), hooks)
-    T = resid.shape[1]
-    kw = _tile_kwargs(_slice_kwargs(kwargs, p, T, resid.device), n, B)
-    cache = _prefix_cache(kv, first, last, p, n)
-    kw = {i: {**x, "layer_past": cache} for i, x in kw.items()}
-    return _run_blocks(model, resid[:, p:], first, last, kw, hooks)
+    T = next(iter(resid_in.values())).shape[1]
+    device = next(iter(resid_in.values())).device
+    if p:
+        kwargs = _slice_kwargs(kwargs, p, T, device)
+    memo: dict[tuple, Any] = {}
+
+    def block_kwargs(i: int, k: int) -> dict:
+        kw = {}
+        for name, v in kwargs[i].items():
+            key = (id(v), k)
+            if key not in memo:
+                memo[key] = (v, _tile(v, k, B))  # keep v alive so its id stays unique
+            kw[name] = memo[key][1]
+        if p:
+            from transformers import DynamicCache
+
+            keys, values = kv[i]
+            cache = DynamicCache()
+            cache.update(keys[:, :, :p].repeat(k, 1, 1, 1), values[:, :, :p].repeat(k, 1, 1, 1), i)
+            kw["layer_past"] = cache
+        return kw
+
+    joining = collections.Counter(entry)
+    present: dict[int, int] = {}
+    h, k = None, 0
+    with torch.no_grad(), model.bridge.hooks(fwd_hooks=list(hooks)):
+        for i in range(min(entry), last + 1):
+            if joining.get(i):
+                new = _tile(resid_in[i], joining[i], B)[:, p:]
+                h = new if h is None else torch.cat([h, new])
+                k += joining[i]
+            present[i] = k * B
+            out = model.bridge.blocks[i](h, **block_kwargs(i, k))
+            h = out[0] if isinstance(out, tuple) else out
+    return h, present.__getitem__
 
 
-def _assemble(acts: dict, full: Mapping[str, torch.Tensor], p: int, n: int) -> None:
-    """Complete the activations named in ``full``, recorded at positions ``p..``, with the corrupt
-    run's earlier positions (unchanged: attention is causal), in place."""
-    if p == 0:
-        return
-    for name in full:  # the activations recorded in the run
+def _assemble(acts: dict, full: Mapping[str, torch.Tensor], p: int, n: int, rows_at, n_layers):
+    """Complete the activations named in ``full`` — recorded at positions ``p..`` of the
+    ``rows_at(layer)`` rows present in their block — with the corrupt run's values (the rows that
+    join later and the earlier positions are unchanged: attention is causal), in place."""
+    for name in full:
         part = acts[name]
+        rows = rows_at(hook_layer(name, n_layers))
         whole = full[name].repeat(n, *([1] * (full[name].dim() - 1))).clone()
         if _pos_axis(name) == 2:
-            whole[:, :, p:] = part
+            whole[:rows, :, p:] = part
         else:
-            whole[:, p:] = part
+            whole[:rows, p:] = part
         acts[name] = whole
 
 
@@ -579,8 +589,8 @@ def _check_positions(
         kv = _capture_kv(
             model, resid_in, first, last, kwargs, []
         )  # no corruption hook from first on
-        h = _run_suffix(model, (kwargs, resid_in, kv), first, last, p, 1, B, rec)
-        _assemble(got, {n: want[n] for n in names_}, p, 1)
+        h, rows_at = _run_suffix(model, (kwargs, resid_in, kv), [first], last, p, B, rec)
+        _assemble(got, {n: want[n] for n in names_}, p, 1, rows_at, model.n_layers)
         if LOGITS in want:
             got[LOGITS] = last_token_logits(model, h, mask[:, p:])
     except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, IndexError) as e:
@@ -604,9 +614,9 @@ def _check_positions(
 
 
 def _order(cells: list, per_fwd: int, layers: list[int], start_pos, last: int, T: int) -> list:
-    """The cells in the order whose chunks of ``per_fwd`` cost the least block-position work
-    (a chunk runs blocks from its first layer to ``last`` at positions from ``start_pos(chunk)``):
-    layer-major, position-major, or layer blocks of 2–8 by position."""
+    """The cells in the order whose chunks of ``per_fwd`` cost the least block × position work (a
+    cell's rows run blocks from its own layer to ``last``, at positions from its chunk's
+    ``start_pos``): layer-major, position-major, or layer blocks of 2–8 by position."""
     if not cells:
         return cells
 
@@ -614,8 +624,8 @@ def _order(cells: list, per_fwd: int, layers: list[int], start_pos, last: int, T
         total = 0
         for i in range(0, len(order), per_fwd):
             chunk = order[i : i + per_fwd]
-            first = min(layers[c[0]] for c in chunk)
-            total += len(chunk) * (last - first + 1) * (T - start_pos(chunk))
+            blocks = sum(last - layers[c[0]] + 1 for c in chunk)  # each cell from its own layer
+            total += blocks * (T - start_pos(chunk))
         return total
 
     pos = lambda c: -1 if c[1] is None else c[1]  # noqa: E731
@@ -661,19 +671,20 @@ def patch_sweep(
             corrupt one for every prompt (bit for bit: e.g. every layer upstream of a hook-based
             corruption, or the unchanged tokens at layer 0) and a cell after the last layer a metric
             reads cannot change the corrupt run, so its value is the corrupt value and it is not run.
-            Each chunk (cells sorted by layer) runs only the blocks from its first patched layer to
-            the last layer a metric reads (and the unembedding at the last token when a metric
-            reads logits), starting from the corrupt run's residual stream (the blocks are called
-            directly with the masks and rotary embeddings captured from the corrupt run; checked
-            once against the full corrupt forward, else full forwards are used with a
-            ``RuntimeWarning`` — ``SweepResult.prefix_skipped`` says which and ``prefix_fallback``
-            why; with :data:`STRICT_ENV` set the fallback raises). Metric activations before the
-            first patched layer are the corrupt run's. (TransformerBridge's own ``start_at_layer``
-            runs the earlier blocks anyway in TL 4.3, so it is not used.) A chunk of cells patched
-            at one position each also runs only positions from its first patched position on
-            (a patch cannot change earlier positions: attention is causal), the earlier keys and
-            values coming from the corrupt run's cache — when the prompts are unpadded and no
-            corruption hook acts inside the run; checked once the same way, else every position
+            In a chunk, each cell's rows join the run at the cell's own layer (a patch at layer
+            ``L`` cannot change blocks before ``L``) with the corrupt run's residual stream there,
+            and run to the last layer a metric reads (and the unembedding at the last token when a
+            metric reads logits); the blocks are called directly with the masks and rotary
+            embeddings captured from the corrupt run, checked once against the full corrupt
+            forward, else full forwards are used with a ``RuntimeWarning`` —
+            ``SweepResult.prefix_skipped`` says which and ``prefix_fallback`` why; with
+            :data:`STRICT_ENV` set the fallback raises. Metric activations of blocks a row has not
+            run are the corrupt run's. (TransformerBridge's own ``start_at_layer`` runs the earlier
+            blocks anyway in TL 4.3, so it is not used.) A chunk of cells patched at one position
+            each also runs only positions from its first patched position on (a patch cannot
+            change earlier positions: attention is causal), the earlier keys and values coming
+            from the corrupt run's cache — when the prompts are unpadded and no corruption hook
+            acts inside the run; checked once the same way, else every position
             (``SweepResult.positions_skipped`` / ``positions_fallback``). Cells are ordered so
             that the chunks' block × position work is least. ``False``: every cell, full
             forwards (the plain reference).
@@ -778,7 +789,8 @@ def patch_sweep(
     chunks = range(0, len(cells), per_fwd)
     bar = terminal.bar(chunks, desc=f"patching {site}") if progress is not False else chunks
     for start in bar:
-        chunk = cells[start : start + per_fwd]
+        # in layer order: a cell's rows join the run at its own layer (_run_suffix)
+        chunk = sorted(cells[start : start + per_fwd], key=lambda c: layers[c[0]])
         n = len(chunk)
         rows_batch = Batch(corrupt.tokens.repeat(n, 1), corrupt.attention_mask.repeat(n, 1), None)
         first = min(layers[c[0]] for c in chunk) if suffix is not None else 0
@@ -805,8 +817,9 @@ def patch_sweep(
         hooks = [*corrupt_hooks, *patch_hooks, *rec]
         mask = rows_batch.attention_mask.bool()
         if suffix is not None:
-            h = _run_suffix(model, suffix, first, last_needed, p0, n, B, hooks)
-            _assemble(acts, {k: cstore_m[k] for k, _ in rec}, p0, n)
+            entry = [layers[c[0]] for c in chunk]
+            h, rows_at = _run_suffix(model, suffix, entry, last_needed, p0, B, hooks)
+            _assemble(acts, {k: cstore_m[k] for k, _ in rec}, p0, n, rows_at, n_layers)
             if wants_logits:
                 acts[LOGITS] = last_token_logits(model, h, mask[:, p0:])
         else:
