@@ -320,7 +320,7 @@ def test_fallback_after_an_error_is_recorded(pair, monkeypatch):
     def broken(*args, **kwargs):
         raise TypeError("unexpected keyword argument 'position_embeddings'")
 
-    monkeypatch.setattr(patching.sweep, "_run_blocks", broken)
+    monkeypatch.setattr(patching.suffix, "_run_blocks", broken)
     with pytest.warns(RuntimeWarning, match="TypeError: unexpected keyword"):
         sw = patch_sweep(model, clean, corrupt, "resid_pre", _metrics(plant))
     assert not sw.prefix_skipped and sw.prefix_fallback.startswith("running blocks")

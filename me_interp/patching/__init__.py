@@ -3,6 +3,7 @@
 * :mod:`me_interp.patching.metrics` — what a patched run is scored by (massive-activation metrics,
   logit metrics, any callable);
 * :mod:`me_interp.patching.sweep` — the batched sweep (:func:`patch_sweep`) and its result;
+* :mod:`me_interp.patching.suffix` — running only the blocks and positions a patch can change;
 * :mod:`me_interp.patching.pairs` — clean/corrupt pairs from a JSONL file, with their metrics;
 * :mod:`me_interp.patching.attribution` — the first-order estimate of a whole sweep from one forward
   and one backward pass, and its rank agreement with exact patching.
@@ -22,17 +23,15 @@ from me_interp.patching.metrics import (
     normalized,
     tile_rows,
 )
+from me_interp.patching.suffix import STRICT_ENV, last_token_logits, strict
 from me_interp.patching.sweep import (
     HEAD_SITES,
     PATCH_SITES,
-    STRICT_ENV,
     SweepResult,
     evaluate_metrics,
-    last_token_logits,
     patch_loop,
     patch_sweep,
     site_hook,
-    strict,
 )
 
 __all__ = [

@@ -1,0 +1,333 @@
+"""Running only what a patch can change: the block and position suffixes of the corrupt run.
+
+A patch at layer ``L`` cannot change blocks before ``L``, and (attention being causal) a patch at
+position ``p`` cannot change positions before ``p``. :func:`me_interp.patching.patch_sweep` therefore
+runs each cell's rows from its own block, starting from the corrupt run's residual stream there
+(:func:`_capture_block_inputs`), and a chunk of per-position cells from its first position, the
+earlier keys and values coming from the corrupt run's cache (:func:`_capture_kv`, passed to the
+bridge's attention as ``layer_past``). Both are checked once per sweep against the full corrupt
+forward (:func:`_check_suffix`, :func:`_check_positions`): on a block whose inputs these functions do
+not reproduce, the sweep falls back to full forwards (or every position) with a warning, or raises
+under :data:`STRICT_ENV`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from jaxtyping import Float
+
+from me_interp import names
+from me_interp.models import Batch, LoadedModel
+from me_interp.patching.metrics import LOGITS, hook_layer
+
+#: Environment variable: when set (not ``""``/``"0"``), a ``skip_shared`` sweep that cannot run the
+#: block suffix raises instead of warning and falling back to full forwards (tests set it).
+STRICT_ENV = "ME_INTERP_STRICT"
+
+
+def last_token_logits(
+    model: LoadedModel, resid: Float[torch.Tensor, "batch pos d_model"], mask: torch.Tensor
+) -> Float[torch.Tensor, "batch vocab"]:
+    """The logits at each row's last real token from the last block's output ``resid``: the final
+    norm and the unembedding (and a final logit soft-cap where the model has one) at that position
+    only."""
+    idx = mask.to(resid.device).long().sum(-1) - 1
+    x = resid[torch.arange(resid.shape[0], device=resid.device), idx][:, None]  # [batch 1 d]
+    bridge = model.bridge
+    with torch.no_grad():
+        logits = bridge.unembed(bridge.ln_final(x))[:, 0]
+    cap = getattr(model.hf.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _gather_last(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    idx = mask.to(logits.device).long().sum(-1) - 1
+    return logits[torch.arange(logits.shape[0], device=logits.device), idx]
+
+
+def _record(x: torch.Tensor, hook, *, store: dict, key: str):
+    store[key] = x.detach()
+    return x
+
+
+def _capture_block_inputs(model: LoadedModel, batch: Batch, hooks: Sequence, layers: Sequence[int]):
+    """One forward of ``batch``: the keyword arguments each block receives (masks, rotary
+    embeddings), per block — Gemma 2/3 give sliding-window and global layers their own mask and
+    rotary embedding — and the residual stream entering each of ``layers``."""
+    got: dict[int, dict] = {}
+
+    def pre(module, args, kwargs, *, i):
+        got.setdefault(i, kwargs)
+
+    store: dict[str, torch.Tensor] = {}
+    rec = [(names.resid_pre(x), partial(_record, store=store, key=str(x))) for x in set(layers)]
+    handles = [
+        block.register_forward_pre_hook(partial(pre, i=i), with_kwargs=True)
+        for i, block in enumerate(model.bridge.blocks)
+    ]
+    try:
+        model.run_with_hooks(batch, [*hooks, *rec])
+    finally:
+        for h in handles:
+            h.remove()
+    drop = ("cache", "past_key_value", "past_key_values", "use_cache", "cache_position")
+    kwargs = {i: {k: v for k, v in kw.items() if k not in drop} for i, kw in got.items()}
+    return kwargs, {int(k): v for k, v in store.items()}
+
+
+def _tile(v, n: int, B: int):
+    """Repeat the batch dimension of block kwargs ``n`` times (row ``c·B + b`` = prompt ``b``)."""
+    if torch.is_tensor(v):
+        return v.repeat(n, *([1] * (v.dim() - 1))) if v.dim() and v.shape[0] == B else v
+    if isinstance(v, tuple):
+        return tuple(_tile(x, n, B) for x in v)
+    return v
+
+
+def _run_blocks(
+    model: LoadedModel, resid: torch.Tensor, start: int, stop: int, kwargs: Mapping, hooks
+):
+    """Run blocks ``start..stop`` (inclusive) on ``resid`` with ``hooks`` and each block's own
+    captured ``kwargs[i]``; earlier blocks skipped."""
+    with torch.no_grad(), model.bridge.hooks(fwd_hooks=list(hooks)):
+        h = resid
+        for i in range(start, stop + 1):
+            out = model.bridge.blocks[i](h, **kwargs[i])
+            h = out[0] if isinstance(out, tuple) else out
+    return h
+
+
+def strict() -> bool:
+    """Whether a fallback to full forwards raises (:data:`STRICT_ENV` set to anything but ``""`` or
+    ``"0"``; the test suite sets it) instead of warning."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+def _check_suffix(
+    model: LoadedModel,
+    resid_in: Mapping[int, torch.Tensor],
+    first: int,
+    last: int,
+    kwargs: Mapping,
+    corrupt_hooks: Sequence,
+    want: Mapping[str, torch.Tensor],
+    mask: torch.Tensor,
+) -> str | None:
+    """Run blocks ``first..last`` from the corrupt run's residual stream and compare the metric
+    inputs (activations, last-token logits) with the full corrupt forward's (``want``). ``None``
+    when they agree, else why not: a warning, or (:func:`strict`) a ``RuntimeError``."""
+    n_layers = model.n_layers
+    got: dict[str, torch.Tensor] = {}
+    rec = [
+        (n, partial(_record, store=got, key=n))
+        for n in want
+        if n != LOGITS and hook_layer(n, n_layers) >= first
+    ]
+    why = None
+    try:
+        h = _run_blocks(model, resid_in[first], first, last, kwargs, [*corrupt_hooks, *rec])
+        if LOGITS in want:
+            got[LOGITS] = last_token_logits(model, h, mask)
+    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError) as e:
+        why = f"running blocks {first}..{last} directly failed: {type(e).__name__}: {e}"
+        err: BaseException | None = e
+    else:
+        err = None
+        for n in got:
+            a, b = got[n].float(), want[n].float()
+            if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+                why = (
+                    f"running blocks {first}..{last} directly gave {n} up to "
+                    f"{float((a - b).abs().max()):.3g} away from the full corrupt forward"
+                )
+                break
+    if why is None:
+        return None
+    msg = f"patch_sweep falls back to full forwards (slower, same values): {why}"
+    if strict():
+        raise RuntimeError(f"{msg} [{STRICT_ENV} is set]") from err
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return why
+
+
+_QUERY_AXIS_2 = ("hook_pattern", "hook_attn_scores")
+
+
+def _pos_axis(name: str) -> int:
+    """The position axis of a recorded activation: the query axis of patterns and scores
+    ``[batch, head, query, key]``, else axis 1 (``[batch, pos, ...]``)."""
+    return 2 if name.endswith(_QUERY_AXIS_2) else 1
+
+
+def _slice_kwargs(kwargs: Mapping[int, Mapping], p: int, T: int, device) -> dict[int, dict]:
+    """Block kwargs for running positions ``p..T-1`` only, the earlier keys and values coming from
+    a cache: the mask's query rows, the rotary embeddings and position ids from ``p`` on."""
+
+    def cut(k: str, v):
+        if torch.is_tensor(v):
+            if k == "attention_mask" and v.dim() == 4:
+                return v[:, :, p:, :]
+            if k == "position_ids" and v.dim() == 2:
+                return v[:, p:]
+            return v
+        if k == "position_embeddings" and isinstance(v, tuple):
+            return tuple(x[:, p:] for x in v)
+        if k == "attention_mask" and isinstance(v, dict):
+            return {kk: cut(k, vv) for kk, vv in v.items()}
+        return v
+
+    memo: dict[tuple, Any] = {}
+    out = {}
+    cache_position = torch.arange(p, T, device=device)
+    for i, kw in kwargs.items():
+        out[i] = {}
+        for k, v in kw.items():
+            key = (id(v), k)
+            if key not in memo:
+                memo[key] = (v, cut(k, v))  # keep v alive so its id stays unique
+            out[i][k] = memo[key][1]
+        out[i]["cache_position"] = cache_position
+    return out
+
+
+def _capture_kv(model: LoadedModel, resid_in, first: int, last: int, kwargs, hooks) -> dict:
+    """The corrupt run's keys and values (after rotary embeddings, as attention caches them) of
+    blocks ``first..last``: ``{layer: (keys, values)}``, each ``[batch, kv_head, pos, d_head]``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    kw = {i: {**kv, "layer_past": cache} for i, kv in kwargs.items()}
+    _run_blocks(model, resid_in[first], first, last, kw, hooks)
+    return {i: (cache.layers[i].keys, cache.layers[i].values) for i in range(first, last + 1)}
+
+
+def _run_suffix(model, suffix, entry: Sequence[int], last: int, p: int, B: int, hooks):
+    """Run row groups of ``B`` rows (the corrupt prompts), group ``j`` joining at block
+    ``entry[j]`` (ascending) with the corrupt residual stream entering that block, through block
+    ``last``; at positions ``p..`` only when ``p > 0``, the earlier keys and values from the corrupt
+    run's cache. A cell patched at layer ``L`` cannot change blocks before ``L``, so its rows run
+    exactly blocks ``L..last``.
+
+    Returns the last block's output (every group, in order) and ``rows_at(layer)``: how many rows
+    the batch held in that block (what a hook there recorded)."""
+    kwargs, resid_in, kv = suffix
+    T = next(iter(resid_in.values())).shape[1]
+    device = next(iter(resid_in.values())).device
+    if p:
+        kwargs = _slice_kwargs(kwargs, p, T, device)
+    memo: dict[tuple, Any] = {}
+
+    def block_kwargs(i: int, k: int) -> dict:
+        kw = {}
+        for name, v in kwargs[i].items():
+            key = (id(v), k)
+            if key not in memo:
+                memo[key] = (v, _tile(v, k, B))  # keep v alive so its id stays unique
+            kw[name] = memo[key][1]
+        if p:
+            from transformers import DynamicCache
+
+            keys, values = kv[i]
+            cache = DynamicCache()
+            cache.update(keys[:, :, :p].repeat(k, 1, 1, 1), values[:, :, :p].repeat(k, 1, 1, 1), i)
+            kw["layer_past"] = cache
+        return kw
+
+    joining = collections.Counter(entry)
+    present: dict[int, int] = {}
+    h, k = None, 0
+    with torch.no_grad(), model.bridge.hooks(fwd_hooks=list(hooks)):
+        for i in range(min(entry), last + 1):
+            if joining.get(i):
+                new = _tile(resid_in[i], joining[i], B)[:, p:]
+                h = new if h is None else torch.cat([h, new])
+                k += joining[i]
+            present[i] = k * B
+            out = model.bridge.blocks[i](h, **block_kwargs(i, k))
+            h = out[0] if isinstance(out, tuple) else out
+    return h, present.__getitem__
+
+
+def _assemble(acts: dict, full: Mapping[str, torch.Tensor], p: int, n: int, rows_at, n_layers):
+    """Complete the activations named in ``full`` — recorded at positions ``p..`` of the
+    ``rows_at(layer)`` rows present in their block — with the corrupt run's values (the rows that
+    join later and the earlier positions are unchanged: attention is causal), in place."""
+    for name in full:
+        part = acts[name]
+        rows = rows_at(hook_layer(name, n_layers))
+        whole = full[name].repeat(n, *([1] * (full[name].dim() - 1))).clone()
+        if _pos_axis(name) == 2:
+            whole[:rows, :, p:] = part
+        else:
+            whole[:rows, p:] = part
+        acts[name] = whole
+
+
+def _check_positions(
+    model, suffix, first: int, last: int, p: int, B: int, want, mask
+) -> tuple[str | None, dict | None]:
+    """Capture the corrupt run's keys and values of blocks ``first..last`` (above every corruption
+    hook), run those blocks at positions ``p..`` only from them, and compare the metric inputs with the full corrupt forward's. Returns
+    ``(None, kv)`` when they agree, else ``(why, None)`` (a warning, or under :func:`strict` a
+    ``RuntimeError``); the sweep then runs every position of each chunk's layers."""
+    kwargs, resid_in, _ = suffix
+    names_ = [n for n in want if n != LOGITS and hook_layer(n, model.n_layers) >= first]
+    got: dict[str, torch.Tensor] = {}
+    rec = [(n, partial(_record, store=got, key=n)) for n in names_]
+    why = None
+    try:
+        kv = _capture_kv(
+            model, resid_in, first, last, kwargs, []
+        )  # no corruption hook from first on
+        h, rows_at = _run_suffix(model, (kwargs, resid_in, kv), [first], last, p, B, rec)
+        _assemble(got, {n: want[n] for n in names_}, p, 1, rows_at, model.n_layers)
+        if LOGITS in want:
+            got[LOGITS] = last_token_logits(model, h, mask[:, p:])
+    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, IndexError) as e:
+        why = f"running positions {p}.. of blocks {first}..{last} failed: {type(e).__name__}: {e}"
+        err: BaseException | None = e
+    else:
+        err = None
+        for n in got:
+            a, b = got[n].float(), want[n].float()
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+                gap = float((a - b).abs().max()) if a.shape == b.shape else float("nan")
+                why = f"running positions {p}.. gave {n} up to {gap:.3g} away from the full run"
+                break
+    if why is None:
+        return None, kv
+    msg = f"patch_sweep runs every position (slower, same values): {why}"
+    if strict():
+        raise RuntimeError(f"{msg} [{STRICT_ENV} is set]") from err
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return why, None
+
+
+def _order(cells: list, per_fwd: int, layers: list[int], start_pos, last: int, T: int) -> list:
+    """The cells in the order whose chunks of ``per_fwd`` cost the least block × position work (a
+    cell's rows run blocks from its own layer to ``last``, at positions from its chunk's
+    ``start_pos``): layer-major, position-major, or layer blocks of 2–8 by position."""
+    if not cells:
+        return cells
+
+    def cost(order: list) -> int:
+        total = 0
+        for i in range(0, len(order), per_fwd):
+            chunk = order[i : i + per_fwd]
+            blocks = sum(last - layers[c[0]] + 1 for c in chunk)  # each cell from its own layer
+            total += blocks * (T - start_pos(chunk))
+        return total
+
+    pos = lambda c: -1 if c[1] is None else c[1]  # noqa: E731
+    keys = [lambda c: (layers[c[0]], pos(c)), lambda c: (pos(c), layers[c[0]])]
+    keys += [lambda c, g=g: (layers[c[0]] // g, pos(c), layers[c[0]]) for g in (2, 4, 8)]
+    return min((sorted(cells, key=k) for k in keys), key=cost)
