@@ -122,14 +122,16 @@ def parse_positions(value: Any) -> tuple[int, ...]:
 
 def _source(pretrained: Any) -> tuple[Any, Any]:
     """What to hand HFLM: the cache directory of the bundled or a packaged model
-    (:func:`me_interp.models.local_path`), a model object and its tokenizer for synthetic models, else
+    (:func:`me_interp.loading.local_path`), a model object and its tokenizer for a registered
+    source's models (synthetic ones), else
     ``pretrained`` itself (a directory, an HF name, a model object)."""
-    from me_interp import models
+    from me_interp import loading
     from me_interp.interventions.hf_hooks import load_hf
+    from me_interp.loading.sources import source_for
 
-    if isinstance(pretrained, str) and pretrained.startswith(models.SYNTHETIC_PREFIX):
+    if source_for(pretrained) is not None:  # a registered source (synthetic models)
         return load_hf(pretrained)
-    return models.local_path(pretrained) or pretrained, None
+    return loading.local_path(pretrained) or pretrained, None
 
 
 def _device(device: Any) -> str:

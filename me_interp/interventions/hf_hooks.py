@@ -284,12 +284,14 @@ def load_hf(model: str | None = None, dtype: torch.dtype = torch.float32, device
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from me_interp import models
+    from me_interp import loading
+    from me_interp.loading.sources import source_for
 
-    if isinstance(model, str) and model.startswith(models.SYNTHETIC_PREFIX):
-        hf, tok = models._synthetic(model)
+    source = source_for(model)  # a registered source (synthetic models)
+    if source is not None:
+        hf, tok = source.load(model)
         return hf.to(device=device, dtype=dtype).eval(), tok
-    path = models.local_path(model) or str(model)
+    path = loading.local_path(model) or str(model)
     tok = AutoTokenizer.from_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     return hf.to(device).eval(), tok
