@@ -179,8 +179,7 @@ class PairsResult:
         }
 
 
-def _metric(cfg, model: LoadedModel, pb: PairBatch) -> tuple[PatchMetric, str]:
-    name = cfg.metric or "logit_diff"
+def _metric(name: str, cfg, model: LoadedModel, pb: PairBatch) -> tuple[PatchMetric, str]:
     if name in LOGIT_METRICS:
         clean_logits = _last_logits(model, pb) if name == "kl" else None
         return logit_metric(name, pb, clean_logits), f"{name} at each pair's last real token"
@@ -208,8 +207,8 @@ def run(cfg, model: LoadedModel | None = None) -> PairsResult:
     """Sweep every site of ``cfg.sites`` on the pairs of ``cfg.pairs``. No printing, no files."""
     model = model_for(cfg, model)
     pb = tokenize_pairs(model, read_pairs(cfg.pairs))
-    metric, note = _metric(cfg, model, pb)
     name = cfg.metric or "logit_diff"
+    metric, note = _metric(name, cfg, model, pb)
     runs = {"exact": patch_sweep, "attribution": attribution_sweep}
     wanted = ("exact", "attribution") if cfg.method == "both" else (cfg.method,)
     got: dict[str, dict[str, SweepResult]] = {m: {} for m in wanted}

@@ -142,21 +142,34 @@ def _check_suffix(
         err: BaseException | None = e
     else:
         err = None
-        for n in got:
-            a, b = got[n].float(), want[n].float()
-            if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
-                why = (
-                    f"running blocks {first}..{last} directly gave {n} up to "
-                    f"{float((a - b).abs().max()):.3g} away from the full corrupt forward"
-                )
-                break
-    if why is None:
-        return None
-    msg = f"patch_sweep falls back to full forwards (slower, same values): {why}"
+        bad = _mismatch(got, want)
+        if bad is not None:
+            why = (
+                f"running blocks {first}..{last} directly gave {bad[0]} up to {bad[1]:.3g} away "
+                "from the full corrupt forward"
+            )
+    if why is not None:
+        _give_up(f"patch_sweep falls back to full forwards (slower, same values): {why}", err)
+    return why
+
+
+def _mismatch(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]):
+    """The first ``(name, largest gap)`` where ``got`` differs from ``want`` (another shape, or
+    beyond rtol 1e-4 / atol 1e-5; the gap is NaN for another shape), else ``None``."""
+    for n in got:
+        a, b = got[n].float(), want[n].float()
+        if a.shape != b.shape:
+            return n, float("nan")
+        if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+            return n, float((a - b).abs().max())
+    return None
+
+
+def _give_up(msg: str, err: BaseException | None) -> None:
+    """A suffix the sweep cannot use: a ``RuntimeWarning``, or under :func:`strict` an error."""
     if strict():
         raise RuntimeError(f"{msg} [{STRICT_ENV} is set]") from err
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
-    return why
+    warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
 _QUERY_AXIS_2 = ("hook_pattern", "hook_attn_scores")
@@ -297,18 +310,12 @@ def _check_positions(
         err: BaseException | None = e
     else:
         err = None
-        for n in got:
-            a, b = got[n].float(), want[n].float()
-            if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
-                gap = float((a - b).abs().max()) if a.shape == b.shape else float("nan")
-                why = f"running positions {p}.. gave {n} up to {gap:.3g} away from the full run"
-                break
+        bad = _mismatch(got, want)
+        if bad is not None:
+            why = f"running positions {p}.. gave {bad[0]} up to {bad[1]:.3g} away from the full run"
     if why is None:
         return None, kv
-    msg = f"patch_sweep runs every position (slower, same values): {why}"
-    if strict():
-        raise RuntimeError(f"{msg} [{STRICT_ENV} is set]") from err
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    _give_up(f"patch_sweep runs every position (slower, same values): {why}", err)
     return why, None
 
 
