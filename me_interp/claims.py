@@ -184,6 +184,18 @@ THRESHOLDS: dict[str, Threshold] = {
         "into the residual stream there, |x_c W_down[r, c]| (times the post-FFN norm's gain over "
         "its rms on sandwich blocks), reaches it and makes that dim of the stream larger",
     ),
+    "ffn_state_cos": Threshold(
+        0.99,
+        "the ME layer's FFN output *is* the massive token's state when their mean cosine over the "
+        "prompts exceeds this and its norm is within ffn_state_norm of the state's: patching the FFN "
+        "output back is then patching the state back (activation_patching.ffn_is_state, a sanity "
+        "check, replaces ffn_writes; sink_causality.remove_ffn is then judged as remove_all)",
+    ),
+    "ffn_state_norm": Threshold(
+        0.05,
+        "the largest |‖FFN output‖ / ‖state‖ − 1| (mean over prompts) at which the ME layer's FFN "
+        "output counts as the state itself (with ffn_state_cos)",
+    ),
     "super_weight_layer": Threshold(
         0.5,
         "super weights: 'the super weight is in the ME layer' when the top candidate of at least "

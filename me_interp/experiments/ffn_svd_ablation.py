@@ -25,6 +25,9 @@ mean_{t≠argmax} ‖h_{m,b,t}‖`` of layer ``m``'s output (as in ``rmsnorm_per
 Claims (:data:`SPECS`, declarative, judged by :func:`me_interp.claims.judge`): the claims (evidence)
 ``svd_<matrix>_removes`` (the top ``claim_k`` directions of each matrix), ``top_neuron_removes`` and
 ``top_neurons_remove``, each bootstrapped over prompts (edited and unedited means resampled together);
+the neurons are scored and chosen on the selection half of the prompts (one unit per distinct
+massive-token prefix, ``_layer_report.massive_units``) and their claims and control are tested on the
+held-out half only, so a neuron chosen for noise in the selection prompts cannot make its claim hold;
 and the controls ``svd_<matrix>_random_keeps`` and ``random_neurons_keep`` (``claim_k`` other
 directions, ``n_neurons`` other neurons: they must keep the activation for the claims beside them to
 be specific, and are never counted as evidence). A control is measured on prompts × seeds
@@ -65,6 +68,7 @@ from me_interp.experiments._weights import (
     run_header,
     where_edited,
 )
+from me_interp.experiments._layer_report import Units, massive_units
 from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.causal import excess_fraction, excess_stat
 from me_interp.loading.loaded import Batch, LoadedModel
@@ -124,8 +128,10 @@ def neuron_scores(
     layer: int,
     positions: Int[torch.Tensor, " batch"],
     dims: Sequence[int],
+    rows: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """``score_n = mean_b ‖act_n(b, t_b) · W_down[D, n]‖₂`` (module docstring), shape ``[d_mlp]``.
+    """``score_n = mean_b ‖act_n(b, t_b) · W_down[D, n]‖₂`` (module docstring), shape ``[d_mlp]``,
+    the mean over the prompts ``rows`` (``None``: all).
 
     One forward, stopped after ``layer``.
 
@@ -144,7 +150,10 @@ def neuron_scores(
     act = store["act"][torch.arange(len(batch)), positions.to(store["act"].device)]  # [batch d_mlp]
     W = ffn_matrix(model, layer, "down").detach().float()[dims].to(act.device)  # [D d_mlp]
     writes = act[:, None, :] * W[None]  # [batch D d_mlp]
-    return writes.norm(dim=1).mean(0).cpu()
+    per_prompt = writes.norm(dim=1)  # [batch d_mlp]
+    if rows is not None:
+        per_prompt = per_prompt[torch.as_tensor(list(rows), dtype=torch.long)]
+    return per_prompt.mean(0).cpu()
 
 
 @dataclass(frozen=True)
@@ -222,6 +231,7 @@ class Result:
     seed: int
     n_prompts: int
     prompt_lengths: list[int]
+    units: Units
 
     @property
     def massive_at_layer(self) -> bool:
@@ -241,14 +251,25 @@ class Result:
         ks = [r["k"] for r in self.select("svd", matrix) if not r["survives"]]
         return min(ks) if ks else None
 
-    def seed_values(self, kind: str, matrix: str | None = None) -> np.ndarray:
-        """``[prompt, seed]`` of a random control: ``(R_{m,b}(edited) − 1) / (R̄_m(unedited) − 1)``,
+    def seed_values(
+        self, kind: str, matrix: str | None = None, prompts: Sequence[int] | None = None
+    ) -> np.ndarray:
+        """``[prompt, seed]`` of a random control: ``(R_{m,b}(edited) − 1) / (R̄_m(unedited) − 1)``
+        over the prompts ``prompts`` (``None``: all; the unedited mean over the same prompts),
         whose mean over prompts is that seed's ``c`` (the cells of a
         :class:`~me_interp.claims.Nested` measurement)."""
         rows = self.select(kind, matrix)
-        base = float(np.mean(self.baseline.prompt_ratio_at(self.layer))) - 1.0
+        idx = list(range(self.n_prompts)) if prompts is None else list(prompts)
+        base = float(np.mean(np.asarray(self.baseline.prompt_ratio_at(self.layer))[idx])) - 1.0
         edited = np.asarray([r["ratio_at_layer_per_prompt"] for r in rows], dtype=np.float64)
-        return ((edited - 1.0) / base).T  # [prompt seed]
+        return ((edited[:, idx] - 1.0) / base).T  # [prompt seed]
+
+    @property
+    def neuron_prompts(self) -> list[int]:
+        """The prompts the neuron claims are tested on: the held-out half (the neurons were chosen
+        on the selection half), or every prompt when fewer than two distinct massive-token
+        prefixes leave nothing to hold out."""
+        return self.units.prompts(self.units.heldout)
 
     def neuron_rows(self) -> list[dict[str, Any]]:
         return self.select("neurons")
@@ -271,6 +292,8 @@ class Result:
             "seed": self.seed,
             "n_prompts": self.n_prompts,
             "prompt_lengths": self.prompt_lengths,
+            "units": self.units.to_dict(),
+            "neurons_chosen_on": "selection half" if self.units.held_out else "all prompts",
             "per_prompt": {
                 "ratio_unedited": b.prompt_ratio_at(self.layer),
                 "ratio_edited": {_label(r): r["ratio_at_layer_per_prompt"] for r in self.rows},
@@ -333,7 +356,10 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     # without a massive activation (an explicit --layer on a model without one) score all dims
     dims = s.location.massive_dims or list(range(s.model.d_model))
     ref = torch.tensor([p[0] for p in s.positions])
-    scores = neuron_scores(s.model, s.batch, m, ref, dims) if cfg.n_neurons else torch.zeros(0)
+    # the neurons are chosen on the selection half and their claims tested on the held-out half
+    units = massive_units(s.batch.tokens, ref.tolist(), cfg.seed)
+    sel = units.prompts(units.select)
+    scores = neuron_scores(s.model, s.batch, m, ref, dims, sel) if cfg.n_neurons else torch.zeros(0)
     top = scores.argsort(descending=True)[: cfg.n_neurons].tolist()
     svds = {mat: SVD.of(ffn_matrix(s.model, m, mat)) for mat in cfg.matrices}
 
@@ -388,6 +414,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         seed=cfg.seed,
         n_prompts=len(s.batch),
         prompt_lengths=s.batch.lengths,
+        units=units,
     )
 
 
@@ -400,6 +427,11 @@ _STAT = (
     "prompts)"
 )
 _DET = "; bootstrap over prompts (edited and unedited means together)"
+_HELD = (
+    "; the neurons chosen on the selection half of the prompts (one unit per distinct "
+    "massive-token prefix), the edit scored on the held-out half; bootstrap over held-out prompts "
+    "(edited and unedited means together)"
+)
 _SEEDS = (
     ", mean over the random draws (seeds); two-way (crossed) bootstrap over prompts × seeds of "
     "(R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed"
@@ -423,6 +455,7 @@ def _deterministic(
     row: Callable[[Result], dict[str, Any] | None],
     missing: str,
     extra: Callable[[Result], str],
+    held_out: bool = False,
 ) -> claims.Spec:
     def stat(result: Result) -> claims.Sample:
         r = row(result)
@@ -431,7 +464,13 @@ def _deterministic(
         pairs = np.column_stack(
             [r["ratio_at_layer_per_prompt"], result.baseline.prompt_ratio_at(result.layer)]
         )
-        return claims.Sample(pairs, excess_stat)
+        if not held_out:
+            return claims.Sample(pairs, excess_stat)
+        # c depends on every token of a prompt (the others' norms), so each prompt is its own
+        # measurement even when prompts share the massive token's prefix
+        rows = result.neuron_prompts
+        unit = "held-out prompts" if result.units.held_out else "prompts (nothing held out)"
+        return claims.Sample(pairs[rows], excess_stat, unit=unit)
 
     def details(result: Result) -> str:
         r = row(result)
@@ -444,7 +483,7 @@ def _deterministic(
         f"{NAME}.{name}",
         section,
         statement,
-        _STAT + _DET,
+        _STAT + (_HELD if held_out else _DET),
         "<=",
         "removed",
         control,
@@ -464,6 +503,7 @@ def _control(
     matrix: str | None,
     missing: str,
     extra: Callable[[Result], str],
+    held_out: bool = False,
 ) -> claims.Spec:
     def applies(result: Result) -> str | None:
         if why := _massive(result):
@@ -490,7 +530,9 @@ def _control(
         "removed",
         control,
         kind="control",
-        stat=lambda r: claims.Nested(r.seed_values(kind, matrix)),
+        stat=lambda r: claims.Nested(
+            r.seed_values(kind, matrix, r.neuron_prompts if held_out else None)
+        ),
         unit="prompts",
         applies=applies,
         details=details,
@@ -515,8 +557,8 @@ def _top_change(mat: str) -> Callable[[Result], str]:
 
 def _about_neurons(result: Result) -> str:
     return (
-        f"top neurons {result.neurons} (scores {_fmt_list(result.neuron_scores)}) by writes into "
-        f"dims {result.massive_dims[:4]}"
+        f"top neurons {result.neurons} (scores {_fmt_list(result.neuron_scores)}, on the selection "
+        f"half) by writes into dims {result.massive_dims[:4]}; {result.units.text()}"
     )
 
 
@@ -574,6 +616,7 @@ SPECS: tuple[claims.Spec, ...] = (
         _first_neuron,
         "no neuron ablated (--n-neurons 0)",
         _about_neurons,
+        held_out=True,
     ),
     _deterministic(
         "top_neurons_remove",
@@ -584,6 +627,7 @@ SPECS: tuple[claims.Spec, ...] = (
         _all_neurons,
         "no neuron ablated (--n-neurons 0)",
         _about_neurons,
+        held_out=True,
     ),
     _control(
         "random_neurons_keep",
@@ -595,6 +639,7 @@ SPECS: tuple[claims.Spec, ...] = (
         None,
         "no neuron ablated (--n-neurons 0)",
         _random_neurons_extra,
+        held_out=True,
     ),
 )
 claims.check_specs(SPECS)

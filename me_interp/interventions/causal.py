@@ -578,14 +578,6 @@ def excess_stat(a: np.ndarray) -> float:
     return excess_fraction(float(m[0]), float(m[1]))
 
 
-FFN_STATE_COS = 0.99
-"""The ME layer's FFN output *is* the massive token's state (:meth:`FfnShare.is_state`) when their
-mean cosine over the prompts exceeds this ..."""
-FFN_STATE_NORM = 0.05
-"""... and the mean of ``‖FFN_p‖ / ‖h_p‖`` lies within this of 1: patching the FFN output back is
-then patching the state back (a sanity check, not evidence about the FFN)."""
-
-
 @dataclass(frozen=True)
 class FfnShare:
     """How much of the massive token's state at the output of a layer is that layer's FFN output.
@@ -599,10 +591,11 @@ class FfnShare:
     norm_ratio: tuple[float, ...]
 
     def is_state(self) -> bool:
-        """Whether the FFN output is (nearly) the state itself (:data:`FFN_STATE_COS`,
-        :data:`FFN_STATE_NORM`, on prompt means)."""
+        """Whether the FFN output is (nearly) the state itself (the thresholds ``ffn_state_cos``
+        and ``ffn_state_norm`` of :data:`me_interp.claims.THRESHOLDS`, on prompt means)."""
         c, r = float(np.mean(self.cos)), float(np.mean(self.norm_ratio))
-        return c > FFN_STATE_COS and abs(r - 1) < FFN_STATE_NORM
+        cos_min, norm_tol = claims.threshold("ffn_state_cos"), claims.threshold("ffn_state_norm")
+        return c > cos_min and abs(r - 1) < norm_tol
 
     def text(self) -> str:
         c, r = float(np.mean(self.cos)), float(np.mean(self.norm_ratio))

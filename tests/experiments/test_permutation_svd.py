@@ -470,3 +470,34 @@ def test_ffn_svd_ablation_bundled(bundled):
         "ffn_svd_ablation.top_neurons_remove": HOLDS,
         "ffn_svd_ablation.random_neurons_keep": HOLDS,
     }
+
+
+def test_ffn_neurons_chosen_on_the_selection_half(tmp_path):
+    """On prompts with distinct first tokens the neurons are scored on the selection half only,
+    and the neuron claims and their control are measured on the held-out half only."""
+    model = load_model("synthetic:planted-nobos")
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(synthetic.distinct_first_prompts(12)))
+    cfg = ffn_svd_ablation.Config(prompts=str(f), n_prompts=0, ks=(1,), matrices=("down",))
+    res = ffn_svd_ablation.run(cfg, model)
+    sel = res.units.prompts(res.units.select)
+    held = res.neuron_prompts
+    assert res.units.held_out and sel and held and not set(sel) & set(held)
+    assert sorted(sel + held) == list(range(res.n_prompts))
+    # the scores are the selection half's, computed by hand at the massive token (position 0)
+    batch = model.tokenize(synthetic.distinct_first_prompts(12))
+    store: dict = {}
+    model.run_with_hooks(batch, [(names.ffn_in(res.layer), partial(_grab, store=store, key="x"))])
+    w = model.ffn_weights(res.layer)
+    x = store["x"][sel, 0]  # [selection d_model]
+    act = torch.nn.functional.silu(x @ w.gate.detach().T) * (x @ w.up.detach().T)
+    want = (act[:, None, :] * w.down.detach()[res.massive_dims][None]).norm(dim=1).mean(0)
+    assert [float(want[n]) for n in res.neurons] == pytest.approx(res.neuron_scores, rel=1e-4)
+    assert res.neurons == want.argsort(descending=True)[: cfg.n_neurons].tolist()
+    cs = {c.id: c for c in _judge(ffn_svd_ablation, res)}
+    for cid in ("top_neuron_removes", "top_neurons_remove"):
+        est = cs[f"ffn_svd_ablation.{cid}"].estimate
+        assert est.n == len(held) and est.unit == "held-out prompts"
+    keeps = cs["ffn_svd_ablation.random_neurons_keep"].estimate
+    assert keeps.n == len(held)
+    assert res.to_dict()["neurons_chosen_on"] == "selection half"
