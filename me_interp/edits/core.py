@@ -193,6 +193,11 @@ def _check_value(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         raise ValueError("new parameter values must be finite (no inf/NaN)")
 
 
+EDITED_ATTR = "_me_interp_edited"
+"""The attribute :func:`edited_parameters` sets on a parameter while it is edited (how many edits
+hold it); ``me_interp.probes.blocks`` reads the same name to refuse reusing an unedited prefix."""
+
+
 @contextlib.contextmanager
 def edited_parameters(edits: Mapping[torch.nn.Parameter, torch.Tensor]) -> Iterator[None]:
     """Write ``edits`` (``{live parameter: new value}``) in place; restore the originals on exit.
@@ -211,6 +216,11 @@ def edited_parameters(edits: Mapping[torch.nn.Parameter, torch.Tensor]) -> Itera
     # computed before any write: values may alias parameters that are edited too (swaps)
     new_values = [value.detach().to(param.device, param.dtype).clone() for param, value in items]
     saved = [param.detach().clone() for param, _ in items]
+    for (
+        param,
+        _,
+    ) in items:  # marked while edited: a run from a later block refuses it (probes.blocks)
+        setattr(param, EDITED_ATTR, getattr(param, EDITED_ATTR, 0) + 1)
     try:
         with torch.no_grad():
             for (param, _), value in zip(items, new_values):
@@ -220,3 +230,5 @@ def edited_parameters(edits: Mapping[torch.nn.Parameter, torch.Tensor]) -> Itera
         with torch.no_grad():
             for (param, _), original in zip(items, saved):
                 param.data.copy_(original)
+        for param, _ in items:
+            setattr(param, EDITED_ATTR, getattr(param, EDITED_ATTR) - 1)

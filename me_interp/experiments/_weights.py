@@ -16,11 +16,14 @@ the set (:func:`spread`), each cut to ``max_tokens`` tokens. The result reports 
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from me_interp import names
@@ -28,10 +31,12 @@ from me_interp.claims import NotApplicable
 from me_interp.edits import PARTS
 from me_interp.experiments.common import INDEX_CONVENTION, CommonConfig, model_for
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.patching.suffix import STRICT_ENV
 from me_interp.probes.attention import mean_to_keys
 from me_interp.probes.batching import Chunk, record
+from me_interp.probes.blocks import Prefix, capture_prefix
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer, prompt_me_layers
-from me_interp.probes.norms import NormRecorder, scan_norms, top_ratio
+from me_interp.probes.norms import NormRecorder, NormScan, scan_norms, top_ratio
 from me_interp.prompts import spread
 
 SCAN_SITES = ("resid_pre", "resid_mid", "resid_post")
@@ -294,12 +299,41 @@ def measure(
     return _measure(model, batch, criterion, positions, sink)[0]
 
 
-def _measure(model, batch, criterion, positions, sink: bool) -> tuple[Measurement, MELocation]:
+def _same(a: Measurement, b: Measurement) -> str | None:
+    """Where two measurements differ (beyond rtol 1e-4 / atol 1e-5), or ``None``."""
+    for k, va in asdict(a).items():
+        x, y = np.asarray(va, dtype=np.float64), np.asarray(getattr(b, k), dtype=np.float64)
+        if x.shape != y.shape or not np.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True):
+            return k
+    return None
+
+
+@dataclass(frozen=True)
+class Unedited:
+    """The unedited model's forward of a batch, for measuring edits that start at a later block:
+    its block inputs (``probes.blocks``), its norm scan and its per-head sink mass (``None``
+    without the sink)."""
+
+    prefix: Prefix
+    scan: NormScan
+    sink: torch.Tensor | None
+
+
+def _measure(
+    model, batch, criterion, positions, sink: bool, unedited: Unedited | None = None, start: int = 0
+) -> tuple[Measurement, MELocation, NormScan, torch.Tensor | None]:
     per = [[0] for _ in range(len(batch))] if positions is None else [list(p) for p in positions]
     norms = NormRecorder(model, batch, SCAN_SITES)
     sinks = SinkRecorder(model, batch, per) if sink else None
-    record(model, batch, [norms] if sinks is None else [norms, sinks])
-    scan = norms.result()
+    recs = [norms] if sinks is None else [norms, sinks]
+    if unedited is None or not start:
+        record(model, batch, recs)
+        scan = norms.result()
+    else:  # blocks start.. only; the layers before are the unedited run's
+        record(model, batch, recs, prefix=unedited.prefix, start=start)
+        scan = norms.result(below=unedited.scan, start=start)
+        if sinks is not None:
+            sinks.out[:start] = unedited.sink[:start]
     loc = locate_me_layer(scan, criterion)
     m = Measurement(
         me_layer=loc.me_layer,
@@ -311,7 +345,7 @@ def _measure(model, batch, criterion, positions, sink: bool) -> tuple[Measuremen
         prompt_ratio=top_ratio(scan.site_norms("resid_post"), scan.mask).tolist(),  # [layer][b]
         prompt_me_layer=prompt_me_layers(scan, criterion),
     )
-    return m, loc
+    return m, loc, scan, None if sinks is None else sinks.out
 
 
 def locate(model: LoadedModel, batch: Batch, criterion: Criterion) -> MELocation:
@@ -348,6 +382,47 @@ class Setup:
     positions: list[list[int]]
     location: MELocation
     layer_given: bool = False
+    sink: bool = True
+    scan: NormScan | None = None
+    sink_mass: torch.Tensor | None = None
+    unedited: dict[str, Unedited] = field(default_factory=dict, compare=False, repr=False)
+
+    def reuse_from(self, starts: Sequence[int]) -> None:
+        """Capture the unedited model's block inputs once, so that :meth:`measure` of an edit
+        starting at one of ``starts`` runs blocks ``start..`` only (call before any edit).
+
+        Checked once against the baseline: the measurement from the largest start must equal the
+        full forward's (rtol 1e-4); if it does not, edits are measured with full forwards, with a
+        warning (an error under ``ME_INTERP_STRICT``)."""
+        starts = sorted({int(x) for x in starts if x})
+        if not starts or self.scan is None:
+            return
+        u = Unedited(capture_prefix(self.model, self.batch, starts), self.scan, self.sink_mass)
+        got = _measure(
+            self.model, self.batch, self.criterion, self.positions, self.sink, u, starts[-1]
+        )[0]
+        bad = _same(got, self.baseline)
+        if bad is None:
+            self.unedited["prefix"] = u
+            return
+        msg = (
+            f"running blocks {starts[-1]}.. from the unedited prefix changed {bad} of the unedited "
+            "measurement: edits are measured with full forwards (slower, same values)"
+        )
+        if os.environ.get(STRICT_ENV, "") not in ("", "0"):
+            raise RuntimeError(f"{msg} [{STRICT_ENV} is set]")
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+    def measure(self, model: LoadedModel | None = None, start: int = 0) -> Measurement:
+        """:func:`measure` of the setup's batch on ``model`` (default: the setup's, as it is now,
+        edited or not). ``start``: the first block an edit changes; blocks before it are taken from
+        the unedited run when :meth:`reuse_from` captured ``start`` (and the model is the setup's,
+        its parameters before ``start`` untouched: checked), else the whole forward runs."""
+        model = self.model if model is None else model
+        u = self.unedited.get("prefix")
+        if u is None or model is not self.model or start not in u.prefix.starts:
+            start = 0
+        return _measure(model, self.batch, self.criterion, self.positions, self.sink, u, start)[0]
 
 
 def no_massive_activation(
@@ -382,8 +457,20 @@ def prepare(
     else:
         layer = cfg.layer
     positions = [list(p) if p else [r] for p, r in zip(_positions(loc), loc.reference_positions)]
-    baseline, _ = _measure(model, batch, crit, positions, cfg.sink)
-    return Setup(model, batch, crit, baseline, layer, positions, loc, cfg.layer is not None)
+    baseline, _, scan, sink = _measure(model, batch, crit, positions, cfg.sink)
+    return Setup(
+        model,
+        batch,
+        crit,
+        baseline,
+        layer,
+        positions,
+        loc,
+        cfg.layer is not None,
+        cfg.sink,
+        scan,
+        sink,
+    )
 
 
 def _positions(loc) -> list[list[int]]:

@@ -55,6 +55,7 @@ from jaxtyping import Int
 
 from me_interp import claims, names, terminal
 from me_interp.edits import MATRICES, edited_parameters, ffn_matrix, neurons_ablated
+from me_interp.experiments._layer_report import Units, massive_units
 from me_interp.experiments._weights import (
     EDIT_COLUMNS,
     Measurement,
@@ -62,13 +63,11 @@ from me_interp.experiments._weights import (
     edit_cells,
     edit_row,
     fmt_value,
-    measure,
     no_massive_activation,
     prepare,
     run_header,
     where_edited,
 )
-from me_interp.experiments._layer_report import Units, massive_units
 from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.causal import excess_fraction, excess_stat
 from me_interp.loading.loaded import Batch, LoadedModel
@@ -385,9 +384,10 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 
     before = np.asarray(s.baseline.prompt_ratio_at(m), dtype=np.float64)
     rows = []
+    s.reuse_from([m])  # every edit is in layer m's FFN
     for what, ctx in terminal.bar(edits, desc=NAME):
         with ctx():
-            after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
+            after = s.measure(start=m)
         full = {
             "matrix": None,
             "k": None,

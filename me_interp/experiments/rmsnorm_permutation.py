@@ -74,7 +74,6 @@ from me_interp.experiments._weights import (
     edit_cells,
     edit_row,
     fmt_value,
-    measure,
     no_massive_activation,
     prepare,
     run_header,
@@ -278,9 +277,10 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     before = np.asarray(s.baseline.prompt_ratio_at(m), dtype=np.float64)
     n_edits = len(cfg.norms) * (3 * cfg.n_random + len(cfg.alphas))
     rows = []
+    s.reuse_from([m])  # every edit is a gain of layer m
     for norm, kind, param, ctx in terminal.bar(_edits(s.model, cfg, m), total=n_edits, desc=NAME):
         with ctx:
-            after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
+            after = s.measure(start=m)
         row = edit_row(after, m, per_prompt=True, norm=norm, kind=kind, param=param)
         after_m = float(np.mean(row["ratio_at_layer_per_prompt"]))
         rows.append({**row, "change": excess_fraction(after_m, float(before.mean()))})

@@ -62,7 +62,6 @@ from me_interp.experiments._weights import (
     depth_label,
     locate,
     majority,
-    measure,
     no_massive_activation,
     prepare,
     short_batch,
@@ -342,9 +341,10 @@ def run(
     part_modules = {part: moved_modules(target, part) for part in cfg.parts}
     rows = []
     todo = [(part, t) for part in cfg.parts for t in targets]
+    s.reuse_from(targets)  # a patch changes nothing before its target layer
     for part, t in terminal.bar(todo, desc=f"{NAME} (source layer {source_layer})"):
         with patched_weights(target, source_layer, t, part, source_model=None if same else src):
-            after = measure(target, s.batch, s.criterion, s.positions, cfg.sink)
+            after = s.measure(start=t)
         rows.append(
             PatchRow(
                 part=part,

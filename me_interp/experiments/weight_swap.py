@@ -292,9 +292,10 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     part_modules = {part: moved_modules(s.model, part) for part in cfg.parts}  # raises if absent
     rows = []
     todo = [(part, p) for part in cfg.parts for p in partners]
+    s.reuse_from([min(m, p) for p in partners])  # a swap changes nothing before its first layer
     for part, p in terminal.bar(todo, desc=f"{NAME} (layer {m})"):
         with swapped_layers(s.model, m, p, part):
-            after = measure(s.model, s.batch, s.criterion, s.positions, cfg.sink)
+            after = s.measure(start=min(m, p))
         rows.append(
             SwapRow(
                 part=part,

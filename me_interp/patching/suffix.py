@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from jaxtyping import Float
 
-from me_interp import names
-from me_interp.models import Batch, LoadedModel
+from me_interp.models import LoadedModel
 from me_interp.patching.metrics import LOGITS, hook_layer
+from me_interp.probes.blocks import _record
+from me_interp.probes.blocks import run_blocks as _run_blocks
 
 #: Environment variable: when set (not ``""``/``"0"``), a ``skip_shared`` sweep that cannot run the
 #: block suffix raises instead of warning and falling back to full forwards (tests set it).
@@ -54,36 +55,6 @@ def _gather_last(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return logits[torch.arange(logits.shape[0], device=logits.device), idx]
 
 
-def _record(x: torch.Tensor, hook, *, store: dict, key: str):
-    store[key] = x.detach()
-    return x
-
-
-def _capture_block_inputs(model: LoadedModel, batch: Batch, hooks: Sequence, layers: Sequence[int]):
-    """One forward of ``batch``: the keyword arguments each block receives (masks, rotary
-    embeddings), per block — Gemma 2/3 give sliding-window and global layers their own mask and
-    rotary embedding — and the residual stream entering each of ``layers``."""
-    got: dict[int, dict] = {}
-
-    def pre(module, args, kwargs, *, i):
-        got.setdefault(i, kwargs)
-
-    store: dict[str, torch.Tensor] = {}
-    rec = [(names.resid_pre(x), partial(_record, store=store, key=str(x))) for x in set(layers)]
-    handles = [
-        block.register_forward_pre_hook(partial(pre, i=i), with_kwargs=True)
-        for i, block in enumerate(model.bridge.blocks)
-    ]
-    try:
-        model.run_with_hooks(batch, [*hooks, *rec])
-    finally:
-        for h in handles:
-            h.remove()
-    drop = ("cache", "past_key_value", "past_key_values", "use_cache", "cache_position")
-    kwargs = {i: {k: v for k, v in kw.items() if k not in drop} for i, kw in got.items()}
-    return kwargs, {int(k): v for k, v in store.items()}
-
-
 def _tile(v, n: int, B: int):
     """Repeat the batch dimension of block kwargs ``n`` times (row ``c·B + b`` = prompt ``b``)."""
     if torch.is_tensor(v):
@@ -91,19 +62,6 @@ def _tile(v, n: int, B: int):
     if isinstance(v, tuple):
         return tuple(_tile(x, n, B) for x in v)
     return v
-
-
-def _run_blocks(
-    model: LoadedModel, resid: torch.Tensor, start: int, stop: int, kwargs: Mapping, hooks
-):
-    """Run blocks ``start..stop`` (inclusive) on ``resid`` with ``hooks`` and each block's own
-    captured ``kwargs[i]``; earlier blocks skipped."""
-    with torch.no_grad(), model.bridge.hooks(fwd_hooks=list(hooks)):
-        h = resid
-        for i in range(start, stop + 1):
-            out = model.bridge.blocks[i](h, **kwargs[i])
-            h = out[0] if isinstance(out, tuple) else out
-    return h
 
 
 def strict() -> bool:

@@ -47,7 +47,6 @@ from me_interp.models import Batch, LoadedModel
 from me_interp.patching.metrics import LOGITS, PatchMetric, hook_layer, metric_hooks, normalized
 from me_interp.patching.suffix import (
     _assemble,
-    _capture_block_inputs,
     _check_positions,
     _check_suffix,
     _gather_last,
@@ -56,6 +55,7 @@ from me_interp.patching.suffix import (
     _run_suffix,
     last_token_logits,
 )
+from me_interp.probes.blocks import capture_block_inputs as _capture_block_inputs
 
 HEAD_SITES: dict[str, str] = {
     "attn_head_out": "z",

@@ -24,13 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Int
 
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
+
+if TYPE_CHECKING:
+    from me_interp.probes.blocks import Prefix
 
 MAX_CHUNK_TOKENS = 1024
 """Padded tokens per chunk (rows × longest row). Measured on SmolLM2-135M with one CPU thread, the 82
@@ -148,6 +151,8 @@ def record(
     fwd_hooks: Sequence[Hook] = (),
     last_layer: int | None = None,
     max_tokens: int = MAX_CHUNK_TOKENS,
+    prefix: Prefix | None = None,
+    start: int = 0,
 ) -> None:
     """Run ``batch`` (its ``rows``, their first ``upto`` tokens) once, chunk by chunk, with the hooks
     of every recorder (see the module docstring). Recorders write their outputs in place.
@@ -163,6 +168,12 @@ def record(
             logits (``rows`` and ``upto`` must be ``None``).
         last_layer: the last block any recorder reads (default: all); the forward stops after it.
         max_tokens: the padded-token budget of a chunk.
+        prefix: the unedited model's block inputs for ``batch`` (:func:`me_interp.probes.blocks.
+            capture_prefix`, same ``max_tokens``): run blocks ``start..`` only, from the unedited
+            residual stream entering block ``start``; the recorders' hooks of earlier layers do not
+            run (their outputs there are the caller's to fill, e.g. from the unedited run).
+        start: the first block run with ``prefix`` (checked: captured, and no parameter before it
+            edited since).
     """
     if fwd_hooks:
         if rows is not None or upto is not None:
@@ -172,6 +183,17 @@ def record(
         whole = Chunk(torch.arange(len(batch)), batch, batch.lengths)
         hooks = [h for rec in recorders for h in rec.hooks(whole)]
         model.run_with_hooks(batch, [*fwd_hooks, *hooks])
+        return
+    if prefix is not None:
+        if rows is not None or upto is not None or fwd_hooks:
+            raise ValueError("a prefix run takes the whole batch, with no rows, upto or fwd_hooks")
+        from me_interp.probes.blocks import run_blocks  # blocks builds on this module
+
+        prefix.check(model, start)
+        last = model.n_layers - 1 if last_layer is None else model.check_layer(last_layer)
+        for c, chunk in enumerate(prefix.chunks):
+            hooks = [h for rec in recorders for h in rec.hooks(chunk)]
+            run_blocks(model, prefix.resid[c][start], start, last, prefix.kwargs[c], hooks)
         return
     stop = stop_hook_name(model, last_layer)
     for chunk in chunks(batch, rows, upto, max_tokens):

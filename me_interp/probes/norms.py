@@ -129,10 +129,21 @@ class NormRecorder:
         buf["top_dims"][:, rows, :w] = c.buf["top_dims"]
         buf["median_abs"][:, rows] = c.buf["median_abs"]
 
-    def result(self) -> NormScan:
-        """The measurements, moved to the CPU (one copy per output, after the forward)."""
+    def result(self, below: NormScan | None = None, start: int = 0) -> NormScan:
+        """The measurements, moved to the CPU (one copy per output, after the forward).
+
+        ``below``: the scan of the same batch on the unedited model, whose layers ``< start`` stand
+        for this run's when the forward ran blocks ``start..`` only (``probes.blocks``)."""
         self._flush()
         buf = {k: v.cpu() for k, v in self._buffers(self.model.device).items()}
+        if below is not None and start:
+            if below.sites != self.sites or below.norms.shape[1:] != buf["norms"].shape[1:]:
+                raise ValueError("the unedited scan has other sites or another batch shape")
+            buf["norms"][:, :start] = below.norms[:, :start]
+            buf["top_abs"][:start] = below.top_abs[:start]
+            buf["top_dims"][:start] = below.top_dims[:start]
+            buf["median_abs"][:start] = below.median_abs[:start]
+            buf["kept"][:start, : below.kept_resid.shape[1]] = below.kept_resid[:start]
         mask = self.batch.attention_mask.bool().cpu()
         norms = buf["norms"].masked_fill(~mask, float("nan"))
         if not torch.isfinite(norms[:, :, mask]).all():
