@@ -125,6 +125,13 @@ THRESHOLDS: dict[str, Threshold] = {
         "(clean = 1, corrupt = 0) reaches this; transplant: the fraction of the sink heads' "
         "unmodified attention to p that reaches the new position",
     ),
+    "head_excess": Threshold(
+        0.25,
+        "activation patching per head: the heads chosen by their attention to the massive token "
+        "carry its effect when, patched together, they restore at least this much more of the "
+        "clean output (normalised, clean = 1, corrupt = 0) than as many random heads of the same "
+        "layers",
+    ),
     "removed": Threshold(
         0.1,
         "an intervention 'removes' the massive activation when the excess norm ratio (R - 1, "

@@ -261,7 +261,7 @@ KEY_FIGURES: dict[str, tuple[str, ...]] = {
     "invariance": ("cos_across_inputs",),
     "attention_sinks": ("sink_rate",),
     "wemask": ("mask_rate",),
-    "activation_patching": ("patching_projection",),
+    "activation_patching": ("patching_projection", "sink_heads"),
     "rmsnorm_permutation": ("ratio_after_edit",),
     "ffn_svd_ablation": ("svd_sweep",),
     "super_weight": ("down_proj_spikes",),

@@ -549,6 +549,8 @@ DECOYS: dict[str, str] = {
     "sinkapart": "planted, but the sink heads' key reads the marker, not the massive dim",
     "primed": "token 0 starts at −7 % of it; the ME FFN writes 107 %: its output is not the state",
     "primedapart": "primed, with the sink heads' key on the marker, not the massive dim",
+    "sinkspread": "planted, and after the ME layer every head is a sink head: the sink's effect is "
+    "spread over all heads",
 }
 """The kinds :func:`decoy` builds (loadable as ``synthetic:decoy-<kind>``): kind: what it is."""
 
@@ -931,6 +933,7 @@ CAUSAL_DECOYS: tuple[str, ...] = (
     "sinkapart",
     "primed",
     "primedapart",
+    "sinkspread",
 )
 """The kinds of :data:`DECOYS` that :func:`causal_decoy` builds."""
 
@@ -970,6 +973,8 @@ class CausalDecoy(Decoy):
             (``varying``; else ``None``).
         prime: the value on the massive dim of the starters' embedding (``primed``,
             ``primedapart``; 0 otherwise).
+        spread_layers: the layers whose every head is a sink head (``sinkspread``; else empty: only
+            head 0 is).
     """
 
     sink_reads: tuple[int, ...] = ()
@@ -978,6 +983,7 @@ class CausalDecoy(Decoy):
     collapse_value: float = 0.0
     sign_dim: int | None = None
     prime: float = 0.0
+    spread_layers: tuple[int, ...] = ()
 
 
 def add_late_writer(
@@ -1025,6 +1031,27 @@ def _collapse_head(hf, plant: Plant, layer: int, dim: int, value: float) -> None
         lay.o[dim, plant.sink_head * hd] = value / cfg.hidden_size**0.5
 
 
+def _sink_every_head(hf, plant: Plant, layers) -> None:
+    """Make every head of ``layers`` a sink head like head 0 (in place): each query reads only the
+    bias dim and each key only the massive dim, on the slow rotary pair, with the planted weights, so
+    every head attends to the massive token as head 0 does; values and outputs stay random, so each
+    head writes its own part of what the sink changes."""
+    cfg = hf.config
+    for L in layers:
+        lay = _Layer(hf.model.layers[L], cfg)
+        hd = lay.head_dim
+        slow = hd // 2 - 1
+        q0 = float(lay.q[plant.sink_head * hd + slow, plant.bias_dim])
+        k0 = float(lay.k[plant.sink_head * hd + slow, plant.massive_dim])
+        with torch.no_grad():
+            for h in range(cfg.num_attention_heads):
+                lay.q[h * hd : (h + 1) * hd, :] = 0.0
+                lay.q[h * hd + slow, plant.bias_dim] = q0
+            for h in range(cfg.num_key_value_heads):
+                lay.k[h * hd : (h + 1) * hd, :] = 0.0
+                lay.k[h * hd + slow, plant.massive_dim] = k0
+
+
 def _protect(hf, dim: int) -> None:
     """Make ``dim`` written by no attention output and no FFN (in place)."""
     with torch.no_grad():
@@ -1064,7 +1091,11 @@ def causal_decoy(kind: str, layer: int = 2, seed: int = 0):
       normalised state points *against* the massive dim, which the sink head's key reads: the sink
       goes;
     * ``primedapart``: ``primed`` with the sink head's key of ``sinkapart``: the same removal leaves
-      the sink (the marker is read, and more strongly once the massive value is gone).
+      the sink (the marker is read, and more strongly once the massive value is gone);
+    * ``sinkspread``: after the ME layer *every* head is a sink head like head 0
+      (:func:`_sink_every_head`; values and outputs random): removing the massive activation changes
+      what all of them write, so its effect on the output is spread over every head, not carried by
+      one per layer.
 
     Returns:
         ``(hf_model, tokenizer, CausalDecoy)``.
@@ -1100,6 +1131,9 @@ def causal_decoy(kind: str, layer: int = 2, seed: int = 0):
         elif kind == "collapse":
             _collapse_head(hf, p, layer + 1, COLLAPSE_DIM, COLLAPSE_VALUE)
             rec.update(head=p.sink_head, collapse_dim=COLLAPSE_DIM, collapse_value=COLLAPSE_VALUE)
+        elif kind == "sinkspread":
+            _sink_every_head(hf, p, after)
+            rec.update(spread_layers=after)
         elif kind == "varying":
             _protect(hf, SIGN_DIM)
             sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(N_STARTERS)])

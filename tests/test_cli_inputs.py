@@ -74,6 +74,7 @@ BAD: dict[str, list[str]] = {
     "batch_size": ["0"],
     "n_prompts": ["-1"],
     "n_random": ["-1"],
+    "n_sink_heads": ["0", "x"],
     "ks": ["0", "x"],
     "claim_k": ["0"],
     "n_neurons": ["-1"],
@@ -114,6 +115,9 @@ BAD: dict[str, list[str]] = {
     "heads": ["-1", "x"],
     "head_positions": ["bogus"],
     "method": ["bogus", "attribution"],  # attribution without --pairs
+    # backends (me_layer, survey, attention_sinks, wemask)
+    "backend": ["bogus"],
+    "remote": ["maybe", "yes"],  # yes: remote without --backend nnsight
 }
 
 

@@ -50,6 +50,13 @@ ME layer restores the downstream sink (``state_causes_sink``) [sanity]; no later
 value and is named in the details. None is decided by a cell the corruption overwrote, and none but
 the precondition applies when the corruption did not remove the activation.
 
+Per head (:mod:`me_interp.experiments.patching_heads`): the heads after the ME layer with the most
+attention to the massive token, chosen on half of the prompts, have their clean outputs patched
+together into the corrupt run; on the other half they restore at least half of the clean
+next-token distribution (``sink_heads_restore``) [claim], and at least ``head_excess`` more than as
+many random heads of the same layers (``sink_heads_beat_random``) [claim]. The figure
+``sink_heads`` maps every head's attention to the massive token and its own restore.
+
 With ``--pairs FILE.jsonl`` it answers *your* question instead: your clean/corrupt pairs, scored by
 ``--metric`` (``logit_diff``, ``prob``, ``kl``, or a massive-activation metric), every layer and
 position of every site (per-head sites: ``attn_head_out``, ``attn_head_pattern``, ``q``, ``k``,
@@ -72,7 +79,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from me_interp import claims, names, plotting
-from me_interp.experiments import patching_pairs
+from me_interp.experiments import patching_heads, patching_pairs
 from me_interp.experiments.common import CommonConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
@@ -220,6 +227,48 @@ def _details(key: str, metric: str):
     return details
 
 
+def _why_heads(r: Result) -> str | None:
+    """Why the sink-heads claims do not apply: those of :func:`_why_removed`, the question not
+    measured (``sink_heads_why``), or no sink head (no head after the ME layer attends to ``p``
+    with at least ``sink_attention`` on the selection prompts)."""
+    why = _why_removed(r) or r.sink_heads_why
+    if why is None and r.sink_heads is None:
+        why = "the sink-heads question was not measured in this run"
+    if why is None:
+        att = r.sink_heads.selection_attention()
+        if float(att.max()) < claims.threshold("sink_attention"):
+            why = (
+                f"no sink head: no head after layer {r.site.layer} attends to position "
+                f"{r.site.position} with at least {claims.threshold('sink_attention'):g} "
+                f"(threshold 'sink_attention'; the most: {float(att.max()):.3g})"
+            )
+    return why
+
+
+def _why_random_heads(r: Result) -> str | None:
+    why = _why_heads(r)
+    if why is None:
+        why = claims.too_few_seeds(len(r.sink_heads.random_sets), "--n-random")
+    return why
+
+
+def _heads_details(r: Result) -> str:
+    return (
+        f"corruption {r.corruption}; ME layer {r.site.layer}, position {r.site.position}; "
+        + patching_heads.details(r.sink_heads)
+    )
+
+
+_HEADS = (
+    "the clean outputs (hook_z, every position) of the k sink heads — the heads after the ME layer "
+    "with the most attention to the massive token on the selection half of the prompts — patched "
+    "together into the corrupt run"
+)
+_KL = (
+    "normalised KL(clean ‖ run) of the next-token distribution at the last token (clean = 1, "
+    "corrupt = 0; ratio of held-out prompt means)"
+)
+
 SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
         "activation_patching.removal",
@@ -317,6 +366,41 @@ SPECS: tuple[claims.Spec, ...] = (
         applies=_why_later,
         details=_details("not_rewritten", PROJECTION),
     ),
+    claims.Spec(
+        "activation_patching.sink_heads_restore",
+        "§2.4, §2.6",
+        "The massive activation acts on the output through the heads that attend to it: the clean "
+        "outputs of the few heads with the most attention to the massive token (chosen on other "
+        "prompts), patched together into the run where the activation never formed, restore at "
+        "least half of the clean next-token distribution",
+        f"{_KL} of {_HEADS}",
+        ">=",
+        "restore",
+        control="as many random heads of the same layers (sink_heads_beat_random); each head "
+        "alone (figure sink_heads)",
+        stat=lambda r: claims.Sample(r.sink_heads.rows(), _restore_stat, unit="held-out prompts"),
+        applies=_why_heads,
+        details=_heads_details,
+    ),
+    claims.Spec(
+        "activation_patching.sink_heads_beat_random",
+        "§2.4, §2.6",
+        "The heads that attend most to the massive token carry its effect on the output more than "
+        "other heads of the same layers: patched together, they restore more of the clean "
+        "next-token distribution than as many random heads of those layers, by at least the "
+        "head_excess threshold",
+        f"restore of {_HEADS}, minus that of as many random heads of the same layers (as many per "
+        "layer); per held-out prompt × random draw (KL_random − KL_sink) / (mean KL_corrupt − "
+        "mean KL_clean); two-way (crossed) bootstrap over held-out prompts × draws",
+        ">=",
+        "head_excess",
+        control="the random heads of the same layers (the statistic's baseline)",
+        stat=lambda r: claims.Nested(
+            r.sink_heads.excess(), unit="held-out prompts", inner="random draws"
+        ),
+        applies=_why_random_heads,
+        details=_heads_details,
+    ),
 )
 SPEC = claims.index(SPECS)
 
@@ -357,6 +441,11 @@ class Config(CommonConfig):
             ``each`` position (layer × position × head; for the pattern, the query position).
         method: with ``pairs``: ``exact`` patching, ``attribution`` patching (one forward and one
             backward estimate every cell) or ``both`` (with their rank correlation per site).
+        n_sink_heads: the sink-heads question (:mod:`me_interp.experiments.patching_heads`): how
+            many heads, those with the most attention to the massive token on the selection half of
+            the prompts, are patched together; ``None`` = one per layer after the ME layer.
+        n_random: draws of as many random heads of the same layers (the control; at least
+            ``claims.MIN_SEEDS`` for its claim to be judged; 0 skips the sink-heads question).
     """
 
     sites: tuple[str, ...] = ("resid_pre", "attn_out", "mlp_out")
@@ -372,6 +461,8 @@ class Config(CommonConfig):
     heads: tuple[int, ...] | None = None
     head_positions: Literal["all", "each"] = "all"
     method: Literal["exact", "attribution", "both"] = "exact"
+    n_sink_heads: int | None = None
+    n_random: int = 10
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -402,6 +493,12 @@ class Config(CommonConfig):
             raise ValueError("max_prompts must be >= 1 (or None for all)")
         if self.batch_size < 1:
             raise ValueError("batch_size must be >= 1")
+        if self.n_sink_heads is not None and self.n_sink_heads < 1:
+            raise ValueError(
+                "n_sink_heads must be >= 1 (or None: one per layer after the ME layer)"
+            )
+        if self.n_random < 0:
+            raise ValueError("n_random must be >= 0")
         for f in ("metric_layer", "layer"):
             if getattr(self, f) is not None and getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0")
@@ -464,6 +561,8 @@ class Result:
     ffn: causal.FfnShare
     direction_cos: float
     seed: int = 0
+    sink_heads: patching_heads.SinkHeads | None = None
+    sink_heads_why: str | None = None
 
     def _sweep(self, site: str) -> SweepResult | None:
         if site in FFN_SITES:
@@ -555,6 +654,8 @@ class Result:
             "per_prompt": per_prompt,
             "tokens_prompt0": self.tokens,
             "sweeps": {s: sw.to_dict() for s, sw in self.sweeps.items()},
+            "sink_heads": None if self.sink_heads is None else self.sink_heads.to_dict(),
+            "sink_heads_why": self.sink_heads_why,
         }
 
 
@@ -638,6 +739,25 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pair
         )
         for s in cfg.sites
     }
+    heads, heads_why = None, None
+    if cfg.n_random > 0:
+        try:
+            heads = patching_heads.measure(
+                model,
+                clean,
+                corrupt,
+                hooks,
+                L,
+                p,
+                k=cfg.n_sink_heads,
+                n_random=cfg.n_random,
+                seed=cfg.seed,
+                batch_size=cfg.batch_size,
+            )
+        except claims.NotApplicable as e:
+            heads_why = str(e)
+    else:
+        heads_why = "not measured in this run (--n-random 0)"
     tokens = [model.tokenizer.decode([int(t)]) for t in clean.tokens[0, : clean.lengths[0]]]
     return Result(
         model=model.name,
@@ -656,6 +776,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pair
         ffn=causal.ffn_share(model, clean, L, p, acts=acts),
         direction_cos=direction_cos,
         seed=cfg.seed,
+        sink_heads=heads,
+        sink_heads_why=heads_why,
     )
 
 
@@ -689,7 +811,20 @@ def figures(result: Result | patching_pairs.PairsResult) -> dict[str, Any]:
                     f"Activation patching of {s}, metric {metric} (clean = 1, corrupt = 0) — "
                     f"{result.model}<br><sup>corruption: {result.corruption}</sup>",
                 )
+    if result.sink_heads is not None:
+        figs["sink_heads"] = _sink_heads_figure(result)
     return figs
+
+
+def _sink_heads_figure(result: Result) -> go.Figure:
+    sh = result.sink_heads
+    return patching_heads.figure(
+        sh,
+        f"Sink heads: attention to the massive token and restore of the output (KL), per head — "
+        f"{result.model}<br><sup>corruption {result.corruption}; ME layer {result.site.layer}; "
+        f"the {sh.k} sink heads (red) patched together restore {sh.restore(sh.kl_top):.3g}, "
+        f"random heads of the same layers {np.mean(sh.random_restores() or [np.nan]):.3g}</sup>",
+    )
 
 
 def _heatmaps(result: Result, metric: str) -> go.Figure:
@@ -755,6 +890,12 @@ def summary(result: Result | patching_pairs.PairsResult) -> str:
             fmt_table(
                 ["site", "metric", "largest at", "normalised (1 = clean)", "", "forwards"],
                 rows,
+            ),
+            "sink heads: "
+            + (
+                patching_heads.details(result.sink_heads)
+                if result.sink_heads is not None
+                else str(result.sink_heads_why)
             ),
         ]
     )

@@ -5,11 +5,13 @@
 * :mod:`me_interp.patching.sweep` — the batched sweep (:func:`patch_sweep`) and its result;
 * :mod:`me_interp.patching.suffix` — running only the blocks and positions a patch can change;
 * :mod:`me_interp.patching.pairs` — clean/corrupt pairs from a JSONL file, with their metrics;
+* :mod:`me_interp.patching.heads` — sets of heads patched together (:func:`patch_head_sets`);
 * :mod:`me_interp.patching.attribution` — the first-order estimate of a whole sweep from one forward
   and one backward pass, and its rank agreement with exact patching.
 """
 
 from me_interp.patching.attribution import attribution_sweep, rank_agreement
+from me_interp.patching.heads import HeadSetResult, patch_head_sets
 from me_interp.patching.metrics import (
     LOGITS,
     AnswerProb,
@@ -58,4 +60,6 @@ __all__ = [
     "tile_rows",
     "attribution_sweep",
     "rank_agreement",
+    "HeadSetResult",
+    "patch_head_sets",
 ]
