@@ -33,6 +33,7 @@ from jaxtyping import Bool, Float, Int
 
 from me_interp import names
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.probes.blocks import capture_block_inputs, final_logits, run_blocks
 from me_interp.probes.geometry import effective_rank
 
 
@@ -307,6 +308,24 @@ def _eff_rank(x: torch.Tensor) -> float:
         return math.nan
 
 
+@dataclass(frozen=True)
+class BlockInputs:
+    """What block ``start`` and the later ones receive in the unmodified model's forward of one batch
+    (``probes.blocks``): their keyword arguments and the residual stream entering ``start``."""
+
+    start: int
+    kwargs: dict[int, dict]
+    resid: torch.Tensor
+
+
+def block_inputs(model: LoadedModel, batch: Batch, start: int) -> BlockInputs:
+    """:class:`BlockInputs` of ``batch`` at block ``start``, from one unmodified forward (stopped
+    before the unembedding)."""
+    stop = "ln_final.hook_in" if "ln_final.hook_in" in model.bridge.hook_dict else None
+    kwargs, resid = capture_block_inputs(model, batch, [], [model.check_layer(start)], stop=stop)
+    return BlockInputs(start, kwargs, resid[start])
+
+
 def text_metrics(
     model: LoadedModel,
     batch: Batch,
@@ -314,6 +333,7 @@ def text_metrics(
     layers: Sequence[int],
     rank_layer: int,
     ref: Reference | None,
+    suffix: BlockInputs | None = None,
 ) -> tuple[dict[str, list[float]], Reference | None]:
     """Per-text statistics (:data:`TEXT_STATS`) of one forward of ``batch`` under ``hooks``.
 
@@ -326,11 +346,26 @@ def text_metrics(
     ``ref`` (the unmodified model's distributions on the same batch) gives KL and top-1 agreement;
     without it (the baseline) KL is 0, top-1 agreement complete, and the batch's own
     :class:`Reference` is returned for the later runs.
+
+    ``suffix``: the unmodified model's inputs to block ``suffix.start`` for this batch
+    (:func:`block_inputs`), when ``hooks`` change nothing before that block and ``layers`` and
+    ``rank_layer`` are not before it either: only blocks ``start..`` run.
     """
     store: dict[Any, torch.Tensor] = {}
     rec = [(names.pattern(L), partial(_record_pattern, store=store, layer=L)) for L in layers]
     rec.append((names.resid_post(rank_layer), partial(_record_resid, store=store)))
-    logp = torch.log_softmax(model.run_with_hooks(batch, [*hooks, *rec]).float(), -1).cpu()
+    if suffix is None:
+        logits = model.run_with_hooks(batch, [*hooks, *rec])
+    else:
+        if min([*layers, rank_layer]) < suffix.start:
+            raise ValueError(
+                f"a run from block {suffix.start} records nothing of layers {min(layers)}.."
+            )
+        last = model.n_layers - 1
+        h = run_blocks(model, suffix.resid, suffix.start, last, suffix.kwargs, [*hooks, *rec])
+        logits = final_logits(model, h)
+    logp = torch.log_softmax(logits.float(), -1).cpu()
+    del logits
     mask = batch.attention_mask.cpu()
     nll = text_nll(logp, batch.tokens.cpu(), mask, normalized=True)
     own = None

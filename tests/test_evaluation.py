@@ -240,3 +240,29 @@ def test_bundled_mc_accuracy(bundled):
     assert 0.7 <= res.accuracy <= 0.95
     chance = np.mean([1 / len(it.choices) for it in items])
     assert res.accuracy > chance + 0.3  # far above chance
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma2", "gemma3"])
+def test_text_metrics_from_block_inputs_equal_the_full_forward(arch):
+    """A masked run from the unmasked inputs of its first masked block gives the per-text statistics
+    and the reference distributions of the full forward (rotary embeddings, sliding windows, the
+    final soft-cap of Gemma 2)."""
+    from me_interp import load_model
+
+    model = load_model(f"synthetic:planted-{arch}")
+    batch = model.tokenize(synthetic.planted_prompts(5))
+    last = model.n_layers - 1
+    layers = list(range(2, model.n_layers))
+    stats, ref = evaluation.text_metrics(model, batch, [], layers, last, None)
+    inputs = evaluation.block_inputs(model, batch, 2)
+    same, ref2 = evaluation.text_metrics(model, batch, [], layers, last, None, inputs)
+    torch.testing.assert_close(ref2.probs, ref.probs, rtol=1e-5, atol=1e-6)
+    hooks = we_mask(model, 0.5, layers=layers)
+    full, _ = evaluation.text_metrics(model, batch, hooks, layers, last, ref)
+    part, _ = evaluation.text_metrics(model, batch, hooks, layers, last, ref, inputs)
+    for k in evaluation.TEXT_STATS:
+        np.testing.assert_allclose(same[k], stats[k], rtol=1e-5, atol=1e-7, err_msg=k)
+        np.testing.assert_allclose(part[k], full[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert full["kl"] != stats["kl"]  # the mask moved something: the equality is not vacuous
+    with pytest.raises(ValueError, match="records nothing of layers 1"):
+        evaluation.text_metrics(model, batch, hooks, [1, 2], last, ref, inputs)

@@ -25,7 +25,7 @@ from jaxtyping import Float
 
 from me_interp.models import LoadedModel
 from me_interp.patching.metrics import LOGITS, hook_layer
-from me_interp.probes.blocks import _record
+from me_interp.probes.blocks import _record, final_logits
 from me_interp.probes.blocks import run_blocks as _run_blocks
 
 #: Environment variable: when set (not ``""``/``"0"``), a ``skip_shared`` sweep that cannot run the
@@ -41,13 +41,7 @@ def last_token_logits(
     only."""
     idx = mask.to(resid.device).long().sum(-1) - 1
     x = resid[torch.arange(resid.shape[0], device=resid.device), idx][:, None]  # [batch 1 d]
-    bridge = model.bridge
-    with torch.no_grad():
-        logits = bridge.unembed(bridge.ln_final(x))[:, 0]
-    cap = getattr(model.hf.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    return final_logits(model, x)[:, 0]
 
 
 def _gather_last(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

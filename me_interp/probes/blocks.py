@@ -91,6 +91,18 @@ def run_blocks(
     return h
 
 
+def final_logits(model: LoadedModel, h: torch.Tensor) -> torch.Tensor:
+    """The logits from the last block's output ``h`` (``[batch pos d_model]``): the final norm and
+    the unembedding, and a final logit soft-cap where the model has one (Gemma 2)."""
+    bridge = model.bridge
+    with torch.no_grad():
+        logits = bridge.unembed(bridge.ln_final(h))
+    cap = getattr(model.hf.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def _params_before(model: LoadedModel, start: int) -> list[tuple[str, torch.nn.Parameter]]:
     """The parameters a run from block ``start`` takes as given: every parameter of the model
     outside blocks ``start..`` (the embedding, blocks ``< start``; the final norm and unembedding
