@@ -1,7 +1,7 @@
 """Benchmark: the full ME-layer scan (norms at 7 sites x every layer + localisation) vs a plain HF forward.
 
 Both on the same batch (the first ``--n-prompts`` built-in prompts, each cut to its first ``--n-tokens``
-tokens, so there is no padding and the scan runs as one chunk), same model object, fp32, one thread, in
+tokens, so there is no padding and the scan runs as one chunk), same model object, fp32 (``--dtype``), one thread, in
 one process; repeats are interleaved and the median over repeats of each repeat's ratio is printed, in
 wall and in CPU time (target: <= 1.1x on CPU against the forward without the unembedding, the same
 work). The scan's hooks keep their statistics on the activations' device and the results are copied
@@ -13,6 +13,7 @@ before one hook per hook point, ``out=`` buffers and numpy / int32 selections, 1
 ``torch.topk``, hook registration and ``locate_me_layer``.
 
     python benchmarks/bench_me_layer.py [--repeats 15] [--n-prompts 12] [--n-tokens 16] [--model synthetic:planted]
+        [--device cuda --dtype bfloat16] [--json FILE]
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--json", default=None, help="also write the medians and ratios here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from me_interp.probes import locate_me_layer, scan_norms
     from me_interp.prompts import builtin_prompts
 
-    model = load_model(args.model, device=args.device, dtype="float32")
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
     full = model.tokenize(builtin_prompts()[: args.n_prompts])
     if min(full.lengths) < args.n_tokens:
         p.error(
@@ -99,6 +102,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{paired(cpu, 'scan', 'blocks'):.2f}x CPU time (the same work: the scan stops before "
         "the unembedding)"
     )
+    if args.json:
+        import json
+        from pathlib import Path
+
+        res = {
+            "model": model.name,
+            "device": str(model.device),
+            "dtype": args.dtype,
+            "batch": list(batch.tokens.shape),
+            "repeats": args.repeats,
+            "median_seconds": med,
+            "ratio_scan_hf": paired(wall, "scan", "hf"),
+            "ratio_scan_blocks": paired(wall, "scan", "blocks"),
+            "ratio_scan_blocks_cpu": paired(cpu, "scan", "blocks"),
+        }
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

@@ -24,6 +24,7 @@ forward per cell takes an hour on this CPU.
     python benchmarks/bench_patching.py --n-prompts 16 --n-tokens 64 --layers 4 12 20 29 \
         --positions 0 1 8 32 63 --tl-cells 8
     python benchmarks/bench_patching.py --sites resid_pre attn_head_out
+    python benchmarks/bench_patching.py --device cuda --json patching.json
 """
 
 from __future__ import annotations
@@ -135,9 +136,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--tl-cells", type=int, default=None, help="time TL on this many random cells")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--json", default=None, help="also write each site's times and ratios here")
     args = ap.parse_args(argv)
 
-    model = load_model(args.model, device="cpu", dtype="float32")
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
     texts = builtin_prompts()
     if args.n_tokens > 32:  # the built-in prompts are short: join neighbours to reach the length
         texts = [" ".join(texts[i : i + 4]) for i in range(0, len(texts) - 3, 4)]
@@ -171,6 +175,14 @@ def main(argv=None) -> int:
         f"plain forward {rate / 1e9:.1f} GFLOP/s (blocks' matrix multiplies)"
     )
     rng = np.random.default_rng(args.seed)
+    results: dict = {
+        "model": model.name,
+        "device": str(model.device),
+        "dtype": args.dtype,
+        "prompts": B,
+        "tokens": T,
+        "sites": {},
+    }
     for s in args.sites:
         head = s in HEAD_SITES
         kw = {"layers": layers, "per_position": not head}
@@ -243,6 +255,22 @@ def main(argv=None) -> int:
             f"  speed ratio vs TL: with cell skipping {tl_secs / secs[True]:.2f}x, without {tl_secs / secs[False]:.2f}x; "
             f"ratio to the FLOP floor {secs[True] / floor_secs:.2f}x"
         )
+        results["sites"][s] = {
+            "cells": n_cells,
+            "cells_run": run_cells,
+            "tl_seconds": tl_secs,
+            "seconds_skip": secs[True],
+            "seconds_all": secs[False],
+            "floor_seconds": floor_secs,
+            "attribution_seconds": secs["attribution"],
+            "rank_agreement": rho,
+            "max_diff_tl": diff,
+        }
+    if args.json:
+        import json
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     return 0
 
 
