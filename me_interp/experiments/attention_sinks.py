@@ -32,13 +32,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, names, plotting
+from me_interp.backends import check_backend
 from me_interp.experiments._layer_report import (
     DetectConfig,
     LayerReport,
@@ -60,7 +61,21 @@ NAME = "attention_sinks"
 @dataclass(frozen=True)
 class Config(DetectConfig):
     """Attention-sink settings (those of :class:`DetectConfig`; the sink threshold is
-    ``claims.THRESHOLDS['sink_attention']``)."""
+    ``claims.THRESHOLDS['sink_attention']``).
+
+    Attributes:
+        backend: ``tl`` (TransformerLens) or ``nnsight`` (a plain HF model under nnsight with eager
+            attention; the statistics are reduced inside the trace, ``docs/remote.md``).
+        remote: with ``nnsight``: run on NDIF (key in ``NDIF_API_KEY``; needs a model served with
+            attention weights).
+    """
+
+    backend: Literal["tl", "nnsight"] = "tl"
+    remote: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_backend(self.backend, self.remote)
 
 
 @dataclass
@@ -98,19 +113,28 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     model = model_for(cfg, model)
     batch = model.tokenize(cfg.load_prompts())
     eps = claims.threshold("sink_attention")
-    norms = NormRecorder(model, batch, names.SITES)
-    att = AttentionRecorder(model, batch)
-    geo = GeometryRecorder(model, batch)  # "others" without position 0
-    record(model, batch, [norms, att, geo])
-    det = detect(cfg, model, norms.result(), batch)
-    ref = det.reference
-    moved = [b for b, r in enumerate(ref) if r != 0]
-    if moved:  # the geometry without the massive token, where it is not the first token
-        geo.reference = torch.tensor(ref, dtype=torch.long)
-        record(model, batch, [geo], rows=moved)
+    if cfg.backend == "nnsight":  # the same statistics, reduced inside nnsight traces
+        from me_interp.backends import nnsight
+
+        sc = nnsight.scan(model, batch, attention=True, grams=True)
+        det = detect(cfg, model, sc.norms, batch)
+        ref = det.reference
+        att = nnsight.attention_recorder(model, batch, sc)
+        gs = nnsight.geometry(sc, batch, ref)  # "others" without each prompt's massive token
+    else:
+        norms = NormRecorder(model, batch, names.SITES)
+        att = AttentionRecorder(model, batch)
+        geo = GeometryRecorder(model, batch)  # "others" without position 0
+        record(model, batch, [norms, att, geo])
+        det = detect(cfg, model, norms.result(), batch)
+        ref = det.reference
+        moved = [b for b, r in enumerate(ref) if r != 0]
+        if moved:  # the geometry without the massive token, where it is not the first token
+            geo.reference = torch.tensor(ref, dtype=torch.long)
+            record(model, batch, [geo], rows=moved)
+        gs = geo.result()
     mpos = [sorted(set(ps) | {r}) for ps, r in zip(det.massive_positions, ref)]
     ap = att.probe(reference=ref, massive_positions=mpos, eps=eps)
-    gs = geo.result()
     to_ref = ap.to_ref  # [layer batch head]
     sink_pp = (to_ref >= eps).float().mean(-1)  # [layer batch]
     hs = (to_ref >= eps).float().mean(1).tolist()  # [layer head]

@@ -169,7 +169,12 @@ def seed_everything(seed: int) -> None:
 
 
 def model_for(cfg: CommonConfig, model: Any = None) -> LoadedModel:
-    """``model`` if given (a LoadedModel, or an HF object is not accepted here), else load ``cfg.model``."""
+    """``model`` if given (a LoadedModel, or an HF object is not accepted here), else load ``cfg.model``;
+    with ``cfg.backend == "nnsight"`` the nnsight backend's model (:mod:`me_interp.backends.nnsight`)."""
+    if getattr(cfg, "backend", "tl") == "nnsight":
+        from me_interp.backends.nnsight import model_for as nnsight_model_for
+
+        return nnsight_model_for(cfg, model)  # type: ignore[return-value]
     if isinstance(model, LoadedModel):
         return model
     if model is not None:
@@ -277,6 +282,8 @@ def build_parser(config_cls: type, prog: str, description: str | None = None):
             kwargs["choices"] = ["auto", *sorted(DTYPES)]
         if tp is bool:
             kwargs["type"] = _parse_bool
+            kwargs["nargs"] = "?"  # --flag alone is --flag yes
+            kwargs["const"] = True
         elif tp in (int, float, str):
             kwargs["type"] = tp
         literal = typing.get_origin(hints[f.name]) is typing.Literal

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from me_interp.architecture import (
     FFN_OWN_SITE,
     FFN_RESIDUAL_SITE,
 )
+from me_interp.backends import check_backend
 from me_interp.experiments._layer_report import (
     Units,
     massive_units,
@@ -83,6 +84,9 @@ class Config(CommonConfig):
         min_prompt_fraction: a layer counts as massive when at least this fraction of the prompts has
             a massive token there, in (0, 1].
         top_k: how many of each token's largest ``|a|`` values the scan keeps per site (>= 1).
+        backend: ``tl`` (TransformerLens) or ``nnsight`` (a plain HF model under nnsight; the
+            statistics are reduced inside the trace, ``docs/remote.md``).
+        remote: with ``nnsight``: run on NDIF (key in ``NDIF_API_KEY``; the model is an HF name).
     """
 
     criterion: str = "sun"
@@ -91,9 +95,12 @@ class Config(CommonConfig):
     norm_ratio: float = 50.0
     min_prompt_fraction: float = 0.5
     top_k: int = 16
+    backend: Literal["tl", "nnsight"] = "tl"
+    remote: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_backend(self.backend, self.remote)
         self.detection()  # validates
         if self.top_k < 1:
             raise ValueError("top_k must be >= 1")
@@ -234,9 +241,14 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     model = model_for(cfg, model)
     prompts = cfg.load_prompts()
     batch = model.tokenize(prompts)
-    # sandwich norms (Gemma 2/3): the sub-layers' own outputs too, before their post-norms
-    sites = (*names.SITES, *model.arch.own_sites())
-    scan = scan_norms(model, batch, sites, top_k=cfg.top_k, keep_prompt=0)  # chunked
+    if cfg.backend == "nnsight":  # the same statistics, reduced inside nnsight traces
+        from me_interp.backends import nnsight
+
+        scan = nnsight.scan_norms(model, batch, top_k=cfg.top_k, keep_prompt=0)
+    else:
+        # sandwich norms (Gemma 2/3): the sub-layers' own outputs too, before their post-norms
+        sites = (*names.SITES, *model.arch.own_sites())
+        scan = scan_norms(model, batch, sites, top_k=cfg.top_k, keep_prompt=0)  # chunked
     crit = cfg.detection()
     loc = locate_me_layer(scan, crit)
     ref = torch.as_tensor(loc.reference_positions)

@@ -27,6 +27,8 @@ model could not be loaded or scanned (its row says why), 2 on bad input (a bad f
     python -m me_interp.experiments.survey --models bundled gemma-3-270m synthetic:planted
     python -m me_interp.experiments.survey --device cuda --models Qwen/Qwen3-4B-Instruct-2507 \\
         Qwen/Qwen3-8B meta-llama/Llama-3.1-8B mistralai/Mistral-7B-v0.1       # docs/me_layer.md
+    python -m me_interp.experiments.survey --backend nnsight --remote --models \\
+        meta-llama/Llama-3.1-8B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-405B  # docs/remote.md
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +242,14 @@ def run(
     """
     given = dict(models or {})
     resolve_device(cfg.device)  # a device this machine lacks is bad input, not a row per model
+    nnsight_backend = cfg.backend == "nnsight"
+    if nnsight_backend:
+        from me_interp.backends import nnsight
+
+        if cfg.remote:
+            nnsight.check_remote()  # no key or no network: bad input, not a row per model
+        if load is load_model:
+            load = partial(nnsight.load, remote=cfg.remote)
     prompts = cfg.load_prompts()
     rows = []
     for i, spec in enumerate(cfg.models):
@@ -266,6 +277,8 @@ def run(
         try:
             res = me_layer.run(cfg.scan_config(spec), model)
             rows.append(_row(spec, model, res, cfg.min_prompt_fraction))
+            if nnsight_backend:  # super weights need TL hooks on W_down: not measured (empty cell)
+                continue
             try:  # detection only (two short forwards); its failure must not lose the scan
                 rows[-1].super_weight = super_weight.survey_entry(model, prompts, cfg.detection())
             except Exception as e:

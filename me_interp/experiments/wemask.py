@@ -50,6 +50,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from me_interp import claims, evaluation, names, terminal
+from me_interp.backends import check_backend
 from me_interp.experiments._weights import short_batch, spread
 from me_interp.experiments.common import (
     INDEX_CONVENTION,
@@ -70,6 +71,7 @@ from me_interp.interventions.wemask import (
 )
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes import find_me_layer
+from me_interp.probes.massive import locate_me_layer
 from me_interp.prompts import builtin_texts, read_prompts
 
 NAME = "wemask"
@@ -115,6 +117,10 @@ class Config(CommonConfig):
         detect_tokens: cut the prompts to this many tokens to detect the ME layer (``0`` = no cut;
             the massive token is among the first).
         batch_tokens: padded tokens per forward batch of texts (texts are grouped by length).
+        backend: ``tl`` (TransformerLens) or ``nnsight`` (a plain HF model under nnsight: the WeMask
+            selections at every rate with perplexity, sink, entropy and effective rank reduced inside
+            the trace; no KL / top-1 agreement, MC items or soft alternatives; ``docs/remote.md``).
+        remote: with ``nnsight``: run on NDIF (key in ``NDIF_API_KEY``; the model is an HF name).
     """
 
     rates: tuple[float, ...] = (0.0, 0.1, 1.0)
@@ -133,9 +139,16 @@ class Config(CommonConfig):
     positions: str = "first"
     detect_tokens: int = 16
     batch_tokens: int = 1024
+    backend: Literal["tl", "nnsight"] = "tl"
+    remote: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_backend(self.backend, self.remote)
+        if self.backend == "nnsight" and self.positions != "first":
+            raise ValueError(
+                "positions must be 'first' with the nnsight backend (it masks position 0)"
+            )
         if not self.rates:
             raise ValueError("give at least one rate")
         for r in self.rates:
@@ -437,6 +450,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         ValueError: a layer out of range, an ME layer that leaves no layer to mask, bad texts.
     """
     model = model_for(cfg, model)
+    if cfg.backend == "nnsight":
+        return _run_nnsight(cfg, model)
     detect = short_batch(model, cfg.load_prompts(), 0, cfg.detect_tokens)
     first: dict[int, torch.Tensor] = {}
     capture = [
@@ -499,6 +514,70 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         baseline=base,
         rows=rows,
         positions=positions,
+    )
+
+
+def _run_nnsight(cfg: Config, model: Any) -> Result:
+    """:func:`run` on the nnsight backend: the ME layer from its scan, then every WeMask condition
+    (``conditions(cfg)`` without the soft alternatives) and the unmasked model over the texts in one
+    session (:func:`me_interp.backends.nnsight.text_stats`); per-text statistics without KL and top-1
+    agreement (NaN), no MC items."""
+    from me_interp.backends import nnsight
+
+    detect = short_batch(model, cfg.load_prompts(), 0, cfg.detect_tokens)
+    loc = locate_me_layer(nnsight.scan_norms(model, detect))
+    if cfg.me_layer is None:
+        if loc.me_layer is None:
+            raise no_massive_activation(model, len(detect))
+        me = int(loc.me_layer)
+    else:
+        me = model.check_layer(cfg.me_layer)
+    layers = list(mask_layers(model.hf, cfg.start, me))
+    texts = cfg.load_texts()
+    groups = evaluation.length_batches(model, texts, cfg.batch_tokens)
+    rank_layer = _check_rank_layer(cfg.rank_layer, model.n_layers)
+    conds = [c for c in conditions(cfg) if c.kind == "wemask"]
+    specs = nnsight.mask_specs(model, layers, [(c.variant, c.rate, c.seed) for c in conds])
+    stats = nnsight.text_stats(model, groups, [None, *specs], layers, rank_layer)
+
+    def measured(per_text: dict[str, list[float]]) -> dict[str, Any]:
+        return {**evaluation.pooled_metrics(per_text), "per_text": per_text}
+
+    base = measured(stats[0])
+    rows: list[dict[str, Any]] = []
+    for cond, st in zip(conds, stats[1:]):
+        rows += _rows(cfg, cond, measured(st))
+    if 0.0 in cfg.rates:
+        for v in cfg.variants:
+            zero = Condition("wemask", v, 0.0, 1.0, cfg.seed)
+            rows.append({**_cond_dict(zero), **base, "same_as": "baseline"})
+    return Result(
+        model=model.name,
+        bos=model.bos,
+        me_layer=me,
+        me_layer_given=cfg.me_layer is not None,
+        massive_at_me=bool(loc.layer_has_massive[me]),
+        start=cfg.start,
+        layers=layers,
+        rank_layer=rank_layer,
+        claim_rate=float(cfg.claim_rate),
+        n_seeds=cfg.n_seeds,
+        seed=cfg.seed,
+        n_texts=len(texts),
+        n_tokens=int(sum(b.attention_mask.sum() for _, b in groups)),
+        n_items=0,
+        detection={
+            "n_prompts": len(detect),
+            "max_tokens": cfg.detect_tokens,
+            "me_layer_detected": loc.me_layer,
+            "massive_dims": loc.massive_dims,
+            "backend": "nnsight",
+            "not_measured": "kl, top1 (no reference distributions leave the trace), MC items, "
+            "soft alternatives",
+        },
+        baseline=base,
+        rows=rows,
+        positions=(0,),
     )
 
 
