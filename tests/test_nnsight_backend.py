@@ -323,3 +323,17 @@ def test_bundled_me_layer_run_agrees(bundled, bundled_nn):
 def test_bundled_wemask_perplexities_agree(bundled, bundled_nn):
     cfg = dict(rates=(0.1, 1.0), n_seeds=1, max_texts=8, mc="none", alphas=())
     _wemask_rows_agree(bundled, bundled_nn, cfg)
+
+
+def test_the_command_line_runs_the_nnsight_backend(tmp_path, capsys):
+    """``--backend nnsight`` end to end: exit 0, the run written, the backend in env.json."""
+    import json
+
+    rc = me_layer.main(["--model", PLANTED, "--backend", "nnsight", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "ME layer: 2 (0-based)" in out
+    (run,) = (tmp_path / "me_layer").iterdir()
+    env = json.loads((run / "env.json").read_text())
+    assert "nnsight" in json.dumps(env)
+    assert json.loads((run / "config.json").read_text())["backend"] == "nnsight"

@@ -65,6 +65,11 @@ class RemoteUnavailableError(ModelLoadError):
     """Remote mode cannot run: no NDIF key, or the NDIF host cannot be reached."""
 
 
+class NoBridgeError(UnsupportedArchitectureError, AttributeError):
+    """What needs the TransformerLens bridge was asked of an nnsight model (an ``AttributeError``
+    too, so ``hasattr(model, "bridge")`` is ``False``)."""
+
+
 def _nnsight():
     try:  # nnsight mounts ``.save`` on ``object`` at import, after which beartype (the tests'
         import beartype  # noqa: F401  run-time type checker) can no longer be imported
@@ -151,7 +156,7 @@ class NNsightModel(LoadedModel):
 
     @property
     def bridge(self) -> Any:  # type: ignore[override]
-        raise UnsupportedArchitectureError(
+        raise NoBridgeError(
             f"{self.name} runs on the nnsight backend, which has no TransformerLens bridge: this "
             "needs --backend tl"
         )
@@ -612,6 +617,7 @@ __all__ = [
     "CONNECT_TIMEOUT",
     "MaskSpec",
     "NNsightModel",
+    "NoBridgeError",
     "RemoteUnavailableError",
     "SCAN_SITES",
     "Scan",
