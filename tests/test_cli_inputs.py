@@ -44,6 +44,9 @@ BAD: dict[str, list[str]] = {
     "seed": ["-1", str(2**32), "x"],
     "out": [A_FILE],
     "threads": ["0", "x"],
+    "device_map": ["everywhere", MISSING, BAD_JSON],
+    "max_memory": ["cpu=lots", "gpu=1GiB", "cpu"],
+    "offload_folder": [A_FILE],
     # detection
     "criterion": ["nope"],
     "abs_threshold": ["-1", "x"],
@@ -194,7 +197,11 @@ def test_a_bad_flag_value_is_one_line_and_exit_2(name, field, value, tmp_path, c
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [(f, v) for f in ("prompts", "seed", "threads", "bos", "dtype", "out") for v in BAD[f]]
+    [
+        (f, v)
+        for f in ("prompts", "seed", "threads", "bos", "dtype", "out", "device_map", "max_memory")
+        for v in BAD[f]
+    ]
     + [("only", "bogus"), ("skip", "bogus")],
 )
 def test_the_battery_refuses_bad_flags_in_one_line(field, value, tmp_path, capsys):

@@ -44,6 +44,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from me_interp.loading.errors import PlacementError
 from me_interp.loading.loaded import LoadedModel
 
 SINGLE_PARTS: tuple[str, ...] = ("attn_norm", "ffn_norm", "ffn", "attn")
@@ -209,9 +210,17 @@ def edited_parameters(edits: Mapping[torch.nn.Parameter, torch.Tensor]) -> Itera
     Raises:
         ValueError: a shape mismatch or a non-finite value (nothing is written).
         TypeError: a value that is not a tensor.
+        PlacementError: a parameter (or value) is an offloaded ``meta`` placeholder.
     """
     items = list(edits.items())
     for param, value in items:
+        if param.device.type == "meta" or value.device.type == "meta":
+            raise PlacementError(
+                "a weight edit needs the weights on a device, but this one is offloaded (a meta "
+                "placeholder; accelerate loads it only inside the forward), so an in-place edit "
+                "would not reach the forward: load the model without --max-memory/--offload-folder, "
+                "or with a --device-map whose every entry is a device"
+            )
         _check_value(param, value)
     # computed before any write: values may alias parameters that are edited too (swaps)
     new_values = [value.detach().to(param.device, param.dtype).clone() for param, value in items]

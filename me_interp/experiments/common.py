@@ -40,8 +40,9 @@ import torch
 
 from me_interp import claims, io, terminal
 from me_interp.loading import load_model
+from me_interp.loading.attention import kernel as attention_kernel
 from me_interp.loading.devices import DTYPES
-from me_interp.loading.errors import ModelLoadError
+from me_interp.loading.errors import ModelLoadError, PlacementError
 from me_interp.loading.loaded import BOS_CHOICES, LoadedModel
 from me_interp.prompts import Prompt, as_prompts, builtin_prompts, read_prompts
 
@@ -62,6 +63,13 @@ class CommonConfig:
         out: results root; a run goes to ``<out>/<experiment>/<run_id>/``.
         threads: torch CPU threads (``None``: 1 on CPU machines with at most 4 cores, else torch's
             default).
+        device_map: place the model over several devices with accelerate: ``auto``, ``balanced``,
+            ``balanced_low_0``, ``sequential`` or a JSON file of module -> device (instead of
+            ``device``; :mod:`me_interp.loading.placement`).
+        max_memory: memory budget per device, e.g. ``0=70GiB cpu=200GiB``; alone: ``device_map
+            auto``.
+        offload_folder: directory for the weights that fit no budget (created if missing); alone:
+            ``device_map auto``. Experiments that read or edit weights refuse offloaded weights.
     """
 
     model: str | None = None
@@ -72,8 +80,12 @@ class CommonConfig:
     seed: int = 0
     out: str = "runs"
     threads: int | None = None
+    device_map: str | None = None
+    max_memory: tuple[str, ...] | None = None
+    offload_folder: str | None = None
 
     def __post_init__(self) -> None:
+        check_placement(self)
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.seed < 2**32:
@@ -168,6 +180,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def check_placement(cfg: CommonConfig) -> None:
+    """Raise ``ValueError`` for a bad ``device_map`` / ``max_memory`` / ``offload_folder`` (not a
+    strategy or JSON map, not ``DEVICE=SIZE``, a file as folder) or one given with ``device``."""
+    from me_interp.loading.placement import parse_device_map, parse_max_memory
+
+    if cfg.device_map is not None:
+        parse_device_map(cfg.device_map)
+    if cfg.max_memory is not None:
+        parse_max_memory(cfg.max_memory)
+    if cfg.offload_folder is not None and Path(cfg.offload_folder).expanduser().is_file():
+        raise ValueError(f"offload_folder {cfg.offload_folder!r} is a file, not a directory")
+    if cfg.device is not None and placement_kwargs(cfg):
+        raise ValueError(
+            "device: give either device or a placement (device_map / max_memory / "
+            "offload_folder), not both"
+        )
+
+
+def placement_kwargs(cfg: CommonConfig) -> dict[str, Any]:
+    """The ``load_model`` placement arguments that ``cfg`` sets (``{}`` for one device)."""
+    keys = ("device_map", "max_memory", "offload_folder")
+    return {k: getattr(cfg, k) for k in keys if getattr(cfg, k) is not None}
+
+
 def model_for(cfg: CommonConfig, model: Any = None) -> LoadedModel:
     """``model`` if given (a LoadedModel, or an HF object is not accepted here), else load ``cfg.model``;
     with ``cfg.backend == "nnsight"`` the nnsight backend's model (:mod:`me_interp.backends.nnsight`)."""
@@ -179,7 +215,9 @@ def model_for(cfg: CommonConfig, model: Any = None) -> LoadedModel:
         return model
     if model is not None:
         raise TypeError("pass a LoadedModel (me_interp.load_model(...)) or None")
-    return load_model(cfg.model, bos=cfg.bos, dtype=cfg.dtype, device=cfg.device)
+    return load_model(
+        cfg.model, bos=cfg.bos, dtype=cfg.dtype, device=cfg.device, **placement_kwargs(cfg)
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -321,6 +359,7 @@ class Outcome:
     claims: list[claims.Claim]
     figures: dict[str, Any]
     not_applicable: str | None = None
+    attention: str = "eager"
 
     def result_json(self) -> Any:
         """What ``result.json`` holds: the result's fields plus ``claims`` (every claim as a dict)."""
@@ -343,20 +382,29 @@ def execute(
     A :class:`claims.NotApplicable` raised by ``run`` becomes "not applicable" for every claim of
     ``module.SPECS``, with its message as the reason. A module whose result decides which claims
     apply (activation_patching on the user's own pairs has none) says so in ``specs_for(result)``.
+    A module that reads no attention pattern declares ``ATTENTION = "sdpa"`` and runs under
+    :func:`me_interp.loading.attention.kernel` (the fused kernel; recorded in ``env.json``). On a
+    model with offloaded weights, an experiment that reads or edits weights is refused with a
+    :class:`PlacementError` naming it.
     """
     try:
-        result = module.run(cfg, model)
+        with attention_kernel(model, getattr(module, "ATTENTION", "eager")) as attention:
+            result = module.run(cfg, model)
     except claims.NotApplicable as e:
         return Outcome(None, claims.not_applicable(module.SPECS, str(e)), {}, str(e))
+    except PlacementError as e:
+        name = module.__name__.rsplit(".", 1)[-1]
+        raise PlacementError(f"{name} is refused on {model.name} as placed: {e}") from None
     drawn = dict(module.figures(result)) if figures else {}
     specs = module.specs_for(result) if hasattr(module, "specs_for") else module.SPECS
-    return Outcome(result, claims.judge(specs, result), drawn)
+    return Outcome(result, claims.judge(specs, result), drawn, attention=attention)
 
 
 def write_outcome(name: str, cfg: CommonConfig, model: LoadedModel, outcome: Outcome) -> Path:
     """Write ``<cfg.out>/<name>/<run_id>/`` for ``outcome``; returns the run directory."""
+    info = {**model.info(), "attn_implementation": outcome.attention}  # what ran (execute)
     return io.write_run(
-        cfg.out, name, cfg, outcome.result_json(), io.environment(model.info()), outcome.figures
+        cfg.out, name, cfg, outcome.result_json(), io.environment(info), outcome.figures
     )
 
 

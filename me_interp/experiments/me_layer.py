@@ -66,6 +66,7 @@ from me_interp.probes.massive import (
 from me_interp.probes.norms import NormScan, ratio_to_others, scan_norms, top_ratio
 
 NAME = "me_layer"
+ATTENTION = "sdpa"  # reads no attention pattern: the fused kernel (me_interp.loading.attention)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from me_interp.experiments.common import (
     build_parser,
     config_from_args,
     is_bad_input,
+    placement_kwargs,
     seed_everything,
 )
 from me_interp.loading import load_model
@@ -259,7 +260,8 @@ def run(
         owned = model is None
         try:
             if model is None:
-                model = load(spec, bos=cfg.bos, dtype=cfg.dtype, device=cfg.device)
+                where = placement_kwargs(cfg)  # --device-map/--max-memory/--offload-folder
+                model = load(spec, bos=cfg.bos, dtype=cfg.dtype, device=cfg.device, **where)
         except ModelLoadError as e:  # no hub, a missing package, an unsupported architecture
             rows.append(Row(spec, LOAD_FAILED, error=f"{type(e).__name__}: {e}"))
             continue

@@ -96,6 +96,7 @@ from me_interp.probes.massive import Criterion, locate_me_layer
 from me_interp.probes.norms import NormRecorder
 
 NAME = "weight_input_cross"
+ATTENTION = "sdpa"  # reads no attention pattern: the fused kernel (me_interp.loading.attention)
 LARGE_KEY = "cross_large"
 """The threshold key of the large-cell factor ``k``."""
 FFN_SITE = FFN_RESIDUAL_SITE

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,9 @@ from me_interp.loading.bundled import (
 )
 from me_interp.loading.cache import MANIFEST
 from me_interp.loading.devices import resolve_device, resolve_dtype, same_device
-from me_interp.loading.errors import ModelLoadError, UnsupportedArchitectureError
+from me_interp.loading.errors import ModelLoadError, PlacementError, UnsupportedArchitectureError
 from me_interp.loading.loaded import BOS_CHOICES, LoadedModel
+from me_interp.loading.placement import Placement, dispatch, execution_device, refuse_mixed
 from me_interp.loading.sources import register_source
 
 register_source(synthetic.SYNTHETIC_PREFIX, synthetic.build, catalogue=synthetic.catalogue_rows)
@@ -70,6 +72,9 @@ def load_model(
     bos: str | None = None,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
+    device_map: str | os.PathLike | Mapping[str, Any] | None = None,
+    max_memory: str | Sequence[str] | Mapping[Any, Any] | None = None,
+    offload_folder: str | os.PathLike | None = None,
 ) -> LoadedModel:
     """Load a model for me_interp.
 
@@ -84,6 +89,16 @@ def load_model(
         dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (the default: fp32 on CPU,
             bf16 on GPU).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``, ... (default: CUDA when available).
+            Not with a placement (below), which decides the devices.
+        device_map: place the model over several devices with accelerate: ``"auto"``,
+            ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``, a JSON file of ``{module:
+            device}`` or such a dict (devices: GPU index, ``"cpu"``, ``"disk"``).
+        max_memory: the memory budget per device, ``"0=70GiB cpu=200GiB"`` (or a dict); alone it
+            means ``device_map="auto"``.
+        offload_folder: where weights that fit no budget go (created if missing); alone it means
+            ``device_map="auto"``. With weights offloaded (to the CPU from a GPU, or to disk), the
+            forward and every hook work, but experiments that read or edit weights raise
+            :class:`~me_interp.loading.errors.PlacementError` (:mod:`me_interp.loading.placement`).
 
     With a :class:`LoadedModel`, an argument left ``None`` keeps the model's choice, and the model
     itself is returned when nothing changes. Another ``bos`` gives a new ``LoadedModel`` sharing the
@@ -100,15 +115,30 @@ def load_model(
     """
     if bos is not None and bos not in BOS_CHOICES:
         raise ValueError(f"bos must be one of {BOS_CHOICES}, got {bos!r}")
+    where = Placement.parse(device_map, max_memory, offload_folder)
+    if where is not None and isinstance(where.device_map, dict):
+        refuse_mixed(where.device_map)  # before loading anything
     if isinstance(model, LoadedModel):
+        if where is not None:
+            raise ValueError(
+                "device_map: a loaded model keeps its placement; load it again by name or "
+                "directory with --device-map/--max-memory/--offload-folder"
+            )
         return _reload(model, tokenizer=tokenizer, bos=bos, dtype=dtype, device=device)
+    if where is not None and device is not None:
+        raise ValueError(
+            "device: give either --device or a placement (--device-map/--max-memory/"
+            "--offload-folder), not both"
+        )
     from me_interp import terminal
 
     with terminal.quiet_libraries():  # the libraries' bars and logs; a conversion says one line
-        return _load(model, tokenizer, bos, dtype, device)
+        return _load(model, tokenizer, bos, dtype, device, where)
 
 
-def _load(model: Any, tokenizer: Any, bos: str | None, dtype: Any, device: Any) -> LoadedModel:
+def _load(
+    model: Any, tokenizer: Any, bos: str | None, dtype: Any, device: Any, where: Placement | None
+) -> LoadedModel:
     """:func:`load_model` for everything but an existing :class:`LoadedModel`."""
     bos = "auto" if bos is None else bos
     dev = resolve_device(device)
@@ -116,21 +146,23 @@ def _load(model: Any, tokenizer: Any, bos: str | None, dtype: Any, device: Any) 
     source = sources.source_for(model)
 
     if model is None or model == BUNDLED:
-        hf, tok, path = hf_source.load_cached(bundled.ensure_bundled_cache, dt, dev)
+        hf, tok, path = hf_source.load_cached(bundled.ensure_bundled_cache, dt, dev, where)
         name, boot_name = BUNDLED_DISPLAY_NAME, str(path)
     elif packaged.is_packaged(model):
         spec = packaged.packaged(model)
-        hf, tok, path = hf_source.load_cached(spec.ensure_cache, dt, dev)
+        hf, tok, path = hf_source.load_cached(spec.ensure_cache, dt, dev, where)
         name, boot_name = spec.display_name, str(path)
     elif source is not None:
         hf, tok = source.load(model)
-        hf = hf.to(device=dev, dtype=dt)
+        hf = hf.to(device=dev, dtype=dt) if where is None else dispatch(hf, where, dt)
         name = boot_name = model
     elif isinstance(model, (str, os.PathLike)):
-        hf, tok = hf_source.load_dir(str(model), dt, dev, load_tokenizer=tokenizer is None)
+        hf, tok = hf_source.load_dir(
+            str(model), dt, dev, load_tokenizer=tokenizer is None, placement=where
+        )
         name = boot_name = str(model)
     elif isinstance(model, torch.nn.Module) and hasattr(model, "config"):
-        hf, tok, dt, dev = hf_source.from_object(model, tokenizer, dt, dev)
+        hf, tok, dt, dev = hf_source.from_object(model, tokenizer, dt, dev, where)
         name = boot_name = getattr(hf.config, "_name_or_path", "") or type(hf).__name__
     else:
         raise TypeError(
@@ -139,8 +171,13 @@ def _load(model: Any, tokenizer: Any, bos: str | None, dtype: Any, device: Any) 
     if tokenizer is not None:
         tok = tokenizer
     hf.eval()
+    if getattr(hf, "hf_device_map", None):
+        refuse_mixed(hf.hf_device_map)
+        dev = execution_device(hf)  # where the input goes; accelerate moves it between blocks
     bridge = hf_source.boot(boot_name, hf, tok, dev, dt)
-    return LoadedModel(bridge, hf, tok, name=name, bos=bos, dtype=dt, device=dev)
+    loaded = LoadedModel(bridge, hf, tok, name=name, bos=bos, dtype=dt, device=dev)
+    loaded.placement = where
+    return loaded
 
 
 def _reload(
@@ -250,6 +287,7 @@ def catalogue() -> list[dict[str, str]]:
 __all__ = [
     "LoadedModel",
     "ModelLoadError",
+    "PlacementError",
     "UnsupportedArchitectureError",
     "catalogue",
     "load_model",

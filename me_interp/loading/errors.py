@@ -11,4 +11,9 @@ class UnsupportedArchitectureError(ModelLoadError):
     """The model is not a pre-norm decoder with RMSNorm and a gated FFN."""
 
 
-__all__ = ["ModelLoadError", "UnsupportedArchitectureError"]
+class PlacementError(ModelLoadError):
+    """The model's placement (offloaded weights, :mod:`me_interp.loading.placement`) does not allow
+    what was asked: reading or editing a weight that is not resident."""
+
+
+__all__ = ["ModelLoadError", "PlacementError", "UnsupportedArchitectureError"]

@@ -2,7 +2,9 @@
 and booting any of them into a TransformerLens ``TransformerBridge``.
 
 Every model is loaded with eager attention (so attention patterns exist); the bridge is booted with
-the RMSNorm gains left unfolded. The cached conversions of :mod:`me_interp.loading.bundled` and
+the RMSNorm gains left unfolded. A :class:`~me_interp.loading.placement.Placement` (device map, memory
+budget, offload folder) goes to ``from_pretrained``, or to accelerate's ``dispatch_model`` for a model
+built in memory; TransformerLens boots a dispatched model where accelerate put it. The cached conversions of :mod:`me_interp.loading.bundled` and
 :mod:`me_interp.loading.packaged` are HF directories too and load through :func:`load_cached`.
 """
 
@@ -17,7 +19,8 @@ from typing import Any
 
 import torch
 
-from me_interp.loading.errors import ModelLoadError, UnsupportedArchitectureError
+from me_interp.loading.errors import ModelLoadError, PlacementError, UnsupportedArchitectureError
+from me_interp.loading.placement import Placement, dispatch, execution_device
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 """Files of which a saved tokenizer has at least one (``save_pretrained`` writes the first two)."""
@@ -46,16 +49,31 @@ def check_model_dir(path: str, need_tokenizer: bool) -> None:
         )
 
 
-def load_dir(path: str, dtype: torch.dtype, device: torch.device, load_tokenizer: bool = True):
-    """The HF model (eager attention, ``dtype``, on ``device``) and tokenizer (``None`` when not
-    ``load_tokenizer``) saved at ``path``, a local directory or an HF hub name."""
+def load_dir(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_tokenizer: bool = True,
+    placement: Placement | None = None,
+):
+    """The HF model (eager attention, ``dtype``, on ``device``, or dispatched by accelerate as
+    ``placement`` says) and tokenizer (``None`` when not ``load_tokenizer``) saved at ``path``, a
+    local directory or an HF hub name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_dir(path, need_tokenizer=load_tokenizer)
+    where = {} if placement is None else placement.hf_kwargs()
     try:
         tok = AutoTokenizer.from_pretrained(path) if load_tokenizer else None
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+        hf = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="eager", **where
+        )
     except (OSError, ValueError) as e:
+        if placement is not None and "offload" in str(e):
+            raise PlacementError(
+                f"could not place {path!r} as asked ({placement.to_dict()}): {e}. Give "
+                "--offload-folder DIR for what does not fit, or more --max-memory"
+            ) from e
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
         where = "as a local directory" if Path(path).exists() else "locally or on the HF hub"
         raise ModelLoadError(
@@ -64,34 +82,55 @@ def load_dir(path: str, dtype: torch.dtype, device: torch.device, load_tokenizer
             + ". Pass the bundled model (no argument), a directory written by save_pretrained, "
             f"or an HF name where the hub is reachable. Cause: {type(e).__name__}: {e}"
         ) from e
-    return hf.to(device), tok
+    return (hf if placement is not None else hf.to(device)), tok
 
 
-def load_cached(ensure: Callable[..., Path], dtype: torch.dtype, device: torch.device):
+def load_cached(
+    ensure: Callable[..., Path],
+    dtype: torch.dtype,
+    device: torch.device,
+    placement: Placement | None = None,
+):
     """``(hf, tokenizer, path)`` of the converted model in the cache directory ``ensure()`` returns;
     a cache that verifies but will not load is rebuilt once (``ensure(rebuild=True)``, under the
     cache lock)."""
     path = ensure()
     try:
-        hf, tok = load_dir(str(path), dtype, device)
+        hf, tok = load_dir(str(path), dtype, device, placement=placement)
+    except PlacementError:
+        raise
     except ModelLoadError:
         path = ensure(rebuild=True)
-        hf, tok = load_dir(str(path), dtype, device)
+        hf, tok = load_dir(str(path), dtype, device, placement=placement)
     return hf, tok, path
 
 
-def from_object(model: Any, tokenizer: Any, dtype: torch.dtype, device: torch.device):
-    """``(hf, tokenizer, dtype, device)`` of an already-built HF model: moved and cast, unless it is
-    dispatched by accelerate (``hf_device_map``), whose placement is left alone and reported; its
-    attention is switched to eager."""
+def from_object(
+    model: Any,
+    tokenizer: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    placement: Placement | None = None,
+):
+    """``(hf, tokenizer, dtype, device)`` of an already-built HF model: moved and cast, or dispatched
+    as ``placement`` says, unless it is dispatched by accelerate already (``hf_device_map``), whose
+    placement is left alone and reported; its attention is switched to eager."""
     if tokenizer is None:
         raise ModelLoadError(
             "an HF model object was given without its tokenizer: pass tokenizer=..."
         )
     if getattr(model, "hf_device_map", None):  # dispatched by accelerate: leave placement alone
+        if placement is not None:
+            raise ValueError(
+                "device_map: the HF model is dispatched already (hf_device_map); its placement is "
+                "kept, so give no --device-map/--max-memory/--offload-folder with it"
+            )
         hf = model
-        device = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
+        device = execution_device(model)
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    elif placement is not None:
+        hf = dispatch(model, placement, dtype)
+        device = execution_device(hf)
     else:
         hf = model.to(device=device, dtype=dtype)
     if getattr(hf.config, "_attn_implementation", "eager") != "eager":

@@ -13,7 +13,8 @@ import torch
 from jaxtyping import Float, Int
 
 from me_interp.architecture import Architecture, ArchitectureError, describe
-from me_interp.loading.errors import UnsupportedArchitectureError
+from me_interp.loading.errors import PlacementError, UnsupportedArchitectureError
+from me_interp.loading.placement import Placement, offloaded_modules
 
 BosChoice = Literal["auto", "yes", "no"]
 BOS_CHOICES: tuple[str, ...] = ("auto", "yes", "no")
@@ -87,6 +88,8 @@ class LoadedModel:
         self.bos = bos
         self.dtype = dtype
         self.device = device
+        self.placement: Placement | None = None  # set by load_model for a dispatched model
+        self.attention: str = "eager"  # the attention that runs now (:meth:`attention_kernel`)
         self.arch: Architecture = _check_architecture(self)
 
     # -- shape -------------------------------------------------------------------------------
@@ -100,7 +103,7 @@ class LoadedModel:
 
     @property
     def d_mlp(self) -> int:
-        return int(self.ffn_weights(0).gate.shape[0])
+        return int(self.bridge.blocks[0].mlp.gate.original_component.weight.shape[0])
 
     @property
     def n_heads(self) -> int:
@@ -128,11 +131,11 @@ class LoadedModel:
 
     def attn_norm_weight(self, layer: int) -> torch.nn.Parameter:
         """The stored weight of the pre-attention RMSNorm (``blocks.L.ln1.w``), the live parameter."""
-        return self.bridge.blocks[self.check_layer(layer)].ln1.w
+        return _resident(self.bridge.blocks[self.check_layer(layer)].ln1.w, "ln1", layer)
 
     def ffn_norm_weight(self, layer: int) -> torch.nn.Parameter:
         """The stored weight of the pre-FFN RMSNorm (``blocks.L.ln2.w``), the live parameter."""
-        return self.bridge.blocks[self.check_layer(layer)].ln2.w
+        return _resident(self.bridge.blocks[self.check_layer(layer)].ln2.w, "ln2", layer)
 
     def ffn_weights(self, layer: int) -> FFNWeights:
         """The live gate / up / down weights of ``layer``. With a fused ``gate_up_proj`` (Phi-3,
@@ -141,10 +144,16 @@ class LoadedModel:
         place writes the fused weight too."""
         mlp = self.bridge.blocks[self.check_layer(layer)].mlp
         return FFNWeights(
-            gate=mlp.gate.original_component.weight,
-            up=getattr(mlp, "in").original_component.weight,
-            down=mlp.out.original_component.weight,
+            gate=_resident(mlp.gate.original_component.weight, "FFN gate", layer),
+            up=_resident(getattr(mlp, "in").original_component.weight, "FFN up", layer),
+            down=_resident(mlp.out.original_component.weight, "FFN down", layer),
         )
+
+    @property
+    def offloaded(self) -> list[str]:
+        """The HF modules whose weights are offloaded (``meta`` placeholders; the values in
+        accelerate's offload map on the CPU or disk); ``[]`` when every weight is on a device."""
+        return offloaded_modules(self.hf) if getattr(self.hf, "hf_device_map", None) else []
 
     def norm_eps(self) -> float:
         """The ``eps`` of the pre-FFN RMSNorm (``variance_epsilon`` or, in Gemma code, ``eps``)."""
@@ -306,7 +315,9 @@ class LoadedModel:
             "bos": self.bos,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
-            "attn_implementation": "eager",
+            "placement": None if self.placement is None else self.placement.to_dict(),
+            "hf_device_map": _device_map_info(self.hf),
+            "attn_implementation": self.attention,
             "weights_folded": False,
             "arch": self.arch.to_dict(),
             "layer_index": "0-based (layer L = blocks.L = HF model.layers[L]); 1-based given alongside",
@@ -318,6 +329,25 @@ class LoadedModel:
             f"LoadedModel({self.name!r}, n_layers={self.n_layers}, d_model={self.d_model}, "
             f"bos={self.bos!r}, dtype={self.dtype}, device={self.device})"
         )
+
+
+def _resident(param: torch.nn.Parameter, what: str, layer: int) -> torch.nn.Parameter:
+    """``param``, or :class:`PlacementError` when it is an offloaded ``meta`` placeholder (reading or
+    editing it in place would miss the weight the forward uses)."""
+    if param.device.type == "meta":
+        raise PlacementError(
+            f"the {what} weight of layer {layer} is offloaded (a meta placeholder; accelerate loads "
+            "it only inside the forward), so reading it or editing it in place would miss what the "
+            "forward uses: load the model without --max-memory/--offload-folder, or with a "
+            "--device-map whose every entry is a device"
+        )
+    return param
+
+
+def _device_map_info(hf: Any) -> dict[str, str] | None:
+    """``hf_device_map`` with its devices as strings, runs of equal devices kept (for env.json)."""
+    dm = getattr(hf, "hf_device_map", None)
+    return None if not dm else {k: str(v) for k, v in dm.items()}
 
 
 def _check_index(kind: str, i: int, n: int) -> int:
