@@ -39,6 +39,7 @@ raises :class:`me_interp.claims.NotApplicable`.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -70,6 +71,7 @@ from me_interp.interventions.wemask import (
     no_massive_activation,
 )
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.patching.suffix import STRICT_ENV, strict
 from me_interp.probes import find_me_layer
 from me_interp.probes.massive import locate_me_layer
 from me_interp.prompts import builtin_texts, read_prompts
@@ -373,6 +375,35 @@ class _Sweep:
     positions: Any
     directions: dict[int, torch.Tensor]
     items: list[evaluation.MCItem]
+    suffixes: list[evaluation.BlockInputs] | None = None
+
+    def reuse_prefix(self, base: dict[str, Any]) -> None:
+        """Keep each text batch's unmasked inputs to the first masked block, so that a condition
+        runs the masked blocks only (the blocks before are the unmasked model's): checked on the
+        unmasked model against the full forward's per-text statistics ``base`` (rtol 1e-5); on a
+        mismatch every condition runs the full forward, with a warning (an error under
+        ``ME_INTERP_STRICT``)."""
+        start = min(self.layers)
+        if start == 0 or self.rank_layer < start:
+            return
+        self.suffixes = [
+            evaluation.block_inputs(self.model, batch, start) for _, batch in self.chunks
+        ]
+        got = self.measure(None, None)[0]
+        bad = [
+            k
+            for k in PER_TEXT
+            if not np.allclose(got["per_text"][k], base["per_text"][k], rtol=1e-5, equal_nan=True)
+        ]
+        if bad:
+            self.suffixes = None
+            msg = (
+                f"running blocks {start}.. from the unmasked inputs changed {bad[0]}: every "
+                "condition runs the full forward (slower, same values)"
+            )
+            if strict():
+                raise RuntimeError(f"{msg} [{STRICT_ENV} is set]")
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
     def _positions(self, idx: list[int]) -> Any:
         per_text = self.cfg.positions == "massive"
@@ -397,8 +428,9 @@ class _Sweep:
                 spec = _spec(self.model, cond, self.layers, self._positions(idx), self.directions)
                 hooks = core.tl_hooks(spec)
             ref = None if refs is None else refs[c]
+            suffix = None if self.suffixes is None else self.suffixes[c]
             stats, r = evaluation.text_metrics(
-                self.model, batch, hooks, self.layers, self.rank_layer, ref
+                self.model, batch, hooks, self.layers, self.rank_layer, ref, suffix
             )
             for k, vals in stats.items():
                 for i, v in zip(idx, vals):
@@ -483,6 +515,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         items=evaluation.load_mc_items(cfg.mc_items) if cfg.mc != "none" else [],
     )
     base, refs = sweep.measure(None, None)
+    sweep.reuse_prefix(base)  # the masks change nothing before the first masked layer
     rows: list[dict[str, Any]] = []
     for cond in terminal.bar(conditions(cfg), desc="wemask sweep"):
         rows += _rows(cfg, cond, sweep.measure(cond, refs)[0])
