@@ -95,6 +95,8 @@ PLANTED = {
     "activation_patching.ffn_is_state": HOLDS,
     "activation_patching.state_causes_sink": HOLDS,
     "activation_patching.not_rewritten": HOLDS,
+    "activation_patching.sink_heads_restore": HOLDS,
+    "activation_patching.sink_heads_beat_random": HOLDS,
     "transplant.sink_follows": HOLDS,
     "transplant.second_sink": HOLDS,
     "component_ablation.cap_site": HOLDS,

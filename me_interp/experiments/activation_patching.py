@@ -71,6 +71,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -511,6 +512,16 @@ def first_token_corrupt(clean: Batch) -> Batch:
     return Batch(t, clean.attention_mask.clone(), None)
 
 
+def _corrupt_for(
+    model: LoadedModel, corruption: str, layer: int, position: int, batch: Batch
+) -> tuple[Batch, list]:
+    """The corrupt run of ``batch`` under ``corruption`` (not ``auto``): its tokens and hooks."""
+    if corruption == "first_token":
+        return first_token_corrupt(batch), []
+    where = "resid_pre" if corruption == "remove_input" else "ffn_out"
+    return batch, causal.remove_massive(model, batch, layer, [position], None, site=where)
+
+
 def median_ratios(
     model: LoadedModel, batch: Batch, layer: int, position: int, fwd_hooks: Sequence = ()
 ) -> torch.Tensor:
@@ -709,9 +720,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pair
             corruption = "first_token" if frac <= removed else "remove_input"
             note += f"; auto chose {corruption}"
     if corruption in ("remove_input", "remove_ffn"):
-        corrupt = clean
-        where = "resid_pre" if corruption == "remove_input" else "ffn_out"
-        hooks = causal.remove_massive(model, clean, L, [p], None, site=where)
+        corrupt, hooks = _corrupt_for(model, corruption, L, p, clean)
         corrupt_me = median_ratios(model, clean, L, p, hooks)
     undo = {
         "first_token": ("resid_pre", 0, 0),
@@ -747,6 +756,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pair
                 clean,
                 corrupt,
                 hooks,
+                partial(_corrupt_for, model, corruption, L, p),
                 L,
                 p,
                 k=cfg.n_sink_heads,

@@ -45,7 +45,7 @@ head costs minutes on the bundled model), with the sink heads marked. The claims
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,8 +97,9 @@ class SinkHeads:
         k: how many sink heads.
         top: the sink heads ``(layer, head)``, chosen on ``select``.
         random_sets: the random draws, each ``k`` heads with ``top``'s count per layer.
-        kl_clean, kl_corrupt, kl_top: per prompt (all prompts) ``KL(clean ‖ run)`` at the last token.
-        kl_random: ``[prompt][draw]``.
+        kl_clean, kl_corrupt, kl_top: per held-out prompt (in the order of ``test``)
+            ``KL(clean ‖ run)`` at the last token.
+        kl_random: ``[held-out prompt][draw]``.
         single: ``[layer][head]`` normalised KL of each head patched alone, estimated by attribution
             patching (first order: one forward and one backward; all prompts; the figure only),
             ``None`` when not run.
@@ -122,28 +123,22 @@ class SinkHeads:
 
     def rows(self) -> np.ndarray:
         """Held-out prompts × ``[clean, corrupt, sink heads]`` KL."""
-        t = self.test
         return np.column_stack(
-            [
-                np.asarray(x, dtype=np.float64)[t]
-                for x in (self.kl_clean, self.kl_corrupt, self.kl_top)
-            ]
+            [np.asarray(x, dtype=np.float64) for x in (self.kl_clean, self.kl_corrupt, self.kl_top)]
         )
 
     def excess(self) -> np.ndarray:
         """Held-out prompts × draws: ``(KL_random − KL_sink) / (mean KL_corrupt − mean KL_clean)``
         (the denominators over the held-out prompts)."""
-        t = self.test
-        rand = np.asarray(self.kl_random, dtype=np.float64)[t]  # [test draw]
-        top = np.asarray(self.kl_top, dtype=np.float64)[t][:, None]
-        d = float(np.mean(np.asarray(self.kl_corrupt)[t]) - np.mean(np.asarray(self.kl_clean)[t]))
+        rand = np.asarray(self.kl_random, dtype=np.float64)  # [test draw]
+        top = np.asarray(self.kl_top, dtype=np.float64)[:, None]
+        d = float(np.mean(self.kl_corrupt) - np.mean(self.kl_clean))
         return (rand - top) / d if d > 0 else np.full_like(rand, np.nan)
 
     def restore(self, kl: Sequence[float] | np.ndarray) -> float:
-        """Normalised KL (clean = 1, corrupt = 0) of per-prompt ``kl`` on the held-out prompts."""
-        t = self.test
-        c, x = np.mean(np.asarray(self.kl_clean)[t]), np.mean(np.asarray(self.kl_corrupt)[t])
-        return float((np.mean(np.asarray(kl)[t]) - x) / (c - x)) if c != x else float("nan")
+        """Normalised KL (clean = 1, corrupt = 0) of per-held-out-prompt ``kl``."""
+        c, x = float(np.mean(self.kl_clean)), float(np.mean(self.kl_corrupt))
+        return float((np.mean(kl) - x) / (c - x)) if c != x else float("nan")
 
     def random_restores(self) -> list[float]:
         """Each draw's restore on the held-out prompts."""
@@ -189,6 +184,7 @@ def measure(
     clean: Batch,
     corrupt: Batch,
     corrupt_hooks: Sequence,
+    corrupt_for: Callable[[Batch], tuple[Batch, Sequence]],
     layer: int,
     position: int,
     *,
@@ -199,7 +195,9 @@ def measure(
     single: bool = True,
 ) -> SinkHeads:
     """The sink-heads measurement (module docstring) at the ME layer ``layer`` and massive position
-    ``position``, on the experiment's clean/corrupt pair.
+    ``position``, on the experiment's clean/corrupt pair (``corrupt``, ``corrupt_hooks``: the
+    attribution figure) and its corruption of any sub-batch (``corrupt_for``: the held-out prompts,
+    on which alone the head sets are patched).
 
     Raises:
         claims.NotApplicable: no layer after ``layer``; fewer than 4 prompts; ``k`` covers every head
@@ -224,15 +222,19 @@ def measure(
     order = torch.argsort(sel, descending=True, stable=True)[:k].tolist()
     top = sorted((layers[i // H], i % H) for i in order)
     randoms = draw_random(top, H, n_random, seed)
-    clean_logits = _gather_last(model.run_with_hooks(clean), clean.attention_mask.bool())
+    held = Batch(clean.tokens[test], clean.attention_mask[test], None)
+    held_corrupt, held_hooks = corrupt_for(held)
+    clean_logits = _gather_last(model.run_with_hooks(held), held.attention_mask.bool())
     metrics = {KL: KLToClean(clean_logits)}
     res = patch_head_sets(
-        model, clean, corrupt, SITE, [top, *randoms], metrics, batch_size, corrupt_hooks
+        model, held, held_corrupt, SITE, [top, *randoms], metrics, batch_size, held_hooks
     )
     grid, n_fwd = None, res.n_forwards
     if single:
+        clean_logits = _gather_last(model.run_with_hooks(clean), clean.attention_mask.bool())
         sw = attribution_sweep(
-            model, clean, corrupt, SITE, metrics, layers=layers, corrupt_hooks=corrupt_hooks,
+            model, clean, corrupt, SITE, {KL: KLToClean(clean_logits)}, layers=layers,
+            corrupt_hooks=corrupt_hooks,
             per_position=False,
         )  # fmt: skip
         grid = sw.normalized(KL).tolist()
@@ -267,14 +269,13 @@ def details(sh: SinkHeads) -> str:
     idx = {la: i for i, la in enumerate(sh.layers)}
     top_att = [att[idx[la], h] for la, h in sh.top]
     rand = sh.random_restores()
-    t = sh.test
     out = (
         f"{sh.k} sink heads of {len(sh.layers) * sh.n_heads} (layers {sh.layers[0]}..{sh.layers[-1]}) "
         f"chosen on {len(sh.select)} prompts: {heads_text(sh.top)} (their attention to p "
         f"{min(top_att):.3g}..{max(top_att):.3g}; the largest of the other heads "
-        f"{_largest_other(att, sh):.3g}); tested on {len(t)} held-out prompts: KL(clean ‖ corrupt) "
-        f"{np.mean(np.asarray(sh.kl_corrupt)[t]):.4g} nats, with the sink heads patched "
-        f"{np.mean(np.asarray(sh.kl_top)[t]):.4g} (restore {sh.restore(sh.kl_top):.3g})"
+        f"{_largest_other(att, sh):.3g}); tested on {len(sh.test)} held-out prompts: KL(clean ‖ corrupt) "
+        f"{np.mean(sh.kl_corrupt):.4g} nats, with the sink heads patched "
+        f"{np.mean(sh.kl_top):.4g} (restore {sh.restore(sh.kl_top):.3g})"
     )
     if rand:
         out += (

@@ -144,10 +144,11 @@ def test_selection_and_statistics_equal_hand_computations(runs):
     top = sorted((sh.layers[i // sh.n_heads], i % sh.n_heads) for i in np.argsort(-flat)[: sh.k])
     assert sh.top == top and sh.k == len(sh.layers)
     # the claims' statistics
-    c, x, s = (np.asarray(v)[test] for v in (sh.kl_clean, sh.kl_corrupt, sh.kl_top))
+    c, x, s = (np.asarray(v) for v in (sh.kl_clean, sh.kl_corrupt, sh.kl_top))
+    assert len(c) == len(test)  # the head sets are patched on the held-out prompts only
     want = (s.mean() - x.mean()) / (c.mean() - x.mean())
     assert ap._restore_stat(sh.rows()) == pytest.approx(want)
-    rand = np.asarray(sh.kl_random)[test]
+    rand = np.asarray(sh.kl_random)
     gap = np.mean([(x.mean() - rand[:, j].mean()) / (x.mean() - c.mean()) for j in range(10)])
     assert float(sh.excess().mean()) == pytest.approx(want - gap)
 
@@ -189,3 +190,30 @@ def test_not_applicable_without_enough_draws_and_figure(runs):
     none = dataclasses.replace(r, sink_heads=None, sink_heads_why="not measured (--n-random 0)")
     assert _verdicts(none)["sink_heads_restore"].why == "not measured (--n-random 0)"
     assert "sink_heads" in ap.Result.to_dict(r) and r.to_dict()["sink_heads"]["k"] == 2
+
+
+def test_held_out_corruption_equals_the_full_batch_rows(needsink):
+    """The head sets run on the held-out prompts alone, with the corruption rebuilt for them
+    (remove_input's per-prompt means): their corrupt KL equals the full batch's corrupt run at those
+    rows, by hand."""
+    import tempfile
+    from pathlib import Path
+
+    from me_interp import falsifiability
+
+    path = Path(tempfile.mkdtemp()) / "prompts.txt"
+    path.write_text("\n".join(falsifiability.prompts(CONCENTRATED)) + "\n", encoding="utf-8")
+    cfg = ap.Config(
+        model=CONCENTRATED, prompts=str(path), sites=("resid_pre",), corruption="remove_input"
+    )
+    r = ap.run(cfg, needsink)
+    sh, clean = r.sink_heads, r.prompts.batch
+    _, hooks = ap._corrupt_for(needsink, "remove_input", r.site.layer, r.site.position, clean)
+    mask = clean.attention_mask.bool()
+    idx = mask.long().sum(-1) - 1
+    rows = torch.arange(len(clean))
+    clean_last = needsink.run_with_hooks(clean)[rows, idx]
+    corrupt_last = needsink.run_with_hooks(clean, hooks)[rows, idx]
+    want = [_kl(clean_last[b], corrupt_last[b]) for b in sh.test]
+    np.testing.assert_allclose(sh.kl_corrupt, want, rtol=1e-4, atol=1e-6)
+    assert min(want) > 0.1  # the removal changes the prediction (nats)
