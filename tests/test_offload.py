@@ -234,6 +234,36 @@ def test_weight_experiments_are_refused_by_name_on_offloaded_weights(planted_dir
 
 
 @pytest.mark.slow
+def test_the_battery_on_offloaded_weights_gives_the_plain_verdicts_or_refuses(
+    planted_dir, tmp_path
+):
+    """Every experiment of the battery on the planted model with blocks on disk: the plain load's
+    verdicts, or a PlacementError naming the experiment (never a silently different answer); the
+    weight-edit experiments are refused."""
+    from me_interp.report import _BY_NAME, EXPERIMENTS
+
+    path, size, _ = planted_dir
+    plain = load_model(str(path), device="cpu")
+    off = load_model(str(path), max_memory=f"cpu={size // 2}", offload_folder=tmp_path / "o")
+    refused = []
+    for name in EXPERIMENTS:
+        module = _BY_NAME[name]
+        cfg = module.Config(model=str(path), out=str(tmp_path / "runs"))
+        try:
+            b = common.execute(module, cfg, off, figures=False)
+        except PlacementError as e:
+            assert str(e).startswith(f"{name} is refused on ")
+            refused.append(name)
+            continue
+        a = common.execute(module, cfg, plain, figures=False)
+        assert [(c.id, c.verdict) for c in b.claims] == [(c.id, c.verdict) for c in a.claims], name
+    assert {"weight_swap", "weight_patching", "rmsnorm_permutation", "ffn_svd_ablation"} <= set(
+        refused
+    )
+    assert {"me_layer", "attention_sinks", "activation_patching"}.isdisjoint(refused)
+
+
+@pytest.mark.slow
 def test_the_bundled_model_offloaded_to_disk_equals_the_plain_load(bundled, tmp_path):
     """SmolLM2-135M with a CPU budget of ~half its weights (the rest on disk): the same ME layer,
     dims and jump (statistics within 1e-5 relative), and the same verdicts of me_layer and
