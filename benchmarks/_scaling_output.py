@@ -45,7 +45,7 @@ def tables(curves: list[dict], mem: dict | None) -> str:
                 ]
                 for c in curves
             ],
-            "lllrrrr",
+            "llllrrr",
         ),
     ]
     for c in curves:
@@ -145,6 +145,7 @@ def svg(curves: list[dict], mem: dict | None) -> str:
                 f"CPU seconds vs {vary} (log-log)",
                 [(c["bench"], [(p["x"], p["cpu_seconds"]) for p in c["points"]]) for c in cs],
                 True,
+                "exponents: " + ", ".join(f"{c['bench']} {_f(c['cpu_time_exponent'])}" for c in cs),
             )
         )
     if mem:
@@ -153,12 +154,15 @@ def svg(curves: list[dict], mem: dict | None) -> str:
                 "scan: peak RSS − weights (MiB) vs layers",
                 [("scan", list(zip(mem["layers"], mem["above_weights_mib"], strict=True)))],
                 False,
+                f"slope {_f(mem['slope_above_weights_mib_per_layer'])} MiB/layer; weights "
+                f"{_f(mem['weight_mib_per_layer'], '.0f')} MiB/layer",
             )
         )
-    for i, (title, series, log) in enumerate(series_sets):
+    for i, (title, series, log, note) in enumerate(series_sets):
         ox, oy = (i % cols) * W, (i // cols) * H
         pts = [pt for _, s in series for pt in s if pt[1] and pt[1] > 0]
         out.append(f'<text x="{ox + pad}" y="{oy + 15}" font-weight="bold">{title}</text>')
+        out.append(f'<text x="{ox + pad + 4}" y="{oy + 38}" font-size="10">{note}</text>')
         if not pts:
             continue
         f = (lambda v: math.log10(v)) if log else (lambda v: v)

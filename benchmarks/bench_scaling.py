@@ -545,7 +545,11 @@ def main(argv: list[str] | None = None) -> int:
     measured = run_plan(curves, args.repeats, args.quick, log=lambda s: print(s, flush=True))
     mem = memory_vs_layers(measured)
     res = {
-        "meta": {**meta(args), "total_seconds": time.perf_counter() - t0},
+        "meta": {
+            **meta(args),
+            "total_seconds": time.perf_counter() - t0,
+            "total_cpu_seconds": time.process_time(),  # the whole process, model building included
+        },
         "curves": measured,
         "memory_vs_layers": mem,
     }
