@@ -318,6 +318,24 @@ def test_the_fused_kernel_agrees_with_eager_and_restores(bundled):
     assert seen
 
 
+def test_hf_attn_implementation_alone_changes_nothing_that_runs(tiny_llama):
+    """Why the kernel exists: TL's bridge recomputes attention itself, so HF's sdpa setting alone
+    gives bit-identical logits; the kernel does change the computation (not bit-identical)."""
+    batch = tiny_llama.tokenize(["one two three four five six", "seven eight nine ten"])
+    eager = tiny_llama.run_with_hooks(batch)
+    config = tiny_llama.hf.config
+    config._attn_implementation = "sdpa"
+    try:
+        assert torch.equal(tiny_llama.run_with_hooks(batch), eager)
+    finally:
+        config._attn_implementation = "eager"
+    with kernel(tiny_llama, "sdpa"):
+        fused = tiny_llama.run_with_hooks(batch)
+    real = batch.attention_mask.bool()
+    assert not torch.equal(fused[real], eager[real])
+    torch.testing.assert_close(fused[real], eager[real], rtol=SDPA_RTOL, atol=1e-5)
+
+
 def test_the_fused_kernel_refuses_hooks_it_does_not_fire(tiny_llama):
     batch = tiny_llama.tokenize(["one two three four five", "six seven eight nine"])
     fired = []
