@@ -27,7 +27,9 @@ Sources, in the order they are tried:
   :mod:`me_interp.loading.synthetic`.
 
 The model comes back as a :class:`~me_interp.loading.loaded.LoadedModel`; devices and dtypes are
-resolved by :mod:`me_interp.loading.devices`.
+resolved by :mod:`me_interp.loading.devices`. A model larger than one device is placed by accelerate
+(``device_map`` / ``max_memory`` / ``offload_folder``, :mod:`me_interp.loading.placement`); the
+fused attention kernel, for code that reads no attention pattern, is :mod:`me_interp.loading.attention`.
 
 Supported: pre-norm decoder-only models with RMSNorm and a gated FFN — Llama, Mistral, Qwen2/2.5/3,
 Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``), Gemma 1/2/3 (gain ``1 + w``; Gemma 2/3 sandwich norms),
