@@ -26,7 +26,7 @@ Patching a head's *pattern* instead would restore that head's own attention to `
 construction, and a head's output does not bring the massive key back, so neither the pattern nor the
 downstream sink is the outcome: the output distribution is, which the sink heads need not control.
 
-Claims (in :data:`SPECS`, added to activation_patching's):
+Claims (in :data:`me_interp.experiments.activation_patching.SPECS`):
 
 * ``sink_heads_restore`` [claim] — the sink heads' outputs restore at least half (``restore``) of the
   clean next-token distribution;
@@ -35,7 +35,9 @@ Claims (in :data:`SPECS`, added to activation_patching's):
 
 On a model whose sink's effect is concentrated in one head per layer both hold
 (``synthetic:planted-needsink``); on one where every head of those layers attends to the sink and
-carries an equal part (``synthetic:decoy-sinkspread``) both fail.
+carries an equal part (``synthetic:decoy-sinkspread``) both fail. With the ``first_token``
+corruption, token 0 differs in every layer, so part of ``KL(clean ‖ corrupt)`` comes from layers
+before the ME layer, which no head after it can restore; ``remove_input`` leaves them clean.
 
 The figure (``sink_heads``) is a layer × head map of each head's clean attention to ``p`` and of each
 head's own restore (patched alone, all positions), estimated by attribution patching
@@ -233,10 +235,15 @@ def measure(
     if single:
         clean_logits = _gather_last(model.run_with_hooks(clean), clean.attention_mask.bool())
         sw = attribution_sweep(
-            model, clean, corrupt, SITE, {KL: KLToClean(clean_logits)}, layers=layers,
+            model,
+            clean,
+            corrupt,
+            SITE,
+            {KL: KLToClean(clean_logits)},
+            layers=layers,
             corrupt_hooks=corrupt_hooks,
             per_position=False,
-        )  # fmt: skip
+        )
         grid = sw.normalized(KL).tolist()
     vals = res.values[KL].double()  # [set B]
     return SinkHeads(
