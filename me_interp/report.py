@@ -81,9 +81,10 @@ COMMON_KEYS = ("model", "prompts", "bos", "dtype", "device", "seed", "out", "thr
 
 
 def _fingerprint(common: CommonConfig, model: Any) -> dict[str, Any]:
-    """What makes two batteries comparable: the shared settings, the device and dtype the model was
-    actually loaded with, and the code that ran (package version and git commit). A battery with
-    another fingerprint starts over instead of reusing finished runs."""
+    """What makes two batteries comparable: the shared settings, the device, dtype and placement
+    (device map, offloaded modules) the model was actually loaded with, and the code that ran
+    (package version and git commit). A battery with another fingerprint starts over instead of
+    reusing finished runs."""
     d = common.to_dict()
     env = io.environment()
     info = model.info()
@@ -91,6 +92,8 @@ def _fingerprint(common: CommonConfig, model: Any) -> dict[str, Any]:
         **{k: d[k] for k in COMMON_KEYS if k not in ("out", "device", "threads")},
         "device_resolved": info["device"],
         "dtype_resolved": info["dtype"],
+        "placement": info.get("placement"),
+        "hf_device_map": info.get("hf_device_map"),
         "me_interp": env["me_interp"],
         "git_commit": env["git_commit"],
     }

@@ -226,3 +226,17 @@ def test_battery_starts_over_when_the_code_or_resolved_dtype_changes(args, monke
     assert len(list((out / "me_layer").iterdir())) == 2  # results of other code are not reused
     html = (out / report.REPORT_FILE).read_text()
     assert "another-commit" in html and "float32" in html
+
+
+def test_battery_starts_over_when_the_placement_changes(args):
+    """A model placed otherwise (a device map, offloaded modules) is another model run: not
+    reused."""
+    argv, out = args
+    only = ["--only", "me_layer"]
+    assert cli.main(argv + only) == 0
+    state = json.loads((out / report.STATE_FILE).read_text())
+    assert state["settings"]["placement"] is None
+    assert cli.main(argv + only + ["--device-map", "sequential"]) == 0
+    assert len(list((out / "me_layer").iterdir())) == 2
+    state = json.loads((out / report.STATE_FILE).read_text())
+    assert state["settings"]["placement"] is not None
