@@ -39,6 +39,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from me_interp import names
 from me_interp.backends import _reduce
 from me_interp.loading.errors import ModelLoadError, UnsupportedArchitectureError
 from me_interp.loading.loaded import Batch, LoadedModel
@@ -48,16 +49,8 @@ from me_interp.probes.norms import NormScan
 CONNECT_TIMEOUT = 5.0
 """Seconds to wait for the NDIF host before saying there is no network."""
 KEY_URL = "https://login.ndif.us"
-#: The sites a scan records, in the order of ``_reduce.scan_layers`` (``names.SITES``).
-SCAN_SITES: tuple[str, ...] = (
-    "resid_pre",
-    "attn_in",
-    "attn_out",
-    "resid_mid",
-    "ffn_in",
-    "ffn_out",
-    "resid_post",
-)
+#: The sites a scan records, in the order of ``_reduce.scan_layers``.
+SCAN_SITES: tuple[str, ...] = names.SITES
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 

@@ -519,7 +519,30 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     rows: list[dict[str, Any]] = []
     for cond in terminal.bar(conditions(cfg), desc="wemask sweep"):
         rows += _rows(cfg, cond, sweep.measure(cond, refs)[0])
-    if 0.0 in cfg.rates:  # the identity: the baseline, once per selection (for the sweep figure)
+    return _result(
+        cfg, model, loc, me, layers, sweep.rank_layer, len(texts), sweep.chunks, len(sweep.items),
+        {"n_prompts": len(detect)}, base, rows, positions,
+    )  # fmt: skip
+
+
+def _result(
+    cfg: Config,
+    model: Any,
+    loc: Any,
+    me: int,
+    layers: list[int],
+    rank_layer: int,
+    n_texts: int,
+    chunks: list[tuple[list[int], Batch]],
+    n_items: int,
+    detection: dict[str, Any],
+    base: dict[str, Any],
+    rows: list[dict[str, Any]],
+    positions: Any,
+) -> Result:
+    """The :class:`Result` of a sweep, with the identity rows (``r = 0``: the baseline, once per
+    selection, for the sweep figure) added when ``0`` is among the rates."""
+    if 0.0 in cfg.rates:
         for v in cfg.variants:
             zero = Condition("wemask", v, 0.0, 1.0, cfg.seed)
             rows.append({**_cond_dict(zero), **base, "same_as": "baseline"})
@@ -531,15 +554,15 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         massive_at_me=bool(loc.layer_has_massive[me]),
         start=cfg.start,
         layers=layers,
-        rank_layer=sweep.rank_layer,
+        rank_layer=rank_layer,
         claim_rate=float(cfg.claim_rate),
         n_seeds=cfg.n_seeds,
         seed=cfg.seed,
-        n_texts=len(texts),
-        n_tokens=int(sum(b.attention_mask.sum() for _, b in sweep.chunks)),
-        n_items=len(sweep.items),
+        n_texts=n_texts,
+        n_tokens=int(sum(b.attention_mask.sum() for _, b in chunks)),
+        n_items=n_items,
         detection={
-            "n_prompts": len(detect),
+            **detection,
             "max_tokens": cfg.detect_tokens,
             "me_layer_detected": loc.me_layer,
             "massive_dims": loc.massive_dims,
@@ -580,37 +603,14 @@ def _run_nnsight(cfg: Config, model: Any) -> Result:
     rows: list[dict[str, Any]] = []
     for cond, st in zip(conds, stats[1:]):
         rows += _rows(cfg, cond, measured(st))
-    if 0.0 in cfg.rates:
-        for v in cfg.variants:
-            zero = Condition("wemask", v, 0.0, 1.0, cfg.seed)
-            rows.append({**_cond_dict(zero), **base, "same_as": "baseline"})
-    return Result(
-        model=model.name,
-        bos=model.bos,
-        me_layer=me,
-        me_layer_given=cfg.me_layer is not None,
-        massive_at_me=bool(loc.layer_has_massive[me]),
-        start=cfg.start,
-        layers=layers,
-        rank_layer=rank_layer,
-        claim_rate=float(cfg.claim_rate),
-        n_seeds=cfg.n_seeds,
-        seed=cfg.seed,
-        n_texts=len(texts),
-        n_tokens=int(sum(b.attention_mask.sum() for _, b in groups)),
-        n_items=0,
-        detection={
-            "n_prompts": len(detect),
-            "max_tokens": cfg.detect_tokens,
-            "me_layer_detected": loc.me_layer,
-            "massive_dims": loc.massive_dims,
-            "backend": "nnsight",
-            "not_measured": "kl, top1 (no reference distributions leave the trace), MC items, "
-            "soft alternatives",
-        },
-        baseline=base,
-        rows=rows,
-        positions=(0,),
+    detection = {
+        "n_prompts": len(detect),
+        "backend": "nnsight",
+        "not_measured": "kl, top1 (no reference distributions leave the trace), MC items, "
+        "soft alternatives",
+    }
+    return _result(
+        cfg, model, loc, me, layers, rank_layer, len(texts), groups, 0, detection, base, rows, (0,)
     )
 
 
