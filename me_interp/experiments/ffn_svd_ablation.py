@@ -474,9 +474,18 @@ def _deterministic(
 
     def details(result: Result) -> str:
         r = row(result)
+        held = ""
+        if held_out:  # the numbers the statistic is computed from: the held-out prompts' means
+            rows = result.neuron_prompts
+            before = np.asarray(result.baseline.prompt_ratio_at(result.layer))[rows].mean()
+            after = np.asarray(r["ratio_at_layer_per_prompt"])[rows].mean()
+            held = (
+                f"; on the {len(rows)} prompts tested (prompts {rows}): R_m {fmt_value(before)} → "
+                f"{fmt_value(after)}"
+            )
         return (
-            f"{where_edited(result)}; {_label(r)}: R_m after {fmt_value(r['ratio_at_layer'])}, "
-            f"survives {'yes' if r['survives'] else 'no'}; {extra(result)}"
+            f"{where_edited(result)}; {_label(r)}: R_m after {fmt_value(r['ratio_at_layer'])} "
+            f"(all prompts){held}, survives {'yes' if r['survives'] else 'no'}; {extra(result)}"
         )
 
     return claims.Spec(

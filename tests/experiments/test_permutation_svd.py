@@ -501,3 +501,20 @@ def test_ffn_neurons_chosen_on_the_selection_half(tmp_path):
     keeps = cs["ffn_svd_ablation.random_neurons_keep"].estimate
     assert keeps.n == len(held)
     assert res.to_dict()["neurons_chosen_on"] == "selection half"
+
+
+def test_ffn_neuron_details_give_the_tested_prompts_means(tmp_path):
+    """The neuron claims' details show the held-out means their statistic is computed from."""
+    model = load_model("synthetic:planted-nobos")
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(synthetic.distinct_first_prompts(12)))
+    cfg = ffn_svd_ablation.Config(prompts=str(f), n_prompts=0, ks=(1,), matrices=("down",))
+    res = ffn_svd_ablation.run(cfg, model)
+    c = {c.id: c for c in _judge(ffn_svd_ablation, res)}["ffn_svd_ablation.top_neurons_remove"]
+    rows = res.neuron_prompts
+    r = res.neurons_row(res.neurons)
+    before = float(np.mean(np.asarray(res.baseline.prompt_ratio_at(res.layer))[rows]))
+    after = float(np.mean(np.asarray(r["ratio_at_layer_per_prompt"])[rows]))
+    assert f"on the {len(rows)} prompts tested" in c.details
+    assert f"{before:.4g} → {after:.4g}" in c.details
+    assert c.estimate.value == pytest.approx((after - 1) / (before - 1), rel=1e-9)
