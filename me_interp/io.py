@@ -10,6 +10,7 @@ half-written result; ``result.json`` is written last, so a run directory without
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -101,7 +102,11 @@ def new_run_dir(out: str | Path, experiment: str) -> Path:
     raise RuntimeError(f"could not create a run directory under {base}")  # pragma: no cover
 
 
+@functools.cache
 def _git_commit() -> str | None:
+    """The commit of the checkout me_interp runs from, read once per process: the code loaded is
+    that commit's, even when a commit lands while a long run is going (a later ``rev-parse`` would
+    label its results with code that did not run)."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -113,6 +118,9 @@ def _git_commit() -> str | None:
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+_git_commit()  # at import: before any run starts
 
 
 def environment(model_info: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:

@@ -61,3 +61,18 @@ def test_prompt_files(tmp_path):
     (tmp_path / "c.json").write_text('{"x": 1}')
     with pytest.raises(ValueError, match="list of strings"):
         read_prompts(tmp_path / "c.json")
+
+
+def test_the_commit_is_read_once_per_process(monkeypatch):
+    """A commit landing during a run does not relabel its results: the commit is read at import."""
+    import subprocess
+
+    from me_interp import io as mio
+
+    first = mio.environment()["git_commit"]
+
+    def boom(*a, **k):  # a later rev-parse would fail the test
+        raise AssertionError("git rev-parse ran again")
+
+    monkeypatch.setattr(subprocess, "run", boom)
+    assert mio.environment()["git_commit"] == first

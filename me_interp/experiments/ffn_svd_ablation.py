@@ -480,12 +480,12 @@ def _deterministic(
             before = np.asarray(result.baseline.prompt_ratio_at(result.layer))[rows].mean()
             after = np.asarray(r["ratio_at_layer_per_prompt"])[rows].mean()
             held = (
-                f"; on the {len(rows)} prompts tested (prompts {rows}): R_m {fmt_value(before)} → "
-                f"{fmt_value(after)}"
+                f"; the means c is computed from, on the {len(rows)} prompts tested (prompts "
+                f"{rows}): R_m {fmt_value(before)} → {fmt_value(after)}"
             )
         return (
             f"{where_edited(result)}; {_label(r)}: R_m after {fmt_value(r['ratio_at_layer'])} "
-            f"(all prompts){held}, survives {'yes' if r['survives'] else 'no'}; {extra(result)}"
+            f"(median over all prompts){held}, survives {'yes' if r['survives'] else 'no'}; {extra(result)}"
         )
 
     return claims.Spec(
@@ -565,10 +565,17 @@ def _top_change(mat: str) -> Callable[[Result], str]:
 
 
 def _about_neurons(result: Result) -> str:
-    return (
-        f"top neurons {result.neurons} (scores {_fmt_list(result.neuron_scores)}, on the selection "
-        f"half) by writes into dims {result.massive_dims[:4]}; {result.units.text()}"
-    )
+    u = result.units
+    if u.held_out:
+        where = f"on the selection half) by writes into dims {result.massive_dims[:4]}; {u.text()}"
+    else:  # one massive-token prefix: its scores are the same on every prompt, any half picks them
+        where = (
+            f"by writes into dims {result.massive_dims[:4]}); every prompt has the same "
+            "massive-token prefix, so the scores are one measurement and any half of the prompts "
+            f"picks the same neurons: chosen and scored on all {result.n_prompts} prompts (c still "
+            "varies by prompt through the other tokens' norms)"
+        )
+    return f"top neurons {result.neurons} (scores {_fmt_list(result.neuron_scores)}, {where}"
 
 
 def _first_neuron(result: Result) -> dict[str, Any] | None:
