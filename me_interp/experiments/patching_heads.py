@@ -306,9 +306,12 @@ def figure(sh: SinkHeads, title: str) -> go.Figure:
     att = sh.selection_attention().T  # [head layer]
     panels = [("attention to p (selection prompts)", att, 0.0, 1.0)]
     if sh.single is not None:
-        panels.append(
-            ("restore, head alone (attribution estimate)", np.asarray(sh.single).T, -1.0, 1.0)
-        )
+        single = np.asarray(sh.single, dtype=np.float64).T
+        # symmetric around 0 at the largest |restore| (single heads restore little: a ±1 scale
+        # would show a blank panel), never narrower than ±0.05
+        top = float(np.nanmax(np.abs(single), initial=0.0))
+        top = max(top if np.isfinite(top) else 1.0, 0.05)
+        panels.append(("restore, head alone (attribution estimate)", single, -top, top))
     fig = make_subplots(
         rows=1, cols=len(panels), subplot_titles=[p[0] for p in panels], shared_yaxes=True
     )
