@@ -491,12 +491,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         for L in range(model.n_layers)
     ]
     loc = find_me_layer(model, detect, fwd_hooks=capture)
-    if cfg.me_layer is None:
-        if loc.me_layer is None:
-            raise no_massive_activation(model, len(detect))
-        me = int(loc.me_layer)
-    else:
-        me = model.check_layer(cfg.me_layer)
+    me = _me_layer(cfg, model, loc, len(detect))
     layers = list(mask_layers(model, cfg.start, me))
     texts = cfg.load_texts()
     positions: Any = (0,)
@@ -523,6 +518,16 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         cfg, model, loc, me, layers, sweep.rank_layer, len(texts), sweep.chunks, len(sweep.items),
         {"n_prompts": len(detect)}, base, rows, positions,
     )  # fmt: skip
+
+
+def _me_layer(cfg: Config, model: Any, loc: Any, n_prompts: int) -> int:
+    """The layer the masks start from: ``cfg.me_layer`` when given (checked), else the detected ME
+    layer (``NotApplicable`` when there is none)."""
+    if cfg.me_layer is not None:
+        return model.check_layer(cfg.me_layer)
+    if loc.me_layer is None:
+        raise no_massive_activation(model, n_prompts)
+    return int(loc.me_layer)
 
 
 def _result(
@@ -582,12 +587,7 @@ def _run_nnsight(cfg: Config, model: Any) -> Result:
 
     detect = short_batch(model, cfg.load_prompts(), 0, cfg.detect_tokens)
     loc = locate_me_layer(nnsight.scan_norms(model, detect))
-    if cfg.me_layer is None:
-        if loc.me_layer is None:
-            raise no_massive_activation(model, len(detect))
-        me = int(loc.me_layer)
-    else:
-        me = model.check_layer(cfg.me_layer)
+    me = _me_layer(cfg, model, loc, len(detect))
     layers = list(mask_layers(model.hf, cfg.start, me))
     texts = cfg.load_texts()
     groups = evaluation.length_batches(model, texts, cfg.batch_tokens)
