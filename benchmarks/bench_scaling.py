@@ -190,13 +190,9 @@ def battery_work(n_layers: int, prompts: int, length: int, experiments, root: Pa
 
 
 def _rss_mib() -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+    from me_interp.usage import status_mib
+
+    return status_mib("VmRSS")
 
 
 def _trim() -> None:

@@ -33,6 +33,7 @@ from jaxtyping import Bool, Float, Int
 
 from me_interp import names
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.probes.batching import stop_hook_name
 from me_interp.probes.blocks import capture_block_inputs, final_logits, run_blocks
 from me_interp.probes.geometry import effective_rank
 
@@ -321,7 +322,7 @@ class BlockInputs:
 def block_inputs(model: LoadedModel, batch: Batch, start: int) -> BlockInputs:
     """:class:`BlockInputs` of ``batch`` at block ``start``, from one unmodified forward (stopped
     before the unembedding)."""
-    stop = "ln_final.hook_in" if "ln_final.hook_in" in model.bridge.hook_dict else None
+    stop = stop_hook_name(model)  # after the last block: no unembedding
     kwargs, resid = capture_block_inputs(model, batch, [], [model.check_layer(start)], stop=stop)
     return BlockInputs(start, kwargs, resid[start])
 

@@ -35,15 +35,21 @@ class Usage:
         return asdict(self)
 
 
-def _hwm_mib() -> float | None:
-    """The kernel's resident-set high-water mark (``VmHWM``) in MiB, or ``None``."""
+def status_mib(field: str) -> float | None:
+    """A memory field of ``/proc/self/status`` (``VmRSS``: resident now, ``VmHWM``: its
+    high-water mark) in MiB, or ``None`` where the file or the field is missing."""
     try:
         for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
     return None
+
+
+def _hwm_mib() -> float | None:
+    """The kernel's resident-set high-water mark (``VmHWM``) in MiB, or ``None``."""
+    return status_mib("VmHWM")
 
 
 def _reset_hwm() -> bool:

@@ -16,8 +16,6 @@ the set (:func:`spread`), each cut to ``max_tokens`` tokens. The result reports 
 from __future__ import annotations
 
 import math
-import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -31,7 +29,7 @@ from me_interp.claims import NotApplicable
 from me_interp.edits import PARTS
 from me_interp.experiments.common import INDEX_CONVENTION, CommonConfig, model_for
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.patching.suffix import STRICT_ENV
+from me_interp.patching.suffix import give_up
 from me_interp.probes.attention import mean_to_keys
 from me_interp.probes.batching import Chunk, record
 from me_interp.probes.blocks import Prefix, capture_prefix
@@ -409,9 +407,7 @@ class Setup:
             f"running blocks {starts[-1]}.. from the unedited prefix changed {bad} of the unedited "
             "measurement: edits are measured with full forwards (slower, same values)"
         )
-        if os.environ.get(STRICT_ENV, "") not in ("", "0"):
-            raise RuntimeError(f"{msg} [{STRICT_ENV} is set]")
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        give_up(msg, stacklevel=3)
 
     def measure(self, model: LoadedModel | None = None, start: int = 0) -> Measurement:
         """:func:`measure` of the setup's batch on ``model`` (default: the setup's, as it is now,

@@ -39,7 +39,6 @@ raises :class:`me_interp.claims.NotApplicable`.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -71,7 +70,7 @@ from me_interp.interventions.wemask import (
     no_massive_activation,
 )
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.patching.suffix import STRICT_ENV, strict
+from me_interp.patching.suffix import give_up
 from me_interp.probes import find_me_layer
 from me_interp.probes.massive import locate_me_layer
 from me_interp.prompts import builtin_texts, read_prompts
@@ -401,9 +400,7 @@ class _Sweep:
                 f"running blocks {start}.. from the unmasked inputs changed {bad[0]}: every "
                 "condition runs the full forward (slower, same values)"
             )
-            if strict():
-                raise RuntimeError(f"{msg} [{STRICT_ENV} is set]")
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            give_up(msg, stacklevel=3)
 
     def _positions(self, idx: list[int]) -> Any:
         per_text = self.cfg.positions == "massive"

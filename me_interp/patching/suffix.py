@@ -101,7 +101,7 @@ def _check_suffix(
                 "from the full corrupt forward"
             )
     if why is not None:
-        _give_up(f"patch_sweep falls back to full forwards (slower, same values): {why}", err)
+        give_up(f"patch_sweep falls back to full forwards (slower, same values): {why}", err)
     return why
 
 
@@ -117,11 +117,12 @@ def _mismatch(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor])
     return None
 
 
-def _give_up(msg: str, err: BaseException | None) -> None:
-    """A suffix the sweep cannot use: a ``RuntimeWarning``, or under :func:`strict` an error."""
+def give_up(msg: str, err: BaseException | None = None, stacklevel: int = 4) -> None:
+    """A shortcut (a block or position suffix, a reused prefix) that cannot be used: a
+    ``RuntimeWarning`` that the run falls back to full forwards, or under :func:`strict` an error."""
     if strict():
         raise RuntimeError(f"{msg} [{STRICT_ENV} is set]") from err
-    warnings.warn(msg, RuntimeWarning, stacklevel=4)
+    warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel)
 
 
 _QUERY_AXIS_2 = ("hook_pattern", "hook_attn_scores")
@@ -267,7 +268,7 @@ def _check_positions(
             why = f"running positions {p}.. gave {bad[0]} up to {bad[1]:.3g} away from the full run"
     if why is None:
         return None, kv
-    _give_up(f"patch_sweep runs every position (slower, same values): {why}", err)
+    give_up(f"patch_sweep runs every position (slower, same values): {why}", err)
     return why, None
 
 

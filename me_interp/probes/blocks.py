@@ -25,7 +25,7 @@ import torch
 
 from me_interp import names
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.batching import MAX_CHUNK_TOKENS, chunks
+from me_interp.probes.batching import MAX_CHUNK_TOKENS, chunks, stop_hook_name
 
 _DROP = ("cache", "past_key_value", "past_key_values", "use_cache", "cache_position")
 """Block keyword arguments that belong to one forward's cache, not to the block's input."""
@@ -176,7 +176,7 @@ def capture_prefix(
     if not starts:
         raise ValueError("capture_prefix needs at least one start block")
     cs = chunks(batch, max_tokens=MAX_CHUNK_TOKENS if max_tokens is None else max_tokens)
-    stop = "ln_final.hook_in" if "ln_final.hook_in" in model.bridge.hook_dict else None
+    stop = stop_hook_name(model)  # after the last block: no unembedding
     kwargs, resid = [], []
     for c in cs:  # every block runs (each one's kwargs are needed); the unembedding does not
         kw, res = capture_block_inputs(model, c.batch, [], starts, stop=stop)
