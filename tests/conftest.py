@@ -146,14 +146,32 @@ def constructed_battery(tmp_path_factory):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Mark ``slow`` every test that loads the bundled model (the ``bundled`` fixture), before ``-m``
-    selects; under pytest-xdist (``--dist loadgroup``) keep each test file on one worker (its module
-    fixtures are built once), except the files whose tests are independent and expensive one by one
-    (:data:`SPREAD_FILES`), which spread over the workers."""
+    selects."""
     for item in items:
         if "bundled" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-        if item.path.name not in SPREAD_FILES:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``--dist loadscope``, as ``pyproject.toml`` sets) keep each test file on one
+    worker, so its module fixtures are built once, except the files whose tests are independent and
+    expensive one by one (:data:`SPREAD_FILES`), whose tests spread over the workers.
+
+    A scheduler rather than ``xdist_group`` marks: pytest-xdist 3.8 applies a mark by renaming the
+    test's ``_nodeid``, which pytest 9.2 no longer reads, so every test was its own unit and a
+    module fixture was built once per worker (measured: the bundled mechanism fixture, 62 s, twice).
+    """
+    if config.getvalue("dist") not in ("loadscope", "loadgroup"):
+        return None  # the user's own --dist
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return nodeid if Path(file).name in SPREAD_FILES else file
+
+    return ByFile(config, log)
 
 
 SPREAD_FILES = {
