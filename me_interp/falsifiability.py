@@ -109,6 +109,7 @@ def battery_state(
         experiments=report.EXPERIMENTS if experiments is None else tuple(experiments),
         overrides=overrides(model, root),
         figures=False,  # only the verdicts are read
+        report=False,
     )
     return {**state, "out": str(out)}
 

@@ -112,6 +112,7 @@ def run_battery(
     fresh: bool = False,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     figures: bool = True,
+    report: bool = True,
 ) -> dict[str, Any]:
     """Run ``experiments`` with the shared settings ``common``; returns the battery state.
 
@@ -126,6 +127,8 @@ def run_battery(
             {"texts": FILE}}``); part of the battery's fingerprint.
         figures: draw each experiment's figures (``False``: claims and results only, for callers
             that read only the verdicts, e.g. :mod:`me_interp.falsifiability`).
+        report: rewrite ``report.html`` / ``report.md`` after each experiment and at the end
+            (``False``: ``battery.json`` and the runs only; ``me-interp report OUT`` writes it later).
     """
     unknown = [e for e in experiments if e not in EXPERIMENTS]
     if unknown:
@@ -189,8 +192,10 @@ def run_battery(
             progress.end(name, entry)
         state["tally"] = claims_mod.tally(_finished_claims(state, experiments))
         io.write_json(out / STATE_FILE, state)
+        if report:
+            write_report(out, state, experiments)
+    if report:
         write_report(out, state, experiments)
-    write_report(out, state, experiments)
     return state
 
 
