@@ -29,6 +29,11 @@ RESULT_FILE = "result.json"
 PLOTLY_JS = "plotly.min.js"
 
 
+_SCALARS = frozenset({str, int, bool, type(None)})
+"""Types that are JSON values as they are (with finite floats: :func:`to_jsonable` checks these
+inline, so a list of a million floats is one call, not a million)."""
+
+
 def to_jsonable(obj: Any) -> Any:
     """Convert dataclasses, tensors, numpy values, paths and non-finite floats to JSON values.
 
@@ -39,9 +44,17 @@ def to_jsonable(obj: Any) -> Any:
             return to_jsonable(obj.to_dict())
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, Mapping):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
+        return {
+            str(k): v
+            if type(v) in _SCALARS or (type(v) is float and math.isfinite(v))
+            else to_jsonable(v)
+            for k, v in obj.items()
+        }
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return [to_jsonable(v) for v in obj]
+        return [
+            v if type(v) in _SCALARS or (type(v) is float and math.isfinite(v)) else to_jsonable(v)
+            for v in obj
+        ]
     if isinstance(obj, Path):
         return str(obj)
     if hasattr(obj, "tolist") and not isinstance(obj, (str, bytes)):
