@@ -66,6 +66,101 @@ def test_bootstrap_by_hand_loop_equals_vectorised_mean():
     assert (fast.lo, fast.hi) == pytest.approx((slow.lo, slow.hi), rel=1e-12)
 
 
+def _by_hand():
+    """Each ``claims.of_means`` statistic of the experiments beside its per-resample formula, as it
+    was written before (sums and means of the rows, Python branches), and the width of its rows."""
+    from me_interp.experiments import (
+        _layer_report,
+        activation_patching,
+        attention_sinks,
+        component_ablation,
+        mechanism,
+        sink_causality,
+        super_weight,
+        transplant,
+        wemask,
+    )
+    from me_interp.interventions import causal
+
+    def ppl(a):
+        return math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum())
+
+    def gain(a):
+        fm, fo, fm0, fo0 = a.mean(0)
+        e, e0 = fm - fo, fm0 - fo0
+        top = max(abs(e), abs(e0))
+        return min(1.0 - fo / fm, 0.0 if top == 0 else (e - e0) / top)
+
+    def shift(a):
+        c = a.mean(0)
+        before, after = c[:3].max(), c[3:].mean()
+        return 0.0 if max(before, after) == 0 else (after - before) / max(before, after)
+
+    def restore(a):
+        m = a.mean(0)
+        return np.max((m[2:] - m[1]) / (m[0] - m[1]))
+
+    def recovered(a):
+        damage = a[:, 2].sum() - a[:, 1].sum()
+        return (a[:, 2].sum() - a[:, 3].sum()) / damage if damage > 0 else math.nan
+
+    return [
+        (causal.excess_stat, lambda a: (a[:, 0].mean() - 1) / (a[:, 1].mean() - 1), 2),
+        (activation_patching._restore_stat, restore, 6),
+        (_layer_report.relative_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
+        (sink_causality._drop_stat, lambda a: 1 - a[:, 0].mean() / a[:, 1].mean(), 2),
+        (
+            component_ablation._ppl_stat,
+            lambda a: math.exp((a[:, 0].sum() - a[:, 1].sum()) / a[:, 2].sum()),
+            3,
+        ),  # fmt: skip
+        (
+            component_ablation._ppl_change_stat,
+            lambda a: math.exp((a[:, 0].sum() - a[:, 1].sum()) / a[:, 2].sum()) - 1,
+            3,
+        ),  # fmt: skip
+        (
+            transplant._share_stat,
+            lambda a: (a[:, 0].mean() - a[:, 1].mean()) / a[:, 2].mean(),
+            3,
+        ),  # fmt: skip
+        (wemask._ratio, ppl, 3),
+        (wemask._ratio_dev, lambda a: ppl(a) - 1, 3),
+        (wemask._sink_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
+        (wemask._acc_dev, lambda a: a[:, 1].mean() / a[:, 0].mean() - 1, 2),
+        (super_weight._ppl_ratio, ppl, 3),
+        (super_weight._recovered, recovered, 4),
+        (mechanism._gain_alignment, gain, 4),
+        (claims.of_means(lambda m: attention_sinks._shift(m, 2)), shift, 6),
+    ]
+
+
+def test_of_means_statistics_equal_their_per_resample_formulas():
+    """The bootstrap of an ``of_means`` statistic (one vectorised call on every resample's column
+    means) gives, resample by resample, what the statistic's formula gives on the resampled rows."""
+    rng = np.random.default_rng(3)
+    for fast, slow, k in _by_hand():
+        a = rng.uniform(0.5, 3.0, size=(17, k))
+        a[:, 0] += 1.5  # distinct columns: no zero denominators
+        idx = rng.integers(0, len(a), size=(200, len(a)))
+        want = np.array([slow(a[i]) for i in idx])
+        got = fast.of_means(claims._resample_means(a, idx))
+        np.testing.assert_allclose(got, want, rtol=1e-10, err_msg=fast.__doc__)
+        assert fast(a) == pytest.approx(slow(a), rel=1e-12)
+        one = _judge(lambda r, a=a: claims.Sample(a, fast), seed=2).estimate  # noqa: B023
+        ref = _judge(lambda r, a=a: claims.Sample(a, lambda x: float(slow(x))), seed=2).estimate  # noqa: B023
+        assert (one.lo, one.hi) == pytest.approx((ref.lo, ref.hi), rel=1e-10)
+
+
+def test_of_means_gives_nan_where_its_statistic_divides_by_zero():
+    flat = np.ones((5, 2))  # excess fraction: (R_after - 1) / (R_before - 1) with R_before = 1
+    from me_interp.interventions import causal
+
+    assert math.isnan(causal.excess_stat(flat))
+    stats = causal.excess_stat.of_means(claims._resample_means(flat, np.zeros((3, 5), int)))
+    assert np.isnan(stats).all()
+
+
 def test_bootstrap_drops_non_finite_units_and_handles_none_left():
     est = _judge(lambda r: claims.Sample([1.0, float("nan"), 3.0, float("inf")])).estimate
     assert est.n == 2 and est.value == 2.0

@@ -382,10 +382,12 @@ def peak_details(
     )
 
 
-def relative_drop(a: np.ndarray) -> float:
-    """``1 − mean(a[:, 1]) / mean(a[:, 0])`` of paired rows ``(reference, value)``: how far the value
-    lies below the reference, as a fraction of it (a ``claims.Sample`` statistic)."""
-    return float(1.0 - a[:, 1].mean() / a[:, 0].mean())
+@claims.of_means
+def relative_drop(m: np.ndarray) -> np.ndarray | float:
+    """``1 − mean(a[:, 1]) / mean(a[:, 0])`` of paired rows ``(reference, value)`` (``m``: their
+    column means): how far the value lies below the reference, as a fraction of it (a
+    ``claims.Sample`` statistic)."""
+    return 1.0 - m[..., 1] / m[..., 0]
 
 
 def paired(reference: np.ndarray, value: np.ndarray) -> np.ndarray:

@@ -538,11 +538,14 @@ def median_ratios(
     return n[:, position] / others
 
 
-def _restore_stat(a: np.ndarray) -> float:
-    """Columns ``[clean, corrupt, patched_1 … patched_k]`` → the largest restore over the cells."""
-    m = a.mean(0)
-    denom = m[0] - m[1]
-    return float(np.max((m[2:] - m[1]) / denom)) if denom != 0 else float("nan")
+@claims.of_means
+def _restore_stat(m: np.ndarray) -> np.ndarray | float:
+    """Columns ``[clean, corrupt, patched_1 … patched_k]`` → the largest restore over the cells, of
+    the column means ``m``."""
+    denom = m[..., 0] - m[..., 1]
+    ok = denom != 0
+    best = np.max((m[..., 2:] - m[..., 1:2]) / np.where(ok, denom, 1.0)[..., None], axis=-1)
+    return np.where(ok, best, np.nan)
 
 
 @dataclass

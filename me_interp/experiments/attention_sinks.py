@@ -187,10 +187,15 @@ def sink_shift(a: np.ndarray, me: int) -> float:
     """``(mean after − max before) / max(both)`` of the per-layer mean (over prompts, the rows of
     ``a[prompt, layer]``) of a sink measure (0 when both are 0); before = layers ≤ ME (their
     attention runs before the ME layer's FFN), after = layers > ME."""
-    curve = a.mean(0)
-    before, after = curve[: me + 1].max(), curve[me + 1 :].mean()
-    top = max(before, after)
-    return 0.0 if top == 0 else float((after - before) / top)
+    return float(_shift(np.asarray(a, dtype=np.float64).mean(0), me))
+
+
+def _shift(curve: np.ndarray, me: int) -> np.ndarray | float:
+    """:func:`sink_shift` of per-layer means ``curve [..., layer]`` (vectorised over the leading
+    axes, for the bootstrap: ``claims.of_means``)."""
+    before, after = curve[..., : me + 1].max(-1), curve[..., me + 1 :].mean(-1)
+    top = np.maximum(before, after)
+    return np.where(top == 0, 0.0, (after - before) / np.where(top == 0, 1.0, top))
 
 
 def _attention_applies(r: Result) -> str | None:
@@ -207,7 +212,9 @@ def _geometry_applies(r: Result) -> str | None:
 
 def _sink(r: Result) -> claims.Sample:
     me = r.me_layer
-    return claims.Sample(as_array(r.per_prompt, "attn_to_massive"), lambda a: sink_shift(a, me))
+    return claims.Sample(
+        as_array(r.per_prompt, "attn_to_massive"), claims.of_means(lambda m: _shift(m, me))
+    )
 
 
 def _sink_details(r: Result) -> str:

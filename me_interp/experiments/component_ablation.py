@@ -443,15 +443,16 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     )
 
 
-def _ppl_stat(a: np.ndarray) -> float:
-    """Columns ``[nll sum after, nll sum before, tokens]`` → perplexity ratio."""
-    s = a.sum(0)
-    return float(np.exp((s[0] - s[1]) / s[2]))
+@claims.of_means
+def _ppl_stat(m: np.ndarray) -> np.ndarray | float:
+    """Columns ``[nll sum after, nll sum before, tokens]`` (means ``m``) → perplexity ratio."""
+    return np.exp((m[..., 0] - m[..., 1]) / m[..., 2])
 
 
-def _ppl_change_stat(a: np.ndarray) -> float:
+@claims.of_means
+def _ppl_change_stat(m: np.ndarray) -> np.ndarray | float:
     """The signed perplexity change, ratio − 1 (an equivalence claim bootstraps it unfolded)."""
-    return _ppl_stat(a) - 1
+    return np.exp((m[..., 0] - m[..., 1]) / m[..., 2]) - 1
 
 
 def figures(result: Result) -> dict[str, Any]:

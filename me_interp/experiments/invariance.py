@@ -199,31 +199,36 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 def pair_measure(
     mats: np.ndarray,
     pairs: np.ndarray,
-    reduce: Callable[[np.ndarray], float],
+    reduce: Callable[[np.ndarray], Any],
     keys: Sequence[str] | None = None,
 ) -> claims.Sample:
-    """``reduce`` of the per-matrix mean of ``mats[k, a, b]`` over the pairs ``pairs[a, b]``
-    (symmetric, false on the diagonal), as a sample over prompts (``keys``: what makes two prompts
-    distinct measurements).
+    """``reduce`` (over the last axis) of the per-matrix mean of ``mats[k, a, b]`` over the pairs
+    ``pairs[a, b]`` (symmetric, false on the diagonal), as a sample over prompts (``keys``: what
+    makes two prompts distinct measurements).
 
     A resample draws prompts with replacement; with multiplicities ``w`` the mean over the resampled
     pairs is ``wᵀ (P ∘ M_k) w / wᵀ P w`` (copies of one prompt share their first token, so they never
-    pair). The sample's rows are the prompt indices.
+    pair). The sample's rows are the prompts' indicator vectors (the identity), so the column means
+    of a resample are its ``w / n`` and the bootstrap takes every resample at once
+    (``claims.of_means``; the ratio does not depend on the scale of ``w``).
     """
     n = pairs.shape[0]
     P = pairs.astype(np.float64)
     M = np.where(pairs[None], mats, 0.0)  # [k n n]
     flat = M.reshape(-1, n)  # [k*n n]
 
-    def stat(idx: np.ndarray) -> float:
-        w = np.bincount(idx.astype(np.int64), minlength=n).astype(np.float64)
-        den = w @ P @ w
-        if den == 0:
-            return float("nan")
-        num = (flat @ w).reshape(-1, n) @ w  # [k]
-        return float(reduce(num / den))
+    def of_weights(w: np.ndarray) -> np.ndarray | float:
+        den = ((w @ P) * w).sum(-1)  # [...]
+        num = ((w @ flat.T).reshape(*w.shape[:-1], -1, n) * w[..., None, :]).sum(-1)  # [... k]
+        ok = den != 0
+        return np.where(ok, reduce(num / np.where(ok, den, 1.0)[..., None]), np.nan)
 
-    return claims.Sample(np.arange(n, dtype=np.float64), stat, keys=keys)
+    return claims.Sample(np.eye(n), claims.of_means(of_weights), keys=keys)
+
+
+def lowest(x: np.ndarray) -> np.ndarray | float:
+    """The minimum over the last axis (a ``reduce`` of :func:`pair_measure`)."""
+    return x.min(-1)
 
 
 def _sym(m: torch.Tensor) -> np.ndarray:
@@ -246,19 +251,19 @@ def _distinct_applies(r: Result) -> str | None:
     return None
 
 
-def _cross(r: Result, mats: np.ndarray, reduce: Callable[[np.ndarray], float]) -> claims.Sample:
+def _cross(r: Result, mats: np.ndarray, reduce: Callable[[np.ndarray], Any]) -> claims.Sample:
     scan, _ = _scans(r)
     return pair_measure(mats, _sym(scan.pairs(False)), reduce, r.units.keys)
 
 
 def _state(r: Result) -> claims.Sample:
-    return _cross(r, _scans(r)[0].cos_matrices().numpy()[r.me_layer :], np.min)
+    return _cross(r, _scans(r)[0].cos_matrices().numpy()[r.me_layer :], lowest)
 
 
 def _beyond(r: Result) -> claims.Sample:
     scan, _ = _scans(r)
     gap = scan.cos_matrices().numpy() - scan.others_cos_matrices().numpy()
-    return _cross(r, gap[r.me_layer :], np.min)
+    return _cross(r, gap[r.me_layer :], lowest)
 
 
 def _key_applies(r: Result) -> str | None:
@@ -269,7 +274,7 @@ def _key_applies(r: Result) -> str | None:
 
 def _key(r: Result) -> claims.Sample:
     km = _scans(r)[0].key_cos_matrices().numpy()[r.me_layer + 1 :]
-    return _cross(r, km.reshape(-1, *km.shape[-2:]), np.min)
+    return _cross(r, km.reshape(-1, *km.shape[-2:]), lowest)
 
 
 def _created_applies(r: Result) -> str | None:
@@ -278,11 +283,12 @@ def _created_applies(r: Result) -> str | None:
     return _distinct_applies(r)
 
 
-def removed_misalignment(cos: np.ndarray, me: int) -> float:
+def removed_misalignment(cos: np.ndarray, me: int) -> np.ndarray | float:
     """``1 − mean_{l ≥ me}(1 − cos_l) / mean_{l < me}(1 − cos_l)``: the fraction of the remaining
-    non-alignment ``1 − cos`` that is gone from the ME layer on (1: perfectly aligned after it)."""
+    non-alignment ``1 − cos`` that is gone from the ME layer on (1: perfectly aligned after it);
+    over the last axis of ``cos [..., layer]``."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        return float(1.0 - (1.0 - cos[me:]).mean() / (1.0 - cos[:me]).mean())
+        return 1.0 - (1.0 - cos[..., me:]).mean(-1) / (1.0 - cos[..., :me]).mean(-1)
 
 
 def _created(r: Result) -> claims.Sample:
@@ -293,7 +299,7 @@ def _created(r: Result) -> claims.Sample:
 def _control(r: Result) -> claims.Sample:
     _, ctrl = _scans(r)
     return pair_measure(
-        ctrl.cos_matrices().numpy()[r.me_layer :], _sym(ctrl.pairs(True)), np.min, r.control_keys
+        ctrl.cos_matrices().numpy()[r.me_layer :], _sym(ctrl.pairs(True)), lowest, r.control_keys
     )
 
 

@@ -130,17 +130,18 @@ def _peak_spec(short: str, section: str, what: str, statistic: str) -> claims.Sp
     )
 
 
-def _gain_alignment(a: np.ndarray) -> float:
+@claims.of_means
+def _gain_alignment(m: np.ndarray) -> np.ndarray | float:
     """``min(1 − F_o / F_m, (E − E₀) / max(|E|, |E₀|))`` of rows ``(F_m, F_o, F_m⁰, F_o⁰)``: the
     massive token's share on the top-|w| dims after the gain, over the others' (``F``), and how
     much the gain widened its excess ``E = F_m − F_o`` over the standardised ``h / rms`` (``⁰``)."""
-    fm, fo, fm0, fo0 = a.mean(0)
+    fm, fo, fm0, fo0 = (m[..., i] for i in range(4))
     with np.errstate(divide="ignore", invalid="ignore"):
         excess = 1.0 - fo / fm
     e, e0 = fm - fo, fm0 - fo0
-    top = max(abs(e), abs(e0))
-    widened = 0.0 if top == 0 else (e - e0) / top
-    return float(min(excess, widened))
+    top = np.maximum(np.abs(e), np.abs(e0))
+    widened = np.where(top == 0, 0.0, (e - e0) / np.where(top == 0, 1.0, top))
+    return np.minimum(excess, widened)
 
 
 def _frac_rows(r: Result) -> np.ndarray:

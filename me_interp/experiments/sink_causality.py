@@ -427,10 +427,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     )
 
 
-def _drop_stat(a: np.ndarray) -> float:
-    """Columns ``[after, before]`` → ``1 − mean(after) / mean(before)``."""
-    m = a.mean(0)
-    return float(1 - m[0] / m[1]) if m[1] else float("nan")
+@claims.of_means
+def _drop_stat(m: np.ndarray) -> np.ndarray | float:
+    """Columns ``[after, before]`` (means ``m``) → ``1 − mean(after) / mean(before)``."""
+    ok = m[..., 1] != 0
+    return np.where(ok, 1 - m[..., 0] / np.where(ok, m[..., 1], 1.0), np.nan)
 
 
 def figures(result: Result) -> dict[str, Any]:

@@ -733,16 +733,19 @@ def _cols(r: Result, *kinds: str) -> np.ndarray:
     return np.column_stack([r.per_text("n_pred"), *(r.per_text(k) for k in kinds)])
 
 
-def _ppl_ratio(a: np.ndarray) -> float:
-    """Pooled ppl(column 2) / ppl(column 1) of ``[n, nll_ref, nll_x]`` rows."""
-    return math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum())
+@claims.of_means
+def _ppl_ratio(m: np.ndarray) -> np.ndarray | float:
+    """Pooled ppl(column 2) / ppl(column 1) of ``[n, nll_ref, nll_x]`` rows (column means ``m``)."""
+    return np.exp((m[..., 2] - m[..., 1]) / m[..., 0])
 
 
-def _recovered(a: np.ndarray) -> float:
+@claims.of_means
+def _recovered(m: np.ndarray) -> np.ndarray | float:
     """``(Σ nll_zeroed − Σ nll_restored) / (Σ nll_zeroed − Σ nll_unedited)`` of ``[n, unedited,
-    zeroed, restored]`` rows."""
-    damage = a[:, 2].sum() - a[:, 1].sum()
-    return (a[:, 2].sum() - a[:, 3].sum()) / damage if damage > 0 else math.nan
+    zeroed, restored]`` rows (column means ``m``: the sums over n)."""
+    damage = m[..., 2] - m[..., 1]
+    ok = damage > 0
+    return np.where(ok, (m[..., 2] - m[..., 3]) / np.where(ok, damage, 1.0), np.nan)
 
 
 def _where(r: Result) -> str:

@@ -633,24 +633,31 @@ def _cols(*rows: dict[str, Any], key: str = "nll") -> np.ndarray:
     return np.column_stack([n, *(np.asarray(r["per_text"][key], dtype=np.float64) for r in rows)])
 
 
-def _ratio_dev(a: np.ndarray) -> float:
-    """Pooled ppl(column 2) / ppl(column 1) − 1 of ``[n, nll_ref, nll_x]`` rows (signed)."""
-    return math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum()) - 1.0
+@claims.of_means
+def _ratio_dev(m: np.ndarray) -> np.ndarray | float:
+    """Pooled ppl(column 2) / ppl(column 1) − 1 of ``[n, nll_ref, nll_x]`` rows (column means
+    ``m``; signed)."""
+    return np.exp((m[..., 2] - m[..., 1]) / m[..., 0]) - 1.0
 
 
-def _ratio(a: np.ndarray) -> float:
-    """Pooled ppl(column 2) / ppl(column 1) of ``[n, nll_ref, nll_x]`` rows."""
-    return math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum())
+@claims.of_means
+def _ratio(m: np.ndarray) -> np.ndarray | float:
+    """Pooled ppl(column 2) / ppl(column 1) of ``[n, nll_ref, nll_x]`` rows (column means ``m``)."""
+    return np.exp((m[..., 2] - m[..., 1]) / m[..., 0])
 
 
-def _sink_drop(a: np.ndarray) -> float:
-    base = a[:, 0].mean()
-    return 1.0 - a[:, 1].mean() / base if base > 0 else math.nan
+@claims.of_means
+def _sink_drop(m: np.ndarray) -> np.ndarray | float:
+    """``1 − mean(column 1) / mean(column 0)``, NaN when the base is not positive."""
+    ok = m[..., 0] > 0
+    return np.where(ok, 1.0 - m[..., 1] / np.where(ok, m[..., 0], 1.0), np.nan)
 
 
-def _acc_dev(a: np.ndarray) -> float:
-    base = a[:, 0].mean()
-    return a[:, 1].mean() / base - 1.0 if base > 0 else math.nan
+@claims.of_means
+def _acc_dev(m: np.ndarray) -> np.ndarray | float:
+    """``mean(column 1) / mean(column 0) − 1``, NaN when the base is not positive."""
+    ok = m[..., 0] > 0
+    return np.where(ok, m[..., 1] / np.where(ok, m[..., 0], 1.0) - 1.0, np.nan)
 
 
 def text_perplexity(row: dict[str, Any]) -> np.ndarray:

@@ -571,11 +571,12 @@ def excess_fraction(after: float, before: float) -> float:
     return (float(after) - 1.0) / d if d != 0 else float("nan")
 
 
-def excess_stat(a: np.ndarray) -> float:
-    """Per-prompt columns ``[after, before]`` → :func:`excess_fraction` of their prompt means (the
-    statistic the claims bootstrap over prompts)."""
-    m = np.asarray(a, dtype=np.float64).mean(0)
-    return excess_fraction(float(m[0]), float(m[1]))
+@claims.of_means
+def excess_stat(m: np.ndarray) -> np.ndarray | float:
+    """Per-prompt columns ``[after, before]`` → :func:`excess_fraction` of their prompt means ``m``
+    (the statistic the claims bootstrap over prompts)."""
+    d = m[..., 1] - 1.0
+    return np.where(d != 0, (m[..., 0] - 1.0) / np.where(d != 0, d, 1.0), np.nan)
 
 
 @dataclass(frozen=True)

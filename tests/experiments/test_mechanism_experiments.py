@@ -344,14 +344,35 @@ def test_pair_measure_resamples_prompts_not_pairs():
     first = np.arange(n) % 4  # 4 first tokens: pairs with equal first tokens are excluded
     pairs = first[:, None] != first[None, :]
     mats = np.stack([np.full((n, n), 0.5), np.add.outer(first, first) / 10.0])
-    m = invariance.pair_measure(mats, pairs, np.min, keys=[str(f) for f in first])
+    m = invariance.pair_measure(mats, pairs, invariance.lowest, keys=[str(f) for f in first])
     est, *_ = claims.measure_estimate(m, "prompts", ">=", 0.3)
     want = min(mt[pairs].mean() for mt in mats)
     assert est.value == pytest.approx(want) and est.n == n and est.n_eff == 4
     assert est.lo <= est.value <= est.hi
-    single = invariance.pair_measure(mats[:1], pairs, np.min)
+    single = invariance.pair_measure(mats[:1], pairs, invariance.lowest)
     est1, *_ = claims.measure_estimate(single, "prompts", ">=", 0.3)
     assert est1.lo == est1.hi == pytest.approx(0.5)  # a constant: every resample agrees
+
+
+def test_pair_measure_bootstrap_equals_the_pairs_of_each_resample():
+    """Every resample's statistic, computed at once from its column means, is the mean over the
+    resampled prompts' pairs, computed here pair by pair (a prompt drawn twice counts twice)."""
+    from me_interp import claims
+
+    rng = np.random.default_rng(1)
+    n, k = 9, 3
+    first = rng.integers(0, 5, size=n)
+    pairs = first[:, None] != first[None, :]
+    mats = rng.uniform(-1, 1, size=(k, n, n))
+    mats = (mats + mats.transpose(0, 2, 1)) / 2
+    m = invariance.pair_measure(mats, pairs, invariance.lowest)
+    idx = rng.integers(0, n, size=(50, n))
+    got = m.statistic.of_means(claims._resample_means(np.asarray(m.values), idx))
+    for g, i in zip(got, idx, strict=True):
+        cells = [(a, b) for a in i for b in i if pairs[a, b]]
+        want = min(np.mean([mt[a, b] for a, b in cells]) for mt in mats) if cells else np.nan
+        np.testing.assert_allclose(g, want, rtol=1e-12)
+    assert m.statistic(m.values) == pytest.approx(min(mt[pairs].mean() for mt in mats))
 
 
 def test_frac_aligned_and_few_neurons_by_hand(second_results):
