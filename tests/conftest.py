@@ -146,10 +146,14 @@ def constructed_battery(tmp_path_factory):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Mark ``slow`` every test that loads the bundled model (the ``bundled`` fixture), before ``-m``
-    selects."""
+    selects; then order the files for the workers (longest first): files with slow tests, the
+    other files, and last the tests of :data:`SPREAD_FILES`, which go one by one to whichever worker
+    is free and so even out the end of the run. The order within a file is kept."""
     for item in items:
         if "bundled" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+    heavy = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path.name in SPREAD_FILES, item.path not in heavy))
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
