@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 
-from me_interp import names
+from me_interp import claims, names
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.batching import stop_hook_name
 from me_interp.probes.blocks import capture_block_inputs, final_logits, run_blocks
@@ -68,6 +68,18 @@ def perplexity(model: LoadedModel, texts: Sequence[str] | Batch, fwd_hooks: Sequ
     if not valid.any():
         raise ValueError("perplexity needs texts with at least 2 tokens")
     return math.exp(float(nll[valid].mean()))
+
+
+def _pooled_ppl_ratio(m: np.ndarray) -> np.ndarray | float:
+    """Pooled ``ppl(column 2) / ppl(column 1)`` of per-text rows ``[n_pred, nll_ref, nll_x]`` from
+    their column means ``m`` (a ratio of sums is a ratio of means; vectorised over leading axes)."""
+    return np.exp((m[..., 2] - m[..., 1]) / m[..., 0])
+
+
+PPL_RATIO = claims.of_means(_pooled_ppl_ratio)
+"""The ``claims.Sample`` statistic of rows ``[n_pred, nll_ref, nll_x]``: the pooled perplexity ratio."""
+PPL_CHANGE = claims.of_means(lambda m: _pooled_ppl_ratio(m) - 1.0)
+"""The same ratio − 1 (signed: an equivalence claim bootstraps it unfolded)."""
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,7 @@ def to_jsonable(obj: Any) -> Any:
             return to_jsonable(obj.to_dict())
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, Mapping):
-        return {
-            str(k): v
-            if type(v) in _SCALARS or (type(v) is float and math.isfinite(v))
-            else to_jsonable(v)
-            for k, v in obj.items()
-        }
+        return dict(zip(map(str, obj), to_jsonable(list(obj.values())), strict=True))
     if isinstance(obj, (list, tuple, set, frozenset)):
         return [
             v if type(v) in _SCALARS or (type(v) is float and math.isfinite(v)) else to_jsonable(v)

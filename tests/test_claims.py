@@ -69,11 +69,11 @@ def test_bootstrap_by_hand_loop_equals_vectorised_mean():
 def _by_hand():
     """Each ``claims.of_means`` statistic of the experiments beside its per-resample formula, as it
     was written before (sums and means of the rows, Python branches), and the width of its rows."""
+    from me_interp import evaluation
     from me_interp.experiments import (
         _layer_report,
         activation_patching,
         attention_sinks,
-        component_ablation,
         mechanism,
         sink_causality,
         super_weight,
@@ -110,25 +110,14 @@ def _by_hand():
         (_layer_report.relative_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
         (sink_causality._drop_stat, lambda a: 1 - a[:, 0].mean() / a[:, 1].mean(), 2),
         (
-            component_ablation._ppl_stat,
-            lambda a: math.exp((a[:, 0].sum() - a[:, 1].sum()) / a[:, 2].sum()),
-            3,
-        ),  # fmt: skip
-        (
-            component_ablation._ppl_change_stat,
-            lambda a: math.exp((a[:, 0].sum() - a[:, 1].sum()) / a[:, 2].sum()) - 1,
-            3,
-        ),  # fmt: skip
-        (
             transplant._share_stat,
             lambda a: (a[:, 0].mean() - a[:, 1].mean()) / a[:, 2].mean(),
             3,
-        ),  # fmt: skip
-        (wemask._ratio, ppl, 3),
-        (wemask._ratio_dev, lambda a: ppl(a) - 1, 3),
+        ),
+        (evaluation.PPL_RATIO, ppl, 3),
+        (evaluation.PPL_CHANGE, lambda a: ppl(a) - 1, 3),
         (wemask._sink_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
         (wemask._acc_dev, lambda a: a[:, 1].mean() / a[:, 0].mean() - 1, 2),
-        (super_weight._ppl_ratio, ppl, 3),
         (super_weight._recovered, recovered, 4),
         (mechanism._gain_alignment, gain, 4),
         (claims.of_means(lambda m: attention_sinks._shift(m, 2)), shift, 6),

@@ -54,7 +54,7 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from me_interp import claims, names
+from me_interp import claims, evaluation, names
 from me_interp.evaluation import token_nll
 from me_interp.experiments.common import SiteConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
@@ -133,8 +133,8 @@ def _ratio_stat(key: str):
 def _ppl_stat_of(key: str, signed: bool):
     def stat(r: Result) -> claims.Sample:
         m, base = r.per_prompt[CLAIM_CONDITION[key]], r.per_prompt["baseline"]
-        rows = torch.stack([m["nll_sum"], base["nll_sum"], base["n_tokens"]], 1).double().numpy()
-        return claims.Sample(rows, _ppl_change_stat if signed else _ppl_stat)
+        rows = torch.stack([base["n_tokens"], base["nll_sum"], m["nll_sum"]], 1).double().numpy()
+        return claims.Sample(rows, evaluation.PPL_CHANGE if signed else evaluation.PPL_RATIO)
 
     return stat
 
@@ -441,18 +441,6 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         edit_size=edit_size,
         seed=cfg.seed,
     )
-
-
-@claims.of_means
-def _ppl_stat(m: np.ndarray) -> np.ndarray | float:
-    """Columns ``[nll sum after, nll sum before, tokens]`` (means ``m``) → perplexity ratio."""
-    return np.exp((m[..., 0] - m[..., 1]) / m[..., 2])
-
-
-@claims.of_means
-def _ppl_change_stat(m: np.ndarray) -> np.ndarray | float:
-    """The signed perplexity change, ratio − 1 (an equivalence claim bootstraps it unfolded)."""
-    return np.exp((m[..., 0] - m[..., 1]) / m[..., 2]) - 1
 
 
 def figures(result: Result) -> dict[str, Any]:

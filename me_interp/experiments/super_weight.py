@@ -734,12 +734,6 @@ def _cols(r: Result, *kinds: str) -> np.ndarray:
 
 
 @claims.of_means
-def _ppl_ratio(m: np.ndarray) -> np.ndarray | float:
-    """Pooled ppl(column 2) / ppl(column 1) of ``[n, nll_ref, nll_x]`` rows (column means ``m``)."""
-    return np.exp((m[..., 2] - m[..., 1]) / m[..., 0])
-
-
-@claims.of_means
 def _recovered(m: np.ndarray) -> np.ndarray | float:
     """``(Σ nll_zeroed − Σ nll_restored) / (Σ nll_zeroed − Σ nll_unedited)`` of ``[n, unedited,
     zeroed, restored]`` rows (column means ``m``: the sums over n)."""
@@ -852,7 +846,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "ppl_damage",
         "as many weights of at least its magnitude zeroed instead "
         "(super_weight.random_weights_harmless)",
-        stat=lambda r: claims.Sample(_cols(r, "unedited", "zeroed"), _ppl_ratio),
+        stat=lambda r: claims.Sample(_cols(r, "unedited", "zeroed"), evaluation.PPL_RATIO),
         unit="texts",
         applies=_need_texts,
         details=_text_details,

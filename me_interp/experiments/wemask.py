@@ -634,19 +634,6 @@ def _cols(*rows: dict[str, Any], key: str = "nll") -> np.ndarray:
 
 
 @claims.of_means
-def _ratio_dev(m: np.ndarray) -> np.ndarray | float:
-    """Pooled ppl(column 2) / ppl(column 1) − 1 of ``[n, nll_ref, nll_x]`` rows (column means
-    ``m``; signed)."""
-    return np.exp((m[..., 2] - m[..., 1]) / m[..., 0]) - 1.0
-
-
-@claims.of_means
-def _ratio(m: np.ndarray) -> np.ndarray | float:
-    """Pooled ppl(column 2) / ppl(column 1) of ``[n, nll_ref, nll_x]`` rows (column means ``m``)."""
-    return np.exp((m[..., 2] - m[..., 1]) / m[..., 0])
-
-
-@claims.of_means
 def _sink_drop(m: np.ndarray) -> np.ndarray | float:
     """``1 − mean(column 1) / mean(column 0)``, NaN when the base is not positive."""
     ok = m[..., 0] > 0
@@ -762,7 +749,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "ppl_unchanged",
         "the full mask (wemask.full_mask_collapses) and the random / magnitude dims at the same "
         f"rate (wemask.beats_random, wemask.beats_magnitude); {_VACUOUS}",
-        stat=lambda r: claims.Sample(_cols(r.baseline, _weight(r)), _ratio_dev),
+        stat=lambda r: claims.Sample(_cols(r.baseline, _weight(r)), evaluation.PPL_CHANGE),
         unit="texts",
         applies=_applies(_NEED_WEIGHT),
         details=lambda r: (
@@ -848,7 +835,9 @@ SPECS: tuple[claims.Spec, ...] = (
         "|x|<",
         "ppl_unchanged",
         f"the weight-selected WeMask on the same texts (paired); {_VACUOUS}",
-        stat=lambda r: claims.Sample(_cols(_weight(r), _variant("activation")(r)), _ratio_dev),
+        stat=lambda r: claims.Sample(
+            _cols(_weight(r), _variant("activation")(r)), evaluation.PPL_CHANGE
+        ),
         unit="texts",
         applies=_applies(
             _NEED_WEIGHT, (_variant("activation"), "the activation or weight variant was not run")
@@ -867,7 +856,7 @@ SPECS: tuple[claims.Spec, ...] = (
         ">=",
         "ppl_damage",
         "the small-rate WeMask (wemask.small_rate_ppl_unchanged)",
-        stat=lambda r: claims.Sample(_cols(r.baseline, r.full_row()), _ratio),
+        stat=lambda r: claims.Sample(_cols(r.baseline, r.full_row()), evaluation.PPL_RATIO),
         unit="texts",
         applies=_applies(_NEED_FULL),
         details=_full_details,

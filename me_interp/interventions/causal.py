@@ -567,14 +567,13 @@ def excess_fraction(after: float, before: float) -> float:
     intervention leaves: 1 = untouched, 0 = the token is as ordinary as the others (a plain
     ``R_after / R_before`` never goes below ``1 / R_before``). NaN when ``R_before = 1``.
     """
-    d = float(before) - 1.0
-    return (float(after) - 1.0) / d if d != 0 else float("nan")
+    return float(excess_stat.of_means(np.array([after, before], dtype=np.float64)))
 
 
 @claims.of_means
 def excess_stat(m: np.ndarray) -> np.ndarray | float:
     """Per-prompt columns ``[after, before]`` → :func:`excess_fraction` of their prompt means ``m``
-    (the statistic the claims bootstrap over prompts)."""
+    (the statistic the claims bootstrap over prompts; vectorised over leading axes)."""
     d = m[..., 1] - 1.0
     return np.where(d != 0, (m[..., 0] - 1.0) / np.where(d != 0, d, 1.0), np.nan)
 

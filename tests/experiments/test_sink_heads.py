@@ -181,9 +181,8 @@ def test_not_applicable_without_enough_draws_and_figure(runs):
     _, r = runs[CONCENTRATED]
     figs = ap.figures(r)
     assert "sink_heads" in figs and len(figs["sink_heads"].data) == 4  # 2 maps, 2 marker sets
-    restore = [t for t in figs["sink_heads"].data if t.type == "heatmap"][
-        1
-    ]  # symmetric at the largest |single-head restore|
+    # the per-head restore panel: symmetric at the largest |single-head restore|
+    restore = [t for t in figs["sink_heads"].data if t.type == "heatmap"][1]
     top = max(float(np.nanmax(np.abs(np.asarray(r.sink_heads.single, dtype=float)))), 0.05)
     assert (restore.zmin, restore.zmax) == pytest.approx((-top, top))
     import dataclasses
