@@ -24,6 +24,7 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import IO, Any
 
 from tqdm.auto import tqdm
@@ -86,9 +87,13 @@ def bar(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:
 @contextlib.contextmanager
 def quiet_libraries() -> Iterator[None]:
     """Hide transformers' and huggingface_hub's progress bars and info logs (weight loading, GGUF
-    conversion, shard writing) for the duration; restored afterwards."""
+    conversion, shard writing) for the duration; restored afterwards. The GGUF conversion's bar is
+    a plain ``tqdm`` that transformers' switch does not reach: it is turned off in its module."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
+    gguf_bar = gguf_utils.tqdm
+    gguf_utils.tqdm = partial(gguf_bar, disable=True)
     bars = hf_logging.is_progress_bar_enabled()
     verbosity = hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
@@ -104,6 +109,7 @@ def quiet_libraries() -> Iterator[None]:
     try:
         yield
     finally:
+        gguf_utils.tqdm = gguf_bar
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()

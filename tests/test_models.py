@@ -273,7 +273,7 @@ def test_verify_cache_rejects_partial_and_corrupt(tmp_path):
 
 
 @pytest.mark.slow
-def test_corrupt_bundled_cache_is_rebuilt(tmp_path, monkeypatch, bundled):
+def test_corrupt_bundled_cache_is_rebuilt(tmp_path, monkeypatch, bundled, capfd):
     # seed a private cache from the session's verified one, corrupt it, and load through it
     good = models.ensure_bundled_cache()  # the session's verified cache
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
@@ -287,8 +287,12 @@ def test_corrupt_bundled_cache_is_rebuilt(tmp_path, monkeypatch, bundled):
         f.seek(1000)
         f.write(bytes([byte[0] ^ 0xFF]))
     assert not models.verify_cache(target)
+    capfd.readouterr()
     m = load_model(device="cpu")  # rebuilds from the GGUF
     assert models.verify_cache(target)
+    err = capfd.readouterr().err  # the real conversion: one me_interp line, no library bar
+    assert "me_interp: converting" in err and "Converting and de-quantizing" not in err, err
+    assert "%|" not in err, err
     for layer in (0, 11):
         assert torch.equal(m.ffn_norm_gain(layer), bundled.ffn_norm_gain(layer))
 

@@ -232,3 +232,17 @@ def test_loading_shows_no_library_bars(tmp_path, capfd):
     assert capfd.readouterr().err.count("me_interp: converting x-fp32 once") == 1
     models.ensure_cache(tmp_path / "cache" / "x-fp32", convert)  # cached: silent
     assert capfd.readouterr().err == ""
+
+
+def test_quiet_libraries_hides_the_gguf_conversion_bar_and_restores_it(capfd):
+    """transformers' GGUF conversion draws a plain ``tqdm`` that its own progress-bar switch does
+    not reach: inside ``quiet_libraries`` it draws nothing, and afterwards it is the module's own."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    before = gguf_utils.tqdm
+    capfd.readouterr()
+    with terminal.quiet_libraries():
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+    assert capfd.readouterr().err == ""
+    assert gguf_utils.tqdm is before
