@@ -139,17 +139,14 @@ class Prefix:
             raise RuntimeError("this prefix was captured on another model")
         if start not in self.starts:
             raise RuntimeError(f"no prefix captured for block {start} (captured: {self.starts})")
-        held = [n for n, p in _params_before(model, start) if getattr(p, EDITED_ATTR, 0)]
+        params = _params_before(model, start)  # one walk of the module tree per check
+        held = [n for n, p in params if getattr(p, EDITED_ATTR, 0)]
+        now = _fingerprint(params)
+        if not held and now != self._versions[start]:
+            held = [next(a[0] for a, b in zip(self._versions[start], now) if a != b)]
         if held:
             raise RuntimeError(
                 f"{held[0]} was edited after the prefix was captured: an edit before block "
-                f"{start} changes the blocks a run from {start} takes from the unedited model"
-            )
-        now = _fingerprint(model, start)
-        if now != self._versions[start]:
-            changed = next(a[0] for a, b in zip(self._versions[start], now) if a != b)
-            raise RuntimeError(
-                f"{changed} was edited after the prefix was captured: an edit before block "
                 f"{start} changes the blocks a run from {start} takes from the unedited model"
             )
 
@@ -158,10 +155,10 @@ EDITED_ATTR = "_me_interp_edited"
 """Set on a parameter while an ``me_interp.edits`` edit holds it (``edits.core.EDITED_ATTR``)."""
 
 
-def _fingerprint(model: LoadedModel, start: int) -> list[tuple[str, int, int]]:
-    """Per parameter outside blocks ``start..``: its name, object and version counter (an in-place
+def _fingerprint(params: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, int, int]]:
+    """Per parameter of :func:`_params_before`: its name, object and version counter (an in-place
     write through the parameter itself bumps it; ``me_interp.edits`` marks its edits instead)."""
-    return [(n, id(p), p._version) for n, p in _params_before(model, start)]
+    return [(n, id(p), p._version) for n, p in params]
 
 
 def capture_prefix(
@@ -182,7 +179,7 @@ def capture_prefix(
         kw, res = capture_block_inputs(model, c.batch, [], starts, stop=stop)
         kwargs.append(kw)
         resid.append(res)
-    return Prefix(model, starts, cs, kwargs, resid, {s: _fingerprint(model, s) for s in starts})
+    return Prefix(model, starts, cs, kwargs, resid, {s: _fingerprint(_params_before(model, s)) for s in starts})
 
 
 __all__ = ["Prefix", "capture_block_inputs", "capture_prefix", "run_blocks"]
