@@ -15,13 +15,21 @@ from me_interp.tasks import TASK_DIR, TASKS  # noqa: E402
 N_ITEMS = 6
 
 
+def _local_tasks():
+    """lm-eval's task manager of the local tasks alone: indexing the thousands of tasks lm-eval
+    ships takes 6-9 s per manager, and these tests read only ours (the command-line tests below
+    go through lm-eval's full index)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASK_DIR), include_defaults=False)
+
+
 def _evaluate(lm, limit=N_ITEMS):
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     res = lm_eval.simple_evaluate(
         model=lm, tasks=["me_interp_mc"], limit=limit, log_samples=True,
-        task_manager=TaskManager(include_path=str(TASK_DIR)), bootstrap_iters=0,
+        task_manager=_local_tasks(), bootstrap_iters=0,
     )  # fmt: skip
     samples = sorted(res["samples"]["me_interp_mc"], key=lambda s: s["doc_id"])
     return res, samples
@@ -105,9 +113,9 @@ def test_generate_until_left_padding_edits_first_real_token_once():
 
 
 def test_task_configs_load_local_data():
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import get_task_dict
 
-    tm = TaskManager(include_path=str(TASK_DIR))
+    tm = _local_tasks()
     assert set(TASKS) <= set(tm.all_tasks)
     tasks = get_task_dict(list(TASKS), tm)
     sizes = {name: len(list(t.test_docs())) for name, t in tasks.items()}
