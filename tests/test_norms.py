@@ -467,6 +467,29 @@ def test_medians_numpy_and_torch_select_the_lower_median(use_numpy):
         assert out3[i] == x[i, :n].abs().flatten().median()
 
 
+
+def test_kth_smallest_equals_a_full_partition():
+    """The histogram-then-bucket selection picks what ``np.partition`` of the whole row picks, for
+    every rank: values spread over many binades (hidden states, one massive token), all in one
+    bucket, ties, zeros, subnormals, ``inf`` and NaN (above ``inf`` as int32), one value a row."""
+    import numpy as np
+
+    from me_interp.probes.norms import _kth_smallest
+
+    rng = np.random.default_rng(0)
+    spread = np.abs(rng.standard_normal((5, 600)) * np.exp(2 * rng.standard_normal((5, 600))))
+    spread[:, :20] *= 1e4  # the massive token's dims
+    one_bucket = 1.0 + rng.random((3, 257)) / 64  # within 1/16 of a binade: one bucket
+    ties = rng.integers(0, 4, (4, 99)).astype(float)
+    odd = np.array([[0.0, 1e-45, 1e-40, np.inf, np.nan, 3.0, 3.0, 0.5, 2e38]] * 2)
+    for rows in (spread, one_bucket, ties, odd, np.array([[2.5], [0.0]])):
+        bits = np.abs(rows).astype(np.float32).view(np.int32)
+        assert (bits >= 0).all()
+        full = np.sort(bits, axis=-1)
+        n = bits.shape[1]
+        for kth in {0, min(1, n - 1), n // 2, n - 1}:
+            np.testing.assert_array_equal(_kth_smallest(bits, kth), full[:, kth])
+
 def test_top_k_and_median_on_ties_zeros_and_inf_equal_float_topk(planted):
     """The CPU hook ranks ``|a|`` by its bits as int32: with many ties, ``±0`` and ``inf`` it keeps
     ``torch.topk``'s values *and* dims (ties in the same order) and ``kthvalue``'s median."""

@@ -15,9 +15,11 @@ inside a hook), and :meth:`NormRecorder.result` moves the buffers to the CPU onc
 
 What the scan costs on top of the forward (``benchmarks/bench_me_layer.py``, ``docs/performance.md``):
 one hook per hook point and layer (aliases read once; the layer output's norms and statistics in one
-hook), no allocation inside a hook (``out=`` into per-chunk buffers and one ``|a|`` scratch), norms
+hook), no tensor allocated inside a hook (``out=`` into per-chunk buffers and one ``|a|`` scratch;
+the CPU median's selection uses numpy temporaries of a few bytes per value), norms
 as ``vector_norm(x, dtype=float32)`` (no fp32 copy of a low-precision activation), and the median
-selected by numpy's introselect on the CPU. What remains is mostly ``torch.topk``.
+selected on the CPU by one histogram of the values' top bits and a partition of the one bucket that
+holds it (:func:`_kth_smallest`). What remains is mostly ``torch.topk``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 
@@ -224,7 +227,7 @@ class _ChunkBuffers:
             v, i = a.topk(self.rec.k, dim=-1)
             vals.copy_(v)
             dims.copy_(i)
-        _medians_into(buf["median_abs"][layer], a, self.runs)  # reorders a: last use
+        _medians_into(buf["median_abs"][layer], a, self.runs)
         if self.keep is not None:
             self.outputs["kept"][layer, : self.width].copy_(h[self.keep])
         return x
@@ -255,10 +258,9 @@ def _medians_into(
     """Per row, the (lower) median of ``a >= 0`` over its real tokens and all dims, as
     ``torch.median``, written into ``out``: the ``ceil(N/2)``-th smallest of the row's ``N`` values,
     a selection, so the same element whatever selects it. Rows of one length (``runs``) are selected
-    in one call: on the CPU (``use_numpy`` by default) by numpy's introselect on the values' bits as
-    int32 (the same order for ``a >= 0``), in place in ``a``, over ten times faster than
-    ``torch.kthvalue`` (which copies each row and tracks indices); elsewhere by ``torch.kthvalue``
-    (no host copy)."""
+    together: on the CPU (``use_numpy`` by default) on the values' bits as int32 (the same order
+    for ``a >= 0``) by :func:`_kth_smallest`, about 4x faster than ``torch.kthvalue`` (which copies
+    each row and tracks indices); elsewhere by ``torch.kthvalue`` (no host copy)."""
     if use_numpy is None:
         use_numpy = a.device.type == "cpu"
     d = a.shape[-1]
@@ -266,11 +268,38 @@ def _medians_into(
         kth = (n * d + 1) // 2 - 1  # 0-based
         if use_numpy:
             bits = _as_int(a).numpy()[i0:i1, :n].reshape(i1 - i0, n * d)  # a view (or a copy)
-            bits.partition(kth, axis=-1)
-            out[i0:i1].copy_(torch.from_numpy(bits[:, kth].copy()).view(torch.float32))
+            out[i0:i1].copy_(torch.from_numpy(_kth_smallest(bits, kth)).view(torch.float32))
         else:
             flat = a[i0:i1, :n].reshape(i1 - i0, n * d)
             out[i0:i1].copy_(flat.kthvalue(kth + 1, dim=-1).values)
+
+
+_BUCKET_SHIFT = 19
+""":func:`_kth_smallest` buckets a value by its bits above bit 19: the sign (0), the 8 exponent bits
+and the top 4 mantissa bits, 4,096 buckets of 1/16 of a binade each."""
+
+
+def _kth_smallest(bits: np.ndarray, kth: int) -> np.ndarray:
+    """Per row of the non-negative int32 ``bits [rows n]``, its ``kth`` smallest value (0-based),
+    exactly what ``np.partition(bits, kth)[:, kth]`` gives: a histogram of each row's top bits
+    (:data:`_BUCKET_SHIFT`) finds the bucket that holds the ``kth`` value and how many values lie in
+    the buckets below it; a partition of that one bucket's values (about 1 % of a row of hidden
+    states) selects it. On the bundled model's layer outputs (12 prompts of 16 tokens, 9,216 values
+    a row) 0.30 ms a layer, against 0.50 ms for partitioning the whole rows in place and 1.4 ms for
+    ``torch.kthvalue``: 6 ms less per scan of 30 layers (``benchmarks/bench_me_layer.py``)."""
+    rows = bits.shape[0]
+    n_buckets = 1 << (31 - _BUCKET_SHIFT)
+    bucket = bits >> _BUCKET_SHIFT
+    offsets = (np.arange(rows, dtype=np.int32) * n_buckets)[:, None]
+    counts = np.bincount((bucket + offsets).ravel(), minlength=rows * n_buckets)
+    cum = counts.reshape(rows, n_buckets).cumsum(axis=1)
+    which = (cum <= kth).sum(axis=1)  # the first bucket with more than kth values up to it
+    out = np.empty(rows, dtype=np.int32)
+    for i in range(rows):
+        rank = kth - (int(cum[i, which[i] - 1]) if which[i] else 0)
+        held = bits[i][bucket[i] == which[i]]
+        out[i] = np.partition(held, rank)[rank]
+    return out
 
 
 def scan_norms(
