@@ -467,7 +467,6 @@ def test_medians_numpy_and_torch_select_the_lower_median(use_numpy):
         assert out3[i] == x[i, :n].abs().flatten().median()
 
 
-
 def test_kth_smallest_equals_a_full_partition():
     """The histogram-then-bucket selection picks what ``np.partition`` of the whole row picks, for
     every rank: values spread over many binades (hidden states, one massive token), all in one
@@ -489,6 +488,7 @@ def test_kth_smallest_equals_a_full_partition():
         n = bits.shape[1]
         for kth in {0, min(1, n - 1), n // 2, n - 1}:
             np.testing.assert_array_equal(_kth_smallest(bits, kth), full[:, kth])
+
 
 def test_top_k_and_median_on_ties_zeros_and_inf_equal_float_topk(planted):
     """The CPU hook ranks ``|a|`` by its bits as int32: with many ties, ``±0`` and ``inf`` it keeps

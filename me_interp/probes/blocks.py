@@ -179,7 +179,14 @@ def capture_prefix(
         kw, res = capture_block_inputs(model, c.batch, [], starts, stop=stop)
         kwargs.append(kw)
         resid.append(res)
-    return Prefix(model, starts, cs, kwargs, resid, {s: _fingerprint(_params_before(model, s)) for s in starts})
+    return Prefix(
+        model,
+        starts,
+        cs,
+        kwargs,
+        resid,
+        {s: _fingerprint(_params_before(model, s)) for s in starts},
+    )
 
 
 __all__ = ["Prefix", "capture_block_inputs", "capture_prefix", "run_blocks"]
