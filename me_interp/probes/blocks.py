@@ -179,14 +179,8 @@ def capture_prefix(
         kw, res = capture_block_inputs(model, c.batch, [], starts, stop=stop)
         kwargs.append(kw)
         resid.append(res)
-    return Prefix(
-        model,
-        starts,
-        cs,
-        kwargs,
-        resid,
-        {s: _fingerprint(_params_before(model, s)) for s in starts},
-    )
+    versions = {s: _fingerprint(_params_before(model, s)) for s in starts}
+    return Prefix(model, starts, cs, kwargs, resid, versions)
 
 
 __all__ = ["Prefix", "capture_block_inputs", "capture_prefix", "run_blocks"]
