@@ -40,6 +40,7 @@ Typical use inside an experiment module::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -649,8 +650,10 @@ def _binom_cdf(k: int, n: int, p: float) -> float:
     )  # log space: exact enough, and no overflow for large n
 
 
+@functools.lru_cache(maxsize=4096)
 def clopper_pearson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
-    """The exact (Clopper–Pearson) two-sided interval of a binomial rate with ``k`` of ``n``."""
+    """The exact (Clopper–Pearson) two-sided interval of a binomial rate with ``k`` of ``n``
+    (cached: a battery asks for the same few ``(k, n)`` many times, each a 120-step bisection)."""
     if n <= 0:
         return float("nan"), float("nan")
     a = (1 - level) / 2
@@ -844,16 +847,17 @@ def holm(claims: Sequence[Claim | Mapping[str, Any]], alpha: float = ALPHA) -> l
     inconclusive. Controls, sanity checks and not-applicable claims keep their verdict and are not
     in the family."""
 
-    def get(c: Any, k: str) -> Any:
-        return getattr(c, k) if isinstance(c, Claim) else c.get(k)
-
-    out = [get(c, "verdict") for c in claims]
+    rows = [
+        (c.verdict, c.kind, c.p)
+        if isinstance(c, Claim)
+        else (c.get("verdict"), c.get("kind"), c.get("p"))
+        for c in claims
+    ]
+    out = [verdict for verdict, _, _ in rows]
     fam = [
-        (float(get(c, "p")), i)
-        for i, c in enumerate(claims)
-        if get(c, "kind") == "claim"
-        and get(c, "p") is not None
-        and math.isfinite(float(get(c, "p")))
+        (float(p), i)
+        for i, (_, kind, p) in enumerate(rows)
+        if kind == "claim" and p is not None and math.isfinite(float(p))
     ]
     fam.sort()
     m = len(fam)

@@ -31,6 +31,8 @@ and some fire twice per forward, so hooks must not key on ``hook.name`` and must
 
 from __future__ import annotations
 
+import functools
+
 SITES: tuple[str, ...] = (
     "resid_pre",
     "attn_in",
@@ -72,8 +74,10 @@ NORM_SITES: tuple[str, ...] = (*SITES, *OWN_SITES)
 """Every ``[batch, pos, d_model]`` site whose token norms a scan can record."""
 
 
+@functools.lru_cache(maxsize=8192)
 def site(name: str, layer: int) -> str:
-    """Hook name of ``name`` (one of :data:`ALL_SITES`) in block ``layer``."""
+    """Hook name of ``name`` (one of :data:`ALL_SITES`) in block ``layer`` (cached: every recorder
+    asks for the same names on every forward)."""
     try:
         return f"blocks.{layer}.{_SITE_HOOKS[name]}"
     except KeyError:

@@ -375,3 +375,20 @@ def test_prompt_me_layers_equal_locate_me_layer_on_each_prompt_alone(spec, kind)
         assert set(alone) == {None}
     elif spec == "synthetic:planted":
         assert None not in alone
+
+
+def test_row_medians_equal_one_median_per_row():
+    """``_medians`` (one ``nanmedian`` over the last dim) gives each row's ``_median``: odd and even
+    counts (the lower median), NaNs skipped, an all-NaN row NaN, ties, ``inf``."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 9, generator=g)
+    x[1, ::2] = float("nan")  # 4 values left: an even count
+    x[2] = float("nan")
+    x[3, :5] = 1.0
+    x[4, 0] = float("inf")
+    for rows in (x, x[:, :8], x.double()):
+        got = massive._medians(rows)
+        want = [massive._median(r) for r in rows]
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert a == b or (math.isnan(a) and math.isnan(b))

@@ -195,6 +195,11 @@ def _median(x: torch.Tensor) -> float:
     return float(x.float().nanmedian())
 
 
+def _medians(x: torch.Tensor) -> list[float]:
+    """:func:`_median` of each row of ``x [rows n]``, in one call."""
+    return x.float().nanmedian(dim=-1).values.tolist()
+
+
 def _reference(
     massive: Bool[torch.Tensor, "layer batch pos"],
     norms: torch.Tensor,
@@ -334,8 +339,7 @@ def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation
     else:
         reference = torch.zeros(mask.shape[0], dtype=torch.long)
     site_ratios = {
-        s: [_median(v) for v in ratio_to_others(scan.site_norms(s), mask, reference)]
-        for s in scan.sites
+        s: _medians(ratio_to_others(scan.site_norms(s), mask, reference)) for s in scan.sites
     }
     max_abs = scan.top_abs[..., 0].masked_fill(~mask, 0).amax(-1)  # [layer batch]
     return MELocation(
@@ -343,9 +347,9 @@ def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation
         me_layer=me_layer,
         events=events,
         layer_has_massive=has,
-        prompt_fraction=[float(f) for f in frac],
-        top_ratio=[_median(r) for r in r_post],
-        max_over_median=[_median(m) for m in max_abs / scan.median_abs],
+        prompt_fraction=frac.tolist(),
+        top_ratio=_medians(r_post),
+        max_over_median=_medians(max_abs / scan.median_abs),
         massive_positions=_positions_at(massive, me_layer) if me_layer is not None else [],
         massive_dims=_dims_at(scan, crit, massive, me_layer) if me_layer is not None else [],
         reference_positions=reference.tolist(),

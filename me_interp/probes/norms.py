@@ -195,7 +195,7 @@ class _ChunkBuffers:
         return self.buf
 
     def norms(self, x: torch.Tensor, hook, *, sis: list[int], layer: int) -> torch.Tensor:
-        buf = self._buffers(x.device)["norms"]
+        buf = (self.buf if self.buf is not None else self._buffers(x.device))["norms"]
         out = buf[sis[0], layer]  # [n width], contiguous
         h = x.detach()
         if out.device == h.device:
@@ -220,7 +220,8 @@ class _ChunkBuffers:
         if a.device.type == "cpu" and vals.device == a.device:
             # |a| >= 0 orders as its IEEE-754 bits read as int32 (NaN above inf, as topk puts it):
             # the same top-k, ties in the same order, with cheaper comparisons (0.9 vs 1.3 ms)
-            torch.topk(_as_int(a), self.rec.k, dim=-1, out=(_as_int(vals), dims))
+            i32 = torch.int32
+            torch.topk(a.view(i32), self.rec.k, dim=-1, out=(vals.view(i32), dims))
         elif vals.device == a.device:
             torch.topk(a, self.rec.k, dim=-1, out=(vals, dims))
         else:
@@ -231,11 +232,6 @@ class _ChunkBuffers:
         if self.keep is not None:
             self.outputs["kept"][layer, : self.width].copy_(h[self.keep])
         return x
-
-
-def _as_int(t: torch.Tensor) -> torch.Tensor:
-    """The fp32 tensor ``t``'s bits as int32 (a view): for ``t >= 0`` the same order."""
-    return t.view(torch.int32)
 
 
 def _equal_runs(lengths: list[int]) -> list[tuple[int, int, int]]:
@@ -267,7 +263,7 @@ def _medians_into(
     for i0, i1, n in runs:
         kth = (n * d + 1) // 2 - 1  # 0-based
         if use_numpy:
-            bits = _as_int(a).numpy()[i0:i1, :n].reshape(i1 - i0, n * d)  # a view (or a copy)
+            bits = a.view(torch.int32).numpy()[i0:i1, :n].reshape(i1 - i0, n * d)  # a view or copy
             out[i0:i1].copy_(torch.from_numpy(_kth_smallest(bits, kth)).view(torch.float32))
         else:
             flat = a[i0:i1, :n].reshape(i1 - i0, n * d)
