@@ -11,6 +11,7 @@ hang), and the trace saves only small statistics.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 
 import numpy as np
@@ -316,8 +317,8 @@ def test_bundled_me_layer_run_agrees(bundled, bundled_nn, tmp_path):
     forward on both (the default 82 took 38 s of the suite)."""
     from me_interp.prompts import builtin_prompts
 
-    path = tmp_path / "prompts.txt"
-    path.write_text("\n".join(builtin_prompts()[:16]) + "\n", encoding="utf-8")
+    path = tmp_path / "prompts.json"  # a JSON list: some built-in prompts span several lines
+    path.write_text(json.dumps(builtin_prompts()[:16]), encoding="utf-8")
     cfg = dict(prompts=str(path))
     r_tl = me_layer.run(me_layer.Config(**cfg), bundled)
     r_nn = me_layer.run(me_layer.Config(**cfg, backend="nnsight"), bundled_nn)
@@ -336,7 +337,6 @@ def test_bundled_wemask_perplexities_agree(bundled, bundled_nn):
 
 def test_the_command_line_runs_the_nnsight_backend(tmp_path, capsys):
     """``--backend nnsight`` end to end: exit 0, the run written, the backend in env.json."""
-    import json
 
     rc = me_layer.main(["--model", PLANTED, "--backend", "nnsight", "--out", str(tmp_path)])
     out = capsys.readouterr().out
