@@ -257,7 +257,7 @@ def test_decoy_sinkapart_has_a_sink_that_does_not_depend_on_the_massive_activati
             assert to_dst > 0.3
     rec = built["sinkapart"][2]
     assert rec.sink_reads == rec.gain_dims and rec.massive_dim not in rec.sink_reads
-    k = built["sinkapart"][0].model.layers[ME + 1].self_attn.k_proj.weight
+    k = built["sinkapart"][0].model.layers[ME + 1].self_attn.k_proj.weight.detach()
     slow = k.shape[1] // 4 // 2 - 1
     assert float(k[slow, rec.massive_dim]) == 0.0 and float(k[slow, 3]) == synthetic.APART_KEY
 

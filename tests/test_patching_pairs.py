@@ -305,7 +305,7 @@ def test_attribution_is_exact_to_first_order(tiny64, site, per_position):
     )
 
     def shift(x, hook):
-        return x + eps * float(x.norm(dim=-1).mean()) * noise.to(x.dtype)
+        return x + eps * float(x.detach().norm(dim=-1).mean()) * noise.to(x.dtype)
 
     last = model.n_layers - 1
     out, pat = names.resid_post(last), names.pattern(last)
