@@ -563,6 +563,14 @@ def of_means(f: Callable[[np.ndarray], Any]) -> Callable[[np.ndarray], float]:
     return statistic
 
 
+def divide(num: Any, den: Any, ok: Any = None, fill: float = float("nan")) -> np.ndarray:
+    """``num / den`` where ``ok`` (default: ``den != 0``), else ``fill``; elementwise, without a
+    division warning (the statistics of :func:`of_means` are vectorised over resamples, so one
+    resample's zero base must not stop the others)."""
+    ok = np.asarray(den) != 0 if ok is None else ok
+    return np.where(ok, num / np.where(ok, den, 1.0), fill)
+
+
 def _resample_means(arr: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """Column means ``[boot, ...]`` of the resamples ``arr[idx[b]]`` (``idx [boot, n]``): each
     resample's counts of the ``n`` rows times the rows, divided by ``n``."""

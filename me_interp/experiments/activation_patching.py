@@ -543,9 +543,7 @@ def _restore_stat(m: np.ndarray) -> np.ndarray | float:
     """Columns ``[clean, corrupt, patched_1 … patched_k]`` → the largest restore over the cells, of
     the column means ``m``."""
     denom = m[..., 0] - m[..., 1]
-    ok = denom != 0
-    best = np.max((m[..., 2:] - m[..., 1:2]) / np.where(ok, denom, 1.0)[..., None], axis=-1)
-    return np.where(ok, best, np.nan)
+    return np.max(claims.divide(m[..., 2:] - m[..., 1:2], denom[..., None]), axis=-1)
 
 
 @dataclass

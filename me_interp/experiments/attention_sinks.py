@@ -195,7 +195,7 @@ def _shift(curve: np.ndarray, me: int) -> np.ndarray | float:
     axes, for the bootstrap: ``claims.of_means``)."""
     before, after = curve[..., : me + 1].max(-1), curve[..., me + 1 :].mean(-1)
     top = np.maximum(before, after)
-    return np.where(top == 0, 0.0, (after - before) / np.where(top == 0, 1.0, top))
+    return claims.divide(after - before, top, fill=0.0)
 
 
 def _attention_applies(r: Result) -> str | None:

@@ -220,8 +220,7 @@ def pair_measure(
     def of_weights(w: np.ndarray) -> np.ndarray | float:
         den = ((w @ P) * w).sum(-1)  # [...]
         num = ((w @ flat.T).reshape(*w.shape[:-1], -1, n) * w[..., None, :]).sum(-1)  # [... k]
-        ok = den != 0
-        return np.where(ok, reduce(num / np.where(ok, den, 1.0)[..., None]), np.nan)
+        return np.where(den != 0, reduce(claims.divide(num, den[..., None])), np.nan)
 
     return claims.Sample(np.eye(n), claims.of_means(of_weights), keys=keys)
 

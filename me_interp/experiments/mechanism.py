@@ -140,7 +140,7 @@ def _gain_alignment(m: np.ndarray) -> np.ndarray | float:
         excess = 1.0 - fo / fm
     e, e0 = fm - fo, fm0 - fo0
     top = np.maximum(np.abs(e), np.abs(e0))
-    widened = np.where(top == 0, 0.0, (e - e0) / np.where(top == 0, 1.0, top))
+    widened = claims.divide(e - e0, top, fill=0.0)
     return np.minimum(excess, widened)
 
 

@@ -430,8 +430,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 @claims.of_means
 def _drop_stat(m: np.ndarray) -> np.ndarray | float:
     """Columns ``[after, before]`` (means ``m``) → ``1 − mean(after) / mean(before)``."""
-    ok = m[..., 1] != 0
-    return np.where(ok, 1 - m[..., 0] / np.where(ok, m[..., 1], 1.0), np.nan)
+    return 1 - claims.divide(m[..., 0], m[..., 1])
 
 
 def figures(result: Result) -> dict[str, Any]:

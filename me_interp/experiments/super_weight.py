@@ -738,8 +738,7 @@ def _recovered(m: np.ndarray) -> np.ndarray | float:
     """``(Σ nll_zeroed − Σ nll_restored) / (Σ nll_zeroed − Σ nll_unedited)`` of ``[n, unedited,
     zeroed, restored]`` rows (column means ``m``: the sums over n)."""
     damage = m[..., 2] - m[..., 1]
-    ok = damage > 0
-    return np.where(ok, (m[..., 2] - m[..., 3]) / np.where(ok, damage, 1.0), np.nan)
+    return claims.divide(m[..., 2] - m[..., 3], damage, damage > 0)
 
 
 def _where(r: Result) -> str:

@@ -348,8 +348,7 @@ def _share_stat(m: np.ndarray) -> np.ndarray | float:
     """Columns ``[to dst after, to dst before, to p before]`` (means ``m``) → the share of the sink
     that moved, ``(mean(after) − mean(dst before)) / mean(p before)`` (the unmodified attention to
     dst is the control, subtracted)."""
-    ok = m[..., 2] != 0
-    return np.where(ok, (m[..., 0] - m[..., 1]) / np.where(ok, m[..., 2], 1.0), np.nan)
+    return claims.divide(m[..., 0] - m[..., 1], m[..., 2])
 
 
 def figures(result: Result) -> dict[str, Any]:

@@ -636,15 +636,13 @@ def _cols(*rows: dict[str, Any], key: str = "nll") -> np.ndarray:
 @claims.of_means
 def _sink_drop(m: np.ndarray) -> np.ndarray | float:
     """``1 − mean(column 1) / mean(column 0)``, NaN when the base is not positive."""
-    ok = m[..., 0] > 0
-    return np.where(ok, 1.0 - m[..., 1] / np.where(ok, m[..., 0], 1.0), np.nan)
+    return 1.0 - claims.divide(m[..., 1], m[..., 0], m[..., 0] > 0)
 
 
 @claims.of_means
 def _acc_dev(m: np.ndarray) -> np.ndarray | float:
     """``mean(column 1) / mean(column 0) − 1``, NaN when the base is not positive."""
-    ok = m[..., 0] > 0
-    return np.where(ok, m[..., 1] / np.where(ok, m[..., 0], 1.0) - 1.0, np.nan)
+    return claims.divide(m[..., 1], m[..., 0], m[..., 0] > 0) - 1.0
 
 
 def text_perplexity(row: dict[str, Any]) -> np.ndarray:

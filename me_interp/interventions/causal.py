@@ -574,8 +574,7 @@ def excess_fraction(after: float, before: float) -> float:
 def excess_stat(m: np.ndarray) -> np.ndarray | float:
     """Per-prompt columns ``[after, before]`` → :func:`excess_fraction` of their prompt means ``m``
     (the statistic the claims bootstrap over prompts; vectorised over leading axes)."""
-    d = m[..., 1] - 1.0
-    return np.where(d != 0, (m[..., 0] - 1.0) / np.where(d != 0, d, 1.0), np.nan)
+    return claims.divide(m[..., 0] - 1.0, m[..., 1] - 1.0)
 
 
 @dataclass(frozen=True)
