@@ -13,7 +13,7 @@ call itself needed; on a GPU also ``torch.cuda.max_memory_allocated`` (and the a
   it with its first-token corruption: ``resid_pre`` at every layer and positions 0 and 1, metrics
   ``NormRatio`` (last layer) and ``SinkMass`` (every later layer's attention patterns). The metrics
   need no massive activation, so a random-weight model does the same work as a real one;
-* **battery**: ``report.run_battery`` (figures off) on the planted model of
+* **battery**: ``battery.run_battery`` (figures off) on the planted model of
   ``me_interp.synthetic.planted`` (d_model 32; the battery needs a massive activation to run its
   experiments to the end), with its layers, prompts and prompt length varied.
 
@@ -157,8 +157,8 @@ def patching_work(model, prompts: int, tokens: int) -> Callable[[], None]:
 def battery_work(n_layers: int, prompts: int, length: int, experiments, root: Path):
     """The battery on a planted model of ``n_layers`` (massive activation at layer 2), on
     ``prompts`` planted prompts of ``length`` words; each call runs it afresh in a new directory."""
-    from me_interp import falsifiability, load_model, report, synthetic
-    from me_interp.experiments.common import CommonConfig
+    from me_interp import battery, falsifiability, load_model, report, synthetic
+    from me_interp.study import CommonConfig
 
     hf, tok, _ = synthetic.planted("llama", layer=2, n_layers=n_layers)
     model = load_model(hf, tokenizer=tok, device="cpu", dtype="float32")
@@ -170,7 +170,7 @@ def battery_work(n_layers: int, prompts: int, length: int, experiments, root: Pa
 
     def run() -> None:
         out = root / f"out_{n_layers}_{prompts}_{length}_{next(runs)}"
-        state = report.run_battery(
+        state = battery.run_battery(
             CommonConfig(model="synthetic:planted", prompts=str(path), out=str(out)),
             experiments=experiments,
             model=model,
@@ -316,10 +316,10 @@ QUICK_BATTERY = ("me_layer", "attention_sinks")
 
 def run_plan(curves: list[Curve], repeats: int, quick: bool, log=print) -> list[dict]:
     """Measure every point of ``curves``; a model is built once per shape and reused."""
-    from me_interp import report
+    from me_interp import battery
 
     vocab = 256 if quick else 32000
-    experiments = QUICK_BATTERY if quick else report.EXPERIMENTS
+    experiments = QUICK_BATTERY if quick else battery.NAMES
     cache: dict[Any, Any] = {}
     out = []
     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:

@@ -21,14 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from me_interp import io, terminal
+from me_interp.battery import BY_NAME, EXPERIMENTS, NAMES, Progress, run_battery
 from me_interp.claims import KIND_LABEL, Claim, tally_text
-from me_interp.experiments.common import (
+from me_interp.report import FINISHED, REPORT_FILE, STATE_FILE, write_report
+from me_interp.study import (
     BAD_INPUT,
     ArgumentParser,
     CommonConfig,
@@ -38,18 +41,22 @@ from me_interp.experiments.common import (
     is_bad_input,
     model_for,
 )
-from me_interp.report import (
-    EXPERIMENTS,
-    FINISHED,
-    MODULES,
-    REPORT_FILE,
-    STATE_FILE,
-    Progress,
-    run_battery,
-    write_report,
-)
 
 COMMANDS = ("run", "report", "claims", "models")
+HELP = (
+    """usage: me-interp COMMAND [flags]   (me-interp COMMAND --help for its flags)
+
+commands:
+  run [EXPERIMENT ...]   every experiment (or these) on one model, and OUT/report.html
+  report OUT             rebuild OUT/report.html and report.md from OUT/battery.json
+  claims [EXPERIMENT ...]  every claim with its rule and kind (--json: JSON lines)
+  models                 the bundled, packaged and synthetic models, installed or not
+
+one experiment alone: python -m me_interp.experiments.NAME --help
+"""
+    + "experiments: "
+    + ", ".join(NAMES)
+)
 
 
 class BatteryBar(Progress):
@@ -57,9 +64,15 @@ class BatteryBar(Progress):
     estimate of the time left (from the previous runs' durations), or one line per experiment when
     stderr is not a terminal; and each experiment's summary and claim lines as soon as it ends."""
 
+    TICK = 1.0
+    """Seconds between redraws of the bar's elapsed time while an experiment runs."""
+
     def __init__(self, output: terminal.Output) -> None:
         self.output = output
         self.bar = None
+        self.done: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     def begin(self, experiments: Sequence[str], previous: Mapping[str, float]) -> None:
         self.names, self.previous = list(experiments), dict(previous)
@@ -71,13 +84,29 @@ class BatteryBar(Progress):
             leave=True,
             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
         )
+        if not self.bar.disable:  # the elapsed time keeps ticking between experiments
+            self._ticker = threading.Thread(target=self._tick, daemon=True)
+            self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.TICK):
+            if self.bar is not None:
+                self.bar.refresh()
 
     def _eta(self) -> str:
-        known = [self.previous[n] for n in self.left if n in self.previous]
+        """The time left: each experiment's duration in earlier runs on this model, device and
+        dtype; an experiment never run before counts as the mean of those that finished in this
+        run (so a first battery shows an estimate after its first experiment)."""
+        if not self.left:
+            return ""
+        mean_now = sum(self.done.values()) / len(self.done) if self.done else None
+        guesses = [self.previous.get(n, mean_now) for n in self.left]
+        known = [g for g in guesses if g is not None]
         if not known:
             return ""
         eta = terminal.fmt_seconds(sum(known))
-        return f"about {eta} left" if len(known) == len(self.left) else f"over {eta} left"
+        exact = len(known) == len(self.left) and all(n in self.previous for n in self.left)
+        return f"about {eta} left" if exact else f"roughly {eta}+ left"
 
     def start(self, name: str) -> None:
         eta = self._eta()
@@ -94,6 +123,8 @@ class BatteryBar(Progress):
     def end(self, name: str, entry: Mapping[str, Any], skipped: bool = False) -> None:
         if name in self.left:
             self.left.remove(name)
+        if not skipped and entry.get("seconds") is not None:
+            self.done[name] = float(entry["seconds"])
         if self.bar is not None:
             self.bar.update(1)
         out = self.output
@@ -104,6 +135,9 @@ class BatteryBar(Progress):
             out.claims(name, [Claim.from_dict(d) for d in entry.get("claims", [])])
 
     def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
         if self.bar is not None:
             self.bar.close()
 
@@ -112,13 +146,11 @@ def _battery_parser(prog: str, positional: bool) -> argparse.ArgumentParser:
     parser = build_parser(CommonConfig, prog, __doc__)
     if positional:
         parser.add_argument(
-            "experiments", nargs="*", metavar="EXPERIMENT", help=f"from: {', '.join(EXPERIMENTS)}"
+            "experiments", nargs="*", metavar="EXPERIMENT", help=f"from: {', '.join(NAMES)}"
         )
     else:
-        parser.add_argument(
-            "--only", nargs="+", choices=EXPERIMENTS, help="run only these experiments"
-        )
-    parser.add_argument("--skip", nargs="+", choices=EXPERIMENTS, default=[], help="skip these")
+        parser.add_argument("--only", nargs="+", choices=NAMES, help="run only these experiments")
+    parser.add_argument("--skip", nargs="+", choices=NAMES, default=[], help="skip these")
     parser.add_argument("--fresh", action="store_true", help="re-run experiments already finished")
     terminal.add_output_flags(parser)
     return parser
@@ -128,10 +160,10 @@ def battery(argv: Sequence[str] | None, prog: str, positional: bool) -> int:
     parser = _battery_parser(prog, positional)
     args = parser.parse_args(argv)
     picked = args.experiments if positional else args.only
-    unknown = [e for e in picked or () if e not in EXPERIMENTS]
+    unknown = [e for e in picked or () if e not in BY_NAME]
     if unknown:
-        parser.error(f"unknown experiments {unknown}; choose from {', '.join(EXPERIMENTS)}")
-    chosen = [e for e in (picked or EXPERIMENTS) if e not in args.skip]
+        parser.error(f"unknown experiments {unknown}; choose from {', '.join(NAMES)}")
+    chosen = [e for e in (picked or NAMES) if e not in args.skip]
     output = terminal.output_from_args(args)
     bar = BatteryBar(output)
     try:
@@ -172,7 +204,7 @@ def report_command(argv: Sequence[str]) -> int:
     if not isinstance(state, dict) or not isinstance(state.get("experiments"), dict):
         print(f"error: {path} is not a battery state (no 'experiments')", file=sys.stderr)
         return 2
-    ran = [e for e in EXPERIMENTS if e in state["experiments"]]
+    ran = [e for e in EXPERIMENTS if e.name in state["experiments"]]
     html_path = write_report(Path(args.dir), state, ran or EXPERIMENTS)
     print(f"report: {html_path}")
     return 0
@@ -183,17 +215,17 @@ def claims_command(argv: Sequence[str]) -> int:
         prog="me-interp claims", description="Every claim the battery states, with its rule"
     )
     parser.add_argument(
-        "experiments", nargs="*", metavar="EXPERIMENT", help=f"from: {', '.join(EXPERIMENTS)}"
+        "experiments", nargs="*", metavar="EXPERIMENT", help=f"from: {', '.join(NAMES)}"
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per claim")
     args = parser.parse_args(argv)
-    unknown = [e for e in args.experiments if e not in EXPERIMENTS]
+    unknown = [e for e in args.experiments if e not in BY_NAME]
     if unknown:
-        parser.error(f"unknown experiments {unknown}; choose from {', '.join(EXPERIMENTS)}")
-    for module in MODULES:
-        if args.experiments and module.NAME not in args.experiments:
+        parser.error(f"unknown experiments {unknown}; choose from {', '.join(NAMES)}")
+    for exp in EXPERIMENTS:
+        if args.experiments and exp.name not in args.experiments:
             continue
-        for s in module.SPECS:
+        for s in exp.specs:
             if args.json:
                 row = {
                     "id": s.id,
@@ -238,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``me-interp COMMAND ...`` (see the module docstring); without a command, the battery as
     ``python -m me_interp`` has always run it (``--only``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in (["-h"], ["--help"]):
+        print(HELP)
+        return 0
     if argv and argv[0] in COMMANDS:
         command, rest = argv[0], argv[1:]
         if command == "run":

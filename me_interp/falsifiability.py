@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from me_interp import claims, synthetic
+from me_interp.battery import EXPERIMENTS, NAMES, run_battery
+from me_interp.report import FINISHED, md_cell
+from me_interp.study import CommonConfig, Experiment
 
 N_PROMPTS = 16
 """Prompts per constructed battery."""
@@ -96,17 +99,14 @@ def battery_state(
 ) -> dict[str, Any]:
     """The battery state (battery.json, plus ``"out"``) of the battery on constructed ``model``, run
     in ``root`` on :func:`prompts` with :func:`overrides`; ``experiments``: names of
-    ``report.EXPERIMENTS`` (default: all)."""
-    from me_interp import report
-    from me_interp.experiments.common import CommonConfig
-
+    :data:`me_interp.battery.NAMES` (default: all)."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / "prompts.txt"
     path.write_text("\n".join(prompts(model)) + "\n", encoding="utf-8")
     out = root / "out"
-    state = report.run_battery(
+    state = run_battery(
         CommonConfig(model=model, prompts=str(path), out=str(out)),
-        experiments=report.EXPERIMENTS if experiments is None else tuple(experiments),
+        experiments=experiments,
         overrides=overrides(model, root),
         figures=False,  # only the verdicts are read
         report=False,
@@ -117,13 +117,11 @@ def battery_state(
 def claims_of(model: str, state: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every claim of a battery state, in battery order; raises ``RuntimeError`` if an experiment
     failed (a constructed model must run every experiment to the end)."""
-    from me_interp import report
-
     exps = state["experiments"]
-    failed = {n: e.get("error") for n, e in exps.items() if e["status"] not in report.FINISHED}
+    failed = {n: e.get("error") for n, e in exps.items() if e["status"] not in FINISHED}
     if failed:
         raise RuntimeError(f"{model}: experiments failed: {failed}")
-    return [c for n in report.EXPERIMENTS for c in exps[n]["claims"]]
+    return [c for n in NAMES for c in exps[n]["claims"]]
 
 
 def table(by_model: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -157,6 +155,83 @@ def unfalsifiable(t: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
 def read_table(path: Path = TABLE_FILE) -> dict[str, dict[str, Any]]:
     """The checked-in table (empty when the file does not exist)."""
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def claims_markdown(experiments: Sequence[Experiment] = EXPERIMENTS) -> str:
+    """``docs/claims.md``: the threshold table and every claim each experiment can state.
+
+    Regenerate with ``python -c "from me_interp.falsifiability import claims_markdown as m; print(m(), end='')"
+    > docs/claims.md`` (a test checks the file is current).
+    """
+
+    lines = [
+        "# Claims, rules and thresholds",
+        "",
+        "Generated from `me_interp.claims.THRESHOLDS` and each experiment's `SPECS` by",
+        "`me_interp.falsifiability.claims_markdown()`; do not edit by hand.",
+        "",
+        "Every claim is decided by one engine (`me_interp.claims.judge`) and one rule: it **holds** "
+        "when the whole",
+        f"{claims.LEVEL:.0%} interval of its statistic lies on the claimed side of its "
+        "threshold, **fails** when none of it",
+        "does, and is **inconclusive** when the interval straddles the threshold. Intervals are "
+        f"seeded percentile bootstraps ({claims.N_BOOTSTRAP}",
+        "resamples) over per-unit statistics (prompts, texts), two-way bootstraps over prompts "
+        "× seeds for random",
+        "controls, and exact Clopper–Pearson intervals for k-of-n outcomes (partner layers, held-out "
+        "prompts), each outcome",
+        "listed. A verdict that rests on fewer than two *distinct* measurements (the effective n: "
+        "e.g. every prompt's",
+        "first token is the same BOS) or on a zero-width bootstrap interval is not decided. The "
+        "battery's summary gives",
+        "the raw counts and the Holm-adjusted ones (each decided verdict's one-sided p-value through "
+        "Holm's step-down at",
+        f"{claims.ALPHA / 2:g}). **Not applicable**: the claim presupposes something the model "
+        "lacks (e.g. a massive activation).",
+        "Kinds: *claim* (evidence, counted), *control* (a comparison that must come out as designed "
+        "for the claims beside",
+        "it to mean anything) and *sanity* (true by construction); controls and sanity checks are "
+        "reported, never counted.",
+        "",
+        "## Thresholds",
+        "",
+        "| name | value | meaning |",
+        "| --- | --- | --- |",
+    ]
+    for name, t in claims.THRESHOLDS.items():
+        lines.append(f"| `{name}` | {t.value:g} | {md_cell(t.doc)} |")
+    shown = read_table()
+    lines += [
+        "",
+        "## Claims by experiment",
+        "",
+        "*Holds on* / *fails on*: the constructed models (`synthetic:<name>`, see",
+        "`me_interp.falsifiability`) on whose battery the claim holds / fails, from",
+        "`docs/falsifiability.json` (`python -m me_interp.falsifiability` re-runs them). Every claim of",
+        "kind *claim* holds on one and fails on another; a check that cannot do both is a control or",
+        "a sanity check.",
+        "",
+    ]
+    for exp in experiments:
+        lines += [
+            f"### {exp.name}",
+            "",
+            "| id | section | kind | statement | statistic | rule | control | holds on | fails on |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for s in exp.specs:
+            row = shown.get(s.id, {})
+            on = {
+                k: ", ".join(m.removeprefix("synthetic:") for m in row.get(k, [])) or "—"
+                for k in ("holds", "fails")
+            }
+            lines.append(
+                f"| `{s.id}` | {md_cell(s.section)} | {s.kind} | {md_cell(s.statement)} | "
+                f"{md_cell(s.statistic)} | {s.op} `{s.threshold}` ({s.value:g}) | "
+                f"{md_cell(s.control)} | {on['holds']} | {on['fails']} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,257 +1,29 @@
-"""The battery: every experiment on one model, resumable, and one HTML report of claims and verdicts.
+"""The report: renders a battery's state (``battery.json``) as HTML and Markdown; runs nothing.
 
-``run_battery`` loads the model once, runs each experiment module of :data:`EXPERIMENTS` in turn (each
-writes its usual ``<out>/<experiment>/<run_id>/``), records progress in ``<out>/battery.json`` after
-every experiment, and writes ``<out>/report.html``: a model card, each claim of the paper with the
+:func:`write_report` writes ``<out>/report.html``: a model card, each claim of the paper with the
 measured verdict beside the figure behind it (drawn inline by one local plotly.js), and links to every
-figure file. Re-running with the same settings skips experiments that already finished
-(their ``result.json`` exists), so an interrupted battery resumes where it stopped.
-
-Every experiment module provides ``NAME``, ``Config`` (a :class:`CommonConfig`), ``run(cfg, model)``,
-``figures(result)`` and ``SPECS`` (judged by :func:`claims.judge`). An experiment whose
-claims presuppose a massive activation that the model lacks is recorded as "not applicable" (with the
-reason), not as a failure.
+figure file; :func:`verdicts_markdown` writes ``<out>/report.md``. The battery
+(:mod:`me_interp.battery`) calls it after every experiment; ``me-interp report OUT`` rebuilds it.
 """
 
 from __future__ import annotations
 
 import html
-import traceback
-import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from me_interp import claims as claims_mod
-from me_interp import io, terminal, usage
-from me_interp.experiments import (
-    activation_patching,
-    attention_sinks,
-    component_ablation,
-    ffn_svd_ablation,
-    invariance,
-    me_layer,
-    mechanism,
-    rmsnorm_permutation,
-    sink_causality,
-    super_weight,
-    transplant,
-    weight_input_cross,
-    weight_patching,
-    weight_swap,
-    wemask,
-)
-from me_interp.experiments.common import (
-    CommonConfig,
-    execute,
-    model_for,
-    seed_everything,
-    write_outcome,
-)
+from me_interp import io, terminal
 from me_interp.probes.massive import site_text
+from me_interp.study import Experiment
 
-MODULES: tuple[types.ModuleType, ...] = (
-    me_layer,
-    mechanism,
-    invariance,
-    attention_sinks,
-    wemask,
-    activation_patching,
-    rmsnorm_permutation,
-    ffn_svd_ablation,
-    super_weight,
-    weight_patching,
-    weight_swap,
-    weight_input_cross,
-    transplant,
-    component_ablation,
-    sink_causality,
-)
-"""The battery's experiments, registered by module, in the order they run."""
-EXPERIMENTS: tuple[str, ...] = tuple(m.NAME for m in MODULES)
-"""Their names (``--only`` / ``--skip`` choices, battery.json keys)."""
-_BY_NAME: dict[str, types.ModuleType] = {m.NAME: m for m in MODULES}
 NOT_APPLICABLE = claims_mod.NOT_APPLICABLE
 FINISHED = ("done", NOT_APPLICABLE)
 """Battery statuses of an experiment that ran to the end (and is skipped on resume)."""
 STATE_FILE = "battery.json"
 REPORT_FILE = "report.html"
 SUMMARY_FILE = "report.md"
-COMMON_KEYS = ("model", "prompts", "bos", "dtype", "device", "seed", "out", "threads")
-
-
-def _fingerprint(common: CommonConfig, model: Any) -> dict[str, Any]:
-    """What makes two batteries comparable: the shared settings, the device, dtype and placement
-    (device map, offloaded modules) the model was actually loaded with, and the code that ran
-    (package version and git commit). A battery with another fingerprint starts over instead of
-    reusing finished runs."""
-    d = common.to_dict()
-    env = io.environment()
-    info = model.info()
-    return {
-        **{k: d[k] for k in COMMON_KEYS if k not in ("out", "device", "threads")},
-        "device_resolved": info["device"],
-        "dtype_resolved": info["dtype"],
-        "placement": info.get("placement"),
-        "hf_device_map": info.get("hf_device_map"),
-        "me_interp": env["me_interp"],
-        "git_commit": env["git_commit"],
-    }
-
-
-def _load_state(out: Path) -> dict[str, Any]:
-    path = out / STATE_FILE
-    return io.read_json(path) if path.is_file() else {"experiments": {}}
-
-
-def run_battery(
-    common: CommonConfig,
-    experiments: Sequence[str] = EXPERIMENTS,
-    model: Any = None,
-    progress: Progress | None = None,
-    fresh: bool = False,
-    overrides: Mapping[str, Mapping[str, Any]] | None = None,
-    figures: bool = True,
-    report: bool = True,
-) -> dict[str, Any]:
-    """Run ``experiments`` with the shared settings ``common``; returns the battery state.
-
-    Args:
-        common: the shared settings (model, prompts, bos, dtype, device, seed, out).
-        experiments: names from :data:`EXPERIMENTS`, in order.
-        model: an already loaded model (else loaded from ``common``), loaded at most once.
-        progress: told when each experiment starts and ends (:class:`Progress`; the CLI draws a
-            bar with an estimate of the time left from the previous runs' durations).
-        fresh: ignore finished experiments of an earlier battery in the same ``out``.
-        overrides: per experiment, config fields beyond the shared ones (e.g. ``{"wemask":
-            {"texts": FILE}}``); part of the battery's fingerprint.
-        figures: draw each experiment's figures (``False``: claims and results only, for callers
-            that read only the verdicts, e.g. :mod:`me_interp.falsifiability`).
-        report: rewrite ``report.html`` / ``report.md`` after each experiment and at the end
-            (``False``: ``battery.json`` and the runs only; ``me-interp report OUT`` writes it later).
-    """
-    unknown = [e for e in experiments if e not in EXPERIMENTS]
-    if unknown:
-        raise ValueError(f"unknown experiments {unknown}; choose from {', '.join(EXPERIMENTS)}")
-    if not experiments:
-        raise ValueError("no experiments selected")
-    out = Path(common.out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {"experiments": {}} if fresh else _load_state(out)
-    model = model_for(common, model)
-    overrides = {k: dict(v) for k, v in (overrides or {}).items()}
-    unknown = [e for e in overrides if e not in EXPERIMENTS]
-    if unknown:
-        raise ValueError(f"overrides for unknown experiments {unknown}")
-    fp = {**_fingerprint(common, model), "overrides": overrides}
-    if state.get("settings") not in (None, fp):
-        state = {"experiments": {}}  # other settings: start over, keep the old runs on disk
-    state["settings"] = fp
-    key = _durations_key(model)
-    previous = {**_durations().get(key, {}), **_seconds_of(state)}
-    if progress:
-        progress.begin(experiments, previous)
-    for name in experiments:
-        entry = state["experiments"].get(name, {})
-        done = (
-            entry.get("status") in FINISHED
-            and (Path(entry.get("run_dir", "")) / io.RESULT_FILE).is_file()
-        )
-        if done:
-            if progress:
-                progress.end(name, entry, skipped=True)
-            continue
-        if progress:
-            progress.start(name)
-        with usage.track() as cost:
-            try:
-                module = _BY_NAME[name]
-                cfg = module.Config(**common.to_dict(), **overrides.get(name, {}))
-                seed_everything(cfg.seed)
-                outcome = execute(module, cfg, model, figures=figures)
-                run_dir = write_outcome(name, cfg, model, outcome)
-                entry = {
-                    "status": "done" if outcome.not_applicable is None else NOT_APPLICABLE,
-                    "run_dir": str(run_dir),
-                    "figures": sorted(outcome.figures),
-                    "claims": io.to_jsonable(outcome.claims),
-                }
-                if outcome.not_applicable is not None:
-                    entry["why"] = outcome.not_applicable
-            except Exception as e:  # one failing experiment must not stop the battery
-                entry = {
-                    "status": "failed",
-                    "error": f"{type(e).__name__}: {e}",
-                    "traceback": traceback.format_exc(limit=8),
-                }
-        entry.update(cost.to_dict())
-        state["experiments"][name] = entry
-        if entry["status"] in FINISHED:
-            _record_duration(key, name, cost.seconds)
-        if progress:
-            progress.end(name, entry)
-        state["tally"] = claims_mod.tally(_finished_claims(state, experiments))
-        io.write_json(out / STATE_FILE, state)
-        if report:
-            write_report(out, state, experiments)
-    if report:
-        write_report(out, state, experiments)
-    return state
-
-
-class Progress:
-    """What :func:`run_battery` tells about its progress (subclass and override; all no-ops here)."""
-
-    def begin(self, experiments: Sequence[str], previous: Mapping[str, float]) -> None:
-        """The battery starts ``experiments``; ``previous``: seconds each took in earlier runs on
-        this model, device and dtype (where known)."""
-
-    def start(self, name: str) -> None:
-        """Experiment ``name`` starts."""
-
-    def end(self, name: str, entry: Mapping[str, Any], skipped: bool = False) -> None:
-        """Experiment ``name`` ended with battery entry ``entry`` (``skipped``: finished earlier)."""
-
-
-DURATIONS_FILE = "battery_seconds.json"
-"""In the model cache directory: per model, device and dtype, the seconds each experiment last took
-(the battery's time estimate)."""
-
-
-def _durations_key(model: Any) -> str:
-    info = model.info()
-    return f"{info['model']}|{info['device']}|{info['dtype']}"
-
-
-def _durations() -> dict[str, dict[str, float]]:
-    from me_interp.loading.cache import cache_dir
-
-    path = cache_dir() / DURATIONS_FILE
-    try:
-        data = io.read_json(path)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _record_duration(key: str, name: str, seconds: float) -> None:
-    from me_interp.loading.cache import cache_dir
-
-    data = _durations()
-    data.setdefault(key, {})[name] = round(seconds, 2)
-    try:
-        cache_dir().mkdir(parents=True, exist_ok=True)
-        io.write_json(cache_dir() / DURATIONS_FILE, data)
-    except OSError:
-        pass  # an estimate only: a read-only cache must not fail the battery
-
-
-def _seconds_of(state: Mapping[str, Any]) -> dict[str, float]:
-    return {
-        n: e["seconds"]
-        for n, e in state.get("experiments", {}).items()
-        if e.get("seconds") is not None and e.get("status") in FINISHED
-    }
 
 
 _COLOR = {
@@ -263,32 +35,14 @@ _COLOR = {
 
 TOP_FIGURE = ("me_layer", "norms_by_site")
 """The figure the report opens with (experiment, figure stem): Figure 1, norms by site."""
-KEY_FIGURES: dict[str, tuple[str, ...]] = {
-    "me_layer": ("ratios",),
-    "mechanism": ("delta_frac", "delta_c"),
-    "invariance": ("cos_across_inputs",),
-    "attention_sinks": ("sink_rate",),
-    "wemask": ("mask_rate",),
-    "activation_patching": ("patching_projection", "sink_heads"),
-    "rmsnorm_permutation": ("ratio_after_edit",),
-    "ffn_svd_ablation": ("svd_sweep",),
-    "super_weight": ("down_proj_spikes",),
-    "weight_patching": ("me_layer_after_patch",),
-    "weight_swap": ("me_layer_after_swap",),
-    "weight_input_cross": ("cross_matrix",),
-    "transplant": ("attention_old_new",),
-    "component_ablation": ("norm_ratios",),
-    "sink_causality": ("attention_to_massive",),
-}
-"""Per experiment, the figures (file stems) shown inline beside its claims; the others are links. An
-experiment without an entry, or whose run lacks these figures, shows its first figure."""
 MAX_INLINE_BYTES = 1_500_000
 """A figure whose plotly JSON is larger is linked, not embedded (keeps report.html small)."""
 
 
-def key_figures(name: str, available: Sequence[str]) -> list[str]:
-    """The figures of experiment ``name`` to show inline, among the ``available`` ones."""
-    chosen = [f for f in KEY_FIGURES.get(name, ()) if f in available]
+def key_figures(exp: Experiment, available: Sequence[str]) -> list[str]:
+    """The figures of experiment ``exp`` to show inline (its ``key_figures``), among the
+    ``available`` ones; its first figure when it names none of them."""
+    chosen = [f for f in exp.key_figures if f in available]
     return chosen or list(available[:1])
 
 
@@ -499,13 +253,11 @@ def _model_card(out: Path, state: dict[str, Any], experiments: Sequence[str]) ->
     return f"<table class=card><tr><th colspan=2>model card</th></tr>{body}</table>"
 
 
-def write_report(
-    out: Path, state: dict[str, Any], experiments: Sequence[str] = EXPERIMENTS
-) -> Path:
+def write_report(out: Path, state: dict[str, Any], experiments: Sequence[Experiment]) -> Path:
     """Write ``<out>/report.html`` from the battery state, and ``<out>/report.md``.
 
     The page opens with the model card, the verdict counts and the ME-layer figure (Figure 1: norms
-    by site); then per experiment its verdict lines beside its key figures (:data:`KEY_FIGURES`, drawn
+    by site); then per experiment its verdict lines beside its key figures (``Experiment.key_figures``, drawn
     inline from the figures' plotly JSON), links to every figure file, and every claim in full
     (estimate, interval, n, rule, control). It loads plotly.js from ``<out>/plotly.min.js`` (written
     if missing), so the folder opens offline by double-click.
@@ -517,10 +269,12 @@ def write_report(
     if not js.is_file():
         io.atomic_write_text(js, plotly.offline.get_plotlyjs())
     sections = []
-    all_claims = _finished_claims(state, experiments)
+    exps, experiments = experiments, [e.name for e in experiments]
+    all_claims = finished_claims(state, experiments)
     adjusted = dict(zip((d["id"] for d in all_claims), claims_mod.holm(all_claims), strict=True))
     top_figure = ""
-    for name in experiments:
+    for exp in exps:
+        name = exp.name
         entry = state["experiments"].get(name)
         head = f"<h2 id='{name}'>{name}</h2>"
         if entry is None:
@@ -544,7 +298,7 @@ def write_report(
             top_figure = _inline_figure(run_dir, rel, TOP_FIGURE[1], "fig-top")[0]
         shown = [
             _inline_figure(run_dir, rel, f, f"fig-{name}-{i}")
-            for i, f in enumerate(key_figures(name, figs))
+            for i, f in enumerate(key_figures(exp, figs))
         ]
         beside = "".join(h for h, wide in shown if not wide)
         below = "".join(h for h, wide in shown if wide)
@@ -660,7 +414,7 @@ def cost_text(entry: Mapping[str, Any]) -> str:
     return text
 
 
-def _finished_claims(state: dict[str, Any], experiments: Sequence[str]) -> list[dict[str, Any]]:
+def finished_claims(state: dict[str, Any], experiments: Sequence[str]) -> list[dict[str, Any]]:
     """Every claim (as stored in battery.json) of the experiments that finished, in order."""
     out: list[dict[str, Any]] = []
     for name in experiments:
@@ -670,15 +424,15 @@ def _finished_claims(state: dict[str, Any], experiments: Sequence[str]) -> list[
     return out
 
 
-def _md_cell(text: str) -> str:
+def md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str] = EXPERIMENTS) -> str:
+def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str]) -> str:
     """``<out>/report.md``: one table row per claim (verdict, estimate with interval, n), ready to
     paste; sanity checks are marked and not-applicable rows give the reason."""
 
-    all_claims = _finished_claims(state, experiments)
+    all_claims = finished_claims(state, experiments)
     adjusted = dict(zip((d["id"] for d in all_claims), claims_mod.holm(all_claims), strict=True))
     rows = [
         "| experiment | claim | kind | verdict | Holm-adjusted | estimate [95% CI] | n |",
@@ -688,13 +442,13 @@ def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str] = EXPERI
         entry = state["experiments"].get(name)
         if entry is None or entry.get("status") not in FINISHED:
             status = "not run" if entry is None else f"failed: {entry.get('error', '')}"
-            rows.append(f"| {name} | | | {_md_cell(status)} | | | |")
+            rows.append(f"| {name} | | | {md_cell(status)} | | | |")
             continue
         for d in entry.get("claims") or []:
             c = claims_mod.Claim.from_dict(d)
             verdict = f"**{c.verdict}**"
             if c.estimate is None:
-                est, n = _md_cell(c.why), ""
+                est, n = md_cell(c.why), ""
             else:
                 e = c.estimate
                 est = claims_mod.fmt_num(e.value)
@@ -737,83 +491,3 @@ def _relpath(path: Path, start: Path) -> str:
     import os
 
     return os.path.relpath(path, start)
-
-
-def claims_markdown(experiments: Sequence[str] = EXPERIMENTS) -> str:
-    """``docs/claims.md``: the threshold table and every claim each experiment can state.
-
-    Regenerate with ``python -c "from me_interp.report import claims_markdown as m; print(m(), end='')"
-    > docs/claims.md`` (a test checks the file is current).
-    """
-
-    lines = [
-        "# Claims, rules and thresholds",
-        "",
-        "Generated from `me_interp.claims.THRESHOLDS` and each experiment's `SPECS` by",
-        "`me_interp.report.claims_markdown()`; do not edit by hand.",
-        "",
-        "Every claim is decided by one engine (`me_interp.claims.judge`) and one rule: it **holds** "
-        "when the whole",
-        f"{claims_mod.LEVEL:.0%} interval of its statistic lies on the claimed side of its "
-        "threshold, **fails** when none of it",
-        "does, and is **inconclusive** when the interval straddles the threshold. Intervals are "
-        f"seeded percentile bootstraps ({claims_mod.N_BOOTSTRAP}",
-        "resamples) over per-unit statistics (prompts, texts), two-way bootstraps over prompts "
-        "× seeds for random",
-        "controls, and exact Clopper–Pearson intervals for k-of-n outcomes (partner layers, held-out "
-        "prompts), each outcome",
-        "listed. A verdict that rests on fewer than two *distinct* measurements (the effective n: "
-        "e.g. every prompt's",
-        "first token is the same BOS) or on a zero-width bootstrap interval is not decided. The "
-        "battery's summary gives",
-        "the raw counts and the Holm-adjusted ones (each decided verdict's one-sided p-value through "
-        "Holm's step-down at",
-        f"{claims_mod.ALPHA / 2:g}). **Not applicable**: the claim presupposes something the model "
-        "lacks (e.g. a massive activation).",
-        "Kinds: *claim* (evidence, counted), *control* (a comparison that must come out as designed "
-        "for the claims beside",
-        "it to mean anything) and *sanity* (true by construction); controls and sanity checks are "
-        "reported, never counted.",
-        "",
-        "## Thresholds",
-        "",
-        "| name | value | meaning |",
-        "| --- | --- | --- |",
-    ]
-    for name, t in claims_mod.THRESHOLDS.items():
-        lines.append(f"| `{name}` | {t.value:g} | {_md_cell(t.doc)} |")
-    from me_interp import falsifiability
-
-    shown = falsifiability.read_table()
-    lines += [
-        "",
-        "## Claims by experiment",
-        "",
-        "*Holds on* / *fails on*: the constructed models (`synthetic:<name>`, see",
-        "`me_interp.falsifiability`) on whose battery the claim holds / fails, from",
-        "`docs/falsifiability.json` (`python -m me_interp.falsifiability` re-runs them). Every claim of",
-        "kind *claim* holds on one and fails on another; a check that cannot do both is a control or",
-        "a sanity check.",
-        "",
-    ]
-    for name in experiments:
-        module = _BY_NAME[name]
-        lines += [
-            f"### {name}",
-            "",
-            "| id | section | kind | statement | statistic | rule | control | holds on | fails on |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for s in module.SPECS:
-            row = shown.get(s.id, {})
-            on = {
-                k: ", ".join(m.removeprefix("synthetic:") for m in row.get(k, [])) or "—"
-                for k in ("holds", "fails")
-            }
-            lines.append(
-                f"| `{s.id}` | {_md_cell(s.section)} | {s.kind} | {_md_cell(s.statement)} | "
-                f"{_md_cell(s.statistic)} | {s.op} `{s.threshold}` ({s.value:g}) | "
-                f"{_md_cell(s.control)} | {on['holds']} | {on['fails']} |"
-            )
-        lines.append("")
-    return "\n".join(lines)

@@ -157,6 +157,14 @@ def verbose_line(c: claims.Claim) -> str:
     return (f"({claims.KIND_LABEL[c.kind]}) " if c.kind != "claim" else "") + c.line()
 
 
+def fmt_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain fixed-width text table (floats to 3 significant digits)."""
+    cells = [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in r] for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    line = lambda r: "  ".join(str(v).rjust(w) for v, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, cells)])
+
+
 def fmt_seconds(s: float) -> str:
     """``s`` seconds as ``4.2 s``, ``3 min 05 s`` or ``1 h 02 min``."""
     if s < 60:

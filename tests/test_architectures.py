@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from me_interp import edits, load_model, names, synthetic
+from me_interp import battery, edits, load_model, names, synthetic
 from me_interp.interventions.core import attn_norm_gain
 from me_interp.interventions.wemask import select_dims, we_mask
 from me_interp.models import UnsupportedArchitectureError
@@ -519,7 +519,7 @@ def test_battery_on_planted_model_finds_what_was_planted(arch, tmp_path):
     state = json.loads((out / report.STATE_FILE).read_text())
     got = {
         c["id"]: c["verdict"]
-        for name in report.EXPERIMENTS
+        for name in battery.NAMES
         for c in state["experiments"][name]["claims"]
     }
     sandwich = arch in ("gemma2", "gemma3")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from me_interp import __main__ as cli
-from me_interp import report, synthetic
+from me_interp import battery, report, synthetic
 
 CHROMIUM = os.environ.get("ME_INTERP_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = [
@@ -87,8 +87,8 @@ def test_report_draws_every_figure_offline(browser, battery_out):
     n = plots.count()
     state = json.loads((battery_out / report.STATE_FILE).read_text())
     expected = 1 + sum(
-        len(report.key_figures(name, state["experiments"][name]["figures"]))
-        for name in report.EXPERIMENTS
+        len(report.key_figures(exp, state["experiments"][exp.name]["figures"]))
+        for exp in battery.EXPERIMENTS
     )
     assert n == expected
     page.wait_for_function(

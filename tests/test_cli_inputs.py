@@ -15,8 +15,8 @@ import typing
 import pytest
 
 from me_interp import __main__ as cli
-from me_interp.experiments import common
-from me_interp.report import EXPERIMENTS
+from me_interp.battery import NAMES as EXPERIMENTS
+from me_interp.study import cli as study_cli
 
 MODULES = {
     n: importlib.import_module(f"me_interp.experiments.{n}") for n in (*EXPERIMENTS, "survey")
@@ -247,5 +247,5 @@ def test_every_numeric_flag_is_tried_with_a_wrong_type():
         hints = typing.get_type_hints(module.Config)
         for f in dataclasses.fields(module.Config):
             if f.name in tried:
-                types_tried.add(common._base_type(hints[f.name]))
+                types_tried.add(study_cli._base_type(hints[f.name]))
     assert {(int, False), (float, False), (int, True), (float, True)} <= types_tried

@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-from me_interp import load_model, names, synthetic
-from me_interp.experiments import attention_sinks, common, me_layer, weight_input_cross, weight_swap
+from me_interp import load_model, names, study, synthetic
+from me_interp.experiments import attention_sinks, me_layer, weight_input_cross, weight_swap
 from me_interp.loading.attention import FusedAttentionError, fusable, kernel
 from me_interp.loading.errors import PlacementError
 from me_interp.loading.placement import (
@@ -145,7 +145,7 @@ def test_device_and_placement_together_are_refused(tmp_path):
     with pytest.raises(ValueError, match="not both"):
         me_layer.Config(model="synthetic:planted", device="cpu", max_memory=("cpu=1GiB",))
     cfg = me_layer.Config(max_memory=("cpu=1GiB",), offload_folder=str(tmp_path))
-    assert common.placement_kwargs(cfg) == {
+    assert study.placement_kwargs(cfg) == {
         "max_memory": ("cpu=1GiB",),
         "offload_folder": str(tmp_path),
     }
@@ -225,7 +225,7 @@ def test_weight_experiments_are_refused_by_name_on_offloaded_weights(planted_dir
     off = load_model(str(path), max_memory=f"cpu={size // 2}", offload_folder=tmp_path / "o")
     cfg = weight_swap.Config(model=str(path), out=str(tmp_path / "runs"))
     with pytest.raises(PlacementError, match="weight_swap is refused"):
-        common.execute(weight_swap, cfg, off)
+        study.execute(weight_swap.EXPERIMENT, cfg, off)
     argv = ["--model", str(path), "--max-memory", f"cpu={size // 2}"]
     argv += ["--offload-folder", str(tmp_path / "o2"), "--out", str(tmp_path / "runs")]
     rc = weight_swap.main(argv)
@@ -240,7 +240,8 @@ def test_the_battery_on_offloaded_weights_gives_the_plain_verdicts_or_refuses(
     """Every experiment of the battery on the planted model with blocks on disk: the plain load's
     verdicts, or a PlacementError naming the experiment (never a silently different answer); the
     weight-edit experiments are refused."""
-    from me_interp.report import _BY_NAME, EXPERIMENTS
+    from me_interp.battery import BY_NAME as _BY_NAME
+    from me_interp.battery import NAMES as EXPERIMENTS
 
     path, size, _ = planted_dir
     plain = load_model(str(path), device="cpu")
@@ -250,12 +251,12 @@ def test_the_battery_on_offloaded_weights_gives_the_plain_verdicts_or_refuses(
         module = _BY_NAME[name]
         cfg = module.Config(model=str(path), out=str(tmp_path / "runs"))
         try:
-            b = common.execute(module, cfg, off, figures=False)
+            b = study.execute(module, cfg, off, figures=False)
         except PlacementError as e:
             assert str(e).startswith(f"{name} is refused on ")
             refused.append(name)
             continue
-        a = common.execute(module, cfg, plain, figures=False)
+        a = study.execute(module, cfg, plain, figures=False)
         assert [(c.id, c.verdict) for c in b.claims] == [(c.id, c.verdict) for c in a.claims], name
     assert {"weight_swap", "weight_patching", "rmsnorm_permutation", "ffn_svd_ablation"} <= set(
         refused
@@ -277,8 +278,8 @@ def test_the_bundled_model_offloaded_to_disk_equals_the_plain_load(bundled, tmp_
     assert "disk" in set(off.hf.hf_device_map.values()) and off.offloaded
     for module in (me_layer, attention_sinks):
         cfg = module.Config(prompts=str(prompts), out=str(tmp_path / "runs"))
-        a = common.execute(module, cfg, bundled, figures=False)
-        b = common.execute(module, cfg, off, figures=False)
+        a = study.execute(module, cfg, bundled, figures=False)
+        b = study.execute(module, cfg, off, figures=False)
         assert [(c.id, c.verdict) for c in b.claims] == [(c.id, c.verdict) for c in a.claims]
         if module is me_layer:
             ra, rb = a.result, b.result
@@ -356,8 +357,8 @@ def test_the_fused_kernel_refuses_hooks_it_does_not_fire(tiny_llama):
 def test_the_record_says_which_attention_ran(tmp_path, capsys):
     """me_layer and weight_input_cross declare sdpa; env.json says it ran; attention_sinks (reads
     patterns) stays eager."""
-    assert me_layer.ATTENTION == weight_input_cross.ATTENTION == "sdpa"
-    assert getattr(attention_sinks, "ATTENTION", "eager") == "eager"
+    assert me_layer.EXPERIMENT.attention == weight_input_cross.EXPERIMENT.attention == "sdpa"
+    assert attention_sinks.EXPERIMENT.attention == "eager"
     for module, want in ((me_layer, "sdpa"), (attention_sinks, "eager")):
         assert module.main(["--model", "synthetic:planted", "--out", str(tmp_path), "--quiet"]) == 0
         env = next((tmp_path / module.NAME).glob("*/env.json"))

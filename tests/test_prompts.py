@@ -105,7 +105,7 @@ def test_prompt_is_a_str_that_keeps_its_index():
 
 
 def test_load_prompts_gives_prompts(tmp_path):
-    from me_interp.experiments.common import CommonConfig
+    from me_interp.study import CommonConfig
 
     path = tmp_path / "p.txt"
     path.write_text("w4 w5\nw6\n")
@@ -156,7 +156,7 @@ def test_builtin_prompts_run_on_a_word_tokenizer_without_bos(name, tiny_qwen3):
     single token"); the kept number is recorded."""
     import importlib
 
-    from me_interp.experiments.common import execute
+    from me_interp.study import execute
 
     module = importlib.import_module(f"me_interp.experiments.{name}")
     short = [
@@ -166,7 +166,7 @@ def test_builtin_prompts_run_on_a_word_tokenizer_without_bos(name, tiny_qwen3):
     ]
     assert short  # the premise: some built-in prompts are one word
     with pytest.warns(UserWarning, match=f"dropped {len(short)} of"):
-        outcome = execute(module, module.Config(), tiny_qwen3)
+        outcome = execute(module.EXPERIMENT, module.Config(), tiny_qwen3)
     assert outcome.claims
     assert tiny_qwen3.prompt_filter["n_given"] == len(prompts.builtin_prompts())
     assert tiny_qwen3.prompt_filter["n_kept"] == len(prompts.builtin_prompts()) - len(short)

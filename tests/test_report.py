@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from me_interp import __main__ as cli
-from me_interp import claims, report, synthetic, terminal
+from me_interp import battery, claims, report, synthetic, terminal
+from me_interp.study import CommonConfig
 
 
 @pytest.fixture()
@@ -26,11 +28,11 @@ def test_full_battery_on_planted_model(args, capsys):
     assert cli.main(argv) == 0
     printed = capsys.readouterr()
     state = json.loads((out / report.STATE_FILE).read_text())
-    assert [state["experiments"][n]["status"] for n in report.EXPERIMENTS] == ["done"] * len(
-        report.EXPERIMENTS
+    assert [state["experiments"][n]["status"] for n in battery.NAMES] == ["done"] * len(
+        battery.NAMES
     )
     html = (out / report.REPORT_FILE).read_text()
-    for name in report.EXPERIMENTS:
+    for name in battery.NAMES:
         assert name in html
         run_dir = out / name
         assert len(list(run_dir.iterdir())) == 1
@@ -76,7 +78,7 @@ def test_full_battery_on_planted_model(args, capsys):
     assert "claims, Holm-adjusted" in html and "controls (not counted)" in html
     assert (
         "report:" in printed.out
-        and f"[{len(report.EXPERIMENTS)}/{len(report.EXPERIMENTS)}] sink_causality" in printed.err
+        and f"[{len(battery.NAMES)}/{len(battery.NAMES)}] sink_causality" in printed.err
     )
     _check_report_figures(out, state, html)
 
@@ -98,13 +100,13 @@ def _check_report_figures(out: Path, state: dict, html: str) -> None:
     assert '<script src="plotly.min.js"></script>' in html
     assert not re.search(r"<script[^>]*src=[\"']?https?:", html)
     # every key figure names a figure its experiment writes (the mapping follows the experiments)
-    for name, stems in report.KEY_FIGURES.items():
-        assert set(stems) <= set(state["experiments"][name]["figures"]), name
+    for exp in battery.EXPERIMENTS:
+        assert set(exp.key_figures) <= set(state["experiments"][exp.name]["figures"]), exp.name
     embedded = _embedded(html)
     expected = {"fig-top": ("me_layer", report.TOP_FIGURE[1])}
-    for name in report.EXPERIMENTS:
-        for i, stem in enumerate(report.KEY_FIGURES[name]):
-            expected[f"fig-{name}-{i}"] = (name, stem)
+    for exp in battery.EXPERIMENTS:
+        for i, stem in enumerate(exp.key_figures):
+            expected[f"fig-{exp.name}-{i}"] = (exp.name, stem)
     assert set(embedded) == set(expected)
     for div, (name, stem) in expected.items():
         assert f"<div class=plot id='{div}'></div>" in html
@@ -169,7 +171,7 @@ def test_battery_resumes_after_a_crash(args, monkeypatch, capsys):
         raise RuntimeError("simulated crash")
 
     only = ["--only", "me_layer", "mechanism", "invariance"]
-    monkeypatch.setattr(mechanism, "run", crash)
+    monkeypatch.setitem(battery.BY_NAME, "mechanism", replace(mechanism.EXPERIMENT, run=crash))
     assert cli.main(argv + only) == 1
     state = json.loads((out / report.STATE_FILE).read_text())
     assert state["experiments"]["me_layer"]["status"] == "done"
@@ -207,7 +209,7 @@ def test_battery_bad_input(args, capsys):
     assert cli.main(argv + ["--only", "me_layer", "--skip", "me_layer"]) == 2
     assert "no experiments selected" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown experiments"):
-        report.run_battery(report.CommonConfig(), ["nope"])
+        battery.run_battery(CommonConfig(), ["nope"])
 
 
 def test_battery_starts_over_when_the_code_or_resolved_dtype_changes(args, monkeypatch):

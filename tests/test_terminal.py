@@ -8,7 +8,7 @@ import json
 import pytest
 
 from me_interp import __main__ as cli
-from me_interp import claims, report, terminal, usage
+from me_interp import battery, claims, report, terminal, usage
 from me_interp.experiments import me_layer
 
 MODEL = "synthetic:planted"
@@ -136,7 +136,7 @@ def test_battery_prints_as_it_goes_records_cost_and_estimates_time(tmp_path, cap
     state = json.loads((tmp_path / "b" / report.STATE_FILE).read_text())
     for entry in state["experiments"].values():
         assert entry["seconds"] > 0 and entry["peak_rss_mib"] > 0 and entry["rss_scope"]
-    recorded = json.loads((tmp_path / "cache" / report.DURATIONS_FILE).read_text())
+    recorded = json.loads((tmp_path / "cache" / battery.DURATIONS_FILE).read_text())
     (key,) = recorded
     assert key.startswith(MODEL) and set(recorded[key]) == {"me_layer", "transplant"}
     # a second battery elsewhere estimates from the first one's durations
@@ -176,7 +176,7 @@ def test_report_subcommand_rebuilds_the_report(tmp_path, capsys):
 def test_claims_and_models_subcommands(capsys):
     assert cli.main(["claims"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    ids = [s.id for m in report.MODULES for s in m.SPECS]
+    ids = [s.id for e in battery.EXPERIMENTS for s in e.specs]
     assert [ln.split(":")[0].split(" ")[0] for ln in lines] == ids
     assert any("(control)" in ln for ln in lines) and any("(sanity check)" in ln for ln in lines)
     assert cli.main(["claims", "me_layer", "--json"]) == 0

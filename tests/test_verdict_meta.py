@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from me_interp import claims, falsifiability, report
+from me_interp import battery, claims, falsifiability, report
 
 HOLDS, FAILS, NA = claims.HOLDS, claims.FAILS, claims.NOT_APPLICABLE
 INC = claims.INCONCLUSIVE
@@ -124,7 +124,7 @@ def planted_battery(constructed_battery):
 
 def _claims(state: dict) -> dict[str, dict]:
     out = {}
-    for name in report.EXPERIMENTS:
+    for name in battery.NAMES:
         for c in state["experiments"][name]["claims"]:
             assert c["id"] not in out, f"duplicate claim id {c['id']}"
             out[c["id"]] = c
@@ -134,7 +134,7 @@ def _claims(state: dict) -> dict[str, dict]:
 @pytest.mark.slow  # end to end: the battery on a constructed model
 def test_null_models_complete_and_claim_nothing(null_battery):
     model, state = null_battery
-    statuses = {n: state["experiments"][n]["status"] for n in report.EXPERIMENTS}
+    statuses = {n: state["experiments"][n]["status"] for n in battery.NAMES}
     assert set(statuses.values()) <= set(report.FINISHED), statuses
     cs = _claims(state)
     held = [i for i, c in cs.items() if c["kind"] == "claim" and c["verdict"] == claims.HOLDS]
@@ -144,7 +144,7 @@ def test_null_models_complete_and_claim_nothing(null_battery):
     na = [c for c in cs.values() if c["verdict"] == claims.NOT_APPLICABLE]
     assert na and all("massive" in c["why"] for c in na)
     # the constructed batteries write no report (falsifiability reads the verdicts): build it here
-    html = report.write_report(Path(state["out"]), state).read_text()
+    html = report.write_report(Path(state["out"]), state, battery.EXPERIMENTS).read_text()
     assert "not applicable" in html and "failed:" not in html
 
 
@@ -161,21 +161,21 @@ def test_the_planted_model_gets_exactly_what_was_planted(planted_battery):
 def test_every_claim_in_the_battery_is_in_docs(planted_battery):
     specs = {
         s.id
-        for n in report.EXPERIMENTS
+        for n in battery.NAMES
         for s in __import__(f"me_interp.experiments.{n}", fromlist=["SPECS"]).SPECS
     }
     assert set(_claims(planted_battery)) <= specs
     claims.check_specs(
         s
-        for n in report.EXPERIMENTS
+        for n in battery.NAMES
         for s in __import__(f"me_interp.experiments.{n}", fromlist=["SPECS"]).SPECS
     )
 
 
 def test_docs_claims_md_is_current():
     path = Path(__file__).resolve().parents[1] / "docs" / "claims.md"
-    assert path.read_text() == report.claims_markdown(), (
-        "docs/claims.md is stale: regenerate it (see me_interp.report.claims_markdown)"
+    assert path.read_text() == falsifiability.claims_markdown(), (
+        "docs/claims.md is stale: regenerate it (see me_interp.falsifiability.claims_markdown)"
     )
 
 
@@ -184,23 +184,23 @@ def test_forcing_the_planted_layer_on_the_twin_makes_no_claim_hold(twin, tmp_pat
     the planted model's weights but no mechanism: nothing may hold there either."""
     import dataclasses
 
-    from me_interp.experiments.common import execute
+    from me_interp.study import execute
 
     model, _ = twin
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(falsifiability.prompts("synthetic:twin")) + "\n")
     held, judged = [], []
-    for module in report.MODULES:
-        fields = {f.name for f in dataclasses.fields(module.Config)}
+    for module in battery.EXPERIMENTS:
+        fields = {f.name for f in dataclasses.fields(module.config)}
         # the layer is forced where an experiment takes one (wemask: its me_layer); me_layer itself
         # detects, and must find nothing to claim
         force = (
             {"layer": 2} if "layer" in fields else {"me_layer": 2} if "me_layer" in fields else {}
         )
-        cfg = module.Config(prompts=str(prompts), out=str(tmp_path), **force)
-        name = module.NAME
+        cfg = module.config(prompts=str(prompts), out=str(tmp_path), **force)
+        name = module.name
         outcome = execute(module, cfg, model)
         judged.append(name)
         held += [c.id for c in outcome.claims if c.kind == "claim" and c.verdict == claims.HOLDS]
-    assert len(judged) == len(report.MODULES), judged
+    assert len(judged) == len(battery.EXPERIMENTS), judged
     assert held == [], f"claims hold at a forced layer of a model without the mechanism: {held}"

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from me_interp import claims
-from me_interp.experiments.common import INDEX_CONVENTION, CommonConfig, fmt_table
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.massive import (
     Criterion,
@@ -40,6 +39,8 @@ from me_interp.probes.massive import (
     massive_tokens,
 )
 from me_interp.probes.norms import NormScan
+from me_interp.study import INDEX_CONVENTION, CommonConfig
+from me_interp.terminal import fmt_table
 
 PositionChoice = Literal["detected", "zero"]
 

@@ -27,7 +27,6 @@ import torch
 from me_interp import names
 from me_interp.claims import NotApplicable
 from me_interp.edits import PARTS
-from me_interp.experiments.common import INDEX_CONVENTION, CommonConfig, model_for
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching.suffix import give_up
 from me_interp.probes.attention import mean_to_keys
@@ -36,6 +35,7 @@ from me_interp.probes.blocks import Prefix, capture_prefix
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer, prompt_me_layers
 from me_interp.probes.norms import NormRecorder, NormScan, scan_norms, top_ratio
 from me_interp.prompts import spread
+from me_interp.study import INDEX_CONVENTION, CommonConfig, model_for
 
 SCAN_SITES = ("resid_pre", "resid_mid", "resid_post")
 PART_ORDER: tuple[str, ...] = (

@@ -81,7 +81,6 @@ from plotly.subplots import make_subplots
 
 from me_interp import claims, names, plotting
 from me_interp.experiments import patching_heads, patching_pairs
-from me_interp.experiments.common import CommonConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching import (
@@ -93,6 +92,8 @@ from me_interp.patching import (
     patch_sweep,
 )
 from me_interp.patching.pairs import read_pairs
+from me_interp.study import CommonConfig, Experiment, check_choices, command, model_for
+from me_interp.terminal import fmt_table
 
 NAME = "activation_patching"
 CORRUPTIONS = ("auto", "first_token", "remove_input", "remove_ffn")
@@ -912,8 +913,18 @@ def summary(result: Result | patching_pairs.PairsResult) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    specs_for=specs_for,
+    key_figures=("patching_projection", "sink_heads"),
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

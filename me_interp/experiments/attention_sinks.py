@@ -30,7 +30,7 @@ is layer 0. On a model without a massive activation ``run`` raises ``claims.NotA
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -48,12 +48,12 @@ from me_interp.experiments._layer_report import (
     paired,
     relative_drop,
 )
-from me_interp.experiments.common import cli_main, model_for
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.attention import AttentionRecorder
 from me_interp.probes.batching import record
 from me_interp.probes.geometry import METRICS, GeometryRecorder
 from me_interp.probes.norms import NormRecorder
+from me_interp.study import Experiment, command, model_for
 
 NAME = "attention_sinks"
 
@@ -429,8 +429,10 @@ def summary(result: Result) -> str:
     return "\n\n".join([head, table])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("sink_rate",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

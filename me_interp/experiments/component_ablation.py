@@ -56,10 +56,11 @@ import torch
 
 from me_interp import claims, evaluation, names
 from me_interp.evaluation import token_nll
-from me_interp.experiments.common import SiteConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching import NormRatio, SinkMass
+from me_interp.study import Experiment, SiteConfig, check_choices, command, model_for
+from me_interp.terminal import fmt_table
 
 NAME = "component_ablation"
 CONDITIONS: tuple[str, ...] = (
@@ -493,8 +494,10 @@ def summary(result: Result) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("norm_ratios",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

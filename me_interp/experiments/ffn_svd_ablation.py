@@ -68,9 +68,10 @@ from me_interp.experiments._weights import (
     run_header,
     where_edited,
 )
-from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.causal import excess_fraction, excess_stat
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.study import Experiment, command
+from me_interp.terminal import fmt_table
 
 NAME = "ffn_svd_ablation"
 KINDS = ("svd", "svd_random", "neurons", "neurons_random")
@@ -743,8 +744,10 @@ def summary(result: Result) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("svd_sweep",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

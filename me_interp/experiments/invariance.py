@@ -43,7 +43,6 @@ import torch
 
 from me_interp import claims, names, plotting
 from me_interp.experiments._layer_report import DetectConfig, LayerReport, detect, massive_units
-from me_interp.experiments.common import cli_main, model_for
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.batching import record
 from me_interp.probes.invariance import (
@@ -53,6 +52,7 @@ from me_interp.probes.invariance import (
     same_first_token_control,
 )
 from me_interp.probes.norms import NormRecorder
+from me_interp.study import Experiment, command, model_for
 
 NAME = "invariance"
 
@@ -497,8 +497,10 @@ def summary(result: Result) -> str:
     return "\n\n".join([head, table])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("cos_across_inputs",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -48,13 +48,6 @@ from me_interp.experiments._layer_report import (
     peak_details,
     peak_measure,
 )
-from me_interp.experiments.common import (
-    INDEX_CONVENTION,
-    CommonConfig,
-    cli_main,
-    fmt_table,
-    model_for,
-)
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import (
     Criterion,
@@ -64,9 +57,10 @@ from me_interp.probes.massive import (
     site_text,
 )
 from me_interp.probes.norms import NormScan, ratio_to_others, scan_norms, top_ratio
+from me_interp.study import INDEX_CONVENTION, CommonConfig, Experiment, command, model_for
+from me_interp.terminal import fmt_table
 
 NAME = "me_layer"
-ATTENTION = "sdpa"  # reads no attention pattern: the fused kernel (me_interp.loading.attention)
 
 
 @dataclass(frozen=True)
@@ -544,8 +538,11 @@ SPECS: tuple[claims.Spec, ...] = (
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+# attention="sdpa": it reads no attention pattern (the fused kernel, me_interp.loading.attention)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, attention="sdpa", key_figures=("ratios",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ On a model without a massive activation ``run`` raises ``claims.NotApplicable``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,11 +50,6 @@ from me_interp.experiments._layer_report import (
     detect,
     paired,
     relative_drop,
-)
-from me_interp.experiments.common import (
-    cli_main,
-    fmt_table,
-    model_for,
 )
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.alignment import (
@@ -74,6 +69,8 @@ from me_interp.probes.ffn import (
     top_neurons,
 )
 from me_interp.probes.norms import NormRecorder
+from me_interp.study import Experiment, command, model_for
+from me_interp.terminal import fmt_table
 
 NAME = "mechanism"
 STAGE_LABELS = {
@@ -545,8 +542,10 @@ def summary(result: Result) -> str:
     return "\n\n".join([head, table, f"top neurons of layer {result.neuron_layer}:\n{ntab}"])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("delta_frac", "delta_c")
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

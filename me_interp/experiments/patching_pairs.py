@@ -34,7 +34,6 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, names
-from me_interp.experiments.common import fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.loading.loaded import LoadedModel
 from me_interp.patching import (
@@ -55,6 +54,8 @@ from me_interp.patching.pairs import (
     read_pairs,
     tokenize_pairs,
 )
+from me_interp.study import model_for
+from me_interp.terminal import fmt_table
 
 MASSIVE_METRICS = ("projection", "sink", "norm_ratio")
 METRICS = (*LOGIT_METRICS, *MASSIVE_METRICS)

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +79,10 @@ from me_interp.experiments._weights import (
     run_header,
     where_edited,
 )
-from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.causal import excess_fraction, excess_stat
 from me_interp.loading.loaded import LoadedModel
+from me_interp.study import Experiment, command
+from me_interp.terminal import fmt_table
 
 NAME = "rmsnorm_permutation"
 KINDS = ("random", "top", "other", "flatten")
@@ -534,8 +535,10 @@ def summary(result: Result) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("ratio_after_edit",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -48,11 +48,12 @@ import numpy as np
 import torch
 
 from me_interp import claims, names, plotting
-from me_interp.experiments.common import SiteConfig, check_choices, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.attention import attention_entropy
 from me_interp.probes.norms import ratio_to_others
+from me_interp.study import Experiment, SiteConfig, check_choices, command, model_for
+from me_interp.terminal import fmt_table
 
 NAME = "sink_causality"
 CONDITIONS: tuple[str, ...] = ("remove_ffn", "remove_dims", "remove_all", "patch_other")
@@ -491,8 +492,10 @@ def summary(result: Result) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("attention_to_massive",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,6 @@ from me_interp.experiments._weights import (
     prepare,
     short_batch,
 )
-from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
 from me_interp.interventions.causal import excess_fraction, excess_stat
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.down_proj import (
@@ -106,6 +105,8 @@ from me_interp.probes.down_proj import (
 )
 from me_interp.probes.massive import Criterion
 from me_interp.prompts import read_prompts
+from me_interp.study import INDEX_CONVENTION, Experiment, command
+from me_interp.terminal import fmt_table
 
 NAME = "super_weight"
 N_ME_NEURONS = 3
@@ -1041,8 +1042,10 @@ def summary(result: Result) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("down_proj_spikes",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,11 @@ from plotly.subplots import make_subplots
 
 from me_interp import claims, io, terminal
 from me_interp.experiments import me_layer, super_weight
-from me_interp.experiments.common import (
+from me_interp.loading import load_model
+from me_interp.loading.devices import resolve_device
+from me_interp.loading.errors import ModelLoadError
+from me_interp.loading.loaded import LoadedModel
+from me_interp.study import (
     BAD_INPUT,
     apply_threads,
     build_parser,
@@ -59,10 +63,6 @@ from me_interp.experiments.common import (
     placement_kwargs,
     seed_everything,
 )
-from me_interp.loading import load_model
-from me_interp.loading.devices import resolve_device
-from me_interp.loading.errors import ModelLoadError
-from me_interp.loading.loaded import LoadedModel
 
 NAME = "survey"
 TABLE_FILE = "survey.md"

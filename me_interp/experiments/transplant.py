@@ -37,10 +37,11 @@ import numpy as np
 import torch
 
 from me_interp import claims, names, plotting
-from me_interp.experiments.common import SiteConfig, cli_main, fmt_table, model_for
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.norms import ratio_to_others
+from me_interp.study import Experiment, SiteConfig, command, model_for
+from me_interp.terminal import fmt_table
 
 NAME = "transplant"
 CONDITIONS = ("baseline", "add", "move")
@@ -389,8 +390,10 @@ def summary(result: Result) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("attention_old_new",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

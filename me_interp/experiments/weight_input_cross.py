@@ -64,7 +64,6 @@ has no earlier input, so its row claims are "not applicable".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -83,20 +82,14 @@ from me_interp.experiments._weights import (
     no_massive_activation,
     short_batch,
 )
-from me_interp.experiments.common import (
-    INDEX_CONVENTION,
-    CommonConfig,
-    cli_main,
-    fmt_table,
-    model_for,
-)
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, record
 from me_interp.probes.massive import Criterion, locate_me_layer
 from me_interp.probes.norms import NormRecorder
+from me_interp.study import INDEX_CONVENTION, CommonConfig, Experiment, command, model_for
+from me_interp.terminal import fmt_table
 
 NAME = "weight_input_cross"
-ATTENTION = "sdpa"  # reads no attention pattern: the fused kernel (me_interp.loading.attention)
 LARGE_KEY = "cross_large"
 """The threshold key of the large-cell factor ``k``."""
 FFN_SITE = FFN_RESIDUAL_SITE
@@ -588,8 +581,19 @@ def summary(result: Result) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+# attention="sdpa": it reads no attention pattern (the fused kernel, me_interp.loading.attention)
+EXPERIMENT = Experiment(
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    attention="sdpa",
+    key_figures=("cross_matrix",),
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

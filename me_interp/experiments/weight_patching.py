@@ -67,10 +67,11 @@ from me_interp.experiments._weights import (
     short_batch,
     spread,
 )
-from me_interp.experiments.common import INDEX_CONVENTION, cli_main, fmt_table
 from me_interp.interventions.core import check_layers
 from me_interp.loading import load_model
 from me_interp.loading.loaded import LoadedModel
+from me_interp.study import INDEX_CONVENTION, Experiment, command
+from me_interp.terminal import fmt_table
 
 NAME = "weight_patching"
 OUTCOMES = ("copied", "kept", "vanished", "elsewhere")
@@ -500,8 +501,10 @@ def summary(result: Result) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("me_layer_after_patch",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ What the weight experiments share (:class:`WeightConfig`, :func:`prepare`, :func
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -75,9 +74,10 @@ from me_interp.experiments._weights import (
     short_batch,
     spread,
 )
-from me_interp.experiments.common import cli_main, fmt_table
 from me_interp.interventions.core import check_layers
 from me_interp.loading.loaded import LoadedModel
+from me_interp.study import Experiment, command
+from me_interp.terminal import fmt_table
 
 NAME = "weight_swap"
 OUTCOMES = ("moved", "stayed", "vanished", "elsewhere")
@@ -541,8 +541,10 @@ def summary(result: Result) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("me_layer_after_swap",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ raises :class:`me_interp.claims.NotApplicable`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
@@ -52,13 +52,6 @@ from plotly.subplots import make_subplots
 from me_interp import claims, evaluation, names, terminal
 from me_interp.backends import check_backend
 from me_interp.experiments._weights import short_batch, spread
-from me_interp.experiments.common import (
-    INDEX_CONVENTION,
-    CommonConfig,
-    cli_main,
-    fmt_table,
-    model_for,
-)
 from me_interp.interventions import core
 from me_interp.interventions.soft import DirectionProjection, dim_projection
 from me_interp.interventions.wemask import (
@@ -74,6 +67,8 @@ from me_interp.patching.suffix import give_up
 from me_interp.probes import find_me_layer
 from me_interp.probes.massive import locate_me_layer
 from me_interp.prompts import builtin_texts, read_prompts
+from me_interp.study import INDEX_CONVENTION, CommonConfig, Experiment, command, model_for
+from me_interp.terminal import fmt_table
 
 NAME = "wemask"
 METRICS = evaluation.POOLED_METRICS
@@ -1014,8 +1009,10 @@ def summary(result: Result) -> str:
     return "\n".join([head, "", table])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(NAME, Config, run, figures, summary, argv, description=__doc__)
+EXPERIMENT = Experiment(
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("mask_rate",)
+)
+main = command(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from me_interp.experiments import (
     sink_causality,
     transplant,
 )
-from me_interp.experiments.common import execute
 from me_interp.interventions import causal
+from me_interp.study import execute
 
 MODULES = [activation_patching, transplant, component_ablation, sink_causality]
 H, F, INC, NA = claims.HOLDS, claims.FAILS, claims.INCONCLUSIVE, claims.NOT_APPLICABLE
@@ -131,7 +131,7 @@ def test_null_models_are_not_applicable(module, which, request, prompt_file):
     cfg = module.Config(prompts=prompt_file)
     with pytest.raises(claims.NotApplicable, match="no massive activation on this model"):
         module.run(cfg, model)
-    out = execute(module, cfg, model)
+    out = execute(module.EXPERIMENT, cfg, model)
     assert out.result is None and [c.verdict for c in out.claims] == [NA] * len(module.SPECS)
     assert all("massive" in c.why for c in out.claims)
 
@@ -556,7 +556,7 @@ def test_me_layer_at_the_last_layer_is_not_applicable_where_a_later_layer_is_nee
     layer says so, and the others are still judged."""
     model, plant = planted_last
     kw = {"dst": 3} if module is transplant else {}
-    out = execute(module, module.Config(prompts=prompt_file, **kw), model)
+    out = execute(module.EXPERIMENT, module.Config(prompts=prompt_file, **kw), model)
     assert out.result is not None and out.result.site.layer == plant.layer == model.n_layers - 1
     cs = _by_id(out.claims)
     needs_later = {

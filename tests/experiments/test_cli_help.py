@@ -7,8 +7,8 @@ import importlib
 
 import pytest
 
-from me_interp.experiments.common import CommonConfig, field_docs
-from me_interp.report import EXPERIMENTS
+from me_interp.battery import NAMES as EXPERIMENTS
+from me_interp.study import CommonConfig, field_docs
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -15,7 +15,7 @@ from me_interp import claims, load_model, names, synthetic
 from me_interp.claims import FAILS, HOLDS, NOT_APPLICABLE, NotApplicable
 from me_interp.edits import ffn_matrix, svd_ablated
 from me_interp.experiments import ffn_svd_ablation, rmsnorm_permutation
-from me_interp.experiments.common import execute
+from me_interp.study import execute
 
 # What the planted construction implies (synthetic.planted_llama: layer 2's pre-FFN gain is 8 on the
 # gain dims (3, 11); FFN neuron 5 reads them through gate and up and writes the massive dim 7; the
@@ -208,7 +208,7 @@ def test_rmsnorm_permutation_not_applicable_without_massive_activation(
     cfg = rmsnorm_permutation.Config(prompts=prompt_file)
     with pytest.raises(NotApplicable, match="no massive activation"):
         rmsnorm_permutation.run(cfg, model)
-    out = execute(rmsnorm_permutation, cfg, model)
+    out = execute(rmsnorm_permutation.EXPERIMENT, cfg, model)
     assert out.result is None
     assert [c.verdict for c in out.claims] == [NOT_APPLICABLE] * len(rmsnorm_permutation.SPECS)
     assert all("massive" in c.why for c in out.claims)
@@ -339,7 +339,7 @@ def test_ffn_svd_ablation_not_applicable_without_massive_activation(fixture, req
     model = request.getfixturevalue(fixture)
     model = model[0] if isinstance(model, tuple) else model
     cfg = ffn_svd_ablation.Config(prompts=prompt_file)
-    out = execute(ffn_svd_ablation, cfg, model)
+    out = execute(ffn_svd_ablation.EXPERIMENT, cfg, model)
     assert out.result is None and "no massive activation" in out.not_applicable
     assert [c.verdict for c in out.claims] == [NOT_APPLICABLE] * len(ffn_svd_ablation.SPECS)
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from me_interp import claims, terminal
-from me_interp.experiments import common
+from me_interp import claims, study, terminal
+from me_interp import study as common
 from me_interp.experiments._layer_report import DetectConfig
 from me_interp.experiments._weights import EDIT_COLUMNS, Measurement, edit_cells, edit_row
 
@@ -111,12 +113,13 @@ def test_cli_keeps_the_traceback_of_a_bug(monkeypatch, tmp_path, capsys):
     from me_interp.experiments import me_layer
 
     argv = ["--model", "synthetic:planted", "--out", str(tmp_path)]
-    monkeypatch.setattr(
-        me_layer, "run", lambda cfg, model=None: torch.distributions.Normal(0.0, -1.0)
-    )
-    monkeypatch.setattr(me_layer.run, "__module__", me_layer.__name__, raising=False)
+
+    def bug(cfg, model=None):
+        return torch.distributions.Normal(0.0, -1.0)
+
+    buggy = dataclasses.replace(me_layer.EXPERIMENT, run=bug)
     with pytest.raises(ValueError, match="scale"):
-        common.cli_main("me_layer", me_layer.Config, me_layer.run, None, None, argv)
+        study.main(buggy, argv)
     assert (
         me_layer.main(
             [
@@ -134,4 +137,4 @@ def test_cli_keeps_the_traceback_of_a_bug(monkeypatch, tmp_path, capsys):
         )
         == 2
     )
-    assert capsys.readouterr().err.startswith("error: --threads must be >= 1")
+    assert capsys.readouterr().err.startswith("error: --seed must be >= 0")  # the first field

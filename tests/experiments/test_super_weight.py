@@ -15,9 +15,9 @@ import torch
 from me_interp import claims, evaluation, load_model, names, synthetic
 from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotApplicable
 from me_interp.experiments import super_weight as sw
-from me_interp.experiments.common import execute
 from me_interp.interventions.causal import excess_fraction
 from me_interp.packaged import GEMMA_3_270M
+from me_interp.study import execute
 
 THR = claims.threshold("super_weight_spike")
 IDS = [s.id for s in sw.SPECS]
@@ -363,7 +363,7 @@ def test_not_applicable_without_a_massive_activation_or_a_super_weight(twin, dis
     cfg = sw.Config(prompts=shared_bos)
     with pytest.raises(NotApplicable, match="no massive activation"):
         sw.run(cfg, model)
-    out = execute(sw, cfg, model)
+    out = execute(sw.EXPERIMENT, cfg, model)
     assert [c.verdict for c in out.claims] == [NOT_APPLICABLE] * len(sw.SPECS)
     # decoy-attention: the massive activation is written by a head, no W_down weight writes it
     res, _ = _run("synthetic:decoy-attention", distinct)

@@ -203,7 +203,7 @@ def test_loader_errors_other_than_model_load_are_rows_too(word_prompts):
 def test_help_documents_every_flag(capsys):
     import dataclasses
 
-    from me_interp.experiments.common import field_docs
+    from me_interp.study import field_docs
 
     docs = field_docs(survey.Config)
     fields = [f.name for f in dataclasses.fields(survey.Config)]

@@ -228,7 +228,7 @@ def test_weight_swap_planted(planted, prompt_file):
     assert "layer 0 (m-2) 5/5" in head.details and "more than half" in head.statistic
     assert head.threshold == claims.threshold("moved_fraction")
     d = res.to_dict()
-    assert "claims" not in d  # the CLI / battery add them (experiments.common.Outcome)
+    assert "claims" not in d  # the CLI / battery add them (study.Outcome)
     assert d["per_partner"]["ffn_path"]["moved"] == [True] * 4
     assert d["per_partner"]["ffn_path"]["moved_prompts"] == [5] * 4
     assert d["per_partner"]["ffn_norm"]["left_layer"] == [True] * 4

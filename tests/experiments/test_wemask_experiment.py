@@ -13,8 +13,8 @@ import pytest
 from me_interp import claims, evaluation, io, synthetic
 from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotApplicable
 from me_interp.experiments import wemask as exp
-from me_interp.experiments.common import execute
 from me_interp.interventions import we_mask
+from me_interp.study import execute
 
 # What the planted construction implies for the claims it decides: its sink head reads the massive
 # dim 7 of the attention input, so zeroing that input at r = 1 removes most of the sink; the rest of
@@ -294,7 +294,7 @@ def test_not_applicable_without_massive_activation(fixture, request, prompt_file
     cfg = exp.Config(prompts=prompt_file, texts=texts_file)
     with pytest.raises(NotApplicable, match="no massive activation"):
         exp.run(cfg, model)
-    out = execute(exp, cfg, model)
+    out = execute(exp.EXPERIMENT, cfg, model)
     assert out.result is None
     assert [c.verdict for c in out.claims] == [NOT_APPLICABLE] * len(exp.SPECS)
     assert all("massive" in c.why for c in out.claims)

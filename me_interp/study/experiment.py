@@ -1,0 +1,171 @@
+"""The experiment descriptor and the one way an experiment is run: set up, execute, judge, write.
+
+An experiment module declares its ``Config``, its ``Result``, ``run(cfg, model) -> Result`` (pure: no
+printing, no files, no loading), its ``SPECS``, ``figures(result)``, ``summary(result)`` and one
+:class:`Experiment` that names them::
+
+    EXPERIMENT = Experiment("weight_swap", Config, run, SPECS, figures, summary, __doc__,
+                            key_figures=("me_layer_after_swap",))
+    main = command(EXPERIMENT)
+
+Everything else is done here, once: the model is loaded (:func:`model_for`), threads and seeds set,
+``run`` executed under the attention kernel it asks for, its claims judged by
+:func:`me_interp.claims.judge` (a :class:`claims.NotApplicable` from ``run`` makes every claim "not
+applicable", with the reason), and ``config.json``, ``env.json``, ``result.json`` and the figures
+written (:func:`write_outcome`). The command line is :mod:`me_interp.study.cli`; the battery is
+:mod:`me_interp.battery`, a list of these descriptors.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from me_interp import claims, io
+from me_interp.loading import load_model
+from me_interp.loading.attention import kernel as attention_kernel
+from me_interp.loading.errors import PlacementError
+from me_interp.loading.loaded import LoadedModel
+from me_interp.study.config import CommonConfig, placement_kwargs
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """What the framework needs of one experiment.
+
+    Attributes:
+        name: the experiment's name (its module, its run folder, its claims' id prefix).
+        config: its Config class (a :class:`CommonConfig`; every field is a command-line flag).
+        run: ``run(cfg, model) -> Result``; raises :class:`claims.NotApplicable` when the model
+            lacks what its claims presuppose.
+        specs: every claim it can state, declared (:class:`claims.Spec`).
+        figures: ``figures(result) -> {stem: plotly Figure}``.
+        summary: ``summary(result) -> str``, the short table the command line prints.
+        doc: the module docstring (the command's description).
+        key_figures: the figure stems the report shows inline beside the claims.
+        attention: ``eager`` (attention patterns are read) or ``sdpa`` (the fused kernel: the
+            experiment reads no attention pattern; recorded in ``env.json``).
+        specs_for: when the result decides which claims apply, ``specs_for(result)``.
+    """
+
+    name: str
+    config: type[CommonConfig]
+    run: Callable[..., Any]
+    specs: tuple[claims.Spec, ...]
+    figures: Callable[[Any], Mapping[str, Any]]
+    summary: Callable[[Any], str]
+    doc: str = ""
+    key_figures: tuple[str, ...] = ()
+    attention: str = "eager"
+    specs_for: Callable[[Any], Sequence[claims.Spec]] | None = field(default=None, repr=False)
+
+    def judged(self, result: Any) -> list[claims.Claim]:
+        """Every claim of this experiment judged on ``result``."""
+        specs = self.specs if self.specs_for is None else self.specs_for(result)
+        return claims.judge(specs, result)
+
+
+SMALL_MODEL_PARAMS = 10_000_000
+"""Below this many parameters a model's CPU forward is dominated by per-op overhead, not arithmetic."""
+
+
+def apply_threads(cfg: CommonConfig, model: LoadedModel | None = None) -> None:
+    """Set torch's CPU threads: ``cfg.threads`` if given; else, on small CPU machines (≤ 4 cores, no
+    ``OMP_NUM_THREADS``), 1 thread for a small model (fewer than :data:`SMALL_MODEL_PARAMS`
+    parameters, or before the model is known), where one thread measured several times faster than
+    two, and every core for a larger one (measured on SmolLM2-135M with 2 cores: the WeMask sweep
+    1.8× and the mechanism scan 1.5× faster than on one thread; docs/performance.md)."""
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+        return
+    if not (
+        (cfg.device or "cpu").startswith("cpu")
+        and "OMP_NUM_THREADS" not in os.environ
+        and (os.cpu_count() or 1) <= 4
+    ):
+        return
+    params = 0 if model is None else sum(p.numel() for p in model.hf.parameters())
+    torch.set_num_threads(1 if params < SMALL_MODEL_PARAMS else os.cpu_count() or 1)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def model_for(cfg: CommonConfig, model: Any = None) -> LoadedModel:
+    """``model`` if given (a LoadedModel, or an HF object is not accepted here), else load ``cfg.model``;
+    with ``cfg.backend == "nnsight"`` the nnsight backend's model (:mod:`me_interp.backends.nnsight`)."""
+    if getattr(cfg, "backend", "tl") == "nnsight":
+        from me_interp.backends.nnsight import model_for as nnsight_model_for
+
+        return nnsight_model_for(cfg, model)  # type: ignore[return-value]
+    if isinstance(model, LoadedModel):
+        return model
+    if model is not None:
+        raise TypeError("pass a LoadedModel (me_interp.load_model(...)) or None")
+    return load_model(
+        cfg.model, bos=cfg.bos, dtype=cfg.dtype, device=cfg.device, **placement_kwargs(cfg)
+    )
+
+
+@dataclass
+class Outcome:
+    """What one experiment produced: its result (``None`` when not applicable), its claims and its
+    figures; ``not_applicable`` holds the reason when the experiment did not apply."""
+
+    result: Any
+    claims: list[claims.Claim]
+    figures: dict[str, Any]
+    not_applicable: str | None = None
+    attention: str = "eager"
+
+    def result_json(self) -> Any:
+        """What ``result.json`` holds: the result's fields plus ``claims`` (every claim as a dict)."""
+        body = (
+            {"not_applicable": self.not_applicable}
+            if self.result is None
+            else io.to_jsonable(self.result)
+        )
+        if not isinstance(body, dict):
+            body = {"result": body}
+        return {**body, "claims": io.to_jsonable(self.claims)}
+
+
+def execute(
+    exp: Experiment, cfg: CommonConfig, model: LoadedModel, figures: bool = True
+) -> Outcome:
+    """Run ``exp`` with ``cfg`` on ``model`` and judge its claims; without ``figures`` none are
+    drawn (for callers that read only the claims).
+
+    A :class:`claims.NotApplicable` raised by ``run`` becomes "not applicable" for every claim of
+    ``exp.specs``, with its message as the reason. ``run`` runs under
+    :func:`me_interp.loading.attention.kernel` with ``exp.attention``. On a model with offloaded
+    weights, an experiment that reads or edits weights is refused with a :class:`PlacementError`
+    naming it.
+    """
+    try:
+        with attention_kernel(model, exp.attention) as attention:
+            result = exp.run(cfg, model)
+    except claims.NotApplicable as e:
+        return Outcome(None, claims.not_applicable(exp.specs, str(e)), {}, str(e))
+    except PlacementError as e:
+        raise PlacementError(f"{exp.name} is refused on {model.name} as placed: {e}") from None
+    drawn = dict(exp.figures(result)) if figures else {}
+    return Outcome(result, exp.judged(result), drawn, attention=attention)
+
+
+def write_outcome(name: str, cfg: CommonConfig, model: LoadedModel, outcome: Outcome) -> Path:
+    """Write ``<cfg.out>/<name>/<run_id>/`` for ``outcome``; returns the run directory."""
+    info = {**model.info(), "attn_implementation": outcome.attention}  # what ran (execute)
+    return io.write_run(
+        cfg.out, name, cfg, outcome.result_json(), io.environment(info), outcome.figures
+    )
