@@ -23,135 +23,20 @@ selected, and every unit is tested (the details say so).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-import torch
 
 from me_interp import claims
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.massive import (
-    Criterion,
-    MELocation,
-    locate_me_layer,
-    massive_reference,
-    massive_tokens,
-)
+from me_interp.probes.massive import Criterion, MELocation, locate_me_layer
 from me_interp.probes.norms import NormScan
+from me_interp.probes.site import Site, Units, locate, subset_scan
 from me_interp.study import INDEX_CONVENTION, CommonConfig
 from me_interp.terminal import fmt_table
 
 PositionChoice = Literal["detected", "zero"]
-
-
-def no_massive_why(loc: MELocation, n_prompts: int) -> str:
-    """Why the mechanism claims are not applicable on a model without a massive activation."""
-    c = loc.criterion
-    rule = {
-        "sun": f"some |a| > {c.abs_threshold:g} and ≥ {c.rel_threshold:g} × the median |a|",
-        "norm": f"a token norm ≥ {c.norm_ratio:g} × the median of the others",
-        "either": "the value or the norm criterion",
-        "both": "the value and the norm criterion",
-    }[c.kind]
-    return (
-        f"no massive activation on this model: no layer output has a massive token ({c.kind} "
-        f"criterion: {rule}) in at least {c.min_prompt_fraction:.0%} of the {n_prompts} prompts"
-    )
-
-
-# ------------------------------------------------------------------------------------------
-# units: distinct measurements of the massive token
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Units:
-    """The prompts grouped by their massive token's prefix, and the seeded halves of the groups.
-
-    Attributes:
-        keys: per prompt, the token ids of ``x[: m + 1]`` (``m`` its massive token) as a string: what
-            makes two prompts distinct measurements of the massive token (``claims.Sample.keys``).
-        groups: per unit (distinct key, in order of first appearance), its prompts.
-        select: the units the held-out claims select on (``claims.halves``; all units when there are
-            fewer than 2, then nothing is held out).
-        heldout: the units they are tested on.
-    """
-
-    keys: tuple[str, ...]
-    groups: tuple[tuple[int, ...], ...]
-    select: tuple[int, ...]
-    heldout: tuple[int, ...]
-
-    @property
-    def n(self) -> int:
-        """The number of distinct measurements (units)."""
-        return len(self.groups)
-
-    @property
-    def held_out(self) -> bool:
-        """Whether selection and test are on different units (at least 2 units)."""
-        return self.n >= 2
-
-    def prompts(self, units: Sequence[int]) -> list[int]:
-        """The prompts of ``units``, sorted."""
-        return sorted(p for u in units for p in self.groups[u])
-
-    def label(self, u: int) -> str:
-        g = self.groups[u]
-        if len(g) == 1:
-            return f"prompt {g[0]}"
-        return f"prompts {g[0]}…{g[-1]} ({len(g)}, one massive-token prefix)"
-
-    def text(self) -> str:
-        """How the prompts were split, for a claim's details."""
-        n_prompts = len(self.keys)
-        if not self.held_out:
-            return (
-                f"every one of the {n_prompts} prompts has the same massive-token prefix: one "
-                "distinct measurement, nothing to hold out (not decided)"
-            )
-        same = "" if self.n == n_prompts else f" ({self.n} distinct massive-token prefixes)"
-        return (
-            f"selected on {len(self.prompts(self.select))} prompts, tested on the other "
-            f"{len(self.prompts(self.heldout))}{same}"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "n_units": self.n,
-            "select_prompts": self.prompts(self.select),
-            "heldout_prompts": self.prompts(self.heldout),
-        }
-
-
-def massive_units(tokens: torch.Tensor, reference: Sequence[int], seed: int) -> Units:
-    """:class:`Units` of a batch (``tokens[b, : reference[b] + 1]`` is prompt ``b``'s key)."""
-    keys = tuple(
-        " ".join(str(int(t)) for t in tokens[b, : int(r) + 1].tolist())
-        for b, r in enumerate(reference)
-    )
-    order = list(dict.fromkeys(keys))
-    groups = tuple(tuple(b for b, k in enumerate(keys) if k == u) for u in order)
-    if len(groups) < 2:
-        every = tuple(range(len(groups)))
-        return Units(keys, groups, every, every)
-    sel, held = claims.halves(len(groups), seed)
-    return Units(keys, groups, tuple(int(u) for u in sel), tuple(int(u) for u in held))
-
-
-def subset_scan(scan: NormScan, rows: Sequence[int]) -> NormScan:
-    """The norm scan of the prompts ``rows`` only (the prompt kept for the heatmap is dropped)."""
-    idx = torch.as_tensor(list(rows), dtype=torch.long)
-    return replace(
-        scan,
-        norms=scan.norms[:, :, idx],
-        top_abs=scan.top_abs[:, idx],
-        top_dims=scan.top_dims[:, idx],
-        median_abs=scan.median_abs[:, idx],
-        mask=scan.mask[idx],
-        kept_prompt=-1,
-    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -192,25 +77,41 @@ class Detection:
     """The ME layer an experiment tests and the massive token of each prompt.
 
     Attributes:
-        location: the full detection (``probes.massive``).
-        me_layer: the tested layer: ``--layer`` if given, else the detected ME layer.
-        given: whether ``me_layer`` was given rather than detected.
-        reference: the massive token of each prompt (its largest-norm massive token at ``me_layer``,
-            position 0 where none; all 0 with ``--position zero``).
-        massive_positions: every massive position of each prompt at ``me_layer``.
-        units: the prompts grouped by their massive token's prefix, and the halves.
+        site: where the massive activation is (``probes.site.locate``): the tested layer
+            (``--layer`` if given, else the detected ME layer), each prompt's massive token (position
+            0 with ``--position zero``), its massive positions, and the units.
         selected_layer: the layer the held-out claims test: the ME layer detected on the selection
-            half alone (``None`` when that half has none), ``me_layer`` when given or when nothing
-            can be held out.
+            half alone (``None`` when that half has none), the tested layer when given or when
+            nothing can be held out.
     """
 
-    location: MELocation
-    me_layer: int
-    given: bool
-    reference: list[int]
-    massive_positions: list[list[int]]
-    units: Units
+    site: Site
     selected_layer: int | None
+
+    @property
+    def location(self) -> MELocation:
+        return self.site.location
+
+    @property
+    def me_layer(self) -> int:
+        assert self.site.layer is not None  # detect raises otherwise
+        return self.site.layer
+
+    @property
+    def given(self) -> bool:
+        return self.site.given
+
+    @property
+    def reference(self) -> list[int]:
+        return list(self.site.reference)
+
+    @property
+    def massive_positions(self) -> list[list[int]]:
+        return [list(p) for p in self.site.positions]
+
+    @property
+    def units(self) -> Units:
+        return self.site.units
 
     def report_fields(self) -> dict[str, Any]:
         """The :class:`LayerReport` fields this detection fills."""
@@ -230,28 +131,17 @@ def detect(cfg: DetectConfig, model: LoadedModel, scan: NormScan, batch: Batch) 
         claims.NotApplicable: no massive activation and no ``cfg.layer``.
     """
     crit = cfg.detection()
-    loc = locate_me_layer(scan, crit)
-    B = scan.mask.shape[0]
-    if cfg.layer is not None:
-        me = model.check_layer(cfg.layer)
-        ref = massive_reference(scan, crit, me)
-        mt = massive_tokens(scan, crit)[me]
-        mpos = [torch.nonzero(row).flatten().tolist() for row in mt]
-    elif loc.me_layer is None:
-        raise claims.NotApplicable(
-            no_massive_why(loc, B) + "; pass --layer to measure a chosen layer anyway"
-        )
-    else:
-        me, ref, mpos = loc.me_layer, list(loc.reference_positions), loc.massive_positions
-    if cfg.position == "zero":
-        ref = [0] * B
-    ref = [int(r) for r in ref]
-    units = massive_units(batch.tokens, ref, cfg.seed)
-    if cfg.layer is not None or not units.held_out:
+    zero = 0 if cfg.position == "zero" else None
+    site = locate(
+        model, batch, scan=scan, criterion=crit, layer=cfg.layer, position=zero, seed=cfg.seed
+    )
+    me = site.require("pass --layer to measure a chosen layer anyway")
+    units = site.units
+    if site.given or not units.held_out:
         selected: int | None = me
     else:
         selected = locate_me_layer(subset_scan(scan, units.prompts(units.select)), crit).me_layer
-    return Detection(loc, me, cfg.layer is not None, ref, mpos, units, selected)
+    return Detection(site, selected)
 
 
 @dataclass

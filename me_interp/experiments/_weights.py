@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from me_interp import names
-from me_interp.claims import NotApplicable
 from me_interp.edits import PARTS
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching.suffix import give_up
@@ -33,7 +32,8 @@ from me_interp.probes.attention import mean_to_keys
 from me_interp.probes.batching import Chunk, record
 from me_interp.probes.blocks import Prefix, capture_prefix
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer, prompt_me_layers
-from me_interp.probes.norms import NormRecorder, NormScan, scan_norms, top_ratio
+from me_interp.probes.norms import NormRecorder, NormScan, top_ratio
+from me_interp.probes.site import Site, locate
 from me_interp.prompts import spread
 from me_interp.study import INDEX_CONVENTION, CommonConfig, model_for
 
@@ -346,11 +346,6 @@ def _measure(
     return m, loc, scan, None if sinks is None else sinks.out
 
 
-def locate(model: LoadedModel, batch: Batch, criterion: Criterion) -> MELocation:
-    """The ME-layer location from token norms at :data:`SCAN_SITES` (``probes.massive``)."""
-    return locate_me_layer(scan_norms(model, batch, SCAN_SITES), criterion)
-
-
 def short_batch(
     model: LoadedModel, prompts: Sequence[str], n_prompts: int, max_tokens: int
 ) -> Batch:
@@ -366,24 +361,40 @@ def short_batch(
 
 @dataclass(frozen=True)
 class Setup:
-    """The model, the prompts, the unedited measurement and the layer to edit.
+    """The model, the prompts, where the massive activation is, and the unedited measurement.
 
     Attributes:
-        layer_given: whether the layer came from ``cfg.layer`` (else it is the detected ME layer).
+        site: the massive activation located on the batch (``probes.site``): the layer to edit
+            (``site.layer``, given or detected) and each prompt's massive tokens.
     """
 
     model: LoadedModel
     batch: Batch
     criterion: Criterion
     baseline: Measurement
-    layer: int | None
-    positions: list[list[int]]
-    location: MELocation
-    layer_given: bool = False
+    site: Site
     sink: bool = True
     scan: NormScan | None = None
     sink_mass: torch.Tensor | None = None
     unedited: dict[str, Unedited] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def layer(self) -> int | None:
+        """The layer to edit: ``--layer`` if given, else the detected ME layer."""
+        return self.site.layer
+
+    @property
+    def layer_given(self) -> bool:
+        return self.site.given
+
+    @property
+    def location(self) -> MELocation:
+        return self.site.location
+
+    @property
+    def positions(self) -> list[list[int]]:
+        """Per prompt, its massive positions (its reference token where none)."""
+        return self.site.token_positions
 
     def reuse_from(self, starts: Sequence[int]) -> None:
         """Capture the unedited model's block inputs once, so that :meth:`measure` of an edit
@@ -421,20 +432,11 @@ class Setup:
         return _measure(model, self.batch, self.criterion, self.positions, self.sink, u, start)[0]
 
 
-def no_massive_activation(
-    model: LoadedModel, crit: Criterion, n_prompts: int, hint: str = "to edit a layer anyway"
-) -> NotApplicable:
-    """The "not applicable" of a model without a massive activation (and no layer given)."""
-    return NotApplicable(
-        f"no massive activation on this model: no layer output of {model.name} meets the "
-        f"{crit.kind!r} criterion on {n_prompts} prompts (pass --layer {hint})"
-    )
-
-
 def prepare(
     cfg: WeightConfig, model: LoadedModel | None = None, require_layer: bool = True
 ) -> Setup:
-    """Load the model and prompts, measure the unedited model, resolve ``cfg.layer``.
+    """Load the model and prompts, locate the massive activation (``probes.site.locate``), measure
+    the unedited model.
 
     Raises:
         NotApplicable: ``cfg.layer=None``, ``require_layer`` and the model has no ME layer.
@@ -443,31 +445,8 @@ def prepare(
     model = model_for(cfg, model)
     batch = short_batch(model, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
     crit = cfg.detection()
-    if cfg.layer is not None:
-        model.check_layer(cfg.layer)
-    loc = locate(model, batch, crit)
-    if cfg.layer is None:
-        if loc.me_layer is None and require_layer:
-            raise no_massive_activation(model, crit, len(batch))
-        layer = loc.me_layer
-    else:
-        layer = cfg.layer
-    positions = [list(p) if p else [r] for p, r in zip(_positions(loc), loc.reference_positions)]
-    baseline, _, scan, sink = _measure(model, batch, crit, positions, cfg.sink)
-    return Setup(
-        model,
-        batch,
-        crit,
-        baseline,
-        layer,
-        positions,
-        loc,
-        cfg.layer is not None,
-        cfg.sink,
-        scan,
-        sink,
-    )
-
-
-def _positions(loc) -> list[list[int]]:
-    return loc.massive_positions or [[] for _ in loc.reference_positions]
+    site = locate(model, batch, criterion=crit, layer=cfg.layer, seed=cfg.seed)
+    if require_layer:
+        site.require("pass --layer to edit a layer anyway")
+    baseline, _, scan, sink = _measure(model, batch, crit, site.token_positions, cfg.sink)
+    return Setup(model, batch, crit, baseline, site, cfg.sink, scan, sink)

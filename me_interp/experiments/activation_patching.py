@@ -92,6 +92,7 @@ from me_interp.patching import (
     patch_sweep,
 )
 from me_interp.patching.pairs import read_pairs
+from me_interp.probes.site import Site, locate
 from me_interp.study import CommonConfig, Experiment, check_choices, command, model_for
 from me_interp.terminal import fmt_table
 
@@ -106,7 +107,7 @@ _PROJ = "signed projection ⟨h_p, u⟩ at the metric layer onto the clean massi
 
 
 def _why_massive(r: Result) -> str | None:
-    return None if r.site.massive else r.site.why_not()
+    return None if r.site.massive else r.site.why_not
 
 
 def _why_removed(r: Result) -> str | None:
@@ -560,7 +561,7 @@ class Result:
 
     model: str
     bos: str
-    site: causal.MassiveSite
+    site: Site
     prompts: causal.PromptBatch
     corruption: str
     corruption_note: str
@@ -688,7 +689,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pair
         return patching_pairs.run(cfg, model)
     model = model_for(cfg, model)
     pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
-    site = causal.locate_massive(model, pb.batch, cfg.layer, None)
+    site = locate(model, pb.batch, layer=cfg.layer, position=None, seed=cfg.seed)
+    site.require("pass --layer to intervene anyway")
     p, L = site.position, site.layer
     pb = pb.at_least(p + 2)  # a query after the massive token
     clean = pb.batch

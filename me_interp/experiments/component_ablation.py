@@ -59,6 +59,7 @@ from me_interp.evaluation import token_nll
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching import NormRatio, SinkMass
+from me_interp.probes.site import Site, locate
 from me_interp.study import Experiment, SiteConfig, check_choices, command, model_for
 from me_interp.terminal import fmt_table
 
@@ -93,7 +94,7 @@ def _why(key: str):
     def why(r: Result) -> str | None:
         s, cond = r.site, CLAIM_CONDITION[key]
         if not s.massive:
-            return s.why_not()
+            return s.why_not
         if cond not in r.per_prompt:
             return f"the condition {cond} was not run (--conditions)"
         last = s.layer == r.n_layers - 1
@@ -294,7 +295,7 @@ class Config(SiteConfig):
             raise ValueError("max_prompts must be >= 1 (or None for all)")
 
 
-def condition_hooks(model, batch, site: causal.MassiveSite, cond: str, alpha: float, acts=None):
+def condition_hooks(model, batch, site: Site, cond: str, alpha: float, acts=None):
     """The hooks of one condition (see module docstring); ``acts`` from :func:`causal.capture`."""
     L, p = site.layer, [site.position]
     if cond == "flatten_gain":
@@ -348,7 +349,7 @@ def measure(
 class Result:
     model: str
     bos: str
-    site: causal.MassiveSite
+    site: Site
     prompts: causal.PromptBatch
     n_layers: int
     alpha: float
@@ -407,7 +408,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """
     model = model_for(cfg, model)
     pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
-    site = causal.locate_massive(model, pb.batch, cfg.layer, cfg.position)
+    site = locate(model, pb.batch, layer=cfg.layer, position=cfg.position, seed=cfg.seed)
+    site.require("pass --layer to intervene anyway")
     p, L, last = site.position, site.layer, model.n_layers - 1
     pb = pb.at_least(p + 2)  # a token after the massive one
     batch = pb.batch

@@ -26,7 +26,7 @@ Claims (:data:`SPECS`, declarative, judged by :func:`me_interp.claims.judge`): t
 ``svd_<matrix>_removes`` (the top ``claim_k`` directions of each matrix), ``top_neuron_removes`` and
 ``top_neurons_remove``, each bootstrapped over prompts (edited and unedited means resampled together);
 the neurons are scored and chosen on the selection half of the prompts (one unit per distinct
-massive-token prefix, ``_layer_report.massive_units``) and their claims and control are tested on the
+massive-token prefix, ``probes.site.massive_units``) and their claims and control are tested on the
 held-out half only, so a neuron chosen for noise in the selection prompts cannot make its claim hold;
 and the controls ``svd_<matrix>_random_keeps`` and ``random_neurons_keep`` (``claim_k`` other
 directions, ``n_neurons`` other neurons: they must keep the activation for the claims beside them to
@@ -55,7 +55,6 @@ from jaxtyping import Int
 
 from me_interp import claims, names, terminal
 from me_interp.edits import MATRICES, edited_parameters, ffn_matrix, neurons_ablated
-from me_interp.experiments._layer_report import Units, massive_units
 from me_interp.experiments._weights import (
     EDIT_COLUMNS,
     Measurement,
@@ -63,13 +62,13 @@ from me_interp.experiments._weights import (
     edit_cells,
     edit_row,
     fmt_value,
-    no_massive_activation,
     prepare,
     run_header,
     where_edited,
 )
 from me_interp.interventions.causal import excess_fraction, excess_stat
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.probes.site import Units, massive_units
 from me_interp.study import Experiment, command
 from me_interp.terminal import fmt_table
 
@@ -333,9 +332,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         ValueError: a ``k`` above the rank of a matrix or ``claim_k`` above half of it (checked before
             any forward), ``n_neurons`` above half of ``d_mlp``, a layer out of range.
     """
-    s = prepare(cfg, model, require_layer=False)
-    if s.layer is None:
-        raise no_massive_activation(s.model, s.criterion, len(s.batch))
+    s = prepare(cfg, model)
     m = s.layer
     for mat in cfg.matrices:
         rank = min(ffn_matrix(s.model, m, mat).shape)

@@ -42,7 +42,7 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, names, plotting
-from me_interp.experiments._layer_report import DetectConfig, LayerReport, detect, massive_units
+from me_interp.experiments._layer_report import DetectConfig, LayerReport, detect
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.batching import record
 from me_interp.probes.invariance import (
@@ -52,6 +52,7 @@ from me_interp.probes.invariance import (
     same_first_token_control,
 )
 from me_interp.probes.norms import NormRecorder
+from me_interp.probes.site import massive_units
 from me_interp.study import Experiment, command, model_for
 
 NAME = "invariance"

@@ -41,22 +41,16 @@ from me_interp.architecture import (
     FFN_RESIDUAL_SITE,
 )
 from me_interp.backends import check_backend
-from me_interp.experiments._layer_report import (
-    Units,
-    massive_units,
-    no_massive_why,
-    peak_details,
-    peak_measure,
-)
+from me_interp.experiments._layer_report import peak_details, peak_measure
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import (
     Criterion,
     MELocation,
-    locate_me_layer,
     massive_tokens,
     site_text,
 )
 from me_interp.probes.norms import NormScan, ratio_to_others, scan_norms, top_ratio
+from me_interp.probes.site import Units, locate, no_massive_why
 from me_interp.study import INDEX_CONVENTION, CommonConfig, Experiment, command, model_for
 from me_interp.terminal import fmt_table
 
@@ -245,7 +239,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         sites = (*names.SITES, *model.arch.own_sites())
         scan = scan_norms(model, batch, sites, top_k=cfg.top_k, keep_prompt=0)  # chunked
     crit = cfg.detection()
-    loc = locate_me_layer(scan, crit)
+    site = locate(model, batch, scan=scan, criterion=crit, seed=cfg.seed)
+    loc = site.location
     ref = torch.as_tensor(loc.reference_positions)
     per_prompt = {
         f"r_{s}": top_ratio(scan.site_norms(f"resid_{s}"), scan.mask).T.tolist()
@@ -270,7 +265,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         heatmap_layer=layer,
         prompt_lengths=batch.lengths,
         per_prompt=per_prompt,
-        units=massive_units(batch.tokens, loc.reference_positions, cfg.seed),
+        units=site.units,
         seed=cfg.seed,
     )
     return result

@@ -54,6 +54,7 @@ from me_interp.patching.pairs import (
     read_pairs,
     tokenize_pairs,
 )
+from me_interp.probes.site import locate
 from me_interp.study import model_for
 from me_interp.terminal import fmt_table
 
@@ -184,7 +185,8 @@ def _metric(name: str, cfg, model: LoadedModel, pb: PairBatch) -> tuple[PatchMet
     if name in LOGIT_METRICS:
         clean_logits = _last_logits(model, pb) if name == "kl" else None
         return logit_metric(name, pb, clean_logits), f"{name} at each pair's last real token"
-    site = causal.locate_massive(model, pb.clean, cfg.layer, None)
+    site = locate(model, pb.clean, layer=cfg.layer, position=None, seed=cfg.seed)
+    site.require("pass --layer to intervene anyway")
     p, L, last = site.position, site.layer, model.n_layers - 1
     note = f"massive token at position {p}, ME layer {L} (located on the clean texts)"
     if name == "norm_ratio":

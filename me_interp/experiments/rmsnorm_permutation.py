@@ -74,7 +74,6 @@ from me_interp.experiments._weights import (
     edit_cells,
     edit_row,
     fmt_value,
-    no_massive_activation,
     prepare,
     run_header,
     where_edited,
@@ -268,9 +267,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         NotApplicable: no ``layer`` given and the model has no massive activation.
         ValueError: ``top_k`` above a third of ``d_model``, a layer out of range.
     """
-    s = prepare(cfg, model, require_layer=False)
-    if s.layer is None:
-        raise no_massive_activation(s.model, s.criterion, len(s.batch))
+    s = prepare(cfg, model)
     m = s.layer
     d = s.model.d_model
     if cfg.top_k > d // 3:

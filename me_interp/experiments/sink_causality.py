@@ -52,6 +52,7 @@ from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.attention import attention_entropy
 from me_interp.probes.norms import ratio_to_others
+from me_interp.probes.site import Site, locate
 from me_interp.study import Experiment, SiteConfig, check_choices, command, model_for
 from me_interp.terminal import fmt_table
 
@@ -69,10 +70,10 @@ def _why(key: str):
     def why(r: Result) -> str | None:
         s = r.site
         if not s.massive:
-            return s.why_not()
+            return s.why_not
         if s.layer + 1 >= r.n_layers:
             return f"the ME layer {s.layer} is the last layer: no later layer, no downstream sink"
-        w = causal.sink_not_applicable(s, r.sink_heads)
+        w = s.sink_why_not(r.sink_heads)
         if w is not None:
             return w
         if key not in r.measures:
@@ -283,7 +284,7 @@ def measure(
     )
 
 
-def condition_hooks(model, batch, site: causal.MassiveSite, cond: str, acts=None) -> list:
+def condition_hooks(model, batch, site: Site, cond: str, acts=None) -> list:
     """The hooks of one condition (see module docstring); ``acts`` from :func:`causal.capture`."""
     L, p = site.layer, [site.position]
     if cond == "remove_ffn":
@@ -301,7 +302,7 @@ def condition_hooks(model, batch, site: causal.MassiveSite, cond: str, acts=None
 class Result:
     model: str
     bos: str
-    site: causal.MassiveSite
+    site: Site
     prompts: causal.PromptBatch
     n_layers: int
     measures: dict[str, Measure]  # "baseline" and every condition run
@@ -402,7 +403,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """
     model = model_for(cfg, model)
     pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
-    site = causal.locate_massive(model, pb.batch, cfg.layer, cfg.position)
+    site = locate(model, pb.batch, layer=cfg.layer, position=cfg.position, seed=cfg.seed)
+    site.require("pass --layer to intervene anyway")
     p, L = site.position, site.layer
     pb = pb.at_least(p + 2)  # a query after the massive token
     batch = pb.batch

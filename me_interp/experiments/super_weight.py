@@ -85,11 +85,9 @@ from plotly.subplots import make_subplots
 
 from me_interp import claims, evaluation, names, plotting, terminal
 from me_interp.edits import edited_parameters
-from me_interp.experiments._layer_report import massive_units
 from me_interp.experiments._weights import (
     WeightConfig,
     fmt_value,
-    locate,
     measure,
     prepare,
     short_batch,
@@ -104,6 +102,7 @@ from me_interp.probes.down_proj import (
     weight_only_scores,
 )
 from me_interp.probes.massive import Criterion
+from me_interp.probes.site import locate
 from me_interp.prompts import read_prompts
 from me_interp.study import INDEX_CONVENTION, Experiment, command
 from me_interp.terminal import fmt_table
@@ -351,7 +350,7 @@ def survey_entry(
     massive positions located on them. ``super_weight`` is ``None`` when no weight's write reaches
     the threshold (or there is no massive activation)."""
     batch = short_batch(model, prompts, n_prompts, max_tokens)
-    loc = locate(model, batch, criterion or Criterion())
+    loc = locate(model, batch, criterion=criterion or Criterion()).location
     out: dict[str, Any] = {"me_layer": loc.me_layer, "n_prompts": len(batch), "super_weight": None}
     if loc.me_layer is None:
         return out
@@ -577,11 +576,6 @@ class Result:
         }
 
 
-def _keys(batch: Batch, positions: Sequence[int], seed: int):
-    u = massive_units(batch.tokens.cpu(), positions, seed)
-    return list(u.keys), [list(g) for g in u.groups]
-
-
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """Detect the super weight, zero it, restore its activation, draw the controls.
 
@@ -591,11 +585,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """
     s = prepare(cfg, model)
     m, model = s.layer, s.model
-    positions = list(s.location.reference_positions)
+    positions = list(s.site.reference)
     spikes = down_proj_spikes(model, s.batch, positions)
-    dims = list(s.location.massive_dims)
+    dims = list(s.site.dims)
     cands, tops, me, erasers = candidates(model, spikes, m, dims, cfg.top_k)
-    keys, groups = _keys(s.batch, positions, cfg.seed)
+    keys, groups = list(s.site.units.keys), [list(g) for g in s.site.units.groups]
     res = Result(
         model=model.name,
         bos=model.bos,

@@ -40,6 +40,7 @@ from me_interp import claims, names, plotting
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.norms import ratio_to_others
+from me_interp.probes.site import Site, locate
 from me_interp.study import Experiment, SiteConfig, command, model_for
 from me_interp.terminal import fmt_table
 
@@ -51,13 +52,13 @@ def _why(r: Result) -> str | None:
     """Why the transplant claims do not apply (``None`` when they do)."""
     s = r.site
     if not s.massive:
-        return s.why_not()
+        return s.why_not
     if not r.later_layers:
         return (
             f"the ME layer {s.layer} is the last layer: there is no later layer whose attention "
             "could follow the component"
         )
-    return causal.sink_not_applicable(s, r.sink_heads)
+    return s.sink_why_not(r.sink_heads)
 
 
 def _details(cond: str):
@@ -214,7 +215,7 @@ def attention_src_dst(
 class Result:
     model: str
     bos: str
-    site: causal.MassiveSite
+    site: Site
     prompts: causal.PromptBatch
     dst: int
     mode: str
@@ -307,7 +308,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """
     model = model_for(cfg, model)
     pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
-    site = causal.locate_massive(model, pb.batch, cfg.layer, cfg.position)
+    site = locate(model, pb.batch, layer=cfg.layer, position=cfg.position, seed=cfg.seed)
+    site.require("pass --layer to intervene anyway")
     p, L, dst = site.position, site.layer, cfg.dst
     if dst == p:
         raise ValueError(f"dst ({dst}) must differ from the massive position ({p})")

@@ -79,13 +79,13 @@ from me_interp.edits.core import moved_modules, part_members, part_module
 from me_interp.experiments._weights import (
     SCAN_SITES,
     depth_label,
-    no_massive_activation,
     short_batch,
 )
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, record
-from me_interp.probes.massive import Criterion, locate_me_layer
+from me_interp.probes.massive import Criterion
 from me_interp.probes.norms import NormRecorder
+from me_interp.probes.site import locate
 from me_interp.study import INDEX_CONVENTION, CommonConfig, Experiment, command, model_for
 from me_interp.terminal import fmt_table
 
@@ -371,18 +371,17 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """
     model = model_for(cfg, model)
     if cfg.layer is not None:
-        model.check_layer(cfg.layer)
+        model.check_layer(cfg.layer)  # before the forward
     batch = short_batch(model, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
     crit = Criterion(kind=cfg.criterion)
     norms = NormRecorder(model, batch, (*SCAN_SITES, FFN_SITE))
     resid = ResidMidRecorder(model, batch)
     record(model, batch, [norms, resid])
     scan = norms.result()
-    loc = locate_me_layer(scan, crit)
-    if cfg.layer is None and loc.me_layer is None:
-        raise no_massive_activation(model, crit, len(batch), "to test a layer anyway")
-    layer = cfg.layer if cfg.layer is not None else loc.me_layer
-    positions = torch.tensor(loc.reference_positions)
+    site = locate(model, batch, scan=scan, criterion=crit, layer=cfg.layer, seed=cfg.seed)
+    layer = site.require("pass --layer to test a layer anyway")
+    loc = site.location
+    positions = torch.tensor(site.reference)
     cross = cross_matrices(model, resid.out, scan.site_norms(FFN_SITE), scan.mask, positions)
     return Result(
         model=model.name,

@@ -60,9 +60,7 @@ from me_interp.experiments._weights import (
     Setup,
     WeightConfig,
     depth_label,
-    locate,
     majority,
-    no_massive_activation,
     prepare,
     short_batch,
     spread,
@@ -70,6 +68,7 @@ from me_interp.experiments._weights import (
 from me_interp.interventions.core import check_layers
 from me_interp.loading import load_model
 from me_interp.loading.loaded import LoadedModel
+from me_interp.probes.site import locate
 from me_interp.study import INDEX_CONVENTION, Experiment, command
 from me_interp.terminal import fmt_table
 
@@ -267,14 +266,14 @@ def _source_layer(cfg: Config, source: LoadedModel, s: Setup) -> int:
     """``cfg.layer``, else the source model's ME layer, else the patched model's."""
     if cfg.layer is not None:
         return source.check_layer(cfg.layer)
-    me = s.location.me_layer
+    me = s.site.me_layer
     if source is not s.model:
         batch = short_batch(source, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
-        me = locate(source, batch, s.criterion).me_layer
+        me = locate(source, batch, criterion=s.criterion).me_layer
         if me is None:
-            me = s.location.me_layer
+            me = s.site.me_layer
     if me is None:
-        raise no_massive_activation(source, s.criterion, len(s.batch))
+        s.site.require("pass --layer to patch a layer anyway")
     return me
 
 

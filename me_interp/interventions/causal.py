@@ -10,9 +10,8 @@ of the ``B`` prompts (row ``c·B + b`` = prompt ``b``, the layout of
 :func:`me_interp.patching.patch_sweep`). With ``per_prompt=False`` the value is averaged over the
 prompts and the hooks work on any batch.
 
-Where to intervene is measured, never written down: :func:`locate_massive` runs the ME-layer probe
-and raises :class:`me_interp.claims.NotApplicable` on a model without a massive activation (unless a
-layer is given). :func:`prompt_batch` builds the (truncated, subsampled) batch the causal experiments
+Where to intervene is measured, never written down (:func:`me_interp.probes.site.locate`).
+:func:`prompt_batch` builds the (truncated, subsampled) batch the causal experiments
 run on, :func:`excess_fraction` is the removal statistic they share, and :func:`ffn_share` says
 whether the ME layer's FFN output is the massive token's whole state (then patching or removing it is
 patching or removing the state: a sanity check).
@@ -37,7 +36,7 @@ massive dims, ``h̄ = mean_{t≠p} h_t`` over the other real tokens of the promp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -626,123 +625,7 @@ def ffn_share(
     return FfnShare(tuple(cos.cpu().tolist()), tuple(ratio.cpu().tolist()))
 
 
-def sink_not_applicable(site: MassiveSite, sink_heads: Callable[[], list]) -> str | None:
-    """Why the sink claims of an experiment at ``site`` are not applicable — no massive activation
-    there, or no head after the layer attends to it (``sink_heads()`` is asked only when there is one)
-    — or ``None`` when they apply."""
-    if not site.massive:
-        return site.why_not()
-    if not sink_heads():
-        return (
-            f"no sink head: no head after layer {site.layer} attends to position {site.position} "
-            f"with at least {claims.threshold('sink_attention'):g} (threshold 'sink_attention')"
-        )
-    return None
-
-
-@dataclass(frozen=True)
-class MassiveSite:
-    """Where the massive activation is, as measured by the ME-layer probe on a batch.
-
-    Attributes:
-        layer: the layer to intervene on (the ME layer unless one was given).
-        position: the massive token ``p``.
-        dims: its massive dims at ``layer``.
-        detected: the probe found an ME layer on this model.
-        at_layer: the probe finds a massive activation at the output of ``layer`` (False for a
-            given layer before the emergence, or on a model without one).
-        me_layer: the ME layer the probe found (``None`` when none).
-    """
-
-    layer: int
-    position: int
-    dims: tuple[int, ...]
-    detected: bool
-    at_layer: bool = True
-    me_layer: int | None = None
-
-    @property
-    def massive(self) -> bool:
-        """Whether the claims about a massive activation at ``layer`` apply."""
-        return self.detected and self.at_layer
-
-    def why_not(self) -> str:
-        """Why :attr:`massive` is False (for a "not applicable" verdict)."""
-        if not self.detected:
-            return (
-                f"{NO_MASSIVE} (the ME-layer probe finds none; layer {self.layer} was given): "
-                "there is no massive activation to intervene on"
-            )
-        return (
-            f"no massive activation at the output of the given layer {self.layer} (the ME-layer "
-            f"probe finds the ME layer at {self.me_layer}): there is none to intervene on there"
-        )
-
-    def to_dict(self) -> dict:
-        return {
-            "layer": self.layer,
-            "layer_1based": self.layer + 1,
-            "position": self.position,
-            "dims": list(self.dims),
-            "detected": self.detected,
-            "at_layer": self.at_layer,
-            "me_layer": self.me_layer,
-        }
-
-
-NO_MASSIVE = "no massive activation on this model"
-
-
-def locate_massive(
-    model: LoadedModel,
-    batch: Batch,
-    layer: int | None = None,
-    position: int | None = None,
-    criterion=None,
-) -> MassiveSite:
-    """Measure the ME layer, the massive position (the commonest over prompts) and the massive dims.
-
-    ``layer`` / ``position`` override the measured values (the dims are then read at that layer).
-
-    Raises:
-        claims.NotApplicable: no massive activation is found and no ``layer`` is given (the claims
-            that need one are not applicable to this model).
-    """
-    from collections import Counter
-
-    from me_interp.probes.massive import find_me_layer
-
-    loc = find_me_layer(model, batch, criterion)
-    if layer is None:
-        if loc.me_layer is None:
-            raise claims.NotApplicable(
-                f"{NO_MASSIVE}: the ME-layer probe ({loc.criterion.kind} criterion) finds none in "
-                f"{model.name} on these {len(batch)} prompts (pass a layer to intervene anyway)"
-            )
-        layer = loc.me_layer
-    model.check_layer(layer)
-    if position is None:
-        position = Counter(loc.reference_positions).most_common(1)[0][0]
-    _check_positions(batch, [position])
-    if loc.me_layer == layer and loc.massive_dims:
-        dims = tuple(loc.massive_dims)
-    else:  # the largest |a| of the massive token at that layer, commonest over prompts
-        name = names.resid_post(layer)
-        x = capture(model, batch, [name])[name].float().abs()[:, position]  # [B d]
-        dims = tuple(Counter(x.argmax(-1).tolist()).most_common(1)[0][:1])
-    return MassiveSite(
-        layer=layer,
-        position=int(position),
-        dims=dims,
-        detected=loc.me_layer is not None,
-        at_layer=bool(loc.layer_has_massive[layer]),
-        me_layer=loc.me_layer,
-    )
-
-
 __all__ = [
-    "NO_MASSIVE",
-    "MassiveSite",
     "PromptBatch",
     "Transplant",
     "ablate_dims",
@@ -752,7 +635,6 @@ __all__ = [
     "excess_fraction",
     "ffn_share",
     "flatten_ffn_norm_gain",
-    "locate_massive",
     "normalize_ffn_product",
     "others_mean",
     "patch_across_prompts",

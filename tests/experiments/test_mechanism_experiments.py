@@ -278,10 +278,10 @@ def test_position_zero_option_and_neuron_layer(planted, prompt_file):
 
 
 def _units(keys: list[str], seed: int = 0):
-    from me_interp.experiments import _layer_report
+    from me_interp.probes import site
 
     tokens = torch.tensor([[int(k), 0] for k in keys])
-    return _layer_report.massive_units(tokens, [0] * len(keys), seed)
+    return site.massive_units(tokens, [0] * len(keys), seed)
 
 
 def test_massive_units_group_prompts_by_the_massive_prefix():

@@ -21,6 +21,7 @@ from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotAppl
 from me_interp.experiments import _weights, weight_patching, weight_swap
 from me_interp.probes import Criterion
 from me_interp.probes.attention import attention_stats
+from me_interp.probes.site import locate
 
 # What the planted construction implies (synthetic.planted_llama: layer 2's pre-FFN gain is 8 on the
 # gain dims, neuron 5 reads them and writes the massive dim; no part of attention is involved).
@@ -172,7 +173,9 @@ def test_prompt_me_layers_match_one_prompt_batches(planted, twin):
     for model, want in ((planted[0], planted[1].layer), (twin[0], None)):
         batch = weight_swap.short_batch(model, prompts, 0, 0)
         got = weight_swap.measure(model, batch, Criterion(), sink=False).prompt_me_layer
-        alone = [_weights.locate(model, model.tokenize([p]), Criterion()).me_layer for p in prompts]
+        alone = [
+            locate(model, model.tokenize([p]), criterion=Criterion()).me_layer for p in prompts
+        ]
         assert got == alone == [want] * 4
 
 

@@ -69,31 +69,6 @@ def test_set_values_bad_inputs():
         causal.set_values("x", [0], torch.zeros(1, 2), dims=[1, 1])
 
 
-def test_locate_massive_finds_the_plant(setup):
-    model, plant, batch = setup
-    site = causal.locate_massive(model, batch)
-    assert (site.layer, site.position, site.dims, site.detected) == (
-        plant.layer,
-        0,
-        (plant.massive_dim,),
-        True,
-    )
-    with pytest.raises(ValueError, match="out of range"):
-        causal.locate_massive(model, batch, layer=9)
-
-
-@pytest.mark.parametrize("which", ["twin", "tiny_llama"])
-def test_locate_massive_not_applicable_without_a_massive_activation(which, request):
-    model = request.getfixturevalue(which)
-    model = model[0] if isinstance(model, tuple) else model
-    batch = model.tokenize(["w1 w2 w3 w4 w5 w6", "w9 w10 w11 w12 w13"])
-    with pytest.raises(claims.NotApplicable, match="no massive activation on this model"):
-        causal.locate_massive(model, batch)
-    # a given layer is honoured, and the site says nothing was detected
-    site = causal.locate_massive(model, batch, layer=2)
-    assert site.layer == 2 and site.detected is False and len(site.dims) == 1
-
-
 def test_capture_stops_early_and_matches_the_full_forward(setup):
     model, plant, batch = setup
     hooks = [names.ffn_out(1), names.resid_post(3), names.pattern(4)]
