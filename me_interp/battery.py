@@ -121,10 +121,10 @@ def run_battery(
         report: rewrite ``report.html`` / ``report.md`` after each experiment and at the end
             (``False``: ``battery.json`` and the runs only; ``me-interp report OUT`` writes it later).
     """
+    experiments = NAMES if experiments is None else tuple(experiments)
     unknown = [e for e in experiments if e not in BY_NAME]
     if unknown:
         raise ValueError(f"unknown experiments {unknown}; choose from {', '.join(NAMES)}")
-    experiments = NAMES if experiments is None else tuple(experiments)
     if not experiments:
         raise ValueError("no experiments selected")
     out = Path(common.out)

@@ -9,7 +9,7 @@ for an unmodified run and a run with any ``fwd_hooks`` (WeMask, a causal edit).
 Token labels are the token texts (CircuitsVis adds the position); the massive token(s) carry a
 :data:`MARK` prefix. The massive
 positions are *detected* on the prompt (:func:`massive_positions`: the tokens massive at the ME layer,
-:func:`me_interp.probes.find_me_layer`), never assumed; none are marked on a model without a massive
+:func:`me_interp.probes.site.locate`), never assumed; none are marked on a model without a massive
 activation. Each panel states the attention mass on the marked tokens per head,
 ``mean_{q>p} A[q, p]`` summed over the marked positions ``p`` (as :func:`probes.attention_stats`).
 
@@ -86,14 +86,16 @@ def _one_prompt(model: LoadedModel, prompt: str):
 
 
 def massive_positions(model: LoadedModel, prompt: str, fwd_hooks: Sequence = ()) -> list[int]:
-    """Positions of ``prompt`` that carry a massive activation at the ME layer (detected on this
-    prompt by :func:`me_interp.probes.find_me_layer`); ``[]`` when the model shows none."""
-    from me_interp.probes import find_me_layer
+    """Positions of ``prompt`` that carry a massive activation at the ME layer (the Site located
+    on this prompt, under ``fwd_hooks``: :func:`me_interp.probes.site.locate`); ``[]`` when the
+    model shows none."""
+    from me_interp.probes.norms import scan_norms
+    from me_interp.probes.site import SCAN_SITES, locate
 
-    loc = find_me_layer(model, _one_prompt(model, prompt), fwd_hooks=fwd_hooks)
-    if loc.me_layer is None or not loc.massive_positions:
-        return []
-    return [int(p) for p in loc.massive_positions[0]]
+    batch = _one_prompt(model, prompt)
+    scan = scan_norms(model, batch, SCAN_SITES, extra_hooks=list(fwd_hooks))
+    site = locate(model, batch, scan=scan)
+    return [] if not site.detected else list(site.positions[0])
 
 
 def token_labels(model: LoadedModel, prompt: str, marked: Sequence[int] = ()) -> list[str]:
