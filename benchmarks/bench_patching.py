@@ -55,6 +55,7 @@ from me_interp.patching import (  # noqa: E402
     rank_agreement,
 )
 from me_interp.patching.sweep import _index, site_hook  # noqa: E402
+from me_interp.probes.site import locate  # noqa: E402
 from me_interp.prompts import builtin_prompts  # noqa: E402
 
 TL_FUNCS = {
@@ -149,7 +150,8 @@ def main(argv=None) -> int:
     if clean.tokens.shape[1] < args.n_tokens or clean.padded:
         ap.error(f"the prompts give {clean.tokens.shape[1]} tokens, not --n-tokens {args.n_tokens}")
     B, T = clean.tokens.shape
-    site = causal.locate_massive(model, clean)
+    site = locate(model, clean)
+    site.require()
     p, last = site.position, model.n_layers - 1
     metrics = {
         "norm_ratio": NormRatio(last, p),

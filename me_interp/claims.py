@@ -22,7 +22,10 @@ measurements: a shared-BOS first token at layer 0 is one measurement however man
 it) and leaves a claim or control undecided when it rests on fewer than two, or on a zero-width
 bootstrap interval. Resampling is over per-unit statistics, never forward passes, and seeded, so a
 result is reproducible. :func:`holm` adjusts the verdicts of a whole battery for multiplicity, and
-:func:`tally` gives the raw and adjusted counts with controls and sanity checks apart.
+:func:`tally` gives the raw and adjusted counts with controls and sanity checks apart. The
+statistics several experiments share live here too: :func:`excess_fraction` / :func:`excess_stat`
+(the share ``(R_after − 1) / (R_before − 1)`` of the massive token's norm-ratio excess an edit
+leaves, the removal statistic), :func:`halves` and :func:`peak_outcomes` (held-out layer choice).
 
 Typical use inside an experiment module::
 
@@ -846,6 +849,23 @@ def peak_outcomes(values: Any, layer: int, units: Sequence[int] | np.ndarray) ->
         out.append(int(np.nanargmax(np.where(np.isfinite(row), row, -np.inf))) == layer)
         labels.append(f"prompt {int(u)}")
     return Outcomes(out, labels, unit="held-out prompts")
+
+
+def excess_fraction(after: float, before: float) -> float:
+    """``(R_after − 1) / (R_before − 1)`` for norm ratios ``R = ‖h_p‖ / mean_{t≠p}‖h_t‖``.
+
+    An ordinary token has ``R ≈ 1``, so this is the share of the massive token's *excess* that an
+    intervention leaves: 1 = untouched, 0 = the token is as ordinary as the others (a plain
+    ``R_after / R_before`` never goes below ``1 / R_before``). NaN when ``R_before = 1``.
+    """
+    return float(excess_stat.of_means(np.array([after, before], dtype=np.float64)))
+
+
+@of_means
+def excess_stat(m: np.ndarray) -> np.ndarray | float:
+    """Per-prompt columns ``[after, before]`` → :func:`excess_fraction` of their prompt means ``m``
+    (the statistic the claims bootstrap over prompts; vectorised over leading axes)."""
+    return divide(m[..., 0] - 1.0, m[..., 1] - 1.0)
 
 
 def holm(claims: Sequence[Claim | Mapping[str, Any]], alpha: float = ALPHA) -> list[str]:

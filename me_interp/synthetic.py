@@ -1086,7 +1086,7 @@ def causal_decoy(kind: str, layer: int = 2, seed: int = 0):
     * ``primed``: the starters' embedding carries ``−PRIME_FRACTION × MASSIVE_VALUE`` on the
       massive dim and the planted neuron's down weight is calibrated (a forward pass) so that token
       0's massive value after the ME layer is :data:`MASSIVE_VALUE`: the ME layer's FFN output is
-      107 % of the state's norm, so it is *not* the state (``interventions.causal.ffn_share``), and
+      107 % of the state's norm, so it is *not* the state (``probes.ffn.ffn_share``), and
       setting it to the other tokens' mean leaves token 0 with ``−7 %`` of it: removed, and its
       normalised state points *against* the massive dim, which the sink head's key reads: the sink
       goes;

@@ -80,7 +80,6 @@ def _by_hand():
         transplant,
         wemask,
     )
-    from me_interp.interventions import causal
 
     def ppl(a):
         return math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum())
@@ -105,7 +104,7 @@ def _by_hand():
         return (a[:, 2].sum() - a[:, 3].sum()) / damage if damage > 0 else math.nan
 
     return [
-        (causal.excess_stat, lambda a: (a[:, 0].mean() - 1) / (a[:, 1].mean() - 1), 2),
+        (claims.excess_stat, lambda a: (a[:, 0].mean() - 1) / (a[:, 1].mean() - 1), 2),
         (activation_patching._restore_stat, restore, 6),
         (_layer_report.relative_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
         (sink_causality._drop_stat, lambda a: 1 - a[:, 0].mean() / a[:, 1].mean(), 2),
@@ -143,11 +142,16 @@ def test_of_means_statistics_equal_their_per_resample_formulas():
 
 def test_of_means_gives_nan_where_its_statistic_divides_by_zero():
     flat = np.ones((5, 2))  # excess fraction: (R_after - 1) / (R_before - 1) with R_before = 1
-    from me_interp.interventions import causal
-
-    assert math.isnan(causal.excess_stat(flat))
-    stats = causal.excess_stat.of_means(claims._resample_means(flat, np.zeros((3, 5), int)))
+    assert math.isnan(claims.excess_stat(flat))
+    stats = claims.excess_stat.of_means(claims._resample_means(flat, np.zeros((3, 5), int)))
     assert np.isnan(stats).all()
+
+
+def test_excess_fraction_fixed_points():
+    assert claims.excess_fraction(101.0, 101.0) == 1.0
+    assert claims.excess_fraction(1.0, 101.0) == 0.0
+    assert claims.excess_fraction(11.0, 101.0) == pytest.approx(0.1)
+    assert claims.excess_fraction(2.0, 1.0) != claims.excess_fraction(2.0, 1.0)  # NaN
 
 
 def test_bootstrap_drops_non_finite_units_and_handles_none_left():

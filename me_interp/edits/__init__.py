@@ -7,7 +7,9 @@ Every edit is built on :func:`edited_parameters` (save clones, write, restore in
     with permuted_gain(model, layer, perm, norm="ffn"): ...
     with flattened_gain(model, layer, alpha, norm="ffn"): ...
     with svd_ablated(model, layer, matrix, k): ...
+    with directions_removed(W, SVD.of(W), directions): ...
     with neurons_ablated(model, layer, neurons): ...
+    with down_weights_zeroed(model, [(layer, row, col), ...]): ...
 
 Parts (:data:`PARTS`): the single parts ``attn_norm``, ``ffn_norm``, ``ffn``, ``attn``; ``block``;
 the sandwich-norm-only ``post_ffn_norm`` / ``post_attn_norm`` (:data:`~me_interp.edits.core.ALL_PARTS`);
@@ -26,7 +28,10 @@ from me_interp.edits.core import (
 )
 from me_interp.edits.ffn import (
     MATRICES,
+    SVD,
     check_neurons,
+    directions_removed,
+    down_weights_zeroed,
     ffn_matrix,
     ffn_singular_values,
     neurons_ablated,
@@ -53,9 +58,12 @@ __all__ = [
     "NORMS",
     "PARTS",
     "SINGLE_PARTS",
+    "SVD",
     "check_neurons",
     "check_part",
     "check_permutation",
+    "directions_removed",
+    "down_weights_zeroed",
     "edited_parameters",
     "ffn_matrix",
     "ffn_singular_values",

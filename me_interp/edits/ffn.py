@@ -3,17 +3,23 @@
 * :func:`svd_ablated` removes the top-``k`` singular directions of one matrix:
   with ``W = U diag(s) Vᵀ`` (``s`` descending), ``W ← W − Σ_{i<k} s_i u_i v_iᵀ`` — the best rank-``k``
   part is taken out, the remaining ``rank − k`` directions are untouched.
+* :func:`directions_removed` removes any set ``S`` of singular directions, from an :class:`SVD`
+  computed once per matrix: ``W ← W − Σ_{i∈S} s_i u_i v_iᵀ`` (for ``S = {0..k−1}`` the edit of
+  :func:`svd_ablated`; other sets are the random controls of ``ffn_svd_ablation``).
 * :func:`neurons_ablated` removes whole neurons ``n``: ``W_gate[n,:] = W_up[n,:] = 0`` and
   ``W_down[:,n] = 0``, so the neuron's activation and its write to the residual stream are exactly 0.
+* :func:`down_weights_zeroed` sets single entries ``W_down[r, c] = 0`` of any layers (Yu et al.'s
+  super weight, ``super_weight``).
 
 Matrices are named ``"gate"``, ``"up"``, ``"down"`` (HF ``(out, in)`` layout, via
-:meth:`LoadedModel.ffn_weights`). Both edits restore the weights on exit, also after an exception.
+:meth:`LoadedModel.ffn_weights`). Every edit restores the weights on exit, also after an exception.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from jaxtyping import Float
@@ -64,6 +70,47 @@ def svd_ablated(model: LoadedModel, layer: int, matrix: str, k: int) -> Iterator
         yield
 
 
+@dataclass(frozen=True)
+class SVD:
+    """``W = U diag(s) Vᵀ`` of one FFN matrix (float64, ``s`` descending), computed once and reused
+    by every :func:`directions_removed` of that matrix."""
+
+    U: torch.Tensor
+    S: torch.Tensor
+    Vh: torch.Tensor
+
+    @classmethod
+    def of(cls, W: torch.Tensor) -> SVD:
+        U, S, Vh = torch.linalg.svd(W.detach().double(), full_matrices=False)
+        return cls(U, S, Vh)
+
+    @property
+    def rank(self) -> int:
+        return int(self.S.numel())
+
+    def part(self, directions: Sequence[int]) -> torch.Tensor:
+        """``Σ_{i∈directions} s_i u_i v_iᵀ`` (float64)."""
+        idx = torch.as_tensor(list(directions), dtype=torch.long)
+        return (self.U[:, idx] * self.S[idx]) @ self.Vh[idx]
+
+
+@contextlib.contextmanager
+def directions_removed(
+    W: torch.nn.Parameter, svd: SVD, directions: Sequence[int]
+) -> Iterator[None]:
+    """Within the block, ``W ← W − Σ_{i∈directions} s_i u_i v_iᵀ`` (``svd`` of ``W``); restored on
+    exit, also after an exception (:func:`~me_interp.edits.core.edited_parameters`).
+
+    Raises:
+        ValueError: a direction outside ``0..rank−1``, or a repeated one.
+    """
+    d = list(directions)
+    if not d or min(d) < 0 or max(d) >= svd.rank or len(set(d)) != len(d):
+        raise ValueError(f"directions must be distinct ints in 0..{svd.rank - 1}, got {d}")
+    with edited_parameters({W: W.detach() - svd.part(d).to(W.dtype)}):
+        yield
+
+
 def check_neurons(neurons: Sequence[int], d_mlp: int) -> list[int]:
     """``neurons`` as a list of distinct ints in ``0..d_mlp-1``, else raise ``ValueError``."""
     out = []
@@ -96,4 +143,28 @@ def neurons_ablated(model: LoadedModel, layer: int, neurons: Sequence[int]) -> I
     up[idx, :] = 0.0
     down[:, idx] = 0.0
     with edited_parameters({w.gate: gate, w.up: up, w.down: down}):
+        yield
+
+
+@contextlib.contextmanager
+def down_weights_zeroed(
+    model: LoadedModel, entries: Sequence[tuple[int, int, int]]
+) -> Iterator[None]:
+    """Within the block, ``W_down[row, col]`` of ``layer`` is 0 for every ``(layer, row, col)`` of
+    ``entries``; restored exactly on exit, also after an exception
+    (:func:`~me_interp.edits.core.edited_parameters`).
+
+    Raises:
+        ValueError: an entry out of range, or no entry.
+    """
+    if not entries:
+        raise ValueError("give at least one (layer, row, col) to zero")
+    new: dict[torch.nn.Parameter, torch.Tensor] = {}
+    for L, r, c in entries:
+        W = model.ffn_weights(L).down
+        if not (0 <= r < W.shape[0] and 0 <= c < W.shape[1]):
+            raise ValueError(f"W_down[{r}, {c}] is outside layer {L}'s {tuple(W.shape)} matrix")
+        value = new.setdefault(W, W.detach().clone())
+        value[r, c] = 0.0
+    with edited_parameters(new):
         yield

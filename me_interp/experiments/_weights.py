@@ -18,18 +18,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
-from me_interp import names
 from me_interp.edits import PARTS
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching.suffix import give_up
-from me_interp.probes.attention import mean_to_keys
-from me_interp.probes.batching import Chunk, record
+from me_interp.probes.attention import SinkRecorder
+from me_interp.probes.batching import record
 from me_interp.probes.blocks import Prefix, capture_prefix
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer, prompt_me_layers
 from me_interp.probes.norms import NormRecorder, NormScan, top_ratio
@@ -237,48 +235,6 @@ def fmt_value(x: Any) -> str:
 # ------------------------------------------------------------------------------------------
 # measuring
 # ------------------------------------------------------------------------------------------
-
-
-class SinkRecorder:
-    """Records ``out[l, b, h] = Σ_{p∈P_b} mean_{q>p} A_{l,b,h}[q, p]``: the attention mass every head
-    puts on the reference positions ``P_b`` from the real queries that can see them (as
-    ``probes.attention``: :func:`~me_interp.probes.attention.mean_to_keys`), chunk by chunk
-    (``probes.batching``), so that it shares the forward pass of the norm scan."""
-
-    def __init__(
-        self, model: LoadedModel, batch: Batch, positions: Sequence[Sequence[int]]
-    ) -> None:
-        B, T = batch.tokens.shape
-        if len(positions) != B:
-            raise ValueError(f"positions has {len(positions)} rows for {B} prompts")
-        if min(batch.lengths) < 2:
-            raise ValueError("attention statistics need prompts with at least 2 tokens")
-        self.key_mask = torch.zeros(B, T)
-        for b, ps in enumerate(positions):
-            for p in ps:
-                if not 0 <= p < batch.lengths[b]:
-                    raise ValueError(
-                        f"position {p} is outside prompt {b} (length {batch.lengths[b]})"
-                    )
-                self.key_mask[b, p] = 1.0
-        self.model = model
-        self.out = torch.zeros(model.n_layers, B, model.n_heads)
-
-    def hooks(self, chunk: Chunk) -> list:
-        dev = self.model.device
-        key_mask = self.key_mask[chunk.rows, : chunk.width].to(dev)
-        qmask = chunk.batch.attention_mask.bool().to(dev)
-        rec = partial(self._record, rows=chunk.rows, key_mask=key_mask, qmask=qmask)
-        return [(names.pattern(layer), partial(rec, layer=layer)) for layer in range(len(self.out))]
-
-    def _record(self, pattern, hook, *, layer, rows, key_mask, qmask):
-        per_key = mean_to_keys(pattern.detach().float(), qmask).nan_to_num(0.0)  # [n head k]
-        self.out[layer, rows] = (per_key * key_mask[:, None, :]).sum(-1).cpu()  # [n head]
-        return pattern
-
-    def per_layer(self) -> list[float]:
-        """Per layer: mean over prompts of the largest head's mass."""
-        return self.out.amax(-1).mean(-1).tolist()  # [layer batch head] → [layer]
 
 
 def measure(

@@ -42,7 +42,7 @@ Claims (:data:`SPECS`; kinds in brackets): the corruption removed the activation
 precondition) [sanity]; patching back the cell the corruption overwrote gives 1 (``undo``) [sanity];
 the ME layer's FFN output alone brings the massive direction back downstream (``ffn_writes``)
 [claim] — unless that output *is* the massive token's state (cosine > 0.99 and 95–105 % of its norm,
-``interventions.causal.ffn_share``), as on the planted model and on SmolLM2 (cosine 0.99998),
+``probes.ffn.ffn_share``), as on the planted model and on SmolLM2 (cosine 0.99998),
 where the activation appears suddenly in one FFN: then the same patch is patching the state back,
 and it is judged as ``ffn_is_state`` [sanity] instead; the massive token's clean state after the
 ME layer restores the downstream sink (``state_causes_sink``) [sanity]; no later attention or FFN output brings the massive direction back
@@ -92,6 +92,7 @@ from me_interp.patching import (
     patch_sweep,
 )
 from me_interp.patching.pairs import read_pairs
+from me_interp.probes.ffn import FfnShare, ffn_share
 from me_interp.probes.site import Site, locate
 from me_interp.study import CommonConfig, Experiment, check_choices, command, model_for
 from me_interp.terminal import fmt_table
@@ -285,7 +286,7 @@ SPECS: tuple[claims.Spec, ...] = (
         control="the clean run",
         kind="sanity",
         stat=lambda r: claims.Sample(
-            np.stack([r.me_ratio_corrupt, r.me_ratio_clean], 1), causal.excess_stat
+            np.stack([r.me_ratio_corrupt, r.me_ratio_clean], 1), claims.excess_stat
         ),
         applies=_why_massive,
         details=_details("removal", ""),
@@ -572,7 +573,7 @@ class Result:
     me_ratio_corrupt: list[float]
     sweeps: dict[str, SweepResult]
     tokens: list[str]
-    ffn: causal.FfnShare
+    ffn: FfnShare
     direction_cos: float
     seed: int = 0
     sink_heads: patching_heads.SinkHeads | None = None
@@ -618,7 +619,7 @@ class Result:
         return self.later_cells() if key == "not_rewritten" else [self.claim_cells()[key]]
 
     def removal_fraction(self) -> float:
-        return causal.excess_fraction(
+        return claims.excess_fraction(
             float(np.mean(self.me_ratio_corrupt)), float(np.mean(self.me_ratio_clean))
         )
 
@@ -714,7 +715,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pair
     if corruption in ("auto", "first_token"):
         corrupt = first_token_corrupt(clean)
         corrupt_me = median_ratios(model, corrupt, L, p)
-        frac = causal.excess_fraction(float(corrupt_me.mean()), float(clean_me.mean()))
+        frac = claims.excess_fraction(float(corrupt_me.mean()), float(clean_me.mean()))
         note = (
             f"first-token replacement: ME-layer (R - 1) corrupt / clean = {frac:.3g} "
             f"(R = norm / median of the others: {float(clean_me.mean()):.4g} -> "
@@ -787,7 +788,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pair
         me_ratio_corrupt=corrupt_me.tolist(),
         sweeps=sweeps,
         tokens=tokens,
-        ffn=causal.ffn_share(model, clean, L, p, acts=acts),
+        ffn=ffn_share(model, clean, L, p, acts=acts),
         direction_cos=direction_cos,
         seed=cfg.seed,
         sink_heads=heads,

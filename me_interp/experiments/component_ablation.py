@@ -127,7 +127,7 @@ def _ratio_stat(key: str):
     def stat(r: Result) -> claims.Sample:
         m, base = r.per_prompt[CLAIM_CONDITION[key]], r.per_prompt["baseline"]
         rows = torch.stack([m[ratio], base[ratio]], 1).double().numpy()
-        return claims.Sample(rows, causal.excess_stat)
+        return claims.Sample(rows, claims.excess_stat)
 
     return stat
 
@@ -370,7 +370,7 @@ class Result:
 
     def excess(self, cond: str, key: str) -> float:
         """``excess_fraction`` of the prompt-mean ratio ``key`` (``me_ratio`` or ``last_ratio``)."""
-        return causal.excess_fraction(self.mean(cond, key), self.mean("baseline", key))
+        return claims.excess_fraction(self.mean(cond, key), self.mean("baseline", key))
 
     def to_dict(self) -> dict[str, Any]:
         conds = list(self.per_prompt)

@@ -2,8 +2,8 @@
 
 With ``W = U diag(s) Vᵀ`` (``s`` descending), removing a set ``S`` of singular directions sets
 ``W ← W − Σ_{i∈S} s_i u_i v_iᵀ`` for ``W`` one of ``W_down``, ``W_up``, ``W_gate`` of the ME layer
-``m`` (the same edit as ``me_interp.edits.svd_ablated`` for ``S = {0..k−1}``; the SVD of each matrix
-is computed once). Edits:
+``m`` (``me_interp.edits.directions_removed``, the same edit as ``me_interp.edits.svd_ablated`` for
+``S = {0..k−1}``; the SVD of each matrix is computed once, ``edits.SVD``). Edits:
 
 * ``svd``: the top ``k`` directions, for every ``k`` of the sweep ``ks`` and for ``claim_k``;
 * ``svd_random``: the control, ``claim_k`` directions drawn (seeded) from the *other* ones
@@ -12,10 +12,10 @@ is computed once). Edits:
   ``n_neurons`` together (gate row, up row and down column zeroed, ``edits.neurons_ablated``);
 * ``neurons_random``: the control, ``n_neurons`` neurons drawn (seeded) from the others.
 
-Neuron score (the probe): at the massive token ``t_b`` of each prompt ``b`` (the unedited ME layer's
-massive position), ``score_n = mean_b ‖ act_n(b, t_b) · W_down[D, n] ‖₂`` with
-``act = σ(W_gate x) ⊙ W_up x`` (``mlp.hook_post``) and ``D`` the massive dims: how much neuron ``n``
-writes into the massive dims.
+Neuron score (the probe ``probes.ffn.neuron_scores``): at the massive token ``t_b`` of each prompt
+``b`` (the unedited ME layer's massive position), ``score_n = mean_b ‖ act_n(b, t_b) · W_down[D, n] ‖₂``
+with ``act = σ(W_gate x) ⊙ W_up x`` (``mlp.hook_post``) and ``D`` the massive dims: how much neuron
+``n`` writes into the massive dims.
 
 The statistic of every claim is the excess the edit leaves, ``c = (R̄_m(edited) − 1) /
 (R̄_m(unedited) − 1)`` with ``R̄_m`` the mean over prompts of ``R_{m,b} = max_t ‖h_{m,b,t}‖ /
@@ -42,8 +42,7 @@ whose mean is the mean over seeds of ``c``) with a two-way (crossed) bootstrap o
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -51,10 +50,16 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 import torch
-from jaxtyping import Int
 
-from me_interp import claims, names, terminal
-from me_interp.edits import MATRICES, edited_parameters, ffn_matrix, neurons_ablated
+from me_interp import claims, terminal
+from me_interp.claims import excess_fraction, excess_stat
+from me_interp.edits import (
+    MATRICES,
+    SVD,
+    directions_removed,
+    ffn_matrix,
+    neurons_ablated,
+)
 from me_interp.experiments._weights import (
     EDIT_COLUMNS,
     Measurement,
@@ -66,8 +71,8 @@ from me_interp.experiments._weights import (
     run_header,
     where_edited,
 )
-from me_interp.interventions.causal import excess_fraction, excess_stat
-from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.loading.loaded import LoadedModel
+from me_interp.probes.ffn import neuron_scores
 from me_interp.probes.site import Units, massive_units
 from me_interp.study import Experiment, command
 from me_interp.terminal import fmt_table
@@ -114,85 +119,6 @@ class Config(WeightConfig):
     def sweep(self) -> list[int]:
         """The ``k`` values run: ``ks`` and ``claim_k``, sorted."""
         return sorted({*self.ks, self.claim_k})
-
-
-def _record_act(act: torch.Tensor, hook, *, store: dict) -> torch.Tensor:
-    store["act"] = act.detach().float()
-    return act
-
-
-def neuron_scores(
-    model: LoadedModel,
-    batch: Batch,
-    layer: int,
-    positions: Int[torch.Tensor, " batch"],
-    dims: Sequence[int],
-    rows: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """``score_n = mean_b ‖act_n(b, t_b) · W_down[D, n]‖₂`` (module docstring), shape ``[d_mlp]``,
-    the mean over the prompts ``rows`` (``None``: all).
-
-    One forward, stopped after ``layer``.
-
-    Raises:
-        ValueError: no massive dims, or a dim out of range.
-    """
-    model.check_layer(layer)
-    dims = list(dims)
-    if not dims or not all(0 <= d < model.d_model for d in dims):
-        raise ValueError(
-            f"dims must be a non-empty list of dims in 0..{model.d_model - 1}, got {dims}"
-        )
-    store: dict = {}
-    hook = (names.site("ffn_act", layer), partial(_record_act, store=store))
-    model.run_with_hooks(batch, [hook], stop_at_layer=layer + 1)
-    act = store["act"][torch.arange(len(batch)), positions.to(store["act"].device)]  # [batch d_mlp]
-    W = ffn_matrix(model, layer, "down").detach().float()[dims].to(act.device)  # [D d_mlp]
-    writes = act[:, None, :] * W[None]  # [batch D d_mlp]
-    per_prompt = writes.norm(dim=1)  # [batch d_mlp]
-    if rows is not None:
-        per_prompt = per_prompt[torch.as_tensor(list(rows), dtype=torch.long)]
-    return per_prompt.mean(0).cpu()
-
-
-@dataclass(frozen=True)
-class SVD:
-    """``W = U diag(s) Vᵀ`` of one FFN matrix (float64), computed once per run."""
-
-    U: torch.Tensor
-    S: torch.Tensor
-    Vh: torch.Tensor
-
-    @classmethod
-    def of(cls, W: torch.Tensor) -> SVD:
-        U, S, Vh = torch.linalg.svd(W.detach().double(), full_matrices=False)
-        return cls(U, S, Vh)
-
-    @property
-    def rank(self) -> int:
-        return int(self.S.numel())
-
-    def part(self, directions: Sequence[int]) -> torch.Tensor:
-        """``Σ_{i∈directions} s_i u_i v_iᵀ`` (float64)."""
-        idx = torch.as_tensor(list(directions), dtype=torch.long)
-        return (self.U[:, idx] * self.S[idx]) @ self.Vh[idx]
-
-
-@contextlib.contextmanager
-def directions_removed(
-    W: torch.nn.Parameter, svd: SVD, directions: Sequence[int]
-) -> Iterator[None]:
-    """Within the block, ``W ← W − Σ_{i∈directions} s_i u_i v_iᵀ`` (``svd`` of ``W``); restored on
-    exit, also after an exception (``edits.edited_parameters``).
-
-    Raises:
-        ValueError: a direction outside ``0..rank−1``, or a repeated one.
-    """
-    d = list(directions)
-    if not d or min(d) < 0 or max(d) >= svd.rank or len(set(d)) != len(d):
-        raise ValueError(f"directions must be distinct ints in 0..{svd.rank - 1}, got {d}")
-    with edited_parameters({W: W.detach() - svd.part(d).to(W.dtype)}):
-        yield
 
 
 def random_others(n_total: int, exclude: Sequence[int], k: int, seed: int) -> list[int]:

@@ -19,7 +19,7 @@ control). The statistic of every claim is the *excess left* by the edit,
     R_{l,b} = max_t ‖h_{l,b,t}‖ / mean_{t≠argmax} ‖h_{l,b,t}‖
 
 of layer ``m``'s output (an ordinary token has ``R ≈ 1``, so ``c = 1`` is untouched and ``c = 0`` an
-ordinary token; ``interventions.causal.excess_fraction``). An edit *removes* the massive activation
+ordinary token; ``claims.excess_fraction``). An edit *removes* the massive activation
 when ``c`` is at most the table's ``removed`` fraction.
 
 Claims (:data:`SPECS`, declarative, judged by :func:`me_interp.claims.judge`):
@@ -58,6 +58,7 @@ from jaxtyping import Float
 from plotly.subplots import make_subplots
 
 from me_interp import claims, terminal
+from me_interp.claims import excess_fraction, excess_stat
 from me_interp.edits import (
     NORMS,
     flattened_gain,
@@ -78,7 +79,6 @@ from me_interp.experiments._weights import (
     run_header,
     where_edited,
 )
-from me_interp.interventions.causal import excess_fraction, excess_stat
 from me_interp.loading.loaded import LoadedModel
 from me_interp.study import Experiment, command
 from me_interp.terminal import fmt_table

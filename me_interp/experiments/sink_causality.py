@@ -20,7 +20,7 @@ measures (which edit, which drop), not as "the massive activation causes the sin
 
 * ``remove_ffn`` [claim] — the drop reaches the ``relative_drop`` threshold. Where the ME layer's FFN
   output *is* the massive token's whole state (cosine > 0.99, 95–105 % of the norm:
-  ``interventions.causal.ffn_share``) the edit is ``remove_all`` and the claim is not applicable;
+  ``probes.ffn.ffn_share``) the edit is ``remove_all`` and the claim is not applicable;
 * ``remove_all`` [sanity] — the same on the whole state: every later state of ``p`` is then an
   ordinary token's, so the sink heads lose it nearly by construction (it mirrors
   ``activation_patching.state_causes_sink``);
@@ -51,6 +51,7 @@ from me_interp import claims, names, plotting
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.attention import attention_entropy
+from me_interp.probes.ffn import FfnShare, ffn_share
 from me_interp.probes.norms import ratio_to_others
 from me_interp.probes.site import Site, locate
 from me_interp.study import Experiment, SiteConfig, check_choices, command, model_for
@@ -307,7 +308,7 @@ class Result:
     n_layers: int
     measures: dict[str, Measure]  # "baseline" and every condition run
     same_prefix: bool  # every prompt has the same tokens up to p (the swap control is the identity)
-    ffn: causal.FfnShare  # the ME layer's FFN output at p against p's state there
+    ffn: FfnShare  # the ME layer's FFN output at p against p's state there
     seed: int = 0
 
     def sink_heads(self) -> list[tuple[int, int]]:
@@ -345,7 +346,7 @@ class Result:
 
     def removal_fraction(self, cond: str) -> float:
         """The share of the massive token's excess ME-layer norm ratio the condition leaves."""
-        return causal.excess_fraction(
+        return claims.excess_fraction(
             float(self.measures[cond].me_ratio.mean()),
             float(self.measures["baseline"].me_ratio.mean()),
         )
@@ -425,7 +426,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         n_layers=model.n_layers,
         measures=measures,
         same_prefix=bool((prefix == prefix[:1]).all()),
-        ffn=causal.ffn_share(model, batch, L, p, acts=acts),
+        ffn=ffn_share(model, batch, L, p, acts=acts),
         seed=cfg.seed,
     )
 

@@ -6,7 +6,7 @@ spikes, its output dim ``r`` spikes (the *super activation*), and ``W_down[r, c]
 Their released code keeps a table of coordinates for 8 models; this experiment detects them from
 activations on any model and tests them causally against the ME layer of the paper.
 
-**Detection** (one forward over the prompts, ``probes.batching``), at the massive token ``p_b`` of
+**Detection** (one forward over the prompts, ``probes.down_proj``), at the massive token ``p_b`` of
 each prompt ``b`` (its largest-norm massive token at the ME layer ``m``) and in every layer ``L``:
 
 * the *spikes* (Yu et al.'s plot): ``max_c |x_{L,c}|`` of ``down_proj``'s input ``x = σ(W_gate ĥ) ⊙
@@ -37,7 +37,8 @@ each prompt ``b`` (its largest-norm massive token at the ME layer ``m``) and in 
   ‖y‖²`` of the massive token's FFN output, ``Σ_n s_n = 1``, as ``probes.ffn.neuron_contributions``),
   and its own share ``x_c W_down[r, c] / y_r`` of the super activation.
 
-**Causal tests** (the edits restore the weights exactly, ``edits.edited_parameters``):
+**Causal tests** (``edits.down_weights_zeroed`` restores the weights exactly; the restore is the
+hook ``interventions.causal.set_ffn_own_at``):
 
 * *zeroing* the super weight: the massive activation at ``L* = max(m, L_sw)`` (the first layer where
   both the emergence and the weight have acted), ``c = (R̄(zeroed) − 1) / (R̄(unedited) − 1)`` with
@@ -70,11 +71,9 @@ claims that need a super weight.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -84,7 +83,8 @@ import torch
 from plotly.subplots import make_subplots
 
 from me_interp import claims, evaluation, names, plotting, terminal
-from me_interp.edits import edited_parameters
+from me_interp.claims import excess_fraction, excess_stat
+from me_interp.edits import down_weights_zeroed
 from me_interp.experiments._weights import (
     WeightConfig,
     fmt_value,
@@ -92,14 +92,15 @@ from me_interp.experiments._weights import (
     prepare,
     short_batch,
 )
-from me_interp.interventions.causal import excess_fraction, excess_stat
+from me_interp.interventions.causal import set_ffn_own_at
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.down_proj import (
-    Spikes,
+    Candidate,
+    candidate_at,
+    candidates,
     down_proj_spikes,
-    me_neuron_shares,
-    top_writes,
-    weight_only_scores,
+    weight_only_tops,
+    yu_spike_layers,
 )
 from me_interp.probes.massive import Criterion
 from me_interp.probes.site import locate
@@ -108,9 +109,6 @@ from me_interp.study import INDEX_CONVENTION, Experiment, command
 from me_interp.terminal import fmt_table
 
 NAME = "super_weight"
-N_ME_NEURONS = 3
-"""How many of the ME layer's top neurons (by share of the massive token's FFN output) the super
-weight's column is compared with (the "few neurons" of ``mechanism.few_neurons``)."""
 EDITS = ("unedited", "zeroed", "restored", "random")
 """The perplexity conditions, in figure order."""
 
@@ -167,177 +165,6 @@ class Config(WeightConfig):
             )
 
 
-# ------------------------------------------------------------------------------------------
-# candidates
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One super-weight candidate ``W_down[row, col]`` of ``layer`` (0-based).
-
-    Attributes:
-        weight: its value.
-        write: mean over prompts of its write ``s`` at the massive token.
-        write_per_prompt: ``s`` on every prompt.
-        share: mean over prompts of ``x_col W_down[row, col] / y_row`` (its share of the super
-            activation).
-        stability: fraction of prompts on which it is the top candidate.
-        in_me_layer: ``layer`` is the ME layer.
-        massive_dim: ``row`` is a massive dim of the ME layer.
-        me_neuron: ``col`` is one of the ME layer's top neurons (only when ``layer`` is the ME layer).
-        abs_rank: how many weights of its matrix are larger in magnitude (0: the largest).
-        weight_only_rank: how many weights of its matrix have a larger weight-only score ``ω``.
-    """
-
-    layer: int
-    row: int
-    col: int
-    weight: float
-    write: float
-    write_per_prompt: list[float]
-    share: float
-    stability: float
-    in_me_layer: bool
-    massive_dim: bool
-    me_neuron: bool
-    abs_rank: int
-    weight_only_rank: int
-
-    @property
-    def coord(self) -> tuple[int, int, int]:
-        return (self.layer, self.row, self.col)
-
-    def label(self) -> str:
-        return f"layer {self.layer} W_down[{self.row}, {self.col}]"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "layer_1based": self.layer + 1}
-
-
-def _rank(scores: torch.Tensor, row: int, col: int) -> int:
-    return int((scores > scores[row, col]).sum())
-
-
-def candidate_at(
-    model: LoadedModel,
-    spikes: Spikes,
-    coord: Sequence[int],
-    me_layer: int,
-    massive_dims: Sequence[int],
-    me_top: Sequence[int],
-    stability: float = 0.0,
-) -> Candidate:
-    """The :class:`Candidate` record of ``W_down[row, col]`` of ``layer`` (``coord``), measured on
-    ``spikes``.
-
-    Raises:
-        ValueError: a layer or entry out of range.
-    """
-    L, r, c = (int(v) for v in coord)
-    model.check_layer(L)
-    W = model.ffn_weights(L).down.detach()
-    if not (0 <= r < W.shape[0] and 0 <= c < W.shape[1]):
-        raise ValueError(f"W_down[{r}, {c}] is outside layer {L}'s {tuple(W.shape)} matrix")
-    s = spikes.write(model, L, r, c)
-    return Candidate(
-        layer=L,
-        row=r,
-        col=c,
-        weight=float(W[r, c]),
-        write=float(s.mean()),
-        write_per_prompt=s.tolist(),
-        share=float(spikes.share(model, L, r, c).nan_to_num(0.0).mean()),
-        stability=float(stability),
-        in_me_layer=L == me_layer,
-        massive_dim=r in set(massive_dims),
-        me_neuron=L == me_layer and c in set(me_top),
-        abs_rank=_rank(W.abs(), r, c),
-        weight_only_rank=_rank(weight_only_scores(model, L), r, c),
-    )
-
-
-def candidates(
-    model: LoadedModel,
-    spikes: Spikes,
-    me_layer: int,
-    massive_dims: Sequence[int],
-    top_k: int = 5,
-) -> tuple[list[Candidate], list[tuple[int, int, int] | None], dict[str, Any], list[dict]]:
-    """The candidates (building writes ``s`` ≥ ``super_weight_spike`` on some prompt, sorted by
-    stability then mean write), each prompt's top candidate (``None`` where no building write
-    reaches the threshold), the ME layer's top neurons with their shares, and per layer the
-    commonest largest *erasing* write (its mean ``s`` over prompts)."""
-    thr = claims.threshold("super_weight_spike")
-    B = spikes.x.shape[1]
-    tops: list[tuple[float, tuple[int, int, int]] | None] = [None] * B
-    coords: set[tuple[int, int, int]] = set()
-    erasers = []
-    for L in range(spikes.n_layers):
-        builds, erases = top_writes(model, spikes, L, top_k)
-        r, c = Counter((r, c) for r, c, _ in erases).most_common(1)[0][0]
-        erasers.append(
-            {"layer": L, "row": r, "col": c, "write": float(spikes.write(model, L, r, c).mean())}
-        )
-        for b, entries in enumerate(builds):
-            for r, c, s in entries:
-                if s < thr:
-                    break
-                coords.add((L, r, c))
-                if tops[b] is None or s > tops[b][0]:
-                    tops[b] = (s, (L, r, c))
-    top = [None if t is None else t[1] for t in tops]
-    shares = me_neuron_shares(model, spikes, me_layer)
-    me_top = shares.argsort(descending=True)[:N_ME_NEURONS].tolist()
-    counts = Counter(t for t in top if t is not None)
-    out = [
-        candidate_at(model, spikes, coord, me_layer, massive_dims, me_top, counts[coord] / B)
-        for coord in coords
-    ]
-    out.sort(key=lambda k: (-k.stability, -k.write, k.coord))
-    me = {
-        "layer": me_layer,
-        "top_neurons": me_top,
-        "top_shares": [float(shares[n]) for n in me_top],
-    }
-    return out, top, me, erasers
-
-
-def yu_spike_layers(spikes: Spikes) -> list[dict[str, Any]]:
-    """Yu et al.'s rule: the layers whose median (over prompts) ``max|x|`` and ``max|y|`` at the
-    massive token both exceed ``super_weight_spike``, with the coordinate ``(L, argmax|y|, argmax|x|)``
-    (the commonest over prompts)."""
-    thr = claims.threshold("super_weight_spike")
-    ins, outs = spikes.in_max().median(-1).values, spikes.out_max().median(-1).values
-    rows = []
-    for L in range(spikes.n_layers):
-        if ins[L] > thr and outs[L] > thr:
-            r = Counter(spikes.y[L].abs().argmax(-1).tolist()).most_common(1)[0][0]
-            c = Counter(spikes.x[L].abs().argmax(-1).tolist()).most_common(1)[0][0]
-            rows.append(
-                {"layer": L, "row": r, "col": c, "in_max": float(ins[L]), "out_max": float(outs[L])}
-            )
-    return rows
-
-
-def weight_only_tops(model: LoadedModel) -> list[dict[str, Any]]:
-    """Per layer, the entry of largest weight-only score ``ω`` and of largest ``|W_down|``."""
-    out = []
-    for L in range(model.n_layers):
-        omega = weight_only_scores(model, L)
-        A = model.ffn_weights(L).down.detach().abs()
-        i, j = int(omega.argmax()), int(A.argmax())
-        n = omega.shape[1]
-        out.append(
-            {
-                "layer": L,
-                "omega": {"row": i // n, "col": i % n, "score": float(omega.flatten()[i])},
-                "abs": {"row": j // n, "col": j % n, "value": float(A.flatten()[j])},
-            }
-        )
-    return out
-
-
 def survey_entry(
     model: LoadedModel,
     prompts: Sequence[str],
@@ -380,43 +207,8 @@ def survey_text(entry: dict[str, Any] | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------
-# edits
+# the random control's weights
 # ------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def zeroed(model: LoadedModel, entries: Sequence[tuple[int, int, int]]) -> Iterator[None]:
-    """Within the block, ``W_down[row, col]`` of ``layer`` is 0 for every ``(layer, row, col)`` of
-    ``entries``; restored exactly on exit, also after an exception (``edits.edited_parameters``).
-
-    Raises:
-        ValueError: an entry out of range, or no entry.
-    """
-    if not entries:
-        raise ValueError("give at least one (layer, row, col) to zero")
-    new: dict[torch.nn.Parameter, torch.Tensor] = {}
-    for L, r, c in entries:
-        W = model.ffn_weights(L).down
-        if not (0 <= r < W.shape[0] and 0 <= c < W.shape[1]):
-            raise ValueError(f"W_down[{r}, {c}] is outside layer {L}'s {tuple(W.shape)} matrix")
-        value = new.setdefault(W, W.detach().clone())
-        value[r, c] = 0.0
-    with edited_parameters(new):
-        yield
-
-
-def _set_at(y, hook, *, row: int, pos: torch.Tensor, values: torch.Tensor):
-    y = y.clone()
-    y[torch.arange(y.shape[0], device=y.device), pos.to(y.device), row] = values.to(y)
-    return y
-
-
-def restore_hook(layer: int, row: int, positions: Sequence[int], values: torch.Tensor) -> list:
-    """The hook that writes ``values[b]`` into ``down_proj``'s output ``y_row`` at ``positions[b]`` of
-    text ``b`` in ``layer`` (``mlp.hook_out``; idempotent: it sets absolute values)."""
-    pos = torch.as_tensor([int(p) for p in positions], dtype=torch.long)
-    fn = partial(_set_at, row=int(row), pos=pos, values=values.detach().clone().float())
-    return [(names.ffn_own(layer), fn)]
 
 
 def control_pool(model: LoadedModel, layer: int, row: int, col: int, size: int) -> list:
@@ -620,7 +412,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     if sw is None:
         return res
     check = max(m, sw.layer)
-    with zeroed(model, [sw.coord]):
+    with down_weights_zeroed(model, [sw.coord]):
         after = measure(model, s.batch, s.criterion, s.positions, sink=False)
     texts = cfg.texts
     source = cfg.load_prompts() if texts is None else read_prompts(texts)
@@ -637,12 +429,12 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     values = store["y"][torch.arange(len(tb)), where]
     pool = control_pool(model, sw.layer, sw.row, sw.col, cfg.pool)
     draws = [draw(pool, cfg.control_weights, cfg.seed + i) for i in range(cfg.n_random)]
-    with zeroed(model, [sw.coord]):
+    with down_weights_zeroed(model, [sw.coord]):
         zero = text_nll(model, tb)
-        rest = text_nll(model, tb, restore_hook(sw.layer, sw.row, where.tolist(), values))
+        rest = text_nll(model, tb, set_ffn_own_at(sw.layer, sw.row, where.tolist(), values))
     rand = []
     for d in terminal.bar(draws, desc=NAME):
-        with zeroed(model, [(sw.layer, r, c) for r, c, _ in d]):
+        with down_weights_zeroed(model, [(sw.layer, r, c) for r, c, _ in d]):
             rand.append(text_nll(model, tb).nll)
     return replace(
         res,

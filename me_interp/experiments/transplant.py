@@ -28,9 +28,7 @@ attention could follow: the run then skips the forwards instead of failing).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -38,8 +36,8 @@ import torch
 
 from me_interp import claims, names, plotting
 from me_interp.interventions import causal
-from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.norms import ratio_to_others
+from me_interp.loading.loaded import LoadedModel
+from me_interp.probes.attention import attention_src_dst
 from me_interp.probes.site import Site, locate
 from me_interp.study import Experiment, SiteConfig, command, model_for
 from me_interp.terminal import fmt_table
@@ -154,61 +152,6 @@ class Config(SiteConfig):
             raise ValueError("max_tokens must be >= 2")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError("max_prompts must be >= 1 (or None for all)")
-
-
-def _attn_to(pattern, hook, *, store, layer, src, dst, qmask):
-    a = pattern.detach().float()  # [batch head q k]
-    qm = qmask.to(a.device, a.dtype)[:, None, :]  # [batch 1 q]
-    n = qm.sum(-1)
-    store[layer] = torch.stack(
-        [(a[..., src] * qm).sum(-1) / n, (a[..., dst] * qm).sum(-1) / n]
-    ).cpu()  # [2 batch head]: to src, to dst
-    return pattern
-
-
-def _record(x, hook, *, store, key):
-    store[key] = x.detach()
-    return x
-
-
-def attention_src_dst(
-    model: LoadedModel,
-    batch: Batch,
-    src: int,
-    dst: int,
-    layers: Sequence[int],
-    fwd_hooks=(),
-    ratio_layer: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward: ``[layer, 2, batch, head]`` mean over the real queries ``q > max(src, dst)`` of
-    ``A[q, src]`` and ``A[q, dst]``, and (with ``ratio_layer``) ``[2, batch]`` the norm ratios
-    ``‖h_t‖ / mean_{t'≠t}‖h_t'‖`` of ``src`` and ``dst`` at the output of ``ratio_layer``."""
-    q = batch.attention_mask.bool().clone()
-    q[:, : max(src, dst) + 1] = False
-    if not q.any(-1).all():
-        raise ValueError(f"every prompt needs a token after position {max(src, dst)}")
-    store: dict[int, torch.Tensor] = {}
-    hooks = [
-        (names.pattern(lay), partial(_attn_to, store=store, layer=lay, src=src, dst=dst, qmask=q))
-        for lay in layers
-    ]
-    res: dict[str, torch.Tensor] = {}
-    if ratio_layer is not None:
-        hooks.append((names.resid_post(ratio_layer), partial(_record, store=res, key="h")))
-    stop = max([*layers, ratio_layer if ratio_layer is not None else 0]) + 1
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks], stop_at_layer=stop)
-    # no layer: nothing to read attention from (the ME layer is the last layer)
-    att = (
-        torch.stack([store[lay] for lay in layers]) if layers else torch.zeros(0, 2, len(batch), 0)
-    )
-    ratios = None
-    if ratio_layer is not None:
-        norms = res["h"].float().norm(dim=-1).cpu()
-        mask = batch.attention_mask.bool().cpu()
-        ratios = torch.stack(
-            [ratio_to_others(norms, mask, torch.full((len(batch),), t)) for t in (src, dst)]
-        )
-    return att, ratios
 
 
 @dataclass

@@ -65,7 +65,6 @@ has no earlier input, so its row claims are "not applicable".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -73,7 +72,7 @@ import plotly.graph_objects as go
 import torch
 from jaxtyping import Bool, Float, Int
 
-from me_interp import claims, names
+from me_interp import claims
 from me_interp.architecture import FFN_RESIDUAL_SITE
 from me_interp.edits.core import moved_modules, part_members, part_module
 from me_interp.experiments._weights import (
@@ -81,8 +80,8 @@ from me_interp.experiments._weights import (
     depth_label,
     short_batch,
 )
-from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.batching import Chunk, record
+from me_interp.loading.loaded import LoadedModel
+from me_interp.probes.batching import ResidMidRecorder, record
 from me_interp.probes.massive import Criterion
 from me_interp.probes.norms import NormRecorder
 from me_interp.probes.site import locate
@@ -302,27 +301,6 @@ def prompt_statistics(
         "n_large_in_region": in_region.tolist(),
         "large_count": large.sum(0).tolist(),
     }
-
-
-class ResidMidRecorder:
-    """Keeps ``resid_mid`` of every layer for the whole batch (the model's dtype and device), chunk
-    by chunk (``probes.batching``): ``out[Y, b, t]``."""
-
-    def __init__(self, model: LoadedModel, batch: Batch) -> None:
-        B, T = batch.tokens.shape
-        self.model = model
-        self.out = torch.zeros(
-            model.n_layers, B, T, model.d_model, dtype=model.dtype, device=model.device
-        )
-
-    def hooks(self, chunk: Chunk) -> list:
-        rows = chunk.rows.to(self.model.device)
-        keep = partial(self._keep, rows=rows, width=chunk.width)
-        return [(names.resid_mid(y), partial(keep, layer=y)) for y in range(self.model.n_layers)]
-
-    def _keep(self, x, hook, *, layer, rows, width):
-        self.out[layer, rows, :width] = x.detach().to(self.out.dtype)
-        return x
 
 
 def ffn_path(

@@ -5,7 +5,10 @@
 * :mod:`~me_interp.interventions.soft` — ``h − α P_S h`` and ``h − α (⟨h,v⟩/‖v‖²) v``;
 * :mod:`~me_interp.interventions.hf_hooks` — the same specs as PyTorch hooks on a plain HF model
   (training-aware WeMask);
-* :mod:`~me_interp.interventions.generation` — greedy generation, correct with a KV cache.
+* :mod:`~me_interp.interventions.generation` — greedy generation, correct with a KV cache;
+* :mod:`~me_interp.interventions.causal` — the causal tests' hooks (remove, ablate, patch across
+  prompts, transplant, cap or rescale the FFN, flatten its norm gain, set the FFN's own output at
+  given positions), imported from there.
 """
 
 from me_interp.interventions.core import tl_hooks

@@ -11,10 +11,10 @@ of the ``B`` prompts (row ``c·B + b`` = prompt ``b``, the layout of
 prompts and the hooks work on any batch.
 
 Where to intervene is measured, never written down (:func:`me_interp.probes.site.locate`).
-:func:`prompt_batch` builds the (truncated, subsampled) batch the causal experiments
-run on, :func:`excess_fraction` is the removal statistic they share, and :func:`ffn_share` says
-whether the ME layer's FFN output is the massive token's whole state (then patching or removing it is
-patching or removing the state: a sanity check).
+:func:`prompt_batch` builds the (truncated, subsampled) batch the causal experiments run on. What they
+measure lives elsewhere: the removal statistic in :func:`me_interp.claims.excess_fraction`, the other
+tokens' mean in :func:`me_interp.probes.alignment.others_mean`, the FFN share in
+:func:`me_interp.probes.ffn.ffn_share`.
 
 Notation: ``h_t`` the activation of token ``t`` at the hooked site, ``p`` a massive position, ``D`` the
 massive dims, ``h̄ = mean_{t≠p} h_t`` over the other real tokens of the prompt.
@@ -32,6 +32,8 @@ massive dims, ``h̄ = mean_{t≠p} h_t`` over the other real tokens of the promp
 * :func:`normalize_ffn_product` — ``a_p ← a_p · mean_{t≠p}‖a_t‖ / ‖a_p‖``.
 * :func:`flatten_ffn_norm_gain` — RMSNorm-only: the pre-FFN norm output of ``p`` becomes
   ``ĥ_p ⊙ mean(w)`` (the gain flattened for the massive token only).
+* :func:`set_ffn_own_at` — ``y_{b, t_b, r} ← v_b`` in the FFN's own output ``y = W_down a``
+  (``mlp.hook_out``) at one position ``t_b`` per prompt (Yu et al.'s super activation restored).
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
-import numpy as np
 import torch
 from jaxtyping import Float
 
 from me_interp import claims, names
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.probes.alignment import others_mean
 from me_interp.prompts import spread
 
 HookList = list[tuple[str, object]]
@@ -188,18 +190,6 @@ def _check_dims(model: LoadedModel, dims: Sequence[int] | None, width: int | Non
         if not 0 <= d < width:
             raise ValueError(f"dim {d} out of range for width {width}")
     return dims
-
-
-def others_mean(
-    x: Float[torch.Tensor, "batch pos d"], mask: torch.Tensor, positions: Sequence[int]
-) -> Float[torch.Tensor, "batch d"]:
-    """``mean_{t∉P} x_t`` over the real tokens of each prompt that are not in ``positions``."""
-    keep = mask.bool().clone()
-    keep[:, list(positions)] = False
-    if not keep.any(-1).all():
-        raise ValueError("every prompt needs at least one token outside the massive positions")
-    w = keep.to(x.dtype)[..., None]
-    return (x * w).sum(1) / w.sum(1)
 
 
 def _others_norm(x, mask, positions, how: Literal["mean", "median"]):
@@ -469,6 +459,23 @@ def flatten_ffn_norm_gain(
     return set_values(out_name, positions, hat[:, positions] * w_mean)
 
 
+def _set_at(y, hook, *, row: int, pos: torch.Tensor, values: torch.Tensor):
+    y = y.clone()
+    y[torch.arange(y.shape[0], device=y.device), pos.to(y.device), row] = values.to(y)
+    return y
+
+
+def set_ffn_own_at(
+    layer: int, row: int, positions: Sequence[int], values: Float[torch.Tensor, " batch"]
+) -> HookList:
+    """The hook that writes ``values[b]`` into ``down_proj``'s output ``y_row`` at ``positions[b]`` of
+    prompt ``b`` in ``layer`` (``mlp.hook_out``, the FFN's own output before any post-FFN norm;
+    idempotent: it sets absolute values)."""
+    pos = torch.as_tensor([int(p) for p in positions], dtype=torch.long)
+    fn = partial(_set_at, row=int(row), pos=pos, values=values.detach().clone().float())
+    return [(names.ffn_own(layer), fn)]
+
+
 # ------------------------------------------------------------------------------------------
 # inputs and where to intervene (measured, never hard-coded)
 # ------------------------------------------------------------------------------------------
@@ -559,88 +566,19 @@ def prompt_batch(
     return PromptBatch(batch, tuple(keep), len(rows), len(rows) - len(ok), max_tokens)
 
 
-def excess_fraction(after: float, before: float) -> float:
-    """``(R_after − 1) / (R_before − 1)`` for norm ratios ``R = ‖h_p‖ / mean_{t≠p}‖h_t‖``.
-
-    An ordinary token has ``R ≈ 1``, so this is the share of the massive token's *excess* that an
-    intervention leaves: 1 = untouched, 0 = the token is as ordinary as the others (a plain
-    ``R_after / R_before`` never goes below ``1 / R_before``). NaN when ``R_before = 1``.
-    """
-    return float(excess_stat.of_means(np.array([after, before], dtype=np.float64)))
-
-
-@claims.of_means
-def excess_stat(m: np.ndarray) -> np.ndarray | float:
-    """Per-prompt columns ``[after, before]`` → :func:`excess_fraction` of their prompt means ``m``
-    (the statistic the claims bootstrap over prompts; vectorised over leading axes)."""
-    return claims.divide(m[..., 0] - 1.0, m[..., 1] - 1.0)
-
-
-@dataclass(frozen=True)
-class FfnShare:
-    """How much of the massive token's state at the output of a layer is that layer's FFN output.
-
-    Attributes:
-        cos: per prompt ``cos(FFN_p, h_p)`` (``h_p`` the layer output of the massive token).
-        norm_ratio: per prompt ``‖FFN_p‖ / ‖h_p‖``.
-    """
-
-    cos: tuple[float, ...]
-    norm_ratio: tuple[float, ...]
-
-    def is_state(self) -> bool:
-        """Whether the FFN output is (nearly) the state itself (the thresholds ``ffn_state_cos``
-        and ``ffn_state_norm`` of :data:`me_interp.claims.THRESHOLDS`, on prompt means)."""
-        c, r = float(np.mean(self.cos)), float(np.mean(self.norm_ratio))
-        cos_min, norm_tol = claims.threshold("ffn_state_cos"), claims.threshold("ffn_state_norm")
-        return c > cos_min and abs(r - 1) < norm_tol
-
-    def text(self) -> str:
-        c, r = float(np.mean(self.cos)), float(np.mean(self.norm_ratio))
-        return f"the FFN output at p has cosine {c:.5g} with the state and {r:.3%} of its norm"
-
-    def to_dict(self) -> dict:
-        return {
-            "cos": list(self.cos),
-            "norm_ratio": list(self.norm_ratio),
-            "is_state": self.is_state(),
-        }
-
-
-def ffn_share(
-    model: LoadedModel,
-    batch: Batch,
-    layer: int,
-    position: int,
-    acts: Mapping[str, torch.Tensor] | None = None,
-) -> FfnShare:
-    """The FFN output of ``position`` at ``layer`` against that token's layer output, per prompt
-    (``acts`` as in :func:`remove_massive`)."""
-    model.check_layer(layer)
-    (position,) = _check_positions(batch, [position])
-    f = _read(model, batch, names.ffn_out(layer), acts).float()[:, position]  # [B d]
-    h = _read(model, batch, names.resid_post(layer), acts).float()[:, position]  # [B d]
-    cos = torch.nn.functional.cosine_similarity(f, h, dim=-1)
-    ratio = f.norm(dim=-1) / h.norm(dim=-1)
-    return FfnShare(tuple(cos.cpu().tolist()), tuple(ratio.cpu().tolist()))
-
-
 __all__ = [
     "PromptBatch",
     "Transplant",
     "ablate_dims",
     "cap_ffn_output",
     "capture",
-    "FfnShare",
-    "excess_fraction",
-    "ffn_share",
     "flatten_ffn_norm_gain",
     "normalize_ffn_product",
-    "others_mean",
     "patch_across_prompts",
     "prompt_batch",
     "remove_massive",
     "scale_ffn_product",
+    "set_ffn_own_at",
     "set_values",
     "transplant",
 ]

@@ -12,6 +12,10 @@ For a pre-norm RMSNorm with gain ``w ∈ R^d`` and output ``ĥ_t = h_t / rms(h_t
   (position 0 by default, or the detected massive position of each prompt), then averaged over prompts.
   The paper expects ``ΔFrac > 0`` and ``ΔKL < 0`` at the ME layer.
 
+The other tokens' statistics behind these deltas are :func:`delta_vs_others` and
+:func:`mean_except_reference`; their mean *vector* ``h̄ = mean_{t∉P} h_t`` is :func:`others_mean`
+(what the causal interventions write into a removed massive token).
+
 Sites: ``"ffn_in"`` / ``"attn_in"`` are the pre-FFN / pre-attention RMSNorm outputs *after* the gain
 (``blocks.L.ln2.hook_out`` / ``blocks.L.ln1.hook_out``): the paper's ``ĥ``. The *standardised* variant
 ``"ffn_normalized"`` / ``"attn_normalized"`` (``*.hook_normalized``, ``h / rms(h)`` before the gain) uses
@@ -170,10 +174,23 @@ def mean_except_reference(
     ref: Int[torch.Tensor, " batch"],
 ) -> Float[torch.Tensor, "*lead batch"]:
     """``mean_{t≠ref, real} x[t]`` per prompt: a per-token statistic averaged over the real tokens
-    other than the reference one (not :func:`me_interp.interventions.causal.others_mean`, the mean
-    residual *vector* of the tokens outside a position set)."""
+    other than the reference one (not :func:`others_mean`, the mean residual *vector* of the
+    tokens outside a position set)."""
     idx = torch.arange(mask.shape[0])
     return x[..., idx, ref] - delta_vs_others(x, mask, ref)
+
+
+def others_mean(
+    x: Float[torch.Tensor, "batch pos d"], mask: torch.Tensor, positions: Sequence[int]
+) -> Float[torch.Tensor, "batch d"]:
+    """``h̄ = mean_{t∉P} x_t`` over the real tokens of each prompt that are not in ``positions``
+    (the fill of :func:`me_interp.interventions.causal.remove_massive`)."""
+    keep = mask.bool().clone()
+    keep[:, list(positions)] = False
+    if not keep.any(-1).all():
+        raise ValueError("every prompt needs at least one token outside the massive positions")
+    w = keep.to(x.dtype)[..., None]
+    return (x * w).sum(1) / w.sum(1)
 
 
 @dataclass(frozen=True)
@@ -396,6 +413,7 @@ __all__ = [
     "kl_to_gain",
     "massive_dim_gain_ranks",
     "mean_except_reference",
+    "others_mean",
     "reference_positions",
     "resolve_k",
     "top_gain_dims",

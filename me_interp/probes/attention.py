@@ -24,6 +24,13 @@ emerges"):
 * BOS-attention metric ``bos[l, b, h] = mean_{q ≥ ⌊n_b/2⌋, q≥1} A[q, 0]``: mean attention from the
   second half of the queries to position 0 (``n_b`` real tokens);
 * ``entropy`` as above.
+
+:class:`SinkRecorder` keeps only the mass on positions known before the forward,
+``out[l, b, h] = Σ_{p∈P_b} mean_{q>p} A[q, p]`` (the sink of the weight experiments' one-forward
+measurement). :func:`attention_src_dst` reads, for two given positions ``src`` and ``dst`` (the
+massive token and the token a transplant writes it into), ``mean_{q>max(src,dst)} A[q, src]`` and
+``A[q, dst]`` per layer, prompt and head, from the same queries, under any intervention hooks, with
+the norm ratios ``‖h_t‖ / mean_{t'≠t} ‖h_t'‖`` of both at one layer's output.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from jaxtyping import Bool, Float
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, record
+from me_interp.probes.norms import ratio_to_others
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,49 @@ class AttentionRecorder:
         )
 
 
+class SinkRecorder:
+    """Records ``out[l, b, h] = Σ_{p∈P_b} mean_{q>p} A_{l,b,h}[q, p]``: the attention mass every head
+    puts on the reference positions ``P_b`` fixed before the forward, from the real queries that can
+    see them (:func:`mean_to_keys`), chunk by chunk (``probes.batching``), so that it shares the
+    forward pass of the norm scan; ``[layer batch head]`` only, where :class:`AttentionRecorder`
+    keeps every key."""
+
+    def __init__(
+        self, model: LoadedModel, batch: Batch, positions: Sequence[Sequence[int]]
+    ) -> None:
+        B, T = batch.tokens.shape
+        if len(positions) != B:
+            raise ValueError(f"positions has {len(positions)} rows for {B} prompts")
+        if min(batch.lengths) < 2:
+            raise ValueError("attention statistics need prompts with at least 2 tokens")
+        self.key_mask = torch.zeros(B, T)
+        for b, ps in enumerate(positions):
+            for p in ps:
+                if not 0 <= p < batch.lengths[b]:
+                    raise ValueError(
+                        f"position {p} is outside prompt {b} (length {batch.lengths[b]})"
+                    )
+                self.key_mask[b, p] = 1.0
+        self.model = model
+        self.out = torch.zeros(model.n_layers, B, model.n_heads)
+
+    def hooks(self, chunk: Chunk) -> list:
+        dev = self.model.device
+        key_mask = self.key_mask[chunk.rows, : chunk.width].to(dev)
+        qmask = chunk.batch.attention_mask.bool().to(dev)
+        rec = partial(self._record, rows=chunk.rows, key_mask=key_mask, qmask=qmask)
+        return [(names.pattern(layer), partial(rec, layer=layer)) for layer in range(len(self.out))]
+
+    def _record(self, pattern, hook, *, layer, rows, key_mask, qmask):
+        per_key = mean_to_keys(pattern.detach().float(), qmask).nan_to_num(0.0)  # [n head k]
+        self.out[layer, rows] = (per_key * key_mask[:, None, :]).sum(-1).cpu()  # [n head]
+        return pattern
+
+    def per_layer(self) -> list[float]:
+        """Per layer: mean over prompts of the largest head's mass."""
+        return self.out.amax(-1).mean(-1).tolist()  # [layer batch head] → [layer]
+
+
 def _key_mask(batch: Batch, positions: Sequence[Sequence[int]]) -> torch.Tensor:
     B, T = batch.tokens.shape
     if len(positions) != B:
@@ -233,6 +284,66 @@ def attention_stats(
     rec = AttentionRecorder(model, batch)
     record(model, batch, [rec], fwd_hooks=fwd_hooks)
     return AttentionStats(rec.mass_on(per), rec.entropy, per)
+
+
+# ------------------------------------------------------------------------------------------
+# attention to two given positions
+# ------------------------------------------------------------------------------------------
+
+
+def _attn_to(pattern, hook, *, store, layer, src, dst, qmask):
+    a = pattern.detach().float()  # [batch head q k]
+    qm = qmask.to(a.device, a.dtype)[:, None, :]  # [batch 1 q]
+    n = qm.sum(-1)
+    store[layer] = torch.stack(
+        [(a[..., src] * qm).sum(-1) / n, (a[..., dst] * qm).sum(-1) / n]
+    ).cpu()  # [2 batch head]: to src, to dst
+    return pattern
+
+
+def _record(x, hook, *, store, key):
+    store[key] = x.detach()
+    return x
+
+
+def attention_src_dst(
+    model: LoadedModel,
+    batch: Batch,
+    src: int,
+    dst: int,
+    layers: Sequence[int],
+    fwd_hooks=(),
+    ratio_layer: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward: ``[layer, 2, batch, head]`` mean over the real queries ``q > max(src, dst)`` of
+    ``A[q, src]`` and ``A[q, dst]``, and (with ``ratio_layer``) ``[2, batch]`` the norm ratios
+    ``‖h_t‖ / mean_{t'≠t}‖h_t'‖`` of ``src`` and ``dst`` at the output of ``ratio_layer``."""
+    q = batch.attention_mask.bool().clone()
+    q[:, : max(src, dst) + 1] = False
+    if not q.any(-1).all():
+        raise ValueError(f"every prompt needs a token after position {max(src, dst)}")
+    store: dict[int, torch.Tensor] = {}
+    hooks = [
+        (names.pattern(lay), partial(_attn_to, store=store, layer=lay, src=src, dst=dst, qmask=q))
+        for lay in layers
+    ]
+    res: dict[str, torch.Tensor] = {}
+    if ratio_layer is not None:
+        hooks.append((names.resid_post(ratio_layer), partial(_record, store=res, key="h")))
+    stop = max([*layers, ratio_layer if ratio_layer is not None else 0]) + 1
+    model.run_with_hooks(batch, [*fwd_hooks, *hooks], stop_at_layer=stop)
+    # no layer: nothing to read attention from (the ME layer is the last layer)
+    att = (
+        torch.stack([store[lay] for lay in layers]) if layers else torch.zeros(0, 2, len(batch), 0)
+    )
+    ratios = None
+    if ratio_layer is not None:
+        norms = res["h"].float().norm(dim=-1).cpu()
+        mask = batch.attention_mask.bool().cpu()
+        ratios = torch.stack(
+            [ratio_to_others(norms, mask, torch.full((len(batch),), t)) for t in (src, dst)]
+        )
+    return att, ratios
 
 
 # ------------------------------------------------------------------------------------------
@@ -311,8 +422,10 @@ __all__ = [
     "AttentionProbe",
     "AttentionRecorder",
     "AttentionStats",
+    "SinkRecorder",
     "attention_entropy",
     "attention_probe",
+    "attention_src_dst",
     "attention_stats",
     "head_sink_rate",
     "mean_to_keys",

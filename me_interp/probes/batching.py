@@ -18,12 +18,17 @@ chunk with the hooks of every recorder, so probes that need the same forward sha
   ``m_b`` per prompt gets the same values from the prefix of ``m_b + 1`` tokens.
 * **Interventions.** ``fwd_hooks`` built for the whole batch (per-prompt positions, …) are not valid on
   a chunk: with ``fwd_hooks`` the batch runs as it is, in one forward, to the logits.
+
+The simplest recorder, :class:`ResidMidRecorder`, keeps one whole site (``resid_mid`` of every
+layer, in the model's dtype and on its device) for the batch: for a measurement that needs the full
+vectors of every token afterwards (``weight_input_cross`` feeds them to every layer's FFN path).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -206,4 +211,34 @@ def record(
             pass
 
 
-__all__ = ["MAX_CHUNK_TOKENS", "Chunk", "Recorder", "chunks", "record", "stop_hook_name"]
+class ResidMidRecorder:
+    """Keeps ``resid_mid`` of every layer for the whole batch (the model's dtype and device), chunk
+    by chunk (:func:`record`): ``out[layer, b, t]`` (read only the real tokens: padding holds whatever
+    its chunk computed there, or zeros)."""
+
+    def __init__(self, model: LoadedModel, batch: Batch) -> None:
+        B, T = batch.tokens.shape
+        self.model = model
+        self.out = torch.zeros(
+            model.n_layers, B, T, model.d_model, dtype=model.dtype, device=model.device
+        )
+
+    def hooks(self, chunk: Chunk) -> list:
+        rows = chunk.rows.to(self.model.device)
+        keep = partial(self._keep, rows=rows, width=chunk.width)
+        return [(names.resid_mid(y), partial(keep, layer=y)) for y in range(self.model.n_layers)]
+
+    def _keep(self, x, hook, *, layer, rows, width):
+        self.out[layer, rows, :width] = x.detach().to(self.out.dtype)
+        return x
+
+
+__all__ = [
+    "MAX_CHUNK_TOKENS",
+    "Chunk",
+    "Recorder",
+    "ResidMidRecorder",
+    "chunks",
+    "record",
+    "stop_hook_name",
+]

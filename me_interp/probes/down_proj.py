@@ -5,19 +5,29 @@ Per layer and prompt, in one forward: ``down_proj``'s input ``x`` (the FFN's hid
 largest ``|value|`` over the other real tokens, and the residual stream the FFN adds to; and from
 them each ``W_down`` entry's write into the residual stream there (:class:`Spikes`), the top writes
 (:func:`top_writes`), a weight-only score (:func:`weight_only_scores`) and the shares of the ME
-layer's neurons (:func:`me_neuron_shares`). ``me_interp.experiments.super_weight`` states the claims.
+layer's neurons (:func:`me_neuron_shares`).
+
+From those, the detection itself (``me_interp.experiments.super_weight`` states the formulas and
+the claims): the super-weight candidates, every weight whose *building* write ``s`` at the massive
+token reaches the ``super_weight_spike`` threshold on some prompt, ranked by how often each is a
+prompt's top write (:func:`candidates`, :class:`Candidate`, :func:`candidate_at` for a given
+weight); Yu et al.'s spike layers, where the median ``max|x|`` and ``max|y|`` both exceed it
+(:func:`yu_spike_layers`); and per layer the largest weight-only score and ``|W_down|`` entries
+(:func:`weight_only_tops`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from jaxtyping import Float
 
-from me_interp import names
+from me_interp import claims, names
 from me_interp.architecture import norm_eps
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, record
@@ -190,3 +200,195 @@ def me_neuron_shares(model: LoadedModel, spikes: Spikes, layer: int) -> torch.Te
     x, y = spikes.x[layer].double(), spikes.y[layer].double()  # [batch d_mlp], [batch d_model]
     proj = y @ W.double()  # [batch d_mlp]: ⟨W[:, n], y⟩
     return (x * proj / y.pow(2).sum(-1, keepdim=True)).mean(0).float()
+
+
+# ------------------------------------------------------------------------------------------
+# super-weight candidates
+# ------------------------------------------------------------------------------------------
+
+N_ME_NEURONS = 3
+"""How many of the ME layer's top neurons (by share of the massive token's FFN output) a
+candidate's column is compared with (the "few neurons" of ``mechanism.few_neurons``)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One super-weight candidate ``W_down[row, col]`` of ``layer`` (0-based).
+
+    Attributes:
+        weight: its value.
+        write: mean over prompts of its write ``s`` at the massive token.
+        write_per_prompt: ``s`` on every prompt.
+        share: mean over prompts of ``x_col W_down[row, col] / y_row`` (its share of the super
+            activation).
+        stability: fraction of prompts on which it is the top candidate.
+        in_me_layer: ``layer`` is the ME layer.
+        massive_dim: ``row`` is a massive dim of the ME layer.
+        me_neuron: ``col`` is one of the ME layer's top neurons (only when ``layer`` is the ME layer).
+        abs_rank: how many weights of its matrix are larger in magnitude (0: the largest).
+        weight_only_rank: how many weights of its matrix have a larger weight-only score ``ω``.
+    """
+
+    layer: int
+    row: int
+    col: int
+    weight: float
+    write: float
+    write_per_prompt: list[float]
+    share: float
+    stability: float
+    in_me_layer: bool
+    massive_dim: bool
+    me_neuron: bool
+    abs_rank: int
+    weight_only_rank: int
+
+    @property
+    def coord(self) -> tuple[int, int, int]:
+        return (self.layer, self.row, self.col)
+
+    def label(self) -> str:
+        return f"layer {self.layer} W_down[{self.row}, {self.col}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "layer_1based": self.layer + 1}
+
+
+def _rank(scores: torch.Tensor, row: int, col: int) -> int:
+    return int((scores > scores[row, col]).sum())
+
+
+def candidate_at(
+    model: LoadedModel,
+    spikes: Spikes,
+    coord: Sequence[int],
+    me_layer: int,
+    massive_dims: Sequence[int],
+    me_top: Sequence[int],
+    stability: float = 0.0,
+) -> Candidate:
+    """The :class:`Candidate` record of ``W_down[row, col]`` of ``layer`` (``coord``), measured on
+    ``spikes``.
+
+    Raises:
+        ValueError: a layer or entry out of range.
+    """
+    L, r, c = (int(v) for v in coord)
+    model.check_layer(L)
+    W = model.ffn_weights(L).down.detach()
+    if not (0 <= r < W.shape[0] and 0 <= c < W.shape[1]):
+        raise ValueError(f"W_down[{r}, {c}] is outside layer {L}'s {tuple(W.shape)} matrix")
+    s = spikes.write(model, L, r, c)
+    return Candidate(
+        layer=L,
+        row=r,
+        col=c,
+        weight=float(W[r, c]),
+        write=float(s.mean()),
+        write_per_prompt=s.tolist(),
+        share=float(spikes.share(model, L, r, c).nan_to_num(0.0).mean()),
+        stability=float(stability),
+        in_me_layer=L == me_layer,
+        massive_dim=r in set(massive_dims),
+        me_neuron=L == me_layer and c in set(me_top),
+        abs_rank=_rank(W.abs(), r, c),
+        weight_only_rank=_rank(weight_only_scores(model, L), r, c),
+    )
+
+
+def candidates(
+    model: LoadedModel,
+    spikes: Spikes,
+    me_layer: int,
+    massive_dims: Sequence[int],
+    top_k: int = 5,
+) -> tuple[list[Candidate], list[tuple[int, int, int] | None], dict[str, Any], list[dict]]:
+    """The candidates (building writes ``s`` ≥ ``super_weight_spike`` on some prompt, sorted by
+    stability then mean write), each prompt's top candidate (``None`` where no building write
+    reaches the threshold), the ME layer's top neurons with their shares, and per layer the
+    commonest largest *erasing* write (its mean ``s`` over prompts)."""
+    thr = claims.threshold("super_weight_spike")
+    B = spikes.x.shape[1]
+    tops: list[tuple[float, tuple[int, int, int]] | None] = [None] * B
+    coords: set[tuple[int, int, int]] = set()
+    erasers = []
+    for L in range(spikes.n_layers):
+        builds, erases = top_writes(model, spikes, L, top_k)
+        r, c = Counter((r, c) for r, c, _ in erases).most_common(1)[0][0]
+        erasers.append(
+            {"layer": L, "row": r, "col": c, "write": float(spikes.write(model, L, r, c).mean())}
+        )
+        for b, entries in enumerate(builds):
+            for r, c, s in entries:
+                if s < thr:
+                    break
+                coords.add((L, r, c))
+                if tops[b] is None or s > tops[b][0]:
+                    tops[b] = (s, (L, r, c))
+    top = [None if t is None else t[1] for t in tops]
+    shares = me_neuron_shares(model, spikes, me_layer)
+    me_top = shares.argsort(descending=True)[:N_ME_NEURONS].tolist()
+    counts = Counter(t for t in top if t is not None)
+    out = [
+        candidate_at(model, spikes, coord, me_layer, massive_dims, me_top, counts[coord] / B)
+        for coord in coords
+    ]
+    out.sort(key=lambda k: (-k.stability, -k.write, k.coord))
+    me = {
+        "layer": me_layer,
+        "top_neurons": me_top,
+        "top_shares": [float(shares[n]) for n in me_top],
+    }
+    return out, top, me, erasers
+
+
+def yu_spike_layers(spikes: Spikes) -> list[dict[str, Any]]:
+    """Yu et al.'s rule: the layers whose median (over prompts) ``max|x|`` and ``max|y|`` at the
+    massive token both exceed ``super_weight_spike``, with the coordinate ``(L, argmax|y|, argmax|x|)``
+    (the commonest over prompts)."""
+    thr = claims.threshold("super_weight_spike")
+    ins, outs = spikes.in_max().median(-1).values, spikes.out_max().median(-1).values
+    rows = []
+    for L in range(spikes.n_layers):
+        if ins[L] > thr and outs[L] > thr:
+            r = Counter(spikes.y[L].abs().argmax(-1).tolist()).most_common(1)[0][0]
+            c = Counter(spikes.x[L].abs().argmax(-1).tolist()).most_common(1)[0][0]
+            rows.append(
+                {"layer": L, "row": r, "col": c, "in_max": float(ins[L]), "out_max": float(outs[L])}
+            )
+    return rows
+
+
+def weight_only_tops(model: LoadedModel) -> list[dict[str, Any]]:
+    """Per layer, the entry of largest weight-only score ``ω`` and of largest ``|W_down|``."""
+    out = []
+    for L in range(model.n_layers):
+        omega = weight_only_scores(model, L)
+        A = model.ffn_weights(L).down.detach().abs()
+        i, j = int(omega.argmax()), int(A.argmax())
+        n = omega.shape[1]
+        out.append(
+            {
+                "layer": L,
+                "omega": {"row": i // n, "col": i % n, "score": float(omega.flatten()[i])},
+                "abs": {"row": j // n, "col": j % n, "value": float(A.flatten()[j])},
+            }
+        )
+    return out
+
+
+__all__ = [
+    "N_ME_NEURONS",
+    "Candidate",
+    "SpikeRecorder",
+    "Spikes",
+    "candidate_at",
+    "candidates",
+    "down_proj_spikes",
+    "me_neuron_shares",
+    "post_norm_scale",
+    "top_writes",
+    "weight_only_scores",
+    "weight_only_tops",
+    "yu_spike_layers",
+]

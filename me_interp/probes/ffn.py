@@ -22,18 +22,27 @@ other models the two sites are one tensor and only ``"down"`` is recorded.
 Neuron contributions (:func:`neuron_contributions`): the massive token's FFN output is
 ``y = Σ_n a_n W_down[:, n]`` with ``a`` the product stage, so neuron ``n`` explains the share
 ``s_n = a_n ⟨W_down[:, n], y⟩ / ‖y‖²`` of it (signed projection; ``Σ_n s_n = 1`` exactly).
+Neuron scores (:func:`neuron_scores`): how much neuron ``n`` writes into the massive dims ``D`` at the
+massive token ``t_b`` of each prompt, ``score_n = mean_b ‖a_n(b, t_b) · W_down[D, n]‖₂`` (the neurons
+``ffn_svd_ablation`` removes).
+
+The FFN share (:func:`ffn_share`, :class:`FfnShare`): per prompt, ``cos(FFN_p, h_p)`` and
+``‖FFN_p‖ / ‖h_p‖`` of a layer's FFN output (site ``ffn_out``) at the massive token ``p`` against its
+layer output ``h_p``: when the FFN output is (nearly) the whole state, patching or removing it is
+patching or removing the state (a sanity check, not evidence, in the causal experiments).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 
-from me_interp import names
+from me_interp import claims, names
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.alignment import delta_vs_others, mean_except_reference, reference_positions
 from me_interp.probes.batching import Chunk, record
@@ -288,17 +297,124 @@ def top_neurons(model: LoadedModel, scan: FFNScan, layer: int, top: int = 10) ->
     )
 
 
+def _record_act(act: torch.Tensor, hook, *, store: dict) -> torch.Tensor:
+    store["act"] = act.detach().float()
+    return act
+
+
+def neuron_scores(
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    positions: Int[torch.Tensor, " batch"],
+    dims: Sequence[int],
+    rows: Sequence[int] | None = None,
+) -> Float[torch.Tensor, " d_mlp"]:
+    """``score_n = mean_b ‖act_n(b, t_b) · W_down[D, n]‖₂`` (module docstring) with ``t_b`` =
+    ``positions[b]`` and ``D`` = ``dims``, the mean over the prompts ``rows`` (``None``: all).
+
+    One forward, stopped after ``layer``.
+
+    Raises:
+        ValueError: no massive dims, or a dim out of range.
+    """
+    model.check_layer(layer)
+    dims = list(dims)
+    if not dims or not all(0 <= d < model.d_model for d in dims):
+        raise ValueError(
+            f"dims must be a non-empty list of dims in 0..{model.d_model - 1}, got {dims}"
+        )
+    store: dict = {}
+    hook = (names.site("ffn_act", layer), partial(_record_act, store=store))
+    model.run_with_hooks(batch, [hook], stop_at_layer=layer + 1)
+    act = store["act"][torch.arange(len(batch)), positions.to(store["act"].device)]  # [batch d_mlp]
+    W = model.ffn_weights(layer).down.detach().float()[dims].to(act.device)  # [D d_mlp]
+    writes = act[:, None, :] * W[None]  # [batch D d_mlp]
+    per_prompt = writes.norm(dim=1)  # [batch d_mlp]
+    if rows is not None:
+        per_prompt = per_prompt[torch.as_tensor(list(rows), dtype=torch.long)]
+    return per_prompt.mean(0).cpu()
+
+
+@dataclass(frozen=True)
+class FfnShare:
+    """How much of the massive token's state at the output of a layer is that layer's FFN output.
+
+    Attributes:
+        cos: per prompt ``cos(FFN_p, h_p)`` (``h_p`` the layer output of the massive token).
+        norm_ratio: per prompt ``‖FFN_p‖ / ‖h_p‖``.
+    """
+
+    cos: tuple[float, ...]
+    norm_ratio: tuple[float, ...]
+
+    def is_state(self) -> bool:
+        """Whether the FFN output is (nearly) the state itself (the thresholds ``ffn_state_cos``
+        and ``ffn_state_norm`` of :data:`me_interp.claims.THRESHOLDS`, on prompt means)."""
+        c, r = float(np.mean(self.cos)), float(np.mean(self.norm_ratio))
+        cos_min, norm_tol = claims.threshold("ffn_state_cos"), claims.threshold("ffn_state_norm")
+        return c > cos_min and abs(r - 1) < norm_tol
+
+    def text(self) -> str:
+        c, r = float(np.mean(self.cos)), float(np.mean(self.norm_ratio))
+        return f"the FFN output at p has cosine {c:.5g} with the state and {r:.3%} of its norm"
+
+    def to_dict(self) -> dict:
+        return {
+            "cos": list(self.cos),
+            "norm_ratio": list(self.norm_ratio),
+            "is_state": self.is_state(),
+        }
+
+
+def _acts_of(acts: Mapping[str, torch.Tensor], name: str, batch: Batch) -> torch.Tensor:
+    if name not in acts:
+        raise ValueError(f"acts has no {name!r}: capture it on the unmodified run of the batch")
+    x = acts[name]
+    if x.shape[0] != len(batch):
+        raise ValueError(f"acts[{name!r}] has {x.shape[0]} rows for a batch of {len(batch)}")
+    return x
+
+
+def ffn_share(
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    position: int,
+    acts: Mapping[str, torch.Tensor],
+) -> FfnShare:
+    """The FFN output of ``position`` at ``layer`` (site ``ffn_out``) against that token's layer
+    output (``resid_post``), per prompt, read from ``acts``: the unmodified run's activations of
+    ``batch`` at ``names.ffn_out(layer)`` and ``names.resid_post(layer)`` (no forward here).
+
+    Raises:
+        ValueError: a layer or position out of range, or ``acts`` without those activations.
+    """
+    model.check_layer(layer)
+    position, shortest = int(position), min(batch.lengths)
+    if not 0 <= position < shortest:
+        raise ValueError(f"position {position} is outside the shortest prompt ({shortest} tokens)")
+    f = _acts_of(acts, names.ffn_out(layer), batch).float()[:, position]  # [B d]
+    h = _acts_of(acts, names.resid_post(layer), batch).float()[:, position]  # [B d]
+    cos = torch.nn.functional.cosine_similarity(f, h, dim=-1)
+    ratio = f.norm(dim=-1) / h.norm(dim=-1)
+    return FfnShare(tuple(cos.cpu().tolist()), tuple(ratio.cpu().tolist()))
+
+
 __all__ = [
     "FFNAtRecorder",
     "FFNRecorder",
     "FFNScan",
+    "FfnShare",
     "NeuronTable",
     "PROJECTIONS",
     "RESIDUAL_STAGE",
     "STAGES",
     "concentration",
     "ffn_scan",
+    "ffn_share",
     "make_scan",
     "neuron_contributions",
+    "neuron_scores",
     "top_neurons",
 ]

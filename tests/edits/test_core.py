@@ -28,10 +28,17 @@ def _all_edits(model):
         "flatten": lambda: edits.flattened_gain(model, 1, 0.0, norm="attn"),
         "svd": lambda: edits.svd_ablated(model, 2, "down", 3),
         "neurons": lambda: edits.neurons_ablated(model, 2, [5, 6]),
+        "directions": lambda: edits.directions_removed(
+            edits.ffn_matrix(model, 2, "up"), edits.SVD.of(edits.ffn_matrix(model, 2, "up")), [1, 4]
+        ),
+        "zeroed": lambda: edits.down_weights_zeroed(model, [(2, 7, 5), (2, 1, 2), (0, 2, 3)]),
     }
 
 
-@pytest.mark.parametrize("kind", ["swap", "patch", "permute", "flatten", "svd", "neurons"])
+KINDS = ["swap", "patch", "permute", "flatten", "svd", "neurons", "directions", "zeroed"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_edit_restores_bit_identical_after_normal_exit(planted, snap, changed, kind):
     model, _ = planted
     before = snap(model)
@@ -40,7 +47,7 @@ def test_every_edit_restores_bit_identical_after_normal_exit(planted, snap, chan
     assert changed(model, before) == set()
 
 
-@pytest.mark.parametrize("kind", ["swap", "patch", "permute", "flatten", "svd", "neurons"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_edit_restores_bit_identical_after_exception(planted, snap, changed, kind):
     model, _ = planted
     before = snap(model)

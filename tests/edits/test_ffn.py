@@ -1,4 +1,5 @@
-"""svd_ablated / neurons_ablated against independent numpy / by-hand computations."""
+"""svd_ablated / directions_removed / neurons_ablated / down_weights_zeroed against independent numpy /
+by-hand computations; each touches only its entries and restores them."""
 
 from __future__ import annotations
 
@@ -112,4 +113,54 @@ def test_ffn_bad_inputs(tiny_llama):
             pass
     with pytest.raises(ValueError, match="repeat"):
         with edits.neurons_ablated(tiny_llama, 0, [1, 1]):
+            pass
+
+
+def test_directions_removed_matches_svd_ablated_and_restores(planted, snap, changed):
+    model, plant = planted
+    L = plant.layer
+    before = snap(model)
+    for mat in ("gate", "up", "down"):
+        W = edits.ffn_matrix(model, L, mat)
+        svd = edits.SVD.of(W)
+        with edits.svd_ablated(model, L, mat, 3):
+            want = W.detach().clone()
+        with edits.directions_removed(W, svd, range(3)):
+            torch.testing.assert_close(W.detach(), want, atol=1e-6, rtol=0)
+        # other directions: W − Σ_{i∈S} s_i u_i v_iᵀ by hand
+        W0 = W.detach().double().clone()
+        U, S, Vh = torch.linalg.svd(W0, full_matrices=False)
+        by_hand = W0 - sum(S[i] * torch.outer(U[:, i], Vh[i]) for i in (4, 7))
+        with edits.directions_removed(W, svd, [4, 7]):
+            torch.testing.assert_close(W.detach().double(), by_hand, atol=1e-6, rtol=0)
+        with pytest.raises(RuntimeError), edits.directions_removed(W, svd, [0]):
+            raise RuntimeError("inside the edit")
+        with pytest.raises(ValueError, match="distinct"):
+            with edits.directions_removed(W, svd, [1, 1]):
+                pass
+    assert changed(model, before) == set()
+
+
+def test_down_weights_zeroed_touches_only_its_entries_and_restores(planted):
+    model, plant = planted
+    before = {k: v.detach().clone() for k, v in model.hf.state_dict().items()}
+    # (rows 1 and 2 are not among the dims planted() keeps at 0)
+    entries = [(plant.layer, plant.massive_dim, plant.neuron), (plant.layer, 1, 2), (0, 2, 3)]
+    downs = {L: model.ffn_weights(L).down.detach().clone() for L in range(model.n_layers)}
+    with edits.down_weights_zeroed(model, entries):
+        after = model.hf.state_dict()
+        changed = [k for k, v in before.items() if not torch.equal(after[k], v)]
+        assert changed  # (the bridge aliases each weight under several names)
+        for L in range(model.n_layers):
+            diff = (model.ffn_weights(L).down.detach() != downs[L]).nonzero().tolist()
+            assert sorted(map(tuple, diff)) == sorted((r, c) for e, r, c in entries if e == L)
+    with pytest.raises(RuntimeError), edits.down_weights_zeroed(model, entries[:1]):
+        raise RuntimeError("inside the edit")
+    after = model.hf.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    with pytest.raises(ValueError, match="outside"):
+        with edits.down_weights_zeroed(model, [(0, 999, 0)]):
+            pass
+    with pytest.raises(ValueError, match="at least one"):
+        with edits.down_weights_zeroed(model, []):
             pass

@@ -19,7 +19,7 @@ from me_interp.experiments import (
     sink_causality,
     transplant,
 )
-from me_interp.interventions import causal
+from me_interp.probes.ffn import FfnShare
 from me_interp.study import execute
 
 MODULES = [activation_patching, transplant, component_ablation, sink_causality]
@@ -505,15 +505,15 @@ def test_the_ffn_state_decides_which_spec_applies(planted, prompt_file):
     r = activation_patching.run(_cfg(activation_patching, prompt_file), model)
     assert r.ffn.is_state()
     n = len(r.ffn.cos)
-    part = causal.FfnShare((0.9,) * n, (0.8,) * n)  # an FFN output that is part of the state
+    part = FfnShare((0.9,) * n, (0.8,) * n)  # an FFN output that is part of the state
     assert not part.is_state()
     cs = _by_id(claims.judge(activation_patching.SPECS, dataclasses.replace(r, ffn=part)))
     assert cs["activation_patching.ffn_writes"].verdict == H
     assert cs["activation_patching.ffn_is_state"].verdict == NA
     assert "it is not the state" in cs["activation_patching.ffn_is_state"].why
-    assert causal.FfnShare((0.995,) * n, (1.04,) * n).is_state()
-    assert not causal.FfnShare((0.995,) * n, (1.06,) * n).is_state()
-    assert not causal.FfnShare((0.98,) * n, (1.0,) * n).is_state()
+    assert FfnShare((0.995,) * n, (1.04,) * n).is_state()
+    assert not FfnShare((0.995,) * n, (1.06,) * n).is_state()
+    assert not FfnShare((0.98,) * n, (1.0,) * n).is_state()
     rs = sink_causality.run(_cfg(sink_causality, prompt_file), model)
     cs = _by_id(claims.judge(sink_causality.SPECS, rs))
     assert "the sanity check remove_all" in cs["sink_causality.remove_ffn"].why

@@ -13,7 +13,6 @@ import torch
 
 from me_interp import claims, load_model, names, synthetic
 from me_interp.claims import FAILS, HOLDS, NOT_APPLICABLE, NotApplicable
-from me_interp.edits import ffn_matrix, svd_ablated
 from me_interp.experiments import ffn_svd_ablation, rmsnorm_permutation
 from me_interp.study import execute
 
@@ -256,48 +255,6 @@ def test_rmsnorm_permutation_bad_inputs(planted, prompt_file):
 def _grab(x, hook, *, store, key):
     store[key] = x.detach().clone()
     return x
-
-
-def test_neuron_scores_by_hand(planted, prompt_file):
-    model, plant = planted
-    batch = model.tokenize(rmsnorm_permutation.Config(prompts=prompt_file).load_prompts())
-    L, dims = plant.layer, [plant.massive_dim]
-    pos = torch.zeros(len(batch), dtype=torch.long)
-    got = ffn_svd_ablation.neuron_scores(model, batch, L, pos, dims)
-    store: dict = {}
-    model.run_with_hooks(batch, [(names.ffn_in(L), partial(_grab, store=store, key="x"))])
-    w = model.ffn_weights(L)
-    x = store["x"][:, 0]  # [batch d_model] at the massive position 0
-    act = torch.nn.functional.silu(x @ w.gate.detach().T) * (x @ w.up.detach().T)
-    want = (act * w.down.detach()[plant.massive_dim]).abs().mean(0)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert int(got.argmax()) == plant.neuron
-
-
-def test_directions_removed_matches_svd_ablated_and_restores(planted, snap_hf):
-    model, plant = planted
-    L = plant.layer
-    before = snap_hf(model)
-    for mat in ("gate", "up", "down"):
-        W = ffn_matrix(model, L, mat)
-        svd = ffn_svd_ablation.SVD.of(W)
-        with svd_ablated(model, L, mat, 3):
-            want = W.detach().clone()
-        with ffn_svd_ablation.directions_removed(W, svd, range(3)):
-            torch.testing.assert_close(W.detach(), want, atol=1e-6, rtol=0)
-        # other directions: W − Σ_{i∈S} s_i u_i v_iᵀ by hand
-        W0 = W.detach().double().clone()
-        U, S, Vh = torch.linalg.svd(W0, full_matrices=False)
-        by_hand = W0 - sum(S[i] * torch.outer(U[:, i], Vh[i]) for i in (4, 7))
-        with ffn_svd_ablation.directions_removed(W, svd, [4, 7]):
-            torch.testing.assert_close(W.detach().double(), by_hand, atol=1e-6, rtol=0)
-        with pytest.raises(RuntimeError), ffn_svd_ablation.directions_removed(W, svd, [0]):
-            raise RuntimeError("inside the edit")
-        with pytest.raises(ValueError, match="distinct"):
-            with ffn_svd_ablation.directions_removed(W, svd, [1, 1]):
-                pass
-    after = model.hf.state_dict()
-    assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
 def test_random_others():

@@ -10,12 +10,18 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
-from me_interp import claims, evaluation, load_model, names, synthetic
-from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotApplicable
+from me_interp import claims, evaluation, load_model, synthetic
+from me_interp.claims import (
+    FAILS,
+    HOLDS,
+    INCONCLUSIVE,
+    NOT_APPLICABLE,
+    NotApplicable,
+    excess_fraction,
+)
+from me_interp.edits import down_weights_zeroed
 from me_interp.experiments import super_weight as sw
-from me_interp.interventions.causal import excess_fraction
 from me_interp.packaged import GEMMA_3_270M
 from me_interp.study import execute
 
@@ -48,176 +54,7 @@ def _run(model_name, prompts, **kw):
     return sw.run(sw.Config(prompts=prompts, **kw), model), model
 
 
-# ---------------------------------------------------------------------------- detection
-
-
-def _planted_spikes(arch, plant):
-    hf, tok, info = synthetic.planted(arch, plant=plant)
-    model = load_model(hf, tokenizer=tok, device="cpu")
-    batch = model.tokenize(synthetic.planted_prompts(6))
-    return model, batch, info, sw.down_proj_spikes(model, batch, [0] * len(batch))
-
-
-@pytest.mark.parametrize("arch", synthetic.ARCHS)
-def test_detection_finds_exactly_the_planted_weight_and_nothing_on_the_twin(arch):
-    """The planted neuron n of layer P writes the massive dim D: W_down[D, n] of P is the super
-    weight by construction; the twin (no boosted gain, no neuron) has no weight above threshold."""
-    model, batch, plant, spikes = _planted_spikes(arch, True)
-    cands, tops, me, _ = sw.candidates(model, spikes, plant.layer, [plant.massive_dim])
-    want = (plant.layer, plant.massive_dim, plant.neuron)
-    assert [c.coord for c in cands] == [want]
-    assert tops == [want] * len(batch)
-    c = cands[0]
-    assert c.stability == 1.0 and c.in_me_layer and c.massive_dim and c.me_neuron
-    assert c.weight == pytest.approx(plant.down_scale) and c.write > 20 * THR
-    assert c.share == pytest.approx(1.0, abs=1e-4)  # nothing else writes the massive dim
-    assert c.abs_rank == 0 and c.weight_only_rank == 0
-    assert me["top_neurons"][0] == plant.neuron and me["top_shares"][0] > 0.99
-    # Yu et al.'s raw spikes: both above 50 in the planted layer, except where a post-FFN norm
-    # (Gemma 2/3, post_gain 400) makes the massive value from a smaller down_proj input
-    yu = [(d["layer"], d["row"], d["col"]) for d in sw.yu_spike_layers(spikes)]
-    raw_in = float(spikes.in_max()[plant.layer].median())
-    assert yu == ([want] if raw_in > THR else [])
-    assert yu == [want] or model.arch.post_ffn_norm is not None
-    model, batch, plant, spikes = _planted_spikes(arch, False)
-    cands, tops, _, _ = sw.candidates(model, spikes, plant.layer, [plant.massive_dim])
-    assert cands == [] and tops == [None] * len(batch)
-    assert sw.yu_spike_layers(spikes) == []
-    best = max(
-        float(sw.top_writes(model, spikes, L, 1)[0][b][0][2])
-        for L in range(model.n_layers)
-        for b in range(len(batch))
-    )
-    assert best < THR
-
-
-@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3"])
-def test_spikes_against_an_independent_hf_computation(arch):
-    """x, y (down_proj's input and output), the residual stream h it is added to and, on sandwich
-    blocks, f·y = the post-FFN norm's output, from forward hooks on a plain HF copy; the write of
-    the planted weight by hand."""
-    model, batch, plant, spikes = _planted_spikes(arch, True)
-    hf, tok, _ = synthetic.planted(arch)  # the same weights, never booted into a bridge
-    got: dict = {}
-    handles = []
-    for L, blk in enumerate(hf.model.layers):
-        lay = synthetic._Layer(blk, hf.config)
-        handles.append(
-            blk.mlp.down_proj.register_forward_hook(
-                lambda m, i, o, L=L: got.update({("x", L): i[0], ("y", L): o})
-            )
-        )
-        handles.append(
-            lay.ffn_norm.register_forward_pre_hook(lambda m, i, L=L: got.update({("h", L): i[0]}))
-        )
-        if lay.post_ffn_norm is not None:
-            handles.append(
-                lay.post_ffn_norm.register_forward_hook(
-                    lambda m, i, o, L=L: got.update({("post", L): o})
-                )
-            )
-    enc = tok(synthetic.planted_prompts(6), return_tensors="pt", padding=True)
-    assert torch.equal(enc["input_ids"], batch.tokens.cpu())
-    with torch.no_grad():
-        hf(**enc)
-    for h in handles:
-        h.remove()
-    for L in range(model.n_layers):
-        torch.testing.assert_close(spikes.x[L], got[("x", L)][:, 0].float(), atol=1e-3, rtol=1e-4)
-        torch.testing.assert_close(spikes.y[L], got[("y", L)][:, 0].float(), atol=1e-3, rtol=1e-4)
-        torch.testing.assert_close(spikes.h[L], got[("h", L)][:, 0].float(), atol=1e-3, rtol=1e-4)
-        if ("post", L) in got:
-            residual = got[("post", L)][:, 0].float()
-            torch.testing.assert_close(
-                spikes.scale[L] * spikes.y[L], residual, atol=1e-2, rtol=1e-4
-            )
-        else:
-            assert torch.equal(spikes.scale[L], torch.ones_like(spikes.scale[L]))
-        x = got[("x", L)][:, 0].abs()  # the largest |x| and |y| over the other real tokens
-        others = got[("x", L)].abs().amax(-1).masked_fill(~enc["attention_mask"].bool(), 0)[:, 1:]
-        torch.testing.assert_close(
-            spikes.others_x[L], others.amax(-1).float(), rtol=1e-4, atol=1e-4
-        )
-        torch.testing.assert_close(spikes.in_max()[L], x.amax(-1).float(), rtol=1e-4, atol=1e-4)
-    P, D, n = plant.layer, plant.massive_dim, plant.neuron
-    w = float(hf.model.layers[P].mlp.down_proj.weight.detach()[D, n])
-    want = (got[("x", P)][:, 0, n] * w).abs().float() * spikes.scale[P, :, D]
-    torch.testing.assert_close(spikes.write(model, P, D, n), want, rtol=1e-5, atol=1e-3)
-    assert bool(spikes.builds(model, P, D, n).all())
-
-
-def test_weight_only_scores_and_neuron_shares_by_hand(planted):
-    model, plant = planted
-    L = plant.layer
-    w = model.ffn_weights(L)
-    g = model.ffn_norm_gain(L)
-    omega = sw.weight_only_scores(model, L)
-    r, c = 3, 17
-    d, gate, up = w.down.detach(), w.gate.detach(), w.up.detach()
-    want = abs(float(d[r, c])) * float((gate[c] * g).norm()) * float((up[c] * g).norm())
-    assert float(omega[r, c]) == pytest.approx(want, rel=1e-5)
-    assert divmod(int(omega.argmax()), omega.shape[1]) == (plant.massive_dim, plant.neuron)
-    batch = model.tokenize(synthetic.planted_prompts(6))
-    spikes = sw.down_proj_spikes(model, batch, [0] * len(batch))
-    for layer in range(model.n_layers):
-        assert float(sw.me_neuron_shares(model, spikes, layer).sum()) == pytest.approx(
-            1.0, abs=1e-4
-        )
-
-
-def test_builds_and_erases_on_the_erased_decoy():
-    """decoy-erased: layer 4's neurons write minus the massive value; its largest erasing write is
-    reported as an eraser, never as the super weight of layer 2."""
-    hf, tok, rec = synthetic.decoy("erased")
-    model = load_model(hf, tokenizer=tok, device="cpu")
-    batch = model.tokenize(synthetic.distinct_first_prompts(8))
-    spikes = sw.down_proj_spikes(model, batch, [0] * len(batch))
-    D = rec.massive_dim
-    assert bool(spikes.builds(model, rec.layers[0], D, rec.neuron).all())
-    _, _, _, erasers = sw.candidates(model, spikes, rec.layers[0], [D])
-    er = erasers[rec.erased_at]
-    assert er["row"] == D and er["col"] in rec.eraser_neurons and er["write"] > THR
-
-
-# ---------------------------------------------------------------------------- edits
-
-
-def test_zeroed_touches_only_its_entries_and_restores(planted):
-    model, plant = planted
-    before = {k: v.detach().clone() for k, v in model.hf.state_dict().items()}
-    # (rows 1 and 2 are not among the dims planted() keeps at 0)
-    entries = [(plant.layer, plant.massive_dim, plant.neuron), (plant.layer, 1, 2), (0, 2, 3)]
-    downs = {L: model.ffn_weights(L).down.detach().clone() for L in range(model.n_layers)}
-    with sw.zeroed(model, entries):
-        after = model.hf.state_dict()
-        changed = [k for k, v in before.items() if not torch.equal(after[k], v)]
-        assert changed  # (the bridge aliases each weight under several names)
-        for L in range(model.n_layers):
-            diff = (model.ffn_weights(L).down.detach() != downs[L]).nonzero().tolist()
-            assert sorted(map(tuple, diff)) == sorted((r, c) for e, r, c in entries if e == L)
-    with pytest.raises(RuntimeError), sw.zeroed(model, entries[:1]):
-        raise RuntimeError("inside the edit")
-    after = model.hf.state_dict()
-    assert all(torch.equal(after[k], v) for k, v in before.items())
-    with pytest.raises(ValueError, match="outside"):
-        with sw.zeroed(model, [(0, 999, 0)]):
-            pass
-    with pytest.raises(ValueError, match="at least one"):
-        with sw.zeroed(model, []):
-            pass
-
-
-def test_restore_hook_sets_only_its_cells_and_is_idempotent():
-    y = torch.randn(3, 5, 4)
-    hooks = sw.restore_hook(2, 1, [0, 3, 2], torch.tensor([7.0, 8.0, 9.0]))
-    assert hooks[0][0] == names.ffn_own(2)
-    fn = hooks[0][1]
-    out = fn(y, None)
-    assert out[0, 0, 1] == 7 and out[1, 3, 1] == 8 and out[2, 2, 1] == 9
-    mask = torch.ones_like(y, dtype=torch.bool)
-    mask[0, 0, 1] = mask[1, 3, 1] = mask[2, 2, 1] = False
-    assert torch.equal(out[mask], y[mask])
-    assert torch.equal(fn(out, None), out)  # idempotent
+# ---------------------------------------------------------------------------- the random control
 
 
 def test_control_pool_and_draws(planted):
@@ -278,7 +115,7 @@ def test_planted_nobos_verdicts_and_the_statistics_by_hand(distinct):
     prompts = sw.Config(prompts=distinct).load_prompts()
     tb = sw.short_batch(model, prompts, 16, 48)
     base = evaluation.perplexity(model, tb)
-    with sw.zeroed(model, [res.super_weight.coord]):
+    with down_weights_zeroed(model, [res.super_weight.coord]):
         zero = evaluation.perplexity(model, tb)
     assert res.ppl("unedited") == pytest.approx(base, rel=1e-6)
     assert by["zeroing_hurts"].estimate.value == pytest.approx(zero / base, rel=1e-6)

@@ -166,13 +166,6 @@ def test_prompt_batch_cuts_subsamples_and_counts(planted):
         causal.prompt_batch(model, prompts, max_tokens=1)
 
 
-def test_excess_fraction_fixed_points():
-    assert causal.excess_fraction(101.0, 101.0) == 1.0
-    assert causal.excess_fraction(1.0, 101.0) == 0.0
-    assert causal.excess_fraction(11.0, 101.0) == pytest.approx(0.1)
-    assert causal.excess_fraction(2.0, 1.0) != causal.excess_fraction(2.0, 1.0)  # NaN
-
-
 @pytest.mark.parametrize("fill", ["others_mean", "zero"])
 def test_remove_massive_positive_negative(setup, fill):
     model, plant, batch = setup
@@ -333,3 +326,34 @@ def test_patch_across_prompts(setup):
         causal.patch_across_prompts(model, model.tokenize(["w1 w2 w3"]), 1, [0])
     with pytest.raises(ValueError, match="shift"):
         causal.patch_across_prompts(model, batch, 1, [0], shift=3)
+
+
+def test_set_ffn_own_at_sets_only_its_cells_and_is_idempotent():
+    y = torch.randn(3, 5, 4)
+    hooks = causal.set_ffn_own_at(2, 1, [0, 3, 2], torch.tensor([7.0, 8.0, 9.0]))
+    assert hooks[0][0] == names.ffn_own(2)
+    fn = hooks[0][1]
+    out = fn(y, None)
+    assert out[0, 0, 1] == 7 and out[1, 3, 1] == 8 and out[2, 2, 1] == 9
+    mask = torch.ones_like(y, dtype=torch.bool)
+    mask[0, 0, 1] = mask[1, 3, 1] = mask[2, 2, 1] = False
+    assert torch.equal(out[mask], y[mask])
+    assert torch.equal(fn(out, None), out)  # idempotent
+
+
+def test_set_ffn_own_at_in_a_forward(setup):
+    """In a real forward: the FFN's own output of row r at each prompt's position becomes the given
+    value (positive); every other cell of that hook and everything before the layer are unchanged
+    (negative)."""
+    model, plant, batch = setup
+    L, r = plant.layer, plant.massive_dim
+    name = names.ffn_own(L)
+    before = _cap(model, batch, name)
+    pos = [0, 2, 1]
+    values = torch.tensor([1.5, -2.0, 3.0])
+    after = _cap(model, batch, name, causal.set_ffn_own_at(L, r, pos, values))
+    got = after[torch.arange(len(batch)), torch.tensor(pos), r]
+    torch.testing.assert_close(got, values.to(got.dtype))
+    mask = torch.ones_like(before, dtype=torch.bool)
+    mask[torch.arange(len(batch)), torch.tensor(pos), r] = False
+    assert torch.equal(after[mask], before[mask])

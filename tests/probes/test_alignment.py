@@ -18,6 +18,7 @@ from me_interp.probes.alignment import (
     gain_ranks,
     kl_to_gain,
     massive_dim_gain_ranks,
+    others_mean,
     reference_positions,
     resolve_k,
     top_gain_dims,
@@ -113,6 +114,20 @@ def test_delta_matches_a_loop():
             others = [x[layer, b, t] for t in range(7) if mask[b, t] and t != ref[b]]
             want = x[layer, b, ref[b]] - sum(others) / len(others)
             assert torch.isclose(got[layer, b], want, atol=1e-6)
+
+
+def test_others_mean_matches_a_loop():
+    """``mean_{t∉P} x_t`` over the real tokens outside ``P``; padding and ``P`` never count."""
+    x = torch.randn(3, 6, 5)  # [batch pos d]
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    x[1, 4:] = 1e6  # padding: must not count
+    got = others_mean(x, mask, [0, 2])
+    for b in range(3):
+        keep = [t for t in range(6) if mask[b, t] and t not in (0, 2)]
+        torch.testing.assert_close(got[b], x[b, keep].mean(0))
+    with pytest.raises(ValueError, match="at least one token outside"):
+        others_mean(x[:, :2], mask[:, :2], [0, 1])
 
 
 def test_gain_ranks_match_numpy_and_show_small_gains():

@@ -10,12 +10,16 @@ import torch
 
 from me_interp import names
 from me_interp.probes.attention import (
+    AttentionRecorder,
+    SinkRecorder,
     attention_entropy,
     attention_probe,
+    attention_src_dst,
     attention_stats,
     head_sink_rate,
     sink_rate,
 )
+from me_interp.probes.batching import record
 
 
 def test_entropy_fixed_points():
@@ -158,3 +162,70 @@ def test_attention_to_a_later_massive_token_counts_only_the_queries_after_it(pla
     torch.testing.assert_close(st.to_positions, ap.to_ref)
     with pytest.raises(ValueError, match="last token"):
         attention_probe(no_bos, batch, reference=[4, 1])
+
+
+def test_sink_recorder_matches_a_full_capture_and_the_attention_recorder(
+    tiny_nobos, word_prompts, capture
+):
+    """out[l, b, h] = Σ_{p∈P_b} mean_{q>p} A[q, p] by hand, and the attention recorder's mass on the
+    same positions from the same (chunked) forward."""
+    model = tiny_nobos
+    batch = model.tokenize(word_prompts)
+    positions = [[0, 2], [1], [0, 1], [3]]
+    sinks, full = SinkRecorder(model, batch, positions), AttentionRecorder(model, batch)
+    record(model, batch, [sinks, full])
+    torch.testing.assert_close(sinks.out, full.mass_on(positions), atol=1e-6, rtol=1e-5)
+    acts = capture(model, batch, {L: names.pattern(L) for L in range(model.n_layers)})
+    for L in range(model.n_layers):
+        A = acts[L].double()  # [batch head q k]
+        for b, n in enumerate(batch.lengths):
+            want = sum(A[b, :, p + 1 : n, p].mean(-1) for p in positions[b])  # [head]
+            torch.testing.assert_close(sinks.out[L, b].double(), want, atol=1e-6, rtol=1e-5)
+    assert sinks.per_layer() == sinks.out.amax(-1).mean(-1).tolist()
+    with pytest.raises(ValueError, match="rows for 4 prompts"):
+        SinkRecorder(model, batch, [[0]])
+    with pytest.raises(ValueError, match="outside prompt 2"):
+        SinkRecorder(model, batch, [[0], [0], [3], [0]])
+
+
+def _scale_at(x, hook, *, pos, factor):
+    x = x.clone()
+    x[:, pos] = x[:, pos] * factor
+    return x
+
+
+def test_attention_src_dst_by_hand(tiny_nobos, word_prompts, capture):
+    """The attention of the queries after both positions to src and dst, and the norm ratios of
+    both at one layer's output, from a full capture; fwd_hooks run in the same forward."""
+    from functools import partial
+
+    model = tiny_nobos
+    batch = model.tokenize([p for p in word_prompts if len(p.split()) > 3])  # a query after dst
+    src, dst, layers, R = 0, 2, [1, 2], 1
+    att, ratios = attention_src_dst(model, batch, src, dst, layers, ratio_layer=R)
+    assert att.shape == (2, 2, len(batch), model.n_heads) and ratios.shape == (2, len(batch))
+    acts = capture(
+        model, batch, {"h": names.resid_post(R), **{L: names.pattern(L) for L in layers}}
+    )
+    norms = acts["h"].double().norm(dim=-1)  # [batch pos]
+    for i, L in enumerate(layers):
+        A = acts[L].double()
+        for b, n in enumerate(batch.lengths):
+            for k, t in enumerate((src, dst)):
+                want = A[b, :, dst + 1 : n, t].mean(-1)  # queries q > max(src, dst)
+                torch.testing.assert_close(att[i, k, b].double(), want, atol=1e-6, rtol=1e-5)
+    for b, n in enumerate(batch.lengths):
+        for k, t in enumerate((src, dst)):
+            others = [norms[b, u] for u in range(n) if u != t]
+            want = float(norms[b, t] / (sum(others) / len(others)))
+            assert float(ratios[k, b]) == pytest.approx(want, rel=1e-5)
+    hook = [(names.resid_post(R), partial(_scale_at, pos=dst, factor=10.0))]
+    _, scaled = attention_src_dst(model, batch, src, dst, [], hook, ratio_layer=R)
+    for b, n in enumerate(batch.lengths):
+        others = [norms[b, u] for u in range(n) if u != dst]
+        want = float(10 * norms[b, dst] / (sum(others) / len(others)))
+        assert float(scaled[1, b]) == pytest.approx(want, rel=1e-5)
+    empty, none = attention_src_dst(model, batch, src, dst, [])
+    assert empty.shape == (0, 2, len(batch), 0) and none is None
+    with pytest.raises(ValueError, match="a token after position 2"):
+        attention_src_dst(model, model.tokenize(word_prompts), src, dst, layers)

@@ -26,7 +26,7 @@ from me_interp.probes import (
     record,
     scan_norms,
 )
-from me_interp.probes.batching import stop_hook_name
+from me_interp.probes.batching import ResidMidRecorder, stop_hook_name
 from me_interp.probes.ffn import make_scan
 
 PROMPTS = [
@@ -208,3 +208,19 @@ def test_interventions_run_unchunked_and_cannot_take_rows(tiny_nobos, batch):
     assert shapes == [tuple(batch.tokens.shape)]
     with pytest.raises(ValueError, match="fwd_hooks"):
         record(tiny_nobos, batch, [], rows=[0], fwd_hooks=[(names.resid_pre(0), spy)])
+
+
+def test_resid_mid_recorder_keeps_every_real_token_of_every_layer(tiny_nobos, batch, capture):
+    """Chunk by chunk (small chunks: several forwards), the kept resid_mid of every layer is the one
+    of one plain padded forward at every real token."""
+    model = tiny_nobos
+    rec = ResidMidRecorder(model, batch)
+    record(model, batch, [rec], max_tokens=12)
+    assert rec.out.shape == (model.n_layers, *batch.tokens.shape, model.d_model)
+    assert rec.out.dtype == model.dtype
+    acts = capture(model, batch, {L: names.resid_mid(L) for L in range(model.n_layers)})
+    for L in range(model.n_layers):
+        for b, n in enumerate(batch.lengths):
+            torch.testing.assert_close(
+                rec.out[L, b, :n].float(), acts[L][b, :n], rtol=1e-5, atol=1e-5
+            )

@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from me_interp import names
+from me_interp import claims, names, synthetic
 from me_interp.probes.ffn import (
     PROJECTIONS,
     STAGES,
+    FfnShare,
     concentration,
     ffn_scan,
+    ffn_share,
     neuron_contributions,
+    neuron_scores,
     top_neurons,
 )
 
@@ -146,3 +149,69 @@ def test_planted_neuron_is_the_top_neuron(planted_ffn):
     assert table.mean_share[0] > 0.99
     assert table.to_dict()["neurons"][0]["neuron"] == plant.neuron
     assert len(table.neurons) == 5
+
+
+# -- neuron scores and the FFN share ----------------------------------------------------------
+
+
+def test_neuron_scores_by_hand(planted, capture):
+    """score_n = mean_b ‖act_n · W_down[D, n]‖ from a hand-written FFN on the captured input; the
+    planted neuron scores highest; ``rows`` averages over those prompts only."""
+    model, plant = planted
+    batch = model.tokenize(synthetic.planted_prompts(8))
+    L, dims = plant.layer, [plant.massive_dim]
+    pos = torch.zeros(len(batch), dtype=torch.long)
+    got = neuron_scores(model, batch, L, pos, dims)
+    x = capture(model, batch, {"x": names.ffn_in(L)})["x"][:, 0]  # [batch d_model] at position 0
+    w = model.ffn_weights(L)
+    act = torch.nn.functional.silu(x @ w.gate.detach().T) * (x @ w.up.detach().T)
+    per_prompt = (act * w.down.detach()[plant.massive_dim]).abs()  # [batch d_mlp]
+    torch.testing.assert_close(got, per_prompt.mean(0), atol=1e-4, rtol=1e-4)
+    assert int(got.argmax()) == plant.neuron
+    rows = [1, 4, 6]
+    torch.testing.assert_close(
+        neuron_scores(model, batch, L, pos, dims, rows),
+        per_prompt[rows].mean(0),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    with pytest.raises(ValueError, match="dims must be"):
+        neuron_scores(model, batch, L, pos, [])
+    with pytest.raises(ValueError, match="dims must be"):
+        neuron_scores(model, batch, L, pos, [model.d_model])
+
+
+def test_ffn_share_by_hand_and_its_thresholds(planted, capture):
+    """cos(FFN_p, h_p) and ‖FFN_p‖ / ‖h_p‖ from the captured activations; on the planted model the
+    ME layer's FFN output is the massive token's state, one layer earlier it is not; ``is_state``
+    at the edges of its thresholds."""
+    model, plant = planted
+    batch = model.tokenize(synthetic.planted_prompts(6))
+    L = plant.layer
+    acts = capture(
+        model,
+        batch,
+        {n: n for L_ in (L - 1, L) for n in (names.ffn_out(L_), names.resid_post(L_))},
+    )
+    share = ffn_share(model, batch, L, 0, acts)
+    f, h = acts[names.ffn_out(L)][:, 0].double(), acts[names.resid_post(L)][:, 0].double()
+    cos = (f * h).sum(-1) / (f.norm(dim=-1) * h.norm(dim=-1))
+    np.testing.assert_allclose(share.cos, cos.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(
+        share.norm_ratio, (f.norm(dim=-1) / h.norm(dim=-1)).numpy(), rtol=1e-5
+    )
+    assert share.is_state() and share.to_dict()["is_state"] is True and "cosine" in share.text()
+    assert not ffn_share(model, batch, L - 1, 0, acts).is_state()
+    cos_min, tol = claims.threshold("ffn_state_cos"), claims.threshold("ffn_state_norm")
+    assert FfnShare((1.0,), (1.0,)).is_state()
+    assert not FfnShare((cos_min,), (1.0,)).is_state()  # strict: cos > cos_min
+    assert FfnShare((cos_min + 1e-6,), (1.0,)).is_state()
+    assert not FfnShare((1.0,), (1.0 + 1.01 * tol,)).is_state()
+    assert FfnShare((1.0,), (1.0 - 0.99 * tol,)).is_state()
+    assert FfnShare((cos_min + 0.002, cos_min), (1.0, 1.0)).is_state()  # on prompt means
+    with pytest.raises(ValueError, match="outside the shortest prompt"):
+        ffn_share(model, batch, L, min(batch.lengths), acts)
+    with pytest.raises(ValueError, match="acts has no"):
+        ffn_share(model, batch, L + 1, 0, acts)
+    with pytest.raises(ValueError, match="rows for a batch"):
+        ffn_share(model, batch, L, 0, {k: v[:2] for k, v in acts.items()})
