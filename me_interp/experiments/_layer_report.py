@@ -24,16 +24,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from me_interp import claims
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.massive import Criterion, MELocation, locate_me_layer
+from me_interp.probes.massive import (
+    Criterion,
+    CriterionKind,
+    MELocation,
+    locate_me_layer,
+)
 from me_interp.probes.norms import NormScan
 from me_interp.probes.site import Site, Units, locate, subset_scan
-from me_interp.study import INDEX_CONVENTION, CommonConfig
+from me_interp.study import INDEX_CONVENTION, CommonConfig, checked
 from me_interp.terminal import fmt_table
 
 PositionChoice = Literal["detected", "zero"]
@@ -49,24 +54,16 @@ class DetectConfig(CommonConfig):
     """Fields of the experiments that detect the ME layer and the massive token themselves.
 
     Attributes:
-        criterion: massive-activation criterion for the ME-layer detection (sun, norm, either,
-            both).
+        criterion: massive-activation criterion of the ME-layer detection (``sun``: value
+            thresholds; ``norm``: token-norm ratio).
         position: ``detected`` = the detected massive token of each prompt; ``zero`` = position 0.
         layer: the ME layer to test (0-based); ``None`` = detected. On a model without a massive
             activation the claims are not applicable unless a layer is given.
     """
 
-    criterion: str = "sun"
+    criterion: str = checked("sun", choices=get_args(CriterionKind))
     position: PositionChoice = "detected"
-    layer: int | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        Criterion(kind=self.criterion)  # type: ignore[arg-type]
-        if self.position not in ("detected", "zero"):
-            raise ValueError(f"position must be 'detected' or 'zero', got {self.position!r}")
-        if self.layer is not None and self.layer < 0:
-            raise ValueError(f"layer must be >= 0, got {self.layer}")
+    layer: int | None = checked(None, ge=0)
 
     def detection(self) -> Criterion:
         return Criterion(kind=self.criterion)  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -29,11 +29,17 @@ from me_interp.patching.suffix import give_up
 from me_interp.probes.attention import SinkRecorder
 from me_interp.probes.batching import record
 from me_interp.probes.blocks import Prefix, capture_prefix
-from me_interp.probes.massive import Criterion, MELocation, locate_me_layer, prompt_me_layers
+from me_interp.probes.massive import (
+    Criterion,
+    CriterionKind,
+    MELocation,
+    locate_me_layer,
+    prompt_me_layers,
+)
 from me_interp.probes.norms import NormRecorder, NormScan, top_ratio
 from me_interp.probes.site import Site, locate
 from me_interp.prompts import spread
-from me_interp.study import INDEX_CONVENTION, CommonConfig, model_for
+from me_interp.study import INDEX_CONVENTION, CommonConfig, checked, model_for
 
 SCAN_SITES = ("resid_pre", "resid_mid", "resid_post")
 PART_ORDER: tuple[str, ...] = (
@@ -81,23 +87,16 @@ class WeightConfig(CommonConfig):
             forward pass, so the default subsamples; ``0`` = all). The result reports the number.
         max_tokens: cut every prompt to its first ``max_tokens`` tokens (the massive token is among
             the first; ``0`` = no cut).
-        criterion: massive-activation criterion of ``probes.massive`` (sun, norm, either, both).
+        criterion: massive-activation criterion (``sun``: value thresholds; ``norm``: token-norm
+            ratio).
         sink: also measure the attention sink (in the same forward pass).
     """
 
     layer: int | None = None
-    n_prompts: int = 8
-    max_tokens: int = 16
-    criterion: str = "sun"
+    n_prompts: int = checked(8, ge=0)
+    max_tokens: int = checked(16, ge=2, also=(0,))
+    criterion: str = checked("sun", choices=get_args(CriterionKind))
     sink: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.n_prompts < 0:
-            raise ValueError(f"n_prompts must be >= 0 (0 = all), got {self.n_prompts}")
-        if self.max_tokens != 0 and self.max_tokens < 2:
-            raise ValueError(f"max_tokens must be >= 2 (or 0 = no cut), got {self.max_tokens}")
-        self.detection()
 
     def detection(self) -> Criterion:
         return Criterion(kind=self.criterion)  # type: ignore[arg-type]

@@ -94,11 +94,10 @@ from me_interp.patching import (
 from me_interp.patching.pairs import read_pairs
 from me_interp.probes.ffn import FfnShare, ffn_share
 from me_interp.probes.site import Site, locate
-from me_interp.study import CommonConfig, Experiment, check_choices, command, model_for
+from me_interp.study import CommonConfig, Experiment, checked, command, model_for
 from me_interp.terminal import fmt_table
 
 NAME = "activation_patching"
-CORRUPTIONS = ("auto", "first_token", "remove_input", "remove_ffn")
 FFN_SITES = ("mlp_out", "ffn_out")
 PROJECTION = "projection"
 OVERSHOOT = 1 + 1e-6
@@ -414,10 +413,10 @@ class Config(CommonConfig):
     """Activation-patching settings.
 
     Attributes:
-        sites: sites to patch, each swept over every layer: ``resid_pre``, ``attn_in``,
-            ``attn_out``, ``ffn_in`` (pre-FFN RMSNorm output), ``ffn_out``, ``resid_mid``,
-            ``resid_post``, ``mlp_out`` (= the FFN output). The claims need ``resid_pre``,
-            ``attn_out`` and ``mlp_out``; a claim whose site is not swept is not applicable.
+        sites: sites to patch, each swept over every layer (``ffn_in``: the pre-FFN RMSNorm
+            output; ``mlp_out``: the FFN output; the per-head sites: see ``heads``). The claims
+            need ``resid_pre``, ``attn_out`` and ``mlp_out``; a claim whose site is not swept is not
+            applicable.
         corruption: ``first_token`` (token 0 replaced by token 1), ``remove_input`` (the massive
             token's residual input to the ME layer set to the other tokens' mean), ``remove_ffn``
             (the ME layer's FFN output of the massive token set to the other tokens' mean) or
@@ -425,8 +424,8 @@ class Config(CommonConfig):
             ``remove_input``).
         max_tokens: prompts are cut to their first ``max_tokens`` tokens (>= 2).
         max_prompts: how many prompts to use, spread evenly over the prompt list (``None``: all).
-            Every patched cell costs a forward of this many prompts from its layer on; 16 keeps the
-            bundled model's run under a minute on two CPU cores.
+            Every patched cell costs a forward of this many prompts from its layer on; the default
+            keeps the bundled model's run under a minute on two CPU cores.
         all_positions: sweep every position and every layer of every site (heat maps) instead of
             the massive position (and ``resid_pre`` only up to the layer after the ME layer); costs
             ``max_tokens`` times more.
@@ -437,8 +436,7 @@ class Config(CommonConfig):
         pairs: a JSONL file of your own pairs (``{"clean", "corrupt", "answer", "wrong"}`` a line):
             patch them instead of asking the built-in question (no claims; see
             :mod:`me_interp.experiments.patching_pairs`).
-        metric: with ``pairs``: ``logit_diff`` (default), ``prob``, ``kl``, ``projection``,
-            ``sink`` or ``norm_ratio``.
+        metric: with ``pairs``: what a patched cell measures (``None``: ``logit_diff``).
         heads: heads to patch at the per-head sites (``attn_head_out``, ``attn_head_pattern``,
             ``q``, ``k``, ``v``); ``None`` = all.
         head_positions: per-head sites patch ``all`` positions at once (a layer × head grid) or
@@ -452,60 +450,34 @@ class Config(CommonConfig):
             ``claims.MIN_SEEDS`` for its claim to be judged; 0 skips the sink-heads question).
     """
 
-    sites: tuple[str, ...] = ("resid_pre", "attn_out", "mlp_out")
+    sites: tuple[str, ...] = checked(
+        ("resid_pre", "attn_out", "mlp_out"), choices=PATCH_SITES, nonempty=True
+    )
     corruption: Literal["auto", "first_token", "remove_input", "remove_ffn"] = "auto"
-    max_tokens: int = 32
-    max_prompts: int | None = 16
+    max_tokens: int = checked(32, ge=2)
+    max_prompts: int | None = checked(16, ge=1)
     all_positions: bool = False
-    metric_layer: int | None = None
-    layer: int | None = None
-    batch_size: int = 64
+    metric_layer: int | None = checked(None, ge=0)
+    layer: int | None = checked(None, ge=0)
+    batch_size: int = checked(64, ge=1)
     pairs: str | None = None
-    metric: str | None = None
-    heads: tuple[int, ...] | None = None
+    metric: str | None = checked(None, choices=patching_pairs.METRICS)
+    heads: tuple[int, ...] | None = checked(None, ge=0)
     head_positions: Literal["all", "each"] = "all"
     method: Literal["exact", "attribution", "both"] = "exact"
-    n_sink_heads: int | None = None
-    n_random: int = 10
+    n_sink_heads: int | None = checked(None, ge=1)
+    n_random: int = checked(10, ge=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_choices(self.sites, PATCH_SITES, "site")
-        if self.metric is not None and self.metric not in patching_pairs.METRICS:
-            raise ValueError(
-                f"unknown metric {self.metric!r}; choose from {', '.join(patching_pairs.METRICS)}"
-            )
         if self.pairs is not None:
             read_pairs(self.pairs)  # missing, not UTF-8, malformed: said before the model loads
         elif self.metric is not None:
             raise ValueError("metric applies only with pairs (the built-in question has its own)")
-        if self.heads is not None and any(h < 0 for h in self.heads):
-            raise ValueError("heads must be >= 0")
-        if self.method not in ("exact", "attribution", "both"):
-            raise ValueError(f"method must be exact, attribution or both, got {self.method!r}")
         if self.method != "exact" and self.pairs is None:
             raise ValueError(
                 "method applies only with pairs (the built-in claims use exact patching)"
             )
-        if self.head_positions not in ("all", "each"):
-            raise ValueError(f"head_positions must be all or each, got {self.head_positions!r}")
-        if self.corruption not in CORRUPTIONS:
-            raise ValueError(f"corruption must be one of {CORRUPTIONS}, got {self.corruption!r}")
-        if self.max_tokens < 2:
-            raise ValueError("max_tokens must be >= 2")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise ValueError("max_prompts must be >= 1 (or None for all)")
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
-        if self.n_sink_heads is not None and self.n_sink_heads < 1:
-            raise ValueError(
-                "n_sink_heads must be >= 1 (or None: one per layer after the ME layer)"
-            )
-        if self.n_random < 0:
-            raise ValueError("n_random must be >= 0")
-        for f in ("metric_layer", "layer"):
-            if getattr(self, f) is not None and getattr(self, f) < 0:
-                raise ValueError(f"{f} must be >= 0")
 
 
 def first_token_corrupt(clean: Batch) -> Batch:

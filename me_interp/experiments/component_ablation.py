@@ -44,7 +44,6 @@ with another factor (the former ``normalize_product`` claim was a duplicate of `
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -60,7 +59,7 @@ from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching import NormRatio, SinkMass
 from me_interp.probes.site import Site, locate
-from me_interp.study import Experiment, SiteConfig, check_choices, command, model_for
+from me_interp.study import Experiment, SiteConfig, checked, command, model_for
 from me_interp.terminal import fmt_table
 
 NAME = "component_ablation"
@@ -265,34 +264,20 @@ class Config(SiteConfig):
     """Component-ablation settings.
 
     Attributes:
-        conditions: the interventions to run, each separately (``flatten_gain``, ``cap_ffn``,
-            ``scale_product``, ``normalize_product``, ``zero_dims``, ``mean_dims``); a claim whose
-            condition is not run is not applicable.
+        conditions: the interventions to run, each separately; a claim whose condition is not run
+            is not applicable.
         alpha: factor α of ``scale_product`` (the FFN intermediate product of ``p`` × α).
         max_tokens: prompts are cut to their first ``max_tokens`` tokens (>= 2); perplexity is
             over the tokens kept.
         max_prompts: how many prompts to use, spread evenly over the prompt list (``None``: all).
-            One full forward (with logits) per condition; 32 keeps the bundled model's run around
-            30 s on two CPU cores.
+            One full forward (with logits) per condition; the default keeps the bundled model's run
+            around 30 s on two CPU cores.
     """
 
-    conditions: tuple[str, ...] = CONDITIONS
-    alpha: float = 0.1
-    max_tokens: int = 32
-    max_prompts: int | None = 32
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_choices(self.conditions, CONDITIONS, "condition")
-        if not (math.isfinite(self.alpha) and self.alpha >= 0):
-            raise ValueError(
-                f"alpha must be finite and >= 0 (the FFN product's factor; below 0 flips its "
-                f"sign), got {self.alpha}"
-            )
-        if self.max_tokens < 2:
-            raise ValueError("max_tokens must be >= 2")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise ValueError("max_prompts must be >= 1 (or None for all)")
+    conditions: tuple[str, ...] = checked(CONDITIONS, choices=CONDITIONS, nonempty=True)
+    alpha: float = checked(0.1, ge=0, finite=True)  # below 0 flips the FFN product's sign
+    max_tokens: int = checked(32, ge=2)
+    max_prompts: int | None = checked(32, ge=1)
 
 
 def condition_hooks(model, batch, site: Site, cond: str, alpha: float, acts=None):

@@ -74,7 +74,7 @@ from me_interp.experiments._weights import (
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.ffn import neuron_scores
 from me_interp.probes.site import Units, massive_units
-from me_interp.study import Experiment, command
+from me_interp.study import Experiment, checked, command
 from me_interp.terminal import fmt_table
 
 NAME = "ffn_svd_ablation"
@@ -87,7 +87,7 @@ class Config(WeightConfig):
     """FFN-ablation settings.
 
     Attributes:
-        matrices: which FFN matrices to ablate (down, up, gate).
+        matrices: which FFN matrices to ablate.
         ks: the sweep: how many top singular directions to remove (each value separately).
         claim_k: how many top singular directions the claims remove (the paper's "a few"; run even
             when not in ``ks``); the random control removes as many of the others (at most half the
@@ -97,24 +97,16 @@ class Config(WeightConfig):
         n_random: seeds (``seed, seed+1, …``) of each random control (the claims need at least 5).
     """
 
-    matrices: tuple[str, ...] = ("down", "up", "gate")
-    ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    claim_k: int = 8
-    n_neurons: int = 3
-    n_random: int = 5
+    matrices: tuple[str, ...] = checked(("down", "up", "gate"), choices=MATRICES)
+    ks: tuple[int, ...] = checked((1, 2, 4, 8, 16, 32), ge=1)
+    claim_k: int = checked(8, ge=1)
+    n_neurons: int = checked(3, ge=0)
+    n_random: int = checked(5, ge=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for mat in self.matrices:
-            if mat not in MATRICES:
-                raise ValueError(f"unknown FFN matrix {mat!r}; choose from {MATRICES}")
-        for k in (*self.ks, self.claim_k):
-            if k < 1:
-                raise ValueError(f"every k (ks, claim_k) must be >= 1, got {k}")
         if not self.matrices and not self.n_neurons:
             raise ValueError("nothing to ablate: give matrices or n_neurons > 0")
-        if self.n_neurons < 0 or self.n_random < 0:
-            raise ValueError("n_neurons and n_random must be >= 0")
 
     def sweep(self) -> list[int]:
         """The ``k`` values run: ``ks`` and ``claim_k``, sorted."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -45,13 +45,21 @@ from me_interp.experiments._layer_report import peak_details, peak_measure
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import (
     Criterion,
+    CriterionKind,
     MELocation,
     massive_tokens,
     site_text,
 )
 from me_interp.probes.norms import NormScan, ratio_to_others, scan_norms, top_ratio
 from me_interp.probes.site import Units, locate, no_massive_why
-from me_interp.study import INDEX_CONVENTION, CommonConfig, Experiment, command, model_for
+from me_interp.study import (
+    INDEX_CONVENTION,
+    CommonConfig,
+    Experiment,
+    checked,
+    command,
+    model_for,
+)
 from me_interp.terminal import fmt_table
 
 NAME = "me_layer"
@@ -62,8 +70,8 @@ class Config(CommonConfig):
     """ME-layer scan settings (see ``probes.massive`` for the criterion).
 
     Attributes:
-        criterion: massive-activation criterion: ``sun`` (value thresholds), ``norm`` (token-norm
-            ratio), ``either`` or ``both``.
+        criterion: massive-activation criterion (``sun``: value thresholds; ``norm``: token-norm
+            ratio).
         abs_threshold: ``sun`` criterion: a value is massive when ``|a|`` exceeds this absolute
             threshold (and the relative one).
         rel_threshold: ``sun`` criterion: ... and ``|a|`` is at least this many times the median
@@ -78,21 +86,18 @@ class Config(CommonConfig):
         remote: with ``nnsight``: run on NDIF (key in ``NDIF_API_KEY``; the model is an HF name).
     """
 
-    criterion: str = "sun"
-    abs_threshold: float = 100.0
-    rel_threshold: float = 1000.0
-    norm_ratio: float = 50.0
-    min_prompt_fraction: float = 0.5
-    top_k: int = 16
+    criterion: str = checked("sun", choices=get_args(CriterionKind))
+    abs_threshold: float = checked(100.0, ge=0)
+    rel_threshold: float = checked(1000.0, ge=1)  # ratios to a median: below 1 every token passes
+    norm_ratio: float = checked(50.0, ge=1)
+    min_prompt_fraction: float = checked(0.5, gt=0, le=1)
+    top_k: int = checked(16, ge=1)
     backend: Literal["tl", "nnsight"] = "tl"
     remote: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backend(self.backend, self.remote)
-        self.detection()  # validates
-        if self.top_k < 1:
-            raise ValueError("top_k must be >= 1")
 
     def detection(self) -> Criterion:
         return Criterion(

@@ -56,7 +56,6 @@ from me_interp.probes.alignment import (
     ALIGN_SITES,
     AlignmentRecorder,
     massive_dim_gain_ranks,
-    resolve_k,
 )
 from me_interp.probes.batching import record
 from me_interp.probes.ffn import (
@@ -69,7 +68,7 @@ from me_interp.probes.ffn import (
     top_neurons,
 )
 from me_interp.probes.norms import NormRecorder
-from me_interp.study import Experiment, command, model_for
+from me_interp.study import Experiment, checked, command, model_for
 from me_interp.terminal import fmt_table
 
 NAME = "mechanism"
@@ -262,21 +261,10 @@ class Config(DetectConfig):
         neuron_layer: layer of the neuron table (-1: the ME layer).
     """
 
-    k_frac: float = 0.01
-    k_abs: int = 0
-    top_neurons: int = 10
-    neuron_layer: int = -1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.k_abs < 0:
-            raise ValueError("k_abs must be >= 0")
-        if self.k_abs == 0:
-            resolve_k(float(self.k_frac), 10**6)  # validates the fraction
-        if self.top_neurons < 1:
-            raise ValueError("top_neurons must be >= 1")
-        if self.neuron_layer < -1:
-            raise ValueError("neuron_layer must be -1 (the ME layer) or a 0-based layer")
+    k_frac: float = checked(0.01, gt=0, le=1)
+    k_abs: int = checked(0, ge=0)
+    top_neurons: int = checked(10, ge=1)
+    neuron_layer: int = checked(-1, ge=0, also=(-1,))
 
     def k(self) -> int | float:
         return self.k_abs if self.k_abs > 0 else float(self.k_frac)

@@ -80,7 +80,7 @@ from me_interp.experiments._weights import (
     where_edited,
 )
 from me_interp.loading.loaded import LoadedModel
-from me_interp.study import Experiment, command
+from me_interp.study import Experiment, checked, command
 from me_interp.terminal import fmt_table
 
 NAME = "rmsnorm_permutation"
@@ -103,28 +103,10 @@ class Config(WeightConfig):
         norms: which norms to edit: ``ffn`` (pre-FFN, the test) and/or ``attn`` (control).
     """
 
-    n_random: int = 5
-    top_k: int = 8
-    alphas: tuple[float, ...] = (0.0, 0.5)
-    norms: tuple[str, ...] = ("ffn", "attn")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.n_random < 0:
-            raise ValueError(f"n_random must be >= 0, got {self.n_random}")
-        if self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if not self.norms:
-            raise ValueError("give at least one norm (ffn, attn)")
-        for n in self.norms:
-            if n not in NORMS:
-                raise ValueError(f"unknown norm {n!r}; choose from {NORMS}")
-        for a in self.alphas:
-            if not (math.isfinite(a) and a >= 0):
-                raise ValueError(
-                    f"every alpha must be finite and >= 0 (0 = constant gain, 1 = unchanged; "
-                    f"below 0 inverts the gain, not a flattening), got {a}"
-                )
+    n_random: int = checked(5, ge=0)
+    top_k: int = checked(8, ge=1)
+    alphas: tuple[float, ...] = checked((0.0, 0.5), ge=0, finite=True)  # below 0 inverts the gain
+    norms: tuple[str, ...] = checked(("ffn", "attn"), choices=NORMS, nonempty=True)
 
 
 def other_dims_permutation(w: Float[torch.Tensor, " d"], k: int, seed: int) -> torch.Tensor:

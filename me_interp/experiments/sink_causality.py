@@ -54,7 +54,7 @@ from me_interp.probes.attention import attention_entropy
 from me_interp.probes.ffn import FfnShare, ffn_share
 from me_interp.probes.norms import ratio_to_others
 from me_interp.probes.site import Site, locate
-from me_interp.study import Experiment, SiteConfig, check_choices, command, model_for
+from me_interp.study import Experiment, SiteConfig, checked, command, model_for
 from me_interp.terminal import fmt_table
 
 NAME = "sink_causality"
@@ -199,27 +199,18 @@ class Config(SiteConfig):
     """Sink-causality settings.
 
     Attributes:
-        conditions: the interventions to run, each separately (``remove_ffn``, ``remove_dims``,
-            ``remove_all``, and the control ``patch_other``); a claim whose condition is not run is
-            not applicable.
+        conditions: the interventions to run, each separately (``patch_other`` is the control); a
+            claim whose condition is not run is not applicable.
         max_tokens: prompts are cut to their first ``max_tokens`` tokens (the sink is on the first
             token; >= 2).
         max_prompts: how many prompts to use, spread evenly over the prompt list (``None``: all).
-            One forward per condition; 48 keeps the bundled model's run around half a minute on two
-            CPU cores.
+            One forward per condition; the default keeps the bundled model's run around half a
+            minute on two CPU cores.
     """
 
-    conditions: tuple[str, ...] = CONDITIONS
-    max_tokens: int = 32
-    max_prompts: int | None = 48
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_choices(self.conditions, CONDITIONS, "condition")
-        if self.max_tokens < 2:
-            raise ValueError("max_tokens must be >= 2")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise ValueError("max_prompts must be >= 1 (or None for all)")
+    conditions: tuple[str, ...] = checked(CONDITIONS, choices=CONDITIONS, nonempty=True)
+    max_tokens: int = checked(32, ge=2)
+    max_prompts: int | None = checked(48, ge=1)
 
 
 @dataclass

@@ -105,7 +105,7 @@ from me_interp.probes.down_proj import (
 from me_interp.probes.massive import Criterion
 from me_interp.probes.site import locate
 from me_interp.prompts import read_prompts
-from me_interp.study import INDEX_CONVENTION, Experiment, command
+from me_interp.study import INDEX_CONVENTION, Experiment, checked, command
 from me_interp.terminal import fmt_table
 
 NAME = "super_weight"
@@ -133,35 +133,22 @@ class Config(WeightConfig):
             weight (e.g. one of Yu et al.'s published coordinates); empty: the detected one.
     """
 
-    n_prompts: int = 16
+    n_prompts: int = checked(16, ge=0)
     sink: bool = False
-    top_k: int = 5
+    top_k: int = checked(5, ge=1)
     texts: str | None = None
-    max_texts: int = 16
-    text_tokens: int = 48
-    n_random: int = 5
-    pool: int = 100
-    control_weights: int = 1
-    weight: tuple[int, ...] = ()
+    max_texts: int = checked(16, ge=0)
+    text_tokens: int = checked(48, ge=2)
+    n_random: int = checked(5, ge=0)
+    pool: int = checked(100, ge=1)
+    control_weights: int = checked(1, ge=1)
+    weight: tuple[int, ...] = checked((), length=3, ge=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.max_texts < 0:
-            raise ValueError(f"max_texts must be >= 0 (0 = all), got {self.max_texts}")
-        if self.text_tokens < 2:
-            raise ValueError(f"text_tokens must be >= 2, got {self.text_tokens}")
-        if self.n_random < 0:
-            raise ValueError(f"n_random must be >= 0, got {self.n_random}")
-        if self.control_weights < 1 or self.pool < self.control_weights:
+        if self.control_weights > self.pool:
             raise ValueError(
-                f"need 1 <= control_weights <= pool, got control_weights={self.control_weights}, "
-                f"pool={self.pool}"
-            )
-        if self.weight and (len(self.weight) != 3 or min(self.weight) < 0):
-            raise ValueError(
-                f"weight must be three indices (layer row col) >= 0, got {self.weight}"
+                f"control_weights must be <= pool ({self.pool}), got {self.control_weights}"
             )
 
 

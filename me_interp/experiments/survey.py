@@ -58,6 +58,7 @@ from me_interp.study import (
     BAD_INPUT,
     apply_threads,
     build_parser,
+    checked,
     config_from_args,
     is_bad_input,
     placement_kwargs,
@@ -81,7 +82,7 @@ class Config(me_layer.Config):
             name, a local directory, or synthetic:planted / synthetic:twin / ...
     """
 
-    models: tuple[str, ...] = ("bundled", "gemma-3-270m")
+    models: tuple[str, ...] = checked(("bundled", "gemma-3-270m"), nonempty=True, unique=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,11 +90,6 @@ class Config(me_layer.Config):
             raise ValueError(
                 f"the survey scans --models (a list), not --model; got --model {self.model!r}"
             )
-        if not self.models:
-            raise ValueError("give at least one model (--models ...)")
-        dup = [m for m, n in Counter(self.models).items() if n > 1]
-        if dup:
-            raise ValueError(f"models listed twice: {dup}")
 
     def scan_config(self, model: str) -> me_layer.Config:
         """The ME-layer config of one model of the survey."""

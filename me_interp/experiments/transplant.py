@@ -39,7 +39,7 @@ from me_interp.interventions import causal
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.attention import attention_src_dst
 from me_interp.probes.site import Site, locate
-from me_interp.study import Experiment, SiteConfig, command, model_for
+from me_interp.study import Experiment, SiteConfig, checked, command, model_for
 from me_interp.terminal import fmt_table
 
 NAME = "transplant"
@@ -131,27 +131,15 @@ class Config(SiteConfig):
         component: ``massive_dims`` (only the massive dims of ``h_p − h̄``) or ``full`` (every dim).
         max_tokens: prompts are cut to their first ``max_tokens`` tokens (>= 2).
         max_prompts: how many prompts to use, spread evenly over the prompt list (``None``: all).
-            Three forwards in all; 40 keeps the bundled model's run around 20 s on two CPU cores.
+            Three forwards in all; the default keeps the bundled model's run around 20 s on two CPU
+            cores.
     """
 
-    dst: int = 8
+    dst: int = checked(8, ge=0)
     mode: Literal["difference", "direction"] = "difference"
     component: Literal["massive_dims", "full"] = "massive_dims"
-    max_tokens: int = 32
-    max_prompts: int | None = 40
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.dst < 0:
-            raise ValueError(f"dst must be >= 0, got {self.dst}")
-        if self.mode not in ("difference", "direction"):
-            raise ValueError(f"mode must be 'difference' or 'direction', got {self.mode!r}")
-        if self.component not in ("massive_dims", "full"):
-            raise ValueError(f"component must be 'massive_dims' or 'full', got {self.component!r}")
-        if self.max_tokens < 2:
-            raise ValueError("max_tokens must be >= 2")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise ValueError("max_prompts must be >= 1 (or None for all)")
+    max_tokens: int = checked(32, ge=2)
+    max_prompts: int | None = checked(40, ge=1)
 
 
 @dataclass

@@ -65,7 +65,7 @@ has no earlier input, so its row claims are "not applicable".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import plotly.graph_objects as go
@@ -82,10 +82,17 @@ from me_interp.experiments._weights import (
 )
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.batching import ResidMidRecorder, record
-from me_interp.probes.massive import Criterion
+from me_interp.probes.massive import Criterion, CriterionKind
 from me_interp.probes.norms import NormRecorder
 from me_interp.probes.site import locate
-from me_interp.study import INDEX_CONVENTION, CommonConfig, Experiment, command, model_for
+from me_interp.study import (
+    INDEX_CONVENTION,
+    CommonConfig,
+    Experiment,
+    checked,
+    command,
+    model_for,
+)
 from me_interp.terminal import fmt_table
 
 NAME = "weight_input_cross"
@@ -106,23 +113,14 @@ class Config(CommonConfig):
         max_tokens: cut every prompt to its first ``max_tokens`` tokens (the massive token is among
             the first; the others give the normalising median; ``0`` = no cut). One forward pass
             keeps ``resid_mid`` of every layer, so memory grows with ``n_prompts × max_tokens``.
-        criterion: massive-activation criterion of ``probes.massive`` (sun, norm, either, both).
+        criterion: massive-activation criterion (``sun``: value thresholds; ``norm``: token-norm
+            ratio).
     """
 
-    layer: int | None = None
-    n_prompts: int = 0
-    max_tokens: int = 64
-    criterion: str = "sun"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.layer is not None and self.layer < 0:
-            raise ValueError(f"layer must be >= 0, got {self.layer}")
-        if self.n_prompts < 0:
-            raise ValueError(f"n_prompts must be >= 0 (0 = all), got {self.n_prompts}")
-        if self.max_tokens != 0 and self.max_tokens < 2:
-            raise ValueError(f"max_tokens must be >= 2 (or 0 = no cut), got {self.max_tokens}")
-        Criterion(kind=self.criterion)
+    layer: int | None = checked(None, ge=0)
+    n_prompts: int = checked(0, ge=0)
+    max_tokens: int = checked(64, ge=2, also=(0,))
+    criterion: str = checked("sun", choices=get_args(CriterionKind))
 
 
 @dataclass

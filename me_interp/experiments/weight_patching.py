@@ -50,8 +50,8 @@ import plotly.graph_objects as go
 
 from me_interp import claims, terminal
 from me_interp.claims import NotApplicable
-from me_interp.edits import PARTS, check_part, patched_weights
-from me_interp.edits.core import moved_modules
+from me_interp.edits import patched_weights
+from me_interp.edits.core import ALL_PARTS, moved_modules
 from me_interp.experiments._weights import (
     PART_ORDER,
     PART_SECTION,
@@ -69,7 +69,7 @@ from me_interp.interventions.core import check_layers
 from me_interp.loading import load_model
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.site import locate
-from me_interp.study import INDEX_CONVENTION, Experiment, command
+from me_interp.study import INDEX_CONVENTION, Experiment, checked, command
 from me_interp.terminal import fmt_table
 
 NAME = "weight_patching"
@@ -81,31 +81,20 @@ class Config(WeightConfig):
     """Weight-patching settings (``layer`` is the *source* layer).
 
     Attributes:
-        targets: layers to patch into (``()``: within one model, the layers before its ME layer;
+        targets: layers to patch into (empty: within one model, the layers before its ME layer;
             with a source model, every layer; ``max_targets`` of them, spread evenly).
-        max_targets: with ``targets=()``, at most this many targets, spread evenly (first and last
+        max_targets: without ``targets``, at most this many targets, spread evenly (first and last
             included; ``0`` = all). Each target costs one forward per part.
-        parts: the components to copy, each separately (see ``me_interp.edits.PARTS``; on a
-            sandwich-norm model also ``post_ffn_norm`` / ``post_attn_norm``).
+        parts: the components to copy, each separately (``post_ffn_norm`` and ``post_attn_norm``
+            only on a sandwich-norm model).
         source_model: a second model of the same shape to copy from (loaded like ``--model``);
             ``None`` = copy within the model.
     """
 
     targets: tuple[int, ...] = ()
-    max_targets: int = 0
-    parts: tuple[str, ...] = PART_ORDER
+    max_targets: int = checked(0, ge=0)
+    parts: tuple[str, ...] = checked(PART_ORDER, choices=ALL_PARTS, nonempty=True, unique=True)
     source_model: str | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.parts:
-            raise ValueError(f"give at least one part to patch ({', '.join(PARTS)})")
-        for p in self.parts:
-            check_part(p)
-        if len(set(self.parts)) != len(self.parts):
-            raise ValueError(f"parts repeats a part: {self.parts}")
-        if self.max_targets < 0:
-            raise ValueError(f"max_targets must be >= 0 (0 = all), got {self.max_targets}")
 
 
 @dataclass(frozen=True)

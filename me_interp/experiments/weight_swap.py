@@ -57,8 +57,8 @@ from typing import Any
 import plotly.graph_objects as go
 
 from me_interp import claims, terminal
-from me_interp.edits import PARTS, check_part, swapped_layers
-from me_interp.edits.core import moved_modules
+from me_interp.edits import swapped_layers
+from me_interp.edits.core import ALL_PARTS, moved_modules
 from me_interp.experiments._weights import (
     PART_ORDER,
     PART_SECTION,
@@ -76,7 +76,7 @@ from me_interp.experiments._weights import (
 )
 from me_interp.interventions.core import check_layers
 from me_interp.loading.loaded import LoadedModel
-from me_interp.study import Experiment, command
+from me_interp.study import Experiment, checked, command
 from me_interp.terminal import fmt_table
 
 NAME = "weight_swap"
@@ -93,28 +93,17 @@ class Config(WeightConfig):
     """Weight-swap settings.
 
     Attributes:
-        partners: layers to swap with (``()`` = ``max_partners`` layers spread over the others).
-        max_partners: with ``partners=()``, at most this many partners, spread evenly over every
+        partners: layers to swap with (empty: ``max_partners`` layers spread over the others).
+        max_partners: without ``partners``, at most this many partners, spread evenly over every
             other layer (first and last included; ``0`` = all). Each partner costs one forward per
             part; the result reports the partners used.
-        parts: the components to swap, each separately (see ``me_interp.edits.PARTS``; on a
-            sandwich-norm model also ``post_ffn_norm`` / ``post_attn_norm``).
+        parts: the components to swap, each separately (``post_ffn_norm`` and ``post_attn_norm``
+            only on a sandwich-norm model).
     """
 
     partners: tuple[int, ...] = ()
-    max_partners: int = 15
-    parts: tuple[str, ...] = PART_ORDER
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.parts:
-            raise ValueError(f"give at least one part to swap ({', '.join(PARTS)})")
-        for p in self.parts:
-            check_part(p)
-        if len(set(self.parts)) != len(self.parts):
-            raise ValueError(f"parts repeats a part: {self.parts}")
-        if self.max_partners < 0:
-            raise ValueError(f"max_partners must be >= 0 (0 = all), got {self.max_partners}")
+    max_partners: int = checked(15, ge=0)
+    parts: tuple[str, ...] = checked(PART_ORDER, choices=ALL_PARTS, nonempty=True, unique=True)
 
 
 @dataclass(frozen=True)

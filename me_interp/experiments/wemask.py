@@ -67,13 +67,19 @@ from me_interp.patching.suffix import give_up
 from me_interp.probes import find_me_layer
 from me_interp.probes.massive import locate_me_layer
 from me_interp.prompts import builtin_texts, read_prompts
-from me_interp.study import INDEX_CONVENTION, CommonConfig, Experiment, command, model_for
+from me_interp.study import (
+    INDEX_CONVENTION,
+    CommonConfig,
+    Experiment,
+    checked,
+    command,
+    model_for,
+)
 from me_interp.terminal import fmt_table
 
 NAME = "wemask"
 METRICS = evaluation.POOLED_METRICS
 PER_TEXT = evaluation.TEXT_STATS
-MC_MODES = ("none", "claim", "all")
 METRIC_TITLES = {
     "perplexity": "perplexity (shipped texts)",
     "kl": "next-token KL to the unmodified model (nats)",
@@ -91,19 +97,19 @@ class Config(CommonConfig):
 
     Attributes:
         rates: mask rates r ∈ [0, 1] of the sweep (``claim_rate`` is always run too).
-        variants: dim selections (``weight``, ``activation``, ``random``, ``magnitude``).
-        claim_rate: the rate the claims are judged at (the paper's training-free r = 0.1), in (0, 1).
+        variants: dim selections.
+        claim_rate: the rate the claims are judged at (the paper's training-free rate), in (0, 1).
         n_seeds: seeds of the ``random`` selection at ``claim_rate`` (``seed, seed+1, …``; the
             random-dims claim needs at least 5).
-        alphas: strengths α ∈ [0, 1] of the soft alternatives (empty: skip them; the default α = 1
-            costs one forward: the dim projection at α = 1 is the WeMask ``weight`` row).
+        alphas: strengths α ∈ [0, 1] of the soft alternatives (empty: skip them; α = 1 alone costs
+            one forward: the dim projection at α = 1 is the WeMask ``weight`` row).
         soft_rate: rate of the ``weight`` dim set of the soft dim projection.
         start: ``ge`` (layers ≥ ME, the paper) or ``gt`` (layers > ME).
         me_layer: the ME layer (0-based); measured on the prompts when ``None``.
         texts: text file (one text per line) for the metrics; ``None``: the shipped texts.
         max_texts: use this many texts, spread evenly over the file (``0`` = all). Every condition
-            costs a forward over them, so the default subsamples the shipped set to 32 (the result
-            reports ``n_texts``); the claims' intervals are over texts, so keep at least 32.
+            costs a forward over them, so the default subsamples the shipped set (the result reports
+            ``n_texts``); the claims' intervals are over texts, so keep at least 32.
         rank_layer: layer whose token states give the effective rank (negative: from the end).
         mc: multiple-choice scoring: ``claim`` (baseline and the claim's WeMask), ``all`` (every
             condition, one more forward each) or ``none``.
@@ -119,22 +125,23 @@ class Config(CommonConfig):
         remote: with ``nnsight``: run on NDIF (key in ``NDIF_API_KEY``; the model is an HF name).
     """
 
-    rates: tuple[float, ...] = (0.0, 0.1, 1.0)
-    variants: tuple[str, ...] = VARIANTS
-    claim_rate: float = 0.1
-    n_seeds: int = 5
-    alphas: tuple[float, ...] = (1.0,)
-    soft_rate: float = 0.1
-    start: str = "ge"
+    rates: tuple[float, ...] = checked((0.0, 0.1, 1.0), ge=0, le=1, nonempty=True)
+    variants: tuple[str, ...] = checked(VARIANTS, choices=VARIANTS, nonempty=True)
+    # 0 is the identity, 1 masks every dim for every selection
+    claim_rate: float = checked(0.1, gt=0, lt=1)
+    n_seeds: int = checked(5, ge=1)
+    alphas: tuple[float, ...] = checked((1.0,), ge=0, le=1)
+    soft_rate: float = checked(0.1, ge=0, le=1)
+    start: str = checked("ge", choices=STARTS)
     me_layer: int | None = None
     texts: str | None = None
-    max_texts: int = 32
+    max_texts: int = checked(32, ge=0)
     rank_layer: int = -1
     mc: Literal["none", "claim", "all"] = "claim"
     mc_items: str | None = None
-    positions: str = "first"
-    detect_tokens: int = 16
-    batch_tokens: int = 1024
+    positions: str = checked("first", choices=("first", "massive"))
+    detect_tokens: int = checked(16, ge=2, also=(0,))
+    batch_tokens: int = checked(1024, ge=1)
     backend: Literal["tl", "nnsight"] = "tl"
     remote: bool = False
 
@@ -145,40 +152,6 @@ class Config(CommonConfig):
             raise ValueError(
                 "positions must be 'first' with the nnsight backend (it masks position 0)"
             )
-        if not self.rates:
-            raise ValueError("give at least one rate")
-        for r in self.rates:
-            core.check_fraction(r, "rate")
-        core.check_fraction(self.claim_rate, "claim_rate")
-        if not 0 < self.claim_rate < 1:
-            raise ValueError(
-                f"claim_rate must lie strictly between 0 and 1 (0 is the identity, 1 masks every "
-                f"dim for every selection), got {self.claim_rate}"
-            )
-        for a in self.alphas:
-            core.check_fraction(a, "alpha")
-        core.check_fraction(self.soft_rate, "soft_rate")
-        if not self.variants:
-            raise ValueError("give at least one variant")
-        for v in self.variants:
-            if v not in VARIANTS:
-                raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}")
-        if self.start not in STARTS:
-            raise ValueError(f"start must be one of {STARTS}, got {self.start!r}")
-        if self.positions not in ("first", "massive"):
-            raise ValueError(f"positions must be 'first' or 'massive', got {self.positions!r}")
-        if self.mc not in MC_MODES:
-            raise ValueError(f"mc must be one of {MC_MODES}, got {self.mc!r}")
-        if self.n_seeds < 1:
-            raise ValueError(f"n_seeds must be >= 1, got {self.n_seeds}")
-        if self.max_texts < 0:
-            raise ValueError(f"max_texts must be >= 0 (0 = all), got {self.max_texts}")
-        if self.detect_tokens != 0 and self.detect_tokens < 2:
-            raise ValueError(
-                f"detect_tokens must be >= 2 (or 0 = no cut), got {self.detect_tokens}"
-            )
-        if self.batch_tokens < 1:
-            raise ValueError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
 
     def load_texts(self) -> list[str]:
         texts = builtin_texts() if self.texts is None else read_prompts(self.texts)

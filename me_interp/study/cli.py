@@ -1,8 +1,9 @@
 """The command line of every experiment, built once from its Config.
 
 One ``--flag`` per config field (``_`` becomes ``-``), its help from the Config's ``Attributes:``
-docstring section (doc markup removed), its choices from the field's declared :class:`Check`; bad
-input is one ``error:`` line and exit 2, a bug keeps its traceback. :func:`main` is
+docstring section (doc markup removed; argparse adds the default, and the choices a list flag takes),
+its choices from the field's :class:`Check`; bad input is one ``error:`` line and exit 2, a bug
+keeps its traceback. :func:`main` is
 ``python -m me_interp.experiments.<name>``: it prints a first line at once on a terminal, loads the
 model, runs the experiment (:func:`me_interp.study.experiment.execute`), writes the run folder and
 prints a summary and one line per claim (:mod:`me_interp.terminal`).
@@ -23,7 +24,7 @@ from typing import Any
 
 from me_interp import terminal
 from me_interp.loading.errors import ModelLoadError
-from me_interp.study.config import check_of
+from me_interp.study.config import field_checks
 from me_interp.study.experiment import (
     Experiment,
     apply_threads,
@@ -85,6 +86,20 @@ def plain(text: str) -> str:
     return text.replace("``", "").replace("`", "")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)", with a tuple default written as it is typed (``resid_pre
+    attn_out``; ``empty`` for ``()``, ``all`` for every choice)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if isinstance(default, tuple) and action.help and "%(default)" not in action.help:
+            shown = " ".join(map(str, default)) if default else "empty"
+            if default and action.choices is not None and set(default) == set(action.choices):
+                shown = "all"
+            return f"{action.help} (default: {shown.replace('%', '%%')})"
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with a one-line error (``error: argument --seed: invalid int value: 'x'``, exit 2)
     instead of the whole usage block."""
@@ -109,28 +124,31 @@ def build_parser(config_cls: type, prog: str, description: str | None = None):
     config's ``Attributes:`` docstring section, with the choices its :class:`Check` declares."""
     p = ArgumentParser(
         prog=prog,
-        description=(description or "").strip().split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=plain((description or "").strip().split("\n\n")[0]),
+        formatter_class=HelpFormatter,
     )
     hints = typing.get_type_hints(config_cls)
     docs = field_docs(config_cls)
+    checks = field_checks(config_cls)
     for f in dataclasses.fields(config_cls):
         flag = "--" + f.name.replace("_", "-")
         tp, seq = _base_type(hints[f.name])
         text = docs.get(f.name) or f.name.replace("_", " ")
-        kwargs: dict[str, Any] = {"default": f.default, "help": text.replace("%", "%%")}
-        check = check_of(f)
-        if check is not None and check.choices is not None:
-            kwargs["choices"] = list(check.choices)
+        kwargs: dict[str, Any] = {"default": f.default}
+        choices = checks[f.name].choices if f.name in checks else None
+        if choices is not None:
+            kwargs["choices"] = list(choices)
+            if seq:  # said once, in the help, not twice in "{a,b} [{a,b} ...]"
+                kwargs["metavar"] = f.name.upper()
+                if not all(re.search(rf"\b{re.escape(str(c))}\b", text) for c in choices):
+                    text = f"{text} Choices: {', '.join(map(str, choices))}."  # unless all named
+        kwargs["help"] = text.replace("%", "%%")
         if tp is bool:
             kwargs["type"] = _parse_bool
             kwargs["nargs"] = "?"  # --flag alone is --flag yes
             kwargs["const"] = True
         elif tp in (int, float, str):
             kwargs["type"] = tp
-        literal = typing.get_origin(hints[f.name]) is typing.Literal
-        if literal:
-            kwargs["choices"] = list(typing.get_args(hints[f.name]))
         if seq:
             kwargs["nargs"] = "+"
         p.add_argument(flag, dest=f.name, **kwargs)

@@ -1,21 +1,27 @@
 """An experiment's settings: one frozen dataclass whose fields declare their own checks.
 
-A field's checks are data, not code (:func:`checked`): a range (``ge``/``gt``/``le``/``lt``), a list
-of ``choices``, a file that must exist, a tuple that must be non-empty or free of repeats. One
-function (:func:`validate`, called by :meth:`CommonConfig.__post_init__`) applies them to every field
-of every config, with one wording for each kind of error; the command line (:mod:`me_interp.study.cli`)
-reads the same metadata for its ``choices``. A subclass's ``__post_init__`` is left with what relates
+A field's checks are data, not code (:func:`checked`): a range (``ge``/``gt``/``le``/``lt``, with
+``also`` for a value outside it that means "off"), a finite number, a list of ``choices``, a file
+that must exist, a tuple that must be non-empty, of a given length or free of repeats. A ``Literal``
+annotation is a list of choices too (said once, in the type). One function (:func:`validate`, called
+by :meth:`CommonConfig.__post_init__`) applies them to every field of every config, with one wording
+for each kind of error; the command line (:mod:`me_interp.study.cli`) reads the same checks
+(:func:`field_checks`) for its ``choices``. A subclass's ``__post_init__`` is left with what relates
 two fields or needs a library call.
 
     @dataclass(frozen=True)
     class Config(CommonConfig):
-        max_tokens: int = checked(32, ge=2)
+        max_tokens: int = checked(16, ge=2, also=(0,))  # 0 = no cut
         parts: tuple[str, ...] = checked(PART_ORDER, choices=PARTS, nonempty=True, unique=True)
+        mode: Literal["difference", "direction"] = "difference"  # checked: one of the two
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +37,12 @@ INDEX_CONVENTION = "0-based layers (blocks.L); *_1based = L + 1"
 @dataclass(frozen=True)
 class Check:
     """The checks of one config field (``None``: not checked). A tuple-valued field is checked
-    element by element; ``None`` as a value is never checked (it means "detected" or "default")."""
+    element by element; ``None`` as a value is never checked (it means "detected" or "default").
+
+    ``also``: values accepted besides the range and choices (``max_tokens`` ``>= 2``, or 0 = no cut);
+    ``finite``: no ``inf`` or ``nan``; ``length``: how many values a *given* tuple holds (whether it
+    may be empty is ``nonempty``).
+    """
 
     ge: int | float | None = None
     gt: int | float | None = None
@@ -41,6 +52,9 @@ class Check:
     nonempty: bool = False
     unique: bool = False
     exists: bool = False
+    finite: bool = False
+    length: int | None = None
+    also: tuple[Any, ...] = ()
 
     def errors(self, name: str, value: Any) -> str | None:
         """The first thing wrong with ``value`` of field ``name``, as one line (``None``: fine)."""
@@ -49,12 +63,19 @@ class Check:
         seq = isinstance(value, (tuple, list))
         items = list(value) if seq else [value]
         if seq and self.nonempty and not items:
-            return f"give at least one {name}"
+            return f"{name} must hold at least one value"
+        if seq and self.length is not None and items and len(items) != self.length:
+            return f"{name} must hold {self.length} values, got {tuple(items)}"
         if seq and self.unique and len(set(items)) != len(items):
             return f"{name} repeats a value: {tuple(items)}"
+        must = f"{name} must all be" if seq else f"{name} must be"
         for v in items:
+            if v in self.also:
+                continue
             if self.choices is not None and v not in self.choices:
                 return f"unknown {name} {v!r}; choose from {', '.join(map(str, self.choices))}"
+            if self.finite and not math.isfinite(v):
+                return f"{must} finite, got {v!r}"
             for bound, ok, word in (
                 (self.ge, lambda v, b: v >= b, ">="),
                 (self.gt, lambda v, b: v > b, ">"),
@@ -62,8 +83,8 @@ class Check:
                 (self.lt, lambda v, b: v < b, "<"),
             ):
                 if bound is not None and not ok(v, bound):
-                    what = f"every {name}" if seq else name
-                    return f"{what} must be {word} {_number(bound)}, got {v!r}"
+                    unless = f" (or {', '.join(map(str, self.also))})" if self.also else ""
+                    return f"{must} {word} {_number(bound)}{unless}, got {v!r}"
             if self.exists and not Path(v).expanduser().is_file():
                 return f"{name}: no such file {v}"
         return None
@@ -75,8 +96,9 @@ def _number(x: int | float) -> str:
 
 def checked(default: Any, **checks: Any) -> Any:
     """A dataclass field with ``default`` and the :class:`Check` ``checks`` in its metadata."""
-    if "choices" in checks:
-        checks["choices"] = tuple(checks["choices"])
+    for key in ("choices", "also"):
+        if key in checks:
+            checks[key] = tuple(checks[key])
     return dataclasses.field(default=default, metadata={"check": Check(**checks)})
 
 
@@ -85,12 +107,30 @@ def check_of(f: dataclasses.Field) -> Check | None:
     return f.metadata.get("check")
 
 
-def validate(cfg: Any) -> None:
-    """Apply every field's declared :class:`Check` to ``cfg``; raise ``ValueError`` on the first
-    failure, naming the field (the command line writes it as its ``--flag``)."""
-    for f in dataclasses.fields(cfg):
+@functools.cache
+def field_checks(config_cls: type) -> dict[str, Check]:
+    """Every checked field of ``config_cls``: its declared :class:`Check`, with the choices of a
+    ``Literal`` annotation (``Literal["all", "each"]``) when it declares none."""
+    try:
+        hints = typing.get_type_hints(config_cls)
+    except NameError:  # an annotation that cannot be resolved (a class local to a function)
+        hints = {}
+    out = {}
+    for f in dataclasses.fields(config_cls):
         check = check_of(f)
-        if check is not None and (err := check.errors(f.name, getattr(cfg, f.name))):
+        hint = hints.get(f.name)
+        if typing.get_origin(hint) is typing.Literal and (check is None or check.choices is None):
+            check = dataclasses.replace(check or Check(), choices=typing.get_args(hint))
+        if check is not None:
+            out[f.name] = check
+    return out
+
+
+def validate(cfg: Any) -> None:
+    """Apply every field's :class:`Check` (:func:`field_checks`) to ``cfg``; raise ``ValueError``
+    on the first failure, naming the field (the command line writes it as its ``--flag``)."""
+    for name, check in field_checks(type(cfg)).items():
+        if err := check.errors(name, getattr(cfg, name)):
             raise ValueError(err)
 
 
@@ -170,10 +210,13 @@ class SiteConfig(CommonConfig):
 
 def check_choices(values: Sequence[str], allowed: Sequence[str], what: str) -> None:
     """Raise ``ValueError`` unless ``values`` is non-empty and every value is one of ``allowed``
-    (for choices known only at run time; a field's fixed choices are declared with :func:`checked`)."""
-    err = Check(choices=tuple(allowed), nonempty=True).errors(what, tuple(values))
-    if err:
-        raise ValueError(err)
+    (for choices known only at run time; a field's fixed choices are declared with :func:`checked`).
+    ``what`` is the singular noun of one value ("site")."""
+    if not values:
+        raise ValueError(f"give at least one {what}")
+    for v in values:
+        if err := Check(choices=tuple(allowed)).errors(what, v):
+            raise ValueError(err)
 
 
 def check_placement(cfg: CommonConfig) -> None:

@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 from me_interp.battery import NAMES as EXPERIMENTS
-from me_interp.study import CommonConfig, field_docs
+from me_interp.study import CommonConfig, build_parser, field_docs
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -35,3 +35,15 @@ def test_field_docs_reports_an_undocumented_field():
     docs = field_docs(Partly)
     assert docs["documented"] == "described here, over two lines."
     assert "undocumented" not in docs
+
+
+@pytest.mark.parametrize("name", (*EXPERIMENTS, "survey"))
+def test_help_reads_well(name, monkeypatch):
+    """No doc markup; a tuple default as it is typed; each default and each choice list once."""
+    monkeypatch.setenv("COLUMNS", "10000")  # one line per flag
+    module = importlib.import_module(f"me_interp.experiments.{name}")
+    text = build_parser(module.Config, name, module.__doc__).format_help()
+    for mark in ("``", ":mod:", ":class:", ":func:", ":data:", "('", "(default)"):
+        assert mark not in text, f"{name} --help: {mark!r}"
+    for line in text.splitlines():
+        assert line.count("(default: ") <= 1 and "[{" not in line, line

@@ -319,7 +319,7 @@ def test_ffn_svd_ablation_bad_inputs(planted, prompt_file):
         ffn_svd_ablation.run(ffn_svd_ablation.Config(prompts=prompt_file, claim_k=17), model)
     with pytest.raises(ValueError, match="half the FFN width"):
         ffn_svd_ablation.run(ffn_svd_ablation.Config(prompts=prompt_file, n_neurons=40), model)
-    with pytest.raises(ValueError, match="unknown FFN matrix"):
+    with pytest.raises(ValueError, match="unknown matrices"):
         ffn_svd_ablation.Config(matrices=("o",))
     with pytest.raises(ValueError, match=">= 1"):
         ffn_svd_ablation.Config(ks=(0,))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+from typing import Literal
 
 import pytest
 
@@ -23,6 +26,40 @@ def test_check_choices_accepts_known_values():
 def test_check_choices_rejects(values, message):
     with pytest.raises(ValueError, match=message):
         common.check_choices(values, ("a", "b"), "thing")
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared(study.CommonConfig):
+    cut: int = study.checked(16, ge=2, also=(0,))
+    alpha: float = study.checked(0.5, ge=0, finite=True)
+    coord: tuple[int, ...] = study.checked((), length=3, ge=0)
+    names: tuple[str, ...] = study.checked(("a",), choices=("a", "b"), nonempty=True, unique=True)
+    mode: Literal["x", "y"] = "x"
+
+
+def test_declared_checks_accept_their_values():
+    cfg = Declared(cut=0, alpha=0.0, coord=(1, 2, 3), names=("b", "a"), mode="y")
+    assert (cfg.cut, cfg.coord, cfg.mode) == (0, (1, 2, 3), "y")
+    assert Declared(cut=2, coord=()).coord == ()  # empty: not given; length counts a given tuple
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"cut": 1}, "cut must be >= 2 (or 0), got 1"),
+        ({"alpha": math.inf}, "alpha must be finite, got inf"),
+        ({"alpha": -1.0}, "alpha must be >= 0, got -1.0"),
+        ({"coord": (1, 2)}, "coord must hold 3 values, got (1, 2)"),
+        ({"coord": (1, 2, -1)}, "coord must all be >= 0, got -1"),
+        ({"names": ()}, "names must hold at least one value"),
+        ({"names": ("a", "a")}, "names repeats a value: ('a', 'a')"),
+        ({"names": ("c",)}, "unknown names 'c'; choose from a, b"),
+        ({"mode": "z"}, "unknown mode 'z'; choose from x, y"),  # a Literal is its choices
+    ],
+)
+def test_declared_checks_refuse_in_one_wording(bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Declared(**bad)
 
 
 def test_verbose_lines_one_per_claim_kinds_marked():

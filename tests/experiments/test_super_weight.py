@@ -230,8 +230,8 @@ def test_config_checks():
         ({"text_tokens": 1}, "text_tokens"),
         ({"max_texts": -1}, "max_texts"),
         ({"n_random": -1}, "n_random"),
-        ({"pool": 0}, "control_weights"),
-        ({"weight": (1, 2)}, "three indices"),
+        ({"pool": 0}, "pool must be >= 1"),
+        ({"weight": (1, 2)}, "weight must hold 3 values"),
     ):
         with pytest.raises(ValueError, match=match):
             sw.Config(**bad)

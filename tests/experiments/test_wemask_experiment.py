@@ -341,20 +341,20 @@ def test_figures_and_summary(planted_result):
 
 
 def test_bad_config():
-    with pytest.raises(ValueError, match="rate must be in"):
+    with pytest.raises(ValueError, match="rates must all be <= 1"):
         exp.Config(rates=(0.1, 2.0))
-    with pytest.raises(ValueError, match="alpha must be in"):
+    with pytest.raises(ValueError, match="alphas must all be >= 0"):
         exp.Config(alphas=(-1.0,))
     with pytest.raises(ValueError, match="unknown variant"):
         exp.Config(variants=("top",))
-    with pytest.raises(ValueError, match="start must be"):
+    with pytest.raises(ValueError, match="unknown start 'gte'"):
         exp.Config(start="gte")
     with pytest.raises(ValueError, match="claim_rate"):
         exp.Config(claim_rate=1.0)
     # ValueError from __post_init__; jaxtyping's TypeCheckError (a TypeError) when checks are on
     with pytest.raises((ValueError, TypeError)):
         exp.Config(mc="some")
-    with pytest.raises(ValueError, match="positions must be"):
+    with pytest.raises(ValueError, match="unknown positions 'all'"):
         exp.Config(positions="all")
 
 
