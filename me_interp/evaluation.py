@@ -15,6 +15,8 @@ against a :class:`Reference`, attention to position 0 and its entropy, effective
 :func:`pooled_metrics` pools them. :class:`Reference` keeps the unmodified model's distributions, so
 the KL of each intervened run costs one product (:func:`agreement_to`). :func:`length_batches` splits
 texts into batches of similar length, so that a long text does not pad every other one.
+:func:`sweep` measures the unmodified model and a list of interventions over the same texts (the
+WeMask study), on TransformerLens hooks (:class:`Sweep`) or in another backend's traces.
 """
 
 from __future__ import annotations
