@@ -33,6 +33,7 @@ Refused, with the reason (:class:`ArchitectureError`): post-norm blocks without 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -77,6 +78,9 @@ class Architecture:
         embed_scale: what the embedding module multiplies the embedding rows by (``sqrt(d_model)`` on
             Gemma, 1 elsewhere), measured.
         act_fn: the FFN activation named by the bridge config (``silu``, ``gelu_pytorch_tanh``, …).
+        layers: HF path of the list of decoder layers (``model.layers``).
+        attn: HF name (within a decoder layer) of the attention (``self_attn``).
+        ffn: HF name of the FFN (``mlp``).
     """
 
     family: str
@@ -91,6 +95,9 @@ class Architecture:
     qk_norm: bool
     embed_scale: float
     act_fn: str
+    layers: str
+    attn: str
+    ffn: str
 
     def __post_init__(self) -> None:
         if self.norm_offset not in NORM_OFFSETS:
@@ -226,12 +233,49 @@ def hf_attn_norm(layer: torch.nn.Module) -> torch.nn.Module:
 
 
 # ------------------------------------------------------------------------------------------
-# the description, from a bridge
+# the description: of a booted bridge, or of a plain HF model through the bridge's mapping
 # ------------------------------------------------------------------------------------------
 
 
-def _param_ids(module: torch.nn.Module) -> set[int]:
-    return {id(p) for p in module.parameters()}
+def _param_ids(module: torch.nn.Module | None) -> set[int]:
+    return set() if module is None else {id(p) for p in module.parameters()}
+
+
+class _Blocks:
+    """What :func:`_describe` reads of the decoder blocks, whichever way they were reached.
+
+    ``block(i)`` is TransformerLens's component of decoder block ``i`` (its parts ``ln1``, ``ln2``,
+    ``ln1_post``, ``ln2_post``, ``attn``, ``mlp`` and theirs, each with the HF ``name`` it stands
+    for); ``module(comp, hf_parent)`` the HF module a part stands for. A booted bridge's components
+    wrap their HF modules (``original_component``); the adapter's template of a block only names
+    them, so they are looked up by name in the plain HF decoder layers."""
+
+    def __init__(self, blocks: list, hf_layers: list | None, path: str) -> None:
+        self.blocks, self.hf_layers, self.path = blocks, hf_layers, path
+
+    def __len__(self) -> int:
+        return len(self.hf_layers) if self.hf_layers is not None else len(self.blocks)
+
+    def block(self, i: int) -> Any:
+        return self.blocks[0] if self.hf_layers is not None else self.blocks[i]
+
+    def part(self, comp: Any, name: str) -> Any:
+        if comp is None:
+            return None
+        if self.hf_layers is not None:  # a template: its parts are in ``submodules`` only
+            return (getattr(comp, "submodules", None) or {}).get(name)
+        return getattr(comp, name, None)
+
+    def module(self, comp: Any, hf_parent: Any) -> torch.nn.Module | None:
+        if comp is None:
+            return None
+        if self.hf_layers is None:
+            return comp.original_component
+        return None if hf_parent is None else getattr(hf_parent, comp.name, None)
+
+    def layer(self, i: int) -> Any:
+        """The HF decoder layer ``i`` (``None`` for a booted bridge: its parts hold the modules)."""
+        return None if self.hf_layers is None else self.hf_layers[i]
 
 
 def describe(bridge: Any, hf: Any) -> Architecture:
@@ -240,86 +284,158 @@ def describe(bridge: Any, hf: Any) -> Architecture:
     Raises:
         ArchitectureError: the model is not supported; ``problems`` lists every reason.
     """
-    from transformer_lens.model_bridge.generalized_components import MoEBridge
-
-    family = type(hf).__name__
     blocks = getattr(bridge, "blocks", None)
     if blocks is None or len(blocks) == 0:
         raise ArchitectureError(["no decoder blocks"])
-    b0 = blocks[0]
+    path = str(blocks[0].name).rsplit(".", 1)[0]  # "model.layers.0" -> "model.layers"
+    act_fn = str(getattr(bridge.cfg, "act_fn", "") or "")
+    return _describe(_Blocks(list(blocks), None, path), hf, act_fn)
+
+
+def describe_hf(hf: Any) -> Architecture:
+    """The :class:`Architecture` of a *plain* HF causal LM, without booting a bridge: the same
+    description from the same per-family facts, the component mapping of the TransformerLens
+    architecture adapter that :func:`describe`'s bridge is booted with (chosen from ``hf.config``),
+    its parts looked up by name in ``hf``'s decoder layers. Works on a meta model (weights not
+    loaded, as nnsight's remote models): the norms' gain convention is then the adapter's declared
+    one and ``embed_scale`` is NaN (not measured).
+
+    Raises:
+        ArchitectureError: TransformerLens has no adapter for the model, or the model is not
+            supported; ``problems`` lists every reason.
+    """
+    import copy
+
+    from transformer_lens.factories.architecture_adapter_factory import (
+        ArchitectureAdapterFactory,
+    )
+    from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_config_from_hf
+    from transformer_lens.model_bridge.sources.transformers import (
+        determine_architecture_from_hf_config,
+    )
+
+    family = type(hf).__name__
+    config = copy.deepcopy(hf.config)
+    if not getattr(config, "architectures", None):
+        config.architectures = [family]
+    try:
+        kind = determine_architecture_from_hf_config(config)
+        name = str(getattr(config, "_name_or_path", "") or family)
+        dtype = getattr(hf, "dtype", None) or torch.float32
+        bridge_cfg = build_bridge_config_from_hf(config, kind, name, dtype)
+        adapter = ArchitectureAdapterFactory.select_architecture_adapter(bridge_cfg)
+        template = adapter.get_component_mapping()["blocks"]
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise ArchitectureError(
+            [f"TransformerLens has no mapping of {family} ({str(e).splitlines()[0][:200]})"]
+        ) from None
+    path = str(template.name)
+    layers = hf.get_submodule(path) if path else None
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ArchitectureError([f"no decoder layers at {path!r}"])
+    act_fn = str(getattr(bridge_cfg, "act_fn", "") or "")
+    return _describe(_Blocks([template], list(layers), path), hf, act_fn)
+
+
+def _describe(blocks: _Blocks, hf: Any, act_fn: str) -> Architecture:
+    """The :class:`Architecture` from the decoder blocks (see :class:`_Blocks`): every check and
+    every fact, once for both ways of reaching them."""
+    from transformer_lens.model_bridge.generalized_components import MoEBridge
+
+    family = type(hf).__name__
+    b0, layer0 = blocks.block(0), blocks.layer(0)
+    part = blocks.part
     problems: list[str] = []
-    if not hasattr(b0, "ln2"):
+    if part(b0, "ln2") is None:
         what = "it normalises the sub-layer outputs only (post-norm, OLMo-2 style)"
         problems.append(
-            f"no pre-FFN norm: {what}" if hasattr(b0, "ln2_post") else "no pre-FFN norm"
+            f"no pre-FFN norm: {what}" if part(b0, "ln2_post") is not None else "no pre-FFN norm"
         )
-    if not hasattr(b0, "ln1"):
+    if part(b0, "ln1") is None:
         problems.append("no pre-attention norm")
-    for part in ("attn", "mlp"):
-        if not hasattr(b0, part):
-            problems.append(f"no {part}")
-    for part in ("ln1", "ln2"):
-        if hasattr(b0, part):
-            norm = getattr(b0, part).original_component
-            if not type(norm).__name__.lower().endswith("rmsnorm"):
-                problems.append(f"{part} is {type(norm).__name__}, not RMSNorm")
-    mlp = getattr(b0, "mlp", None)
+    for p in ("attn", "mlp"):
+        if part(b0, p) is None:
+            problems.append(f"no {p}")
+        elif blocks.module(part(b0, p), layer0) is None:
+            problems.append(f"no HF module {part(b0, p).name!r} ({p})")
+    for p in ("ln1", "ln2"):
+        if part(b0, p) is not None:
+            norm = blocks.module(part(b0, p), layer0)
+            if norm is None:
+                problems.append(f"no HF module {part(b0, p).name!r} ({p})")
+            elif not type(norm).__name__.lower().endswith("rmsnorm"):
+                problems.append(f"{p} is {type(norm).__name__}, not RMSNorm")
+    mlp = part(b0, "mlp")
     if isinstance(mlp, MoEBridge):
         problems.append("the FFN is a mixture of experts (MoE), not one gated FFN")
-    elif mlp is not None and not (
-        hasattr(mlp, "gate") and hasattr(mlp, "in") and hasattr(mlp, "out")
-    ):
+    elif mlp is not None and not all(part(mlp, p) is not None for p in ("gate", "in", "out")):
         problems.append("FFN is not gated (no separate gate / up / down projections)")
     if problems:
         raise ArchitectureError(problems)
 
     offsets = set()
-    names = ("ln1", "ln2", "ln1_post", "ln2_post")
-    for blk in blocks:
-        for n in names:
-            if hasattr(blk, n):
-                comp = getattr(blk, n)
-                declared = float(bool(getattr(comp, "uses_weight_offset", False)))
-                if comp.original_component.weight.device.type == "meta":  # offloaded: trust TL
-                    offsets.add(declared)
-                    continue
-                measured = measure_norm_offset(comp.original_component)
-                if declared != measured:
-                    raise ArchitectureError(
-                        [
-                            f"the bridge scales {comp.name} by {'1 + w' if declared else 'w'} but "
-                            f"the HF module scales by {'1 + w' if measured else 'w'}"
-                        ]
-                    )
-                offsets.add(measured)
+    for i in range(len(blocks)):
+        blk, layer = blocks.block(i), blocks.layer(i)
+        for n in ("ln1", "ln2", "ln1_post", "ln2_post"):
+            comp = part(blk, n)
+            if comp is None:
+                continue
+            declared = float(bool(getattr(comp, "uses_weight_offset", False)))
+            module = blocks.module(comp, layer)
+            if module is None:
+                raise ArchitectureError([f"layer {i} has no HF module {comp.name!r} ({n})"])
+            if module.weight.device.type == "meta":  # offloaded or not loaded: trust TL
+                offsets.add(declared)
+                continue
+            measured = measure_norm_offset(module)
+            if declared != measured:
+                where = comp.name if blocks.hf_layers is None else f"{blocks.path}.{i}.{comp.name}"
+                raise ArchitectureError(
+                    [
+                        f"the bridge scales {where} by {'1 + w' if declared else 'w'} but "
+                        f"the HF module scales by {'1 + w' if measured else 'w'}"
+                    ]
+                )
+            offsets.add(measured)
     if len(offsets) != 1:
         raise ArchitectureError([f"the norms mix gain conventions (offsets {sorted(offsets)})"])
 
-    attn = b0.attn
-    hf_attn, hf_mlp = attn.original_component, mlp.original_component
-    q = getattr(attn, "q", None)
-    q_lin = getattr(q, "original_component", None) if q is not None else None
-    fused_qkv = hasattr(attn, "qkv") or (
-        q_lin is not None and not (_param_ids(q_lin) <= _param_ids(hf_attn))
+    attn = part(b0, "attn")
+    hf_attn, hf_mlp = blocks.module(attn, layer0), blocks.module(mlp, layer0)
+    qkv = part(attn, "qkv")
+    q_lin = blocks.module(part(attn, "q"), hf_attn)
+    fused_qkv = qkv is not None or (
+        part(attn, "q") is not None
+        and not (q_lin is not None and _param_ids(q_lin) <= _param_ids(hf_attn))
     )
-    gate_w = mlp.gate.original_component.weight
-    fused_gate_up = id(gate_w) not in _param_ids(hf_mlp)
-    qkv_lin = getattr(getattr(attn, "qkv", None), "original_component", None) or q_lin
+    gate = blocks.module(part(mlp, "gate"), hf_mlp)
+    fused_gate_up = gate is None or id(gate.weight) not in _param_ids(hf_mlp)
+    qkv_lin = blocks.module(qkv, hf_attn) or q_lin
     qkv_bias = qkv_lin is not None and getattr(qkv_lin, "bias", None) is not None
     emb = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    if emb is None:
+        embed_scale = 1.0
+    elif emb.weight.device.type == "meta":
+        embed_scale = math.nan
+    else:
+        embed_scale = measure_embed_scale(emb)
+    post_attn, post_ffn = part(b0, "ln1_post"), part(b0, "ln2_post")
     return Architecture(
         family=family,
         norm_offset=offsets.pop(),
-        attn_norm=b0.ln1.name,
-        ffn_norm=b0.ln2.name,
-        post_attn_norm=b0.ln1_post.name if hasattr(b0, "ln1_post") else None,
-        post_ffn_norm=b0.ln2_post.name if hasattr(b0, "ln2_post") else None,
+        attn_norm=part(b0, "ln1").name,
+        ffn_norm=part(b0, "ln2").name,
+        post_attn_norm=post_attn.name if post_attn is not None else None,
+        post_ffn_norm=post_ffn.name if post_ffn is not None else None,
         fused_qkv=bool(fused_qkv),
         fused_gate_up=bool(fused_gate_up),
         qkv_bias=bool(qkv_bias),
-        qk_norm=hasattr(attn, "q_norm") and hasattr(attn, "k_norm"),
-        embed_scale=measure_embed_scale(emb) if emb is not None else 1.0,
-        act_fn=str(getattr(bridge.cfg, "act_fn", "") or ""),
+        qk_norm=part(attn, "q_norm") is not None and part(attn, "k_norm") is not None,
+        embed_scale=embed_scale,
+        act_fn=act_fn,
+        layers=blocks.path,
+        attn=attn.name,
+        ffn=mlp.name,
     )
 
 
@@ -333,6 +449,7 @@ __all__ = [
     "HF_ATTN_NORM",
     "NORM_OFFSETS",
     "describe",
+    "describe_hf",
     "hf_attn_norm",
     "measure_embed_scale",
     "measure_norm_offset",

@@ -15,13 +15,15 @@ against a :class:`Reference`, attention to position 0 and its entropy, effective
 :func:`pooled_metrics` pools them. :class:`Reference` keeps the unmodified model's distributions, so
 the KL of each intervened run costs one product (:func:`agreement_to`). :func:`length_batches` splits
 texts into batches of similar length, so that a long text does not pad every other one.
+:func:`sweep` measures the unmodified model and a list of interventions over the same texts (the
+WeMask study), on TransformerLens hooks (:class:`Sweep`) or in another backend's traces.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from importlib import resources
@@ -556,3 +558,152 @@ def score_choices(
         answers=answers,
         predictions_norm=preds_norm,
     )
+
+
+# ------------------------------------------------------------------------------------------
+# a sweep: the unmodified model and each intervention over the same texts
+# ------------------------------------------------------------------------------------------
+
+SpecFor = Callable[[Any], Any]
+"""Builds an intervention spec (:class:`~me_interp.interventions.core.Edit`) for target positions:
+one tuple for every text of a batch, or one list per text."""
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """What :func:`sweep` measured: the unmodified model's pooled metrics with their ``per_text``
+    statistics (and, when scored, ``mc_accuracy`` with ``per_item`` outcomes) in ``base``; the same
+    for each spec in ``rows`` (``None``: a spec the model's backend does not apply); ``n_items`` MC
+    items scored (0: none); ``not_measured``: what the backend left out, in words."""
+
+    base: dict[str, Any]
+    rows: list[dict[str, Any] | None]
+    n_items: int = 0
+    not_measured: str | None = None
+
+
+@dataclass
+class Sweep:
+    """:func:`sweep` with TransformerLens hooks: one forward per spec and length group of texts, the
+    KL and top-1 agreement against the unmodified model's distributions (its :class:`Reference`),
+    and, once checked (:meth:`reuse_prefix`), each forward from the first block a spec edits."""
+
+    model: LoadedModel
+    layers: list[int]
+    rank_layer: int
+    chunks: list[tuple[list[int], Batch]]
+    n_texts: int
+    positions: Any = (0,)
+    per_text: bool = False
+    items: Sequence[MCItem] = ()
+    suffixes: list[BlockInputs] | None = None
+
+    def reuse_prefix(self, base: dict[str, Any]) -> None:
+        """Keep each text batch's unmasked inputs to the first masked block, so that a condition
+        runs the masked blocks only (the blocks before are the unmasked model's): checked on the
+        unmasked model against the full forward's per-text statistics ``base`` (rtol 1e-5); on a
+        mismatch every condition runs the full forward, with a warning (an error under
+        ``ME_INTERP_STRICT``)."""
+        from me_interp.patching.suffix import give_up
+
+        start = min(self.layers)
+        if start == 0 or self.rank_layer < start:
+            return
+        self.suffixes = [block_inputs(self.model, batch, start) for _, batch in self.chunks]
+        got = self.measure(None, None)[0]
+        bad = [
+            k
+            for k in TEXT_STATS
+            if not np.allclose(got["per_text"][k], base["per_text"][k], rtol=1e-5, equal_nan=True)
+        ]
+        if bad:
+            self.suffixes = None
+            msg = (
+                f"running blocks {start}.. from the unmasked inputs changed {bad[0]}: every "
+                "condition runs the full forward (slower, same values)"
+            )
+            give_up(msg, stacklevel=3)
+
+    def _positions(self, idx: list[int]) -> Any:
+        return [self.positions[i] for i in idx] if self.per_text else self.positions
+
+    def measure(
+        self, spec_for: SpecFor | None, refs: list[Reference] | None, score_mc: bool = False
+    ) -> tuple[dict[str, Any], list[Reference | None]]:
+        """The pooled metrics, ``per_text`` statistics and (``score_mc`` with items) MC outcomes
+        under the spec ``spec_for`` builds (``None``: the unmodified model, whose references are
+        returned for the others)."""
+        from me_interp.interventions import core
+
+        per_text: dict[str, list[float]] = {k: [math.nan] * self.n_texts for k in TEXT_STATS}
+        own = []
+        for c, (idx, batch) in enumerate(self.chunks):
+            hooks = []
+            if spec_for is not None:
+                hooks = core.tl_hooks(spec_for(self._positions(idx)))
+            ref = None if refs is None else refs[c]
+            suffix = None if self.suffixes is None else self.suffixes[c]
+            stats, r = text_metrics(
+                self.model, batch, hooks, self.layers, self.rank_layer, ref, suffix
+            )
+            for k, vals in stats.items():
+                for i, v in zip(idx, vals):
+                    per_text[k][i] = v
+            own.append(r)
+        out: dict[str, Any] = {**pooled_metrics(per_text), "per_text": per_text}
+        if self.items and score_mc:  # MC rows start at the first token: position 0
+            hooks = [] if spec_for is None else core.tl_hooks(spec_for((0,)))
+            mc = score_choices(self.model, self.items, hooks)
+            out["mc_accuracy"] = mc.accuracy
+            out["per_item"] = {"correct": mc.correct, "correct_norm": mc.correct_norm}
+        return out, own
+
+
+def sweep(
+    model: Any,
+    chunks: list[tuple[list[int], Batch]],
+    layers: Sequence[int],
+    rank_layer: int,
+    specs: Sequence[SpecFor],
+    *,
+    positions: Any = (0,),
+    per_text: bool = False,
+    items: Sequence[MCItem] = (),
+    score_mc: Sequence[bool] | None = None,
+    progress: Callable[[list], Iterable] | None = None,
+) -> SweepResult:
+    """Per-text statistics (:data:`TEXT_STATS`, pooled by :func:`pooled_metrics`) of the unmodified
+    model and of each intervention of ``specs`` over the texts of ``chunks``
+    (:func:`length_batches`), with attention statistics over ``layers`` and the effective rank at
+    ``rank_layer``; the MC ``items`` scored on the unmodified model and on the specs ``score_mc``
+    marks. ``positions``: the target positions, one tuple for every text or (``per_text``) one
+    list per text.
+
+    A model of another backend (:mod:`me_interp.backends`) runs the sweep in its own traces; what
+    it does not measure is ``None`` / NaN and said in :attr:`SweepResult.not_measured`.
+    """
+    from me_interp.probes.batching import own_backend
+
+    score = [False] * len(specs) if score_mc is None else list(score_mc)
+    if len(score) != len(specs):
+        raise ValueError(f"score_mc has {len(score)} entries for {len(specs)} specs")
+    if own_backend(model):
+        return model.sweep(
+            chunks, layers, rank_layer, specs, positions=positions, per_text=per_text,
+            items=items, score_mc=score, progress=progress,
+        )  # fmt: skip
+    s = Sweep(
+        model=model,
+        layers=list(layers),
+        rank_layer=rank_layer,
+        chunks=chunks,
+        n_texts=sum(len(idx) for idx, _ in chunks),
+        positions=positions,
+        per_text=per_text,
+        items=list(items),
+    )
+    base, refs = s.measure(None, None, score_mc=True)
+    s.reuse_prefix(base)  # the specs change nothing before the first edited layer
+    todo = list(zip(specs, score))
+    rows = [s.measure(f, refs, mc)[0] for f, mc in (progress or iter)(todo)]
+    return SweepResult(base, rows, len(s.items))

@@ -10,11 +10,14 @@ modules, with weights edited *by hand* in its own storage layout (fused rows, st
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 
 import pytest
 import torch
 
 from me_interp import battery, edits, load_model, names, synthetic
+from me_interp.architecture import ArchitectureError, describe_hf
 from me_interp.interventions.core import attn_norm_gain
 from me_interp.interventions.wemask import select_dims, we_mask
 from me_interp.models import UnsupportedArchitectureError
@@ -105,6 +108,20 @@ def test_architecture_is_described_from_the_model(pair):
     want_scale = float(getattr(emb, "embed_scale", 1.0))  # Gemma: sqrt(d_model) = 5.657
     assert arch.embed_scale == pytest.approx(want_scale, rel=1e-6)
     assert pair.model.info()["arch"]["norm_offset"] == arch.norm_offset
+
+
+def test_a_plain_hf_model_is_described_as_its_bridge(pair):
+    """``describe_hf`` reads the same per-family facts (the TransformerLens adapter's mapping) off
+    the plain HF model: the booted bridge's description; on a meta model (nnsight's remote models)
+    the same but for the embedding scale, which needs weights (NaN)."""
+    arch = describe_hf(pair.ref)
+    assert arch == pair.model.arch
+    assert (arch.layers, arch.attn, arch.ffn) == ("model.layers", "self_attn", "mlp")
+    with torch.device("meta"):
+        meta = type(pair.ref)(pair.ref.config)
+    got = describe_hf(meta)
+    assert math.isnan(got.embed_scale)
+    assert dataclasses.replace(got, embed_scale=arch.embed_scale) == arch
 
 
 def test_effective_gains_are_what_the_hf_norm_multiplies_by(pair):
@@ -441,6 +458,8 @@ def test_post_norm_and_moe_are_refused(kind, match):
         hf = _tiny(
             T.MixtralConfig, T.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2
         )
+    with pytest.raises(ArchitectureError, match=match):
+        describe_hf(hf)  # the plain model, before a bridge rewires it
     with pytest.raises(UnsupportedArchitectureError, match=match):
         load_model(hf, tokenizer=synthetic.word_tokenizer(), device="cpu")
 

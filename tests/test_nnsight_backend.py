@@ -228,6 +228,15 @@ def test_backend_fields_are_validated():
         wemask.Config(backend="nnsight", positions="massive")
 
 
+def test_the_backend_reads_the_architecture_description(planted_tl, planted_nn):
+    """The nnsight model is described from its plain HF model as the bridge describes its own, and
+    the backend finds the modules it reads through that description."""
+    assert planted_nn.arch == planted_tl.arch
+    for L in range(planted_nn.n_layers):
+        assert torch.equal(planted_nn.attn_norm_gain(L), planted_tl.attn_norm_gain(L))
+    assert planted_nn.info()["arch"] == planted_tl.info()["arch"]
+
+
 def test_sandwich_norm_models_are_refused_in_one_line():
     with pytest.raises(UnsupportedArchitectureError, match="--backend tl"):
         nb.load("synthetic:planted-gemma2")

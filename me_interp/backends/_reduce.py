@@ -84,7 +84,7 @@ def mask_dims(
     fixed: torch.Tensor | None,
 ) -> torch.Tensor:
     """WeMask on the target tokens (``target [batch pos]``) of the attention input ``h [batch pos
-    d]``: zero ``fixed`` (``weight``/``random``: one dim set) or, from the activations, the top ``k``
+    d]``: zero ``fixed`` (``weight``/``random``: one dim set, given) or, from the activations, the top ``k``
     dims of the mean ``|h|`` over the targets (``activation``, one set for the batch), of each target's
     ``|h|`` (``activation_per_prompt``) or of its residual ``|resid|`` (``magnitude``). Returns a new
     tensor; ``h`` is not modified."""
@@ -92,7 +92,7 @@ def mask_dims(
     if not bool(target.any()):
         return out
     sel = out[target]  # [n d]
-    if variant in ("weight", "random"):
+    if fixed is not None:  # weight, random: one dim set for every target
         dims = fixed.to(sel.device).expand(sel.shape[0], fixed.shape[-1])
     elif variant == "activation":
         mean_abs = sel.detach().float().abs().mean(0)
@@ -125,29 +125,36 @@ def scan_layers(
     n_layers: int,
     k: int,
     lengths: list[int],
+    layout: tuple[str, str, str, str],
     attention: tuple[torch.Tensor, torch.Tensor] | None = None,
     grams: bool = False,
+    first: bool = False,
 ) -> list[dict]:
-    """Inside a trace over a pre-norm decoder (``layers``: nnsight's envoys of the HF decoder layers,
-    each with ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and ``mlp``): read
-    every layer in forward order and keep, per layer, the token norms at the seven sites of
-    ``me_interp.names.SITES`` (``norms [7 batch pos]``), the layer output's top-``k`` ``|a|`` and dims
-    and per-prompt median ``|a|``; with ``attention = (qmask, bosq)`` the attention statistics of
-    :func:`attention_to_keys` (``None`` where the model returns no attention weights); with ``grams``
-    the Gram matrix of each prompt's layer outputs. Nothing else leaves the trace."""
+    """Inside a trace over a pre-norm decoder (``layers``: nnsight's envoys of the HF decoder layers;
+    ``layout``: the HF names, within a layer, of its pre-attention norm, attention, pre-FFN norm and
+    FFN, from the model's ``Architecture``): read every layer in forward order and keep, per layer,
+    the token norms at the seven sites of ``me_interp.names.SITES`` (``norms [7 batch pos]``), the
+    layer output's top-``k`` ``|a|`` and dims and per-prompt median ``|a|``; with ``attention =
+    (qmask, bosq)`` the attention statistics of :func:`attention_to_keys` (``None`` where the model
+    returns no attention weights); with ``grams`` the Gram matrix of each prompt's layer outputs;
+    with ``first`` the sum over prompts of the attention input at position 0 (``[d]``). Nothing else
+    leaves the trace."""
+    attn_norm, attn_name, ffn_norm, ffn_name = layout
     out = []
     for i in range(n_layers):
         layer = layers[i]
         resid_pre = layer.input  # the block input
-        attn_in = layer.input_layernorm.output
-        attn = layer.self_attn.output  # (attn_output, attn_weights)
+        attn_in = getattr(layer, attn_norm).output
+        attn = getattr(layer, attn_name).output  # (attn_output, attn_weights)
         attn_out = attn[0]
         stats = {}
         if attention is not None:
             w = attn[1]
             stats["attention"] = None if w is None else attention_to_keys(w, *attention)
-        ffn_in = layer.post_attention_layernorm.output
-        ffn_out = layer.mlp.output
+        if first:
+            stats["first"] = attn_in[:, 0].detach().float().sum(0)
+        ffn_in = getattr(layer, ffn_norm).output
+        ffn_out = getattr(layer, ffn_name).output
         resid_post = layer.output
         if isinstance(resid_post, tuple):  # older transformers: (hidden_states, ...)
             resid_post = resid_post[0]

@@ -16,11 +16,20 @@ The statistics then go through the TransformerLens path's own code: a :class:`No
 and :func:`me_interp.evaluation.pooled_metrics`. The prompts of one experiment run in one nnsight
 *session* (one NDIF request), one trace per length-sorted chunk (:func:`probes.batching.chunks`).
 
-Supported: pre-norm decoders whose layers have ``input_layernorm``, ``self_attn``,
-``post_attention_layernorm`` and ``mlp`` with the stored RMSNorm weight as the gain (Llama, Mistral,
-Qwen2/2.5/3, Phi-3, SmolLM); Gemma (``1 + w`` gains, sandwich norms) is refused in one line. The
-attention statistics need attention weights (eager attention); a model whose attention returns none
-(sdpa / flash, as NDIF may serve it) is refused with a one-line error naming it.
+The model's layout is read once, from its :class:`~me_interp.architecture.Architecture`
+(:func:`~me_interp.architecture.describe_hf`: the decoder-layer list, each layer's pre-attention norm,
+attention, pre-FFN norm and FFN, the gain convention), never from module names written here.
+Supported: pre-norm decoders that feed the residual stream the attention's and the FFN's own outputs
+and store the RMSNorm gain itself (Llama, Mistral, Qwen2/2.5/3, Phi-3, SmolLM); a model with ``1 + w``
+gains or sandwich norms (Gemma) is refused in one line. The attention statistics need attention
+weights (eager attention); a model whose attention returns none (sdpa / flash, as NDIF may serve it)
+is refused with a one-line error naming it.
+
+The probes the experiments call hand this backend's model their call (``probes.batching.own_backend``):
+:meth:`NNsightModel.scan_norms` (``probes.norms.scan_norms``), :meth:`NNsightModel.sink_scan`
+(``probes.sinks.sink_scan``), :meth:`NNsightModel.locate_with_directions`
+(``interventions.wemask.locate_with_directions``) and :meth:`NNsightModel.sweep`
+(``evaluation.sweep``), so no experiment branches on the backend.
 
 Remote mode reads the key from ``NDIF_API_KEY`` (or nnsight's own config) and checks that the NDIF
 host answers within :data:`CONNECT_TIMEOUT` seconds before anything is loaded; both failures are one
@@ -40,6 +49,7 @@ from urllib.parse import urlparse
 import torch
 
 from me_interp import names
+from me_interp.architecture import Architecture, ArchitectureError, describe_hf
 from me_interp.backends import _reduce
 from me_interp.loading.errors import ModelLoadError, UnsupportedArchitectureError
 from me_interp.loading.loaded import Batch, LoadedModel
@@ -51,7 +61,6 @@ CONNECT_TIMEOUT = 5.0
 KEY_URL = "https://login.ndif.us"
 #: The sites a scan records, in the order of ``_reduce.scan_layers``.
 SCAN_SITES: tuple[str, ...] = names.SITES
-_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
 class RemoteUnavailableError(ModelLoadError):
@@ -143,8 +152,8 @@ class NNsightModel(LoadedModel):
         self.lm, self.tokenizer, self.name, self.bos = lm, tokenizer, name, bos
         self.dtype, self.device, self.remote = dtype, device, remote
         self.hf = lm._module  # the HF module (meta tensors when remote)
-        self.layers_path = _layers_path(self.hf)
-        _check_supported(self.hf, name)
+        self.arch = _architecture(self.hf, name)
+        self.layers_path = self.arch.layers
         self.attention = "remote" if remote else (self.attn_implementation or "eager")
 
     @property
@@ -153,10 +162,6 @@ class NNsightModel(LoadedModel):
             f"{self.name} runs on the nnsight backend, which has no TransformerLens bridge: this "
             "needs --backend tl"
         )
-
-    @property
-    def arch(self) -> Any:  # type: ignore[override]
-        return self.bridge
 
     @property
     def config(self) -> Any:
@@ -177,6 +182,49 @@ class NNsightModel(LoadedModel):
     @property
     def attn_implementation(self) -> str | None:
         return getattr(self.config, "_attn_implementation", None)
+
+    def block_module(self, layer: int) -> torch.nn.Module:
+        """The HF decoder layer ``layer`` (``arch.layers``)."""
+        return self.hf.get_submodule(self.layers_path)[self.check_layer(layer)]
+
+    def attn_norm_module(self, layer: int) -> torch.nn.Module:
+        """The HF pre-attention RMSNorm module of ``layer`` (``arch.attn_norm``)."""
+        return getattr(self.block_module(layer), self.arch.attn_norm)
+
+    def attn_norm_weight(self, layer: int) -> torch.nn.Parameter:
+        """The stored weight of the pre-attention RMSNorm (on a remote model, once
+        :func:`attn_gains` has read it)."""
+        w = self.attn_norm_module(layer).weight
+        if w.device.type == "meta":
+            raise ValueError(
+                f"the pre-attention norm gain of layer {layer} is on NDIF: read it with "
+                "backends.nnsight.attn_gains first"
+            )
+        return w
+
+    # -- the probes' calls (probes.batching.own_backend) --------------------------------------
+    def scan_norms(
+        self,
+        batch: Batch,
+        sites: Sequence[str] = SCAN_SITES,
+        top_k: int = 16,
+        keep_prompt: int = 0,
+        extra_hooks: Sequence | None = None,
+    ) -> NormScan:
+        """:func:`me_interp.probes.norms.scan_norms` in nnsight traces (:func:`scan_norms`)."""
+        return scan_norms(self, batch, sites, top_k, keep_prompt, extra_hooks)
+
+    def sink_scan(self, batch: Batch) -> Any:
+        """:func:`me_interp.probes.sinks.sink_scan` in nnsight traces (:func:`sink_scan`)."""
+        return sink_scan(self, batch)
+
+    def locate_with_directions(self, batch: Batch) -> tuple[Any, dict[int, torch.Tensor]]:
+        """:func:`me_interp.interventions.wemask.locate_with_directions` in nnsight traces."""
+        return locate_with_directions(self, batch)
+
+    def sweep(self, chunks, layers, rank_layer, specs, **kwargs: Any) -> Any:
+        """:func:`me_interp.evaluation.sweep` in nnsight traces (:func:`sweep`)."""
+        return sweep(self, chunks, layers, rank_layer, specs, **kwargs)
 
     def layers(self) -> Any:
         """nnsight's envoy of the decoder-layer list (use inside a trace)."""
@@ -206,6 +254,7 @@ class NNsightModel(LoadedModel):
             "remote": self.remote,
             "ndif_host": ndif_host() if self.remote else None,
             "architecture": type(self.hf).__name__,
+            "arch": self.arch.to_dict(),
             "n_layers": self.n_layers,
             "d_model": self.d_model,
             "bos": self.bos,
@@ -222,26 +271,33 @@ class NNsightModel(LoadedModel):
         return f"NNsightModel({self.name!r}, n_layers={self.n_layers}, {where})"
 
 
-def _layers_path(hf: Any) -> str:
-    n = int(hf.config.num_hidden_layers)
-    for name, mod in hf.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and name.endswith("layers") and len(mod) == n:
-            return name
-    raise UnsupportedArchitectureError(
-        f"{type(hf).__name__} has no list of {n} decoder layers: not supported by the nnsight backend"
-    )
-
-
-def _check_supported(hf: Any, name: str) -> None:
-    layer = dict(hf.named_modules())[_layers_path(hf)][0]
-    missing = [p for p in _LAYER_PARTS if not hasattr(layer, p)]
-    kind = str(getattr(hf.config, "model_type", ""))
-    if missing or kind.startswith("gemma") or hasattr(layer, "pre_feedforward_layernorm"):
-        why = f"no {', '.join(missing)}" if missing else f"{kind}: 1 + w gains or sandwich norms"
+def _architecture(hf: Any, name: str) -> Architecture:
+    """``hf``'s :class:`Architecture` (:func:`describe_hf`), or one line saying why this backend
+    does not read it."""
+    try:
+        arch = describe_hf(hf)
+    except ArchitectureError as e:
+        raise UnsupportedArchitectureError(
+            f"{name} ({type(hf).__name__}) is not supported by the nnsight backend ({e}): use "
+            "--backend tl"
+        ) from None
+    if arch.norm_offset != 0.0 or arch.sandwich:
+        # the scan reads the attention's and the FFN's own outputs as their residual contributions
+        # and WeMask's remote gains as stored: sandwich norms and 1 + w gains need the TL path
+        why = ", ".join(
+            w
+            for w, yes in (
+                ("1 + w gains", arch.norm_offset != 0.0),
+                ("sandwich norms", arch.sandwich),
+            )
+            if yes
+        )
         raise UnsupportedArchitectureError(
             f"{name} ({type(hf).__name__}) is not supported by the nnsight backend ({why}); it "
-            "reads Llama/Mistral/Qwen/Phi-3-style layers: use --backend tl"
+            "reads pre-norm layers with the stored gain (Llama/Mistral/Qwen/Phi-3 style): use "
+            "--backend tl"
         )
+    return arch
 
 
 def load(
@@ -320,13 +376,15 @@ class Scan:
     ``norms`` is the :class:`NormScan` (``kept_resid`` holds the kept prompt's top-``k`` ``|a|`` per
     token, zero elsewhere: the whole layer output never leaves the trace). ``to_key [layer batch head
     pos]``, ``entropy``/``bos [layer batch head]`` when attention was asked; ``grams[layer][b]`` the
-    ``[n_b n_b]`` Gram matrix of prompt ``b``'s layer outputs when asked."""
+    ``[n_b n_b]`` Gram matrix of prompt ``b``'s layer outputs when asked; ``first[layer]`` the mean
+    over prompts of the attention input at position 0 (``[d_model]``) when asked."""
 
     norms: NormScan
     to_key: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     bos: torch.Tensor | None = None
     grams: list[list[torch.Tensor]] | None = None
+    first: dict[int, torch.Tensor] | None = None
 
 
 def _query_masks(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,6 +406,7 @@ def scan(
     keep_prompt: int = 0,
     attention: bool = False,
     grams: bool = False,
+    first: bool = False,
 ) -> Scan:
     """Run ``batch`` in one session (one trace per length-sorted chunk) and keep the statistics
     :class:`Scan` holds.
@@ -362,14 +421,18 @@ def scan(
     L, (B, T), d = model.n_layers, batch.tokens.shape, model.d_model
     k = min(top_k, d)
     parts = length_chunks(batch.to("cpu"))
-    env = model.layers()  # only envoys, tensors and numbers enter a trace (a remote one too)
+    env = (
+        model.layers()
+    )  # only envoys, tensors, strings and numbers enter a trace (a remote one too)
+    a = model.arch
+    layout = (a.attn_norm, a.attn, a.ffn_norm, a.ffn)
     with torch.no_grad(), model.session():
         saved = [].save()
         for c in parts:
             lengths = c.lengths
             masks = _query_masks(c.batch) if attention else None
             with model.trace(c.batch) as tracer:
-                stats = _reduce.scan_layers(env, L, k, lengths, masks, grams)
+                stats = _reduce.scan_layers(env, L, k, lengths, layout, masks, grams, first)
                 saved.append(stats)
                 tracer.stop()  # nothing after the last layer is needed
     S = len(SCAN_SITES)
@@ -382,6 +445,7 @@ def scan(
     entropy = torch.zeros(L, B, H) if attention else None
     bos = torch.zeros(L, B, H) if attention else None
     gram_out: list[list[Any]] | None = [[None] * B for _ in range(L)] if grams else None
+    first_sum = torch.zeros(L, d, dtype=torch.float64) if first else None
     for c, stats in zip(parts, saved):
         rows, w = c.rows, c.width
         for layer, s in enumerate(stats):
@@ -399,6 +463,8 @@ def scan(
             if grams:
                 for i, r in enumerate(rows.tolist()):
                     gram_out[layer][r] = s["grams"][i].cpu()
+            if first:
+                first_sum[layer] += s["first"].cpu().double()
     mask = batch.attention_mask.bool().cpu()
     norms = norms.masked_fill(~mask, float("nan"))
     if not torch.isfinite(norms[:, :, mask]).all():
@@ -420,7 +486,10 @@ def scan(
         kept_prompt=keep_prompt,
         kept_resid=kept,
     )
-    return Scan(ns, to_key, entropy, bos, gram_out)
+    directions = (
+        None if first_sum is None else {i: (v / B).float() for i, v in enumerate(first_sum)}
+    )
+    return Scan(ns, to_key, entropy, bos, gram_out, directions)
 
 
 def _no_weights(model: NNsightModel) -> str:
@@ -432,10 +501,48 @@ def _no_weights(model: NNsightModel) -> str:
 
 
 def scan_norms(
-    model: NNsightModel, batch: Batch, top_k: int = 16, keep_prompt: int = 0
+    model: NNsightModel,
+    batch: Batch,
+    sites: Sequence[str] = SCAN_SITES,
+    top_k: int = 16,
+    keep_prompt: int = 0,
+    extra_hooks: Sequence | None = None,
 ) -> NormScan:
-    """The ME-layer scan's :class:`NormScan` (the sites of :data:`SCAN_SITES`), one session."""
+    """The ME-layer scan's :class:`NormScan` (every site of :data:`SCAN_SITES`), one session: what
+    :func:`me_interp.probes.norms.scan_norms` records.
+
+    Raises:
+        ValueError: ``extra_hooks`` (TransformerLens hooks) or a site the scan does not record.
+    """
+    if extra_hooks:
+        raise ValueError(
+            "the nnsight backend runs no TransformerLens hooks: this needs --backend tl"
+        )
+    other = [x for x in sites if x not in SCAN_SITES]
+    if other:
+        raise ValueError(f"the nnsight scan records {SCAN_SITES}, not {other}")
     return scan(model, batch, top_k, keep_prompt).norms
+
+
+def sink_scan(model: NNsightModel, batch: Batch):
+    """:func:`me_interp.probes.sinks.sink_scan` from one session: the norms, the attention
+    statistics (:func:`attention_recorder`) and the geometry from the saved Gram matrices
+    (:func:`geometry`: without any token, no second run)."""
+    from functools import partial
+
+    from me_interp.probes.sinks import SinkScan
+
+    sc = scan(model, batch, attention=True, grams=True)
+    return SinkScan(sc.norms, attention_recorder(model, batch, sc), partial(geometry, sc, batch))
+
+
+def locate_with_directions(model: NNsightModel, batch: Batch):
+    """:func:`me_interp.interventions.wemask.locate_with_directions` from one session: the ME
+    location of the scan and the mean attention input at position 0 of every layer."""
+    from me_interp.probes.massive import locate_me_layer
+
+    sc = scan(model, batch, first=True)
+    return locate_me_layer(sc.norms), dict(sc.first)
 
 
 def attention_recorder(model: NNsightModel, batch: Batch, result: Scan):
@@ -479,7 +586,8 @@ def geometry(result: Scan, batch: Batch, reference: Sequence[int]):
 @dataclass(frozen=True)
 class MaskSpec:
     """One WeMask condition as the trace applies it: the masked layers, the selection, its dim count
-    ``k`` and, for ``weight``/``random``, the dims of each layer (``select_dims``)."""
+    ``k`` and, for the input-independent selections (``weight``, ``random``), the dims of each layer
+    (``WeMask.fixed_dims``)."""
 
     layers: tuple[int, ...]
     variant: str
@@ -488,46 +596,86 @@ class MaskSpec:
 
 
 def attn_gains(model: NNsightModel, layers: Sequence[int]) -> dict[int, torch.Tensor]:
-    """The pre-attention RMSNorm weights of ``layers``: read from the local model, or saved from one
-    remote trace (``d_model`` numbers per layer) and written into the meta model's norms, so
-    :func:`~me_interp.interventions.wemask.select_dims` reads them either way."""
-    mods = dict(model.hf.named_modules())[model.layers_path]
-    if not model.remote:
-        return {L: mods[L].input_layernorm.weight.detach() for L in layers}
-    probe = model.batch_from_ids([[model.pad_token_id, model.pad_token_id]])
-    env = model.layers()
-    with torch.no_grad(), model.session():
-        saved = {}.save()
-        with model.trace(probe) as tracer:
-            for L in layers:
-                saved[L] = env[L].input_layernorm.weight.detach().cpu()
-            tracer.stop()
-    for L, w in saved.items():
-        mods[L].input_layernorm.weight = torch.nn.Parameter(w.float(), requires_grad=False)
-    return dict(saved)
+    """The stored pre-attention RMSNorm weights of ``layers`` (``arch.attn_norm``): read from the
+    local model, or saved from one remote trace (``d_model`` numbers per layer) and written into the
+    meta model's norms, so :func:`~me_interp.interventions.wemask.select_dims` reads them either
+    way (``model.attn_norm_gain``)."""
+    todo = [L for L in layers if model.attn_norm_module(L).weight.device.type == "meta"]
+    if todo:
+        probe = model.batch_from_ids([[model.pad_token_id, model.pad_token_id]])
+        env, norm = model.layers(), model.arch.attn_norm
+        with torch.no_grad(), model.session():
+            saved = {}.save()
+            with model.trace(probe) as tracer:
+                for L in todo:
+                    saved[L] = getattr(env[L], norm).weight.detach().cpu()
+                tracer.stop()
+        for L, w in saved.items():
+            model.attn_norm_module(L).weight = torch.nn.Parameter(w.float(), requires_grad=False)
+    return {L: model.attn_norm_weight(L).detach() for L in layers}
 
 
-def mask_spec(
-    model: NNsightModel, layers: Sequence[int], variant: str, rate: float, seed: int
-) -> MaskSpec:
-    """The :class:`MaskSpec` of WeMask ``variant`` at ``rate`` (dims by ``select_dims``; a remote
-    model needs :func:`attn_gains` first for ``weight``)."""
-    from me_interp.interventions.wemask import n_dims, select_dims
+def mask_spec(model: NNsightModel, spec: Any) -> MaskSpec | None:
+    """The :class:`MaskSpec` of an intervention spec the trace applies: a WeMask hard mask
+    (``keep = 0``) of the attention input at absolute position 0; ``None`` for any other (a soft
+    projection, other positions or sites)."""
+    from me_interp.interventions.wemask import WeMask, n_dims
 
-    fixed = {}
-    if variant in ("weight", "random"):
-        fixed = {L: select_dims(model.hf, L, variant, rate, seed=seed) for L in layers}
-    return MaskSpec(tuple(layers), variant, n_dims(variant, rate, model.d_model), fixed)
+    if not (
+        isinstance(spec, WeMask)
+        and spec.keep == 0.0
+        and spec.site == "attn_in"
+        and tuple(spec.positions) == (0,)
+    ):
+        return None
+    k = n_dims(spec.variant, spec.rate, model.d_model)
+    return MaskSpec(tuple(spec.layers), spec.variant, k, dict(spec.fixed_dims))
 
 
-def mask_specs(
-    model: NNsightModel, layers: Sequence[int], conditions: Sequence[tuple[str, float, int]]
-) -> list[MaskSpec]:
-    """The :class:`MaskSpec` of each ``(variant, rate, seed)``; a remote model's gains are fetched
-    once (:func:`attn_gains`) when a ``weight`` selection needs them."""
-    if model.remote and any(v == "weight" for v, _, _ in conditions):
+def sweep(
+    model: NNsightModel,
+    chunks: Sequence[tuple[list[int], Batch]],
+    layers: Sequence[int],
+    rank_layer: int,
+    specs: Sequence[Any],
+    *,
+    positions: Any = (0,),
+    per_text: bool = False,
+    items: Sequence[Any] = (),
+    score_mc: Sequence[bool] | None = None,
+    progress: Any = None,
+):
+    """:func:`me_interp.evaluation.sweep` in one session (:func:`text_stats`): every WeMask hard
+    mask of ``specs`` (built for position 0; :func:`mask_spec`) and the unmodified model; the other
+    specs are not measured (``None``), nor KL and top-1 agreement (NaN: no reference distributions
+    leave the trace) nor MC items. A remote model's gains are read first (:func:`attn_gains`).
+
+    Raises:
+        ValueError: ``positions`` other than ``(0,)`` for every text (the mask sits at position 0).
+    """
+    from me_interp.evaluation import SweepResult, pooled_metrics
+
+    if per_text or tuple(positions) != (0,):
+        raise ValueError(
+            "the nnsight backend masks absolute position 0 only (positions must be 'first')"
+        )
+    if model.remote:
         attn_gains(model, layers)
-    return [mask_spec(model, layers, v, r, s) for v, r, s in conditions]
+    masks = [mask_spec(model, f((0,))) for f in specs]
+    todo = [m for m in masks if m is not None]
+    stats = text_stats(model, chunks, [None, *todo], layers, rank_layer)
+
+    def measured(per_text: dict[str, list[float]]) -> dict[str, Any]:
+        return {**pooled_metrics(per_text), "per_text": per_text}
+
+    done = iter(stats[1:])
+    rows = [None if m is None else measured(next(done)) for m in masks]
+    left = ["kl, top1 (no reference distributions leave the trace)"]
+    if items:
+        left.append("MC items")
+    if any(m is None for m in masks):
+        left.append("soft alternatives")
+    return SweepResult(measured(stats[0]), rows, 0, ", ".join(left))
 
 
 def text_stats(
@@ -546,6 +694,7 @@ def text_stats(
 
     n_texts = sum(len(idx) for idx, _ in groups)
     env, lm, n_layers = model.layers(), model.lm, model.n_layers
+    attn_norm, attn = model.arch.attn_norm, model.arch.attn
     with torch.no_grad(), model.session():
         saved = [].save()
         for spec in specs:
@@ -565,12 +714,12 @@ def text_stats(
                     for L in range(n_layers):
                         if L in masked:
                             resid = env[L].input
-                            ln = env[L].input_layernorm
+                            ln = getattr(env[L], attn_norm)
                             ln.output = _reduce.mask_dims(
                                 ln.output, resid, target, variant, k, fixed.get(L)
                             )
                         if L in stat_layers:
-                            w = env[L].self_attn.output[1]
+                            w = getattr(env[L], attn).output[1]
                             att[L] = (
                                 None if w is None else _reduce.attention_to_keys(w, qmask, bosq)
                             )
@@ -616,13 +765,16 @@ __all__ = [
     "Scan",
     "api_key",
     "attention_recorder",
+    "attn_gains",
     "check_remote",
     "geometry",
     "load",
+    "locate_with_directions",
     "mask_spec",
-    "mask_specs",
     "model_for",
     "scan",
     "scan_norms",
+    "sink_scan",
+    "sweep",
     "text_stats",
 ]

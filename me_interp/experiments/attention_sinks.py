@@ -36,9 +36,8 @@ from typing import Any, Literal
 
 import numpy as np
 import plotly.graph_objects as go
-import torch
 
-from me_interp import claims, names, plotting
+from me_interp import claims, plotting
 from me_interp.backends import check_backend
 from me_interp.experiments._layer_report import (
     DetectConfig,
@@ -49,10 +48,8 @@ from me_interp.experiments._layer_report import (
     relative_drop,
 )
 from me_interp.loading.loaded import LoadedModel
-from me_interp.probes.attention import AttentionRecorder
-from me_interp.probes.batching import record
-from me_interp.probes.geometry import METRICS, GeometryRecorder
-from me_interp.probes.norms import NormRecorder
+from me_interp.probes.geometry import METRICS
+from me_interp.probes.sinks import sink_scan
 from me_interp.study import Experiment, command, model_for
 
 NAME = "attention_sinks"
@@ -113,26 +110,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     model = model_for(cfg, model)
     batch = model.tokenize(cfg.load_prompts())
     eps = claims.threshold("sink_attention")
-    if cfg.backend == "nnsight":  # the same statistics, reduced inside nnsight traces
-        from me_interp.backends import nnsight
-
-        sc = nnsight.scan(model, batch, attention=True, grams=True)
-        det = detect(cfg, model, sc.norms, batch)
-        ref = det.reference
-        att = nnsight.attention_recorder(model, batch, sc)
-        gs = nnsight.geometry(sc, batch, ref)  # "others" without each prompt's massive token
-    else:
-        norms = NormRecorder(model, batch, names.SITES)
-        att = AttentionRecorder(model, batch)
-        geo = GeometryRecorder(model, batch)  # "others" without position 0
-        record(model, batch, [norms, att, geo])
-        det = detect(cfg, model, norms.result(), batch)
-        ref = det.reference
-        moved = [b for b, r in enumerate(ref) if r != 0]
-        if moved:  # the geometry without the massive token, where it is not the first token
-            geo.reference = torch.tensor(ref, dtype=torch.long)
-            record(model, batch, [geo], rows=moved)
-        gs = geo.result()
+    sc = sink_scan(model, batch)  # one forward: norms, attention statistics, geometry
+    det = detect(cfg, model, sc.norms, batch)
+    ref = det.reference
+    att = sc.attention
+    gs = sc.geometry(ref)  # "others" without each prompt's massive token
     mpos = [sorted(set(ps) | {r}) for ps, r in zip(det.massive_positions, ref)]
     ap = att.probe(reference=ref, massive_positions=mpos, eps=eps)
     to_ref = ap.to_ref  # [layer batch head]

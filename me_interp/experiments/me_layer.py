@@ -235,14 +235,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     model = model_for(cfg, model)
     prompts = cfg.load_prompts()
     batch = model.tokenize(prompts)
-    if cfg.backend == "nnsight":  # the same statistics, reduced inside nnsight traces
-        from me_interp.backends import nnsight
-
-        scan = nnsight.scan_norms(model, batch, top_k=cfg.top_k, keep_prompt=0)
-    else:
-        # sandwich norms (Gemma 2/3): the sub-layers' own outputs too, before their post-norms
-        sites = (*names.SITES, *model.arch.own_sites())
-        scan = scan_norms(model, batch, sites, top_k=cfg.top_k, keep_prompt=0)  # chunked
+    # sandwich norms (Gemma 2/3): the sub-layers' own outputs too, before their post-norms
+    sites = (*names.SITES, *model.arch.own_sites())
+    scan = scan_norms(model, batch, sites, top_k=cfg.top_k, keep_prompt=0)  # chunked
     crit = cfg.detection()
     site = locate(model, batch, scan=scan, criterion=crit, seed=cfg.seed)
     loc = site.location

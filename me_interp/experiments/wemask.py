@@ -46,26 +46,22 @@ from typing import Any, Literal
 
 import numpy as np
 import plotly.graph_objects as go
-import torch
 from plotly.subplots import make_subplots
 
-from me_interp import claims, evaluation, names, terminal
+from me_interp import claims, evaluation, terminal
 from me_interp.backends import check_backend
 from me_interp.experiments._weights import short_batch, spread
-from me_interp.interventions import core
 from me_interp.interventions.soft import DirectionProjection, dim_projection
 from me_interp.interventions.wemask import (
     STARTS,
     VARIANTS,
     WeMask,
+    locate_with_directions,
     mask_layers,
     massive_positions,
     no_massive_activation,
 )
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.patching.suffix import give_up
-from me_interp.probes import find_me_layer
-from me_interp.probes.massive import locate_me_layer
 from me_interp.prompts import builtin_texts, read_prompts
 from me_interp.study import (
     INDEX_CONVENTION,
@@ -165,11 +161,6 @@ class Config(CommonConfig):
 # ------------------------------------------------------------------------------------------
 # the conditions: one forward each over the texts (evaluation.text_metrics)
 # ------------------------------------------------------------------------------------------
-
-
-def _record_first(x: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
-    store[layer] = x.detach()[:, 0].float().cpu()  # [batch d_model]: the token at position 0
-    return x
 
 
 @dataclass(frozen=True)
@@ -328,90 +319,6 @@ class Result:
         }
 
 
-@dataclass
-class _Sweep:
-    """What every condition of a run shares: the texts in length groups, the masked layers, the
-    massive directions, the positions to mask and the MC items."""
-
-    cfg: Config
-    model: LoadedModel
-    layers: list[int]
-    rank_layer: int
-    chunks: list[tuple[list[int], Batch]]
-    n_texts: int
-    positions: Any
-    directions: dict[int, torch.Tensor]
-    items: list[evaluation.MCItem]
-    suffixes: list[evaluation.BlockInputs] | None = None
-
-    def reuse_prefix(self, base: dict[str, Any]) -> None:
-        """Keep each text batch's unmasked inputs to the first masked block, so that a condition
-        runs the masked blocks only (the blocks before are the unmasked model's): checked on the
-        unmasked model against the full forward's per-text statistics ``base`` (rtol 1e-5); on a
-        mismatch every condition runs the full forward, with a warning (an error under
-        ``ME_INTERP_STRICT``)."""
-        start = min(self.layers)
-        if start == 0 or self.rank_layer < start:
-            return
-        self.suffixes = [
-            evaluation.block_inputs(self.model, batch, start) for _, batch in self.chunks
-        ]
-        got = self.measure(None, None)[0]
-        bad = [
-            k
-            for k in PER_TEXT
-            if not np.allclose(got["per_text"][k], base["per_text"][k], rtol=1e-5, equal_nan=True)
-        ]
-        if bad:
-            self.suffixes = None
-            msg = (
-                f"running blocks {start}.. from the unmasked inputs changed {bad[0]}: every "
-                "condition runs the full forward (slower, same values)"
-            )
-            give_up(msg, stacklevel=3)
-
-    def _positions(self, idx: list[int]) -> Any:
-        per_text = self.cfg.positions == "massive"
-        return [self.positions[i] for i in idx] if per_text else self.positions
-
-    def _scores_mc(self, cond: Condition | None) -> bool:
-        if not self.items:
-            return False
-        claim = Condition("wemask", "weight", self.cfg.claim_rate, 1.0, self.cfg.seed)
-        return cond is None or self.cfg.mc == "all" or cond == claim
-
-    def measure(
-        self, cond: Condition | None, refs: list[evaluation.Reference] | None
-    ) -> tuple[dict[str, Any], list[evaluation.Reference | None]]:
-        """The pooled metrics, ``per_text`` statistics and (when scored) MC outcomes of ``cond``
-        (``None``: the unmasked model, whose references are returned for the others)."""
-        per_text: dict[str, list[float]] = {k: [math.nan] * self.n_texts for k in PER_TEXT}
-        own = []
-        for c, (idx, batch) in enumerate(self.chunks):
-            hooks = []
-            if cond is not None:
-                spec = _spec(self.model, cond, self.layers, self._positions(idx), self.directions)
-                hooks = core.tl_hooks(spec)
-            ref = None if refs is None else refs[c]
-            suffix = None if self.suffixes is None else self.suffixes[c]
-            stats, r = evaluation.text_metrics(
-                self.model, batch, hooks, self.layers, self.rank_layer, ref, suffix
-            )
-            for k, vals in stats.items():
-                for i, v in zip(idx, vals):
-                    per_text[k][i] = v
-            own.append(r)
-        out: dict[str, Any] = {**evaluation.pooled_metrics(per_text), "per_text": per_text}
-        if self._scores_mc(cond):  # MC rows start at the first token: position 0
-            hooks = []
-            if cond is not None:
-                hooks = core.tl_hooks(_spec(self.model, cond, self.layers, (0,), self.directions))
-            mc = evaluation.score_choices(self.model, self.items, hooks)
-            out["mc_accuracy"] = mc.accuracy
-            out["per_item"] = {"correct": mc.correct, "correct_norm": mc.correct_norm}
-        return out, own
-
-
 def _rows(cfg: Config, cond: Condition, m: dict[str, Any]) -> list[dict[str, Any]]:
     """The table rows one forward stands for: ``cond`` itself, every other selection at ``r = 1``, and
     the dim projection at ``α = 1`` for WeMask ``weight`` at ``soft_rate`` (marked ``same_as``)."""
@@ -447,41 +354,39 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         ValueError: a layer out of range, an ME layer that leaves no layer to mask, bad texts.
     """
     model = model_for(cfg, model)
-    if cfg.backend == "nnsight":
-        return _run_nnsight(cfg, model)
     detect = short_batch(model, cfg.load_prompts(), 0, cfg.detect_tokens)
-    first: dict[int, torch.Tensor] = {}
-    capture = [
-        (names.attn_in(L), partial(_record_first, store=first, layer=L))
-        for L in range(model.n_layers)
-    ]
-    loc = find_me_layer(model, detect, fwd_hooks=capture)
+    loc, first = locate_with_directions(model, detect)
     me = _me_layer(cfg, model, loc, len(detect))
     layers = list(mask_layers(model, cfg.start, me))
     texts = cfg.load_texts()
     positions: Any = (0,)
     if cfg.positions == "massive":
         positions = [p or [0] for p in massive_positions(model, model.tokenize(texts))]
-    sweep = _Sweep(
-        cfg=cfg,
-        model=model,
-        layers=layers,
-        rank_layer=_check_rank_layer(cfg.rank_layer, model.n_layers),
-        chunks=evaluation.length_batches(model, texts, cfg.batch_tokens),
-        n_texts=len(texts),
+    chunks = evaluation.length_batches(model, texts, cfg.batch_tokens)
+    rank_layer = _check_rank_layer(cfg.rank_layer, model.n_layers)
+    # the massive direction of each masked layer: the mean attention input at position 0
+    directions = {L: first[L] for L in layers}
+    conds = conditions(cfg)
+    claim = Condition("wemask", "weight", cfg.claim_rate, 1.0, cfg.seed)
+    swept = evaluation.sweep(
+        model, chunks, layers, rank_layer,
+        [partial(_spec, model, c, layers, directions=directions) for c in conds],
         positions=positions,
-        # the massive direction of each masked layer: the mean attention input at position 0
-        directions={L: first[L].mean(0) for L in layers},
+        per_text=cfg.positions == "massive",
         items=evaluation.load_mc_items(cfg.mc_items) if cfg.mc != "none" else [],
-    )
-    base, refs = sweep.measure(None, None)
-    sweep.reuse_prefix(base)  # the masks change nothing before the first masked layer
+        score_mc=[cfg.mc == "all" or c == claim for c in conds],
+        progress=partial(terminal.bar, desc="wemask sweep"),
+    )  # fmt: skip
     rows: list[dict[str, Any]] = []
-    for cond in terminal.bar(conditions(cfg), desc="wemask sweep"):
-        rows += _rows(cfg, cond, sweep.measure(cond, refs)[0])
+    for cond, m in zip(conds, swept.rows):
+        if m is not None:  # None: a condition the model's backend does not apply
+            rows += _rows(cfg, cond, m)
+    detection: dict[str, Any] = {"n_prompts": len(detect)}
+    if swept.not_measured:
+        detection["not_measured"] = swept.not_measured
     return _result(
-        cfg, model, loc, me, layers, sweep.rank_layer, len(texts), sweep.chunks, len(sweep.items),
-        {"n_prompts": len(detect)}, base, rows, positions,
+        cfg, model, loc, me, layers, rank_layer, len(texts), chunks, swept.n_items, detection,
+        swept.base, rows, positions,
     )  # fmt: skip
 
 
@@ -540,42 +445,6 @@ def _result(
         baseline=base,
         rows=rows,
         positions=positions,
-    )
-
-
-def _run_nnsight(cfg: Config, model: Any) -> Result:
-    """:func:`run` on the nnsight backend: the ME layer from its scan, then every WeMask condition
-    (``conditions(cfg)`` without the soft alternatives) and the unmasked model over the texts in one
-    session (:func:`me_interp.backends.nnsight.text_stats`); per-text statistics without KL and top-1
-    agreement (NaN), no MC items."""
-    from me_interp.backends import nnsight
-
-    detect = short_batch(model, cfg.load_prompts(), 0, cfg.detect_tokens)
-    loc = locate_me_layer(nnsight.scan_norms(model, detect))
-    me = _me_layer(cfg, model, loc, len(detect))
-    layers = list(mask_layers(model.hf, cfg.start, me))
-    texts = cfg.load_texts()
-    groups = evaluation.length_batches(model, texts, cfg.batch_tokens)
-    rank_layer = _check_rank_layer(cfg.rank_layer, model.n_layers)
-    conds = [c for c in conditions(cfg) if c.kind == "wemask"]
-    specs = nnsight.mask_specs(model, layers, [(c.variant, c.rate, c.seed) for c in conds])
-    stats = nnsight.text_stats(model, groups, [None, *specs], layers, rank_layer)
-
-    def measured(per_text: dict[str, list[float]]) -> dict[str, Any]:
-        return {**evaluation.pooled_metrics(per_text), "per_text": per_text}
-
-    base = measured(stats[0])
-    rows: list[dict[str, Any]] = []
-    for cond, st in zip(conds, stats[1:]):
-        rows += _rows(cfg, cond, measured(st))
-    detection = {
-        "n_prompts": len(detect),
-        "backend": "nnsight",
-        "not_measured": "kl, top1 (no reference distributions leave the trace), MC items, "
-        "soft alternatives",
-    }
-    return _result(
-        cfg, model, loc, me, layers, rank_layer, len(texts), groups, 0, detection, base, rows, (0,)
     )
 
 

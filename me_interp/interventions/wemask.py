@@ -214,6 +214,37 @@ def massive_positions(model: Any, batch: Any) -> list[list[int]]:
     return [list(p) for p in loc.massive_positions]
 
 
+def _record_first(x: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
+    store[layer] = x.detach()[:, 0].float().cpu()  # [batch d_model]: the token at position 0
+    return x
+
+
+def locate_with_directions(model: Any, batch: Any) -> tuple[Any, dict[int, torch.Tensor]]:
+    """The ME location on ``batch`` (:func:`me_interp.probes.find_me_layer`) and, from the same
+    forward, per layer the massive direction that
+    :class:`~me_interp.interventions.soft.DirectionProjection` removes: the mean over the prompts of
+    the attention input (``attn_in``, the pre-attention norm's output) at position 0.
+
+    A model of another backend (:func:`~me_interp.probes.batching.own_backend`) measures both in
+    its own traces (``model.locate_with_directions``).
+    """
+    from functools import partial
+
+    from me_interp import names
+    from me_interp.probes import find_me_layer as _find
+    from me_interp.probes.batching import own_backend
+
+    if own_backend(model):
+        return model.locate_with_directions(batch)
+    first: dict[int, torch.Tensor] = {}
+    capture = [
+        (names.attn_in(L), partial(_record_first, store=first, layer=L))
+        for L in range(model.n_layers)
+    ]
+    loc = _find(model, batch, fwd_hooks=capture)
+    return loc, {L: x.mean(0) for L, x in first.items()}
+
+
 @dataclass(frozen=True)
 class WeMask:
     """A WeMask spec (see module docstring); build it with :meth:`build` or :func:`we_mask`.
@@ -364,6 +395,7 @@ __all__ = [
     "STARTS",
     "VARIANTS",
     "WeMask",
+    "locate_with_directions",
     "mask_layers",
     "massive_positions",
     "me_layer_index",

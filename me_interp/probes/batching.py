@@ -18,6 +18,10 @@ chunk with the hooks of every recorder, so probes that need the same forward sha
   ``m_b`` per prompt gets the same values from the prefix of ``m_b + 1`` tokens.
 * **Interventions.** ``fwd_hooks`` built for the whole batch (per-prompt positions, …) are not valid on
   a chunk: with ``fwd_hooks`` the batch runs as it is, in one forward, to the logits.
+* **Other backends.** A model of another backend (:mod:`me_interp.backends`: nnsight) has no hooks
+  to record from: it computes what a probe asks for in its own traces. The probes an experiment
+  calls (``scan_norms``, ``sink_scan``, ``evaluation.sweep``, ...) check :func:`own_backend` and
+  hand such a model the call (its method of the same name), so no experiment branches on a backend.
 
 The simplest recorder, :class:`ResidMidRecorder`, keeps one whole site (``resid_mid`` of every
 layer, in the model's dtype and on its device) for the batch: for a measurement that needs the full
@@ -47,6 +51,13 @@ built-in prompts of 23–243 tokens (4206 tokens): one padded batch of 19 926 to
 
 HookFn = Callable[..., Any]
 Hook = tuple[str, HookFn]
+
+
+def own_backend(model: Any) -> bool:
+    """Whether ``model`` runs on another backend than TransformerLens (``model.backend``, e.g. the
+    nnsight backend's model): it then measures in its own traces what a probe asks for, through its
+    method of the probe's name."""
+    return getattr(model, "backend", "tl") != "tl"
 
 
 @dataclass(frozen=True)
@@ -239,6 +250,7 @@ __all__ = [
     "Recorder",
     "ResidMidRecorder",
     "chunks",
+    "own_backend",
     "record",
     "stop_hook_name",
 ]

@@ -33,7 +33,7 @@ from jaxtyping import Bool, Float, Int
 
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
-from me_interp.probes.batching import Chunk, record
+from me_interp.probes.batching import Chunk, own_backend, record
 
 
 @dataclass(frozen=True)
@@ -311,6 +311,9 @@ def scan_norms(
     Runs in length-sorted chunks without the unembedding (``probes.batching``) unless
     ``extra_hooks`` are given (they were built for the whole batch).
 
+    A model of another backend (:func:`~me_interp.probes.batching.own_backend`) scans in its own
+    traces (``model.scan_norms``: the same :class:`NormScan`).
+
     Args:
         model: the loaded model.
         batch: right-padded prompts (``model.tokenize``).
@@ -319,6 +322,8 @@ def scan_norms(
         keep_prompt: which prompt's full layer outputs to keep.
         extra_hooks: more ``(name, fn)`` hooks to run in the same forward (e.g. an intervention).
     """
+    if own_backend(model):
+        return model.scan_norms(batch, sites, top_k, keep_prompt, extra_hooks)
     rec = NormRecorder(model, batch, sites, top_k, keep_prompt)
     record(model, batch, [rec], fwd_hooks=list(extra_hooks or []))
     return rec.result()

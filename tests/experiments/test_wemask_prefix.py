@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from me_interp import load_model, synthetic
+from me_interp import evaluation, load_model, synthetic
 from me_interp.experiments import wemask
 
 
@@ -31,16 +31,16 @@ def test_sweep_from_the_first_masked_block_equals_full_forwards(arch, tmp_path, 
         batch_tokens=30,
     )
     used = []
-    real = wemask._Sweep.reuse_prefix
+    real = evaluation.Sweep.reuse_prefix
 
     def spy(self, base):
         real(self, base)
         used.append(self.suffixes is not None and min(self.layers) > 0)
 
-    monkeypatch.setattr(wemask._Sweep, "reuse_prefix", spy)
+    monkeypatch.setattr(evaluation.Sweep, "reuse_prefix", spy)
     part = wemask.run(cfg, model)
     assert used == [True]  # the suffix was used (the ME layer is not layer 0)
-    monkeypatch.setattr(wemask._Sweep, "reuse_prefix", lambda self, base: None)
+    monkeypatch.setattr(evaluation.Sweep, "reuse_prefix", lambda self, base: None)
     full = wemask.run(cfg, model)
     assert [r["variant"] for r in part.rows] == [r["variant"] for r in full.rows]
     np.testing.assert_allclose(_numbers(part.rows), _numbers(full.rows), rtol=1e-5, atol=1e-7)
