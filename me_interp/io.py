@@ -9,6 +9,7 @@ half-written result; ``result.json`` is written last, so a run directory without
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 import json
@@ -18,7 +19,9 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, no_type_check
@@ -66,6 +69,65 @@ def to_jsonable(obj: Any) -> Any:  # every recursive call (15,000 a battery on a
     if hasattr(obj, "item"):
         return to_jsonable(obj.item())
     return str(obj)
+
+
+@no_type_check  # ``(type, Any) -> Any``, recursive
+def from_jsonable(tp: Any, data: Any) -> Any:
+    """Rebuild a value of type ``tp`` from what :func:`to_jsonable` wrote: the inverse for
+    dataclasses (by their type hints, recursively), ``list[T]``, ``tuple[T, ...]`` / fixed tuples,
+    ``dict[K, V]``, ``X | None`` and unions, and floats written as ``"nan"``/``"inf"``/``"-inf"``.
+
+    A dataclass with a hand-written ``to_dict`` has no generic inverse: it raises ``TypeError``
+    (a Result is read back only when it is written by the generic path).
+    """
+    if data is None:
+        return None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return from_jsonable(options[0], data)
+        for a in options:  # the first option the value fits
+            try:
+                return from_jsonable(a, data)
+            except (TypeError, ValueError, KeyError):
+                continue
+        raise TypeError(f"{data!r} fits none of {tp}")
+    if tp is Any or tp is object:
+        return data
+    if tp is float:
+        if isinstance(data, str):
+            return float(data)  # "nan", "inf", "-inf"
+        return float(data)
+    if tp in (int, str, bool):
+        if not isinstance(data, tp) or (tp is int and isinstance(data, bool)):
+            raise TypeError(f"expected {tp.__name__}, got {data!r}")
+        return data
+    if origin in (list, Sequence, collections.abc.Sequence):
+        return [from_jsonable(args[0] if args else Any, v) for v in data]
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(from_jsonable(args[0], v) for v in data)
+        return tuple(from_jsonable(a, v) for a, v in zip(args, data, strict=True))
+    if origin in (dict, Mapping, collections.abc.Mapping):
+        k, v = args if args else (Any, Any)
+        key = (lambda x: x) if k in (str, Any) else (lambda x: from_jsonable(k, json.loads(x)))
+        return {key(kk): from_jsonable(v, vv) for kk, vv in data.items()}
+    if typing.get_origin(tp) is typing.Literal:
+        return data
+    if dataclasses.is_dataclass(tp):
+        if "to_dict" in vars(tp):
+            raise TypeError(f"{tp.__name__} writes itself with to_dict: no generic inverse")
+        hints = typing.get_type_hints(tp)
+        kwargs = {f.name: from_jsonable(hints[f.name], data[f.name])
+                  for f in dataclasses.fields(tp) if f.init and f.name in data}  # fmt: skip
+        return tp(**kwargs)
+    return tp(data) if isinstance(tp, type) else data
+
+
+def read_result(tp: type, run_dir: str | Path) -> Any:
+    """The typed result of a run folder: :func:`from_jsonable` of its ``result.json``."""
+    return from_jsonable(tp, read_json(Path(run_dir) / RESULT_FILE))
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -4,6 +4,8 @@
   metadata, applied by one :func:`validate`);
 * :mod:`.experiment` — the :class:`Experiment` descriptor each experiment module declares, and the one
   way it runs: load the model, execute, judge, write (:func:`execute`, :func:`write_outcome`);
+* :mod:`.result` — the :class:`RunHeader` every Result opens with, and the round trip of a Result
+  through JSON (``io.to_jsonable`` / ``io.from_jsonable``);
 * :mod:`.cli` — the command line built from a Config (:func:`main`).
 
 Dependencies point one way: the battery and the experiments import this package; it imports
@@ -42,6 +44,7 @@ from me_interp.study.experiment import (
     seed_everything,
     write_outcome,
 )
+from me_interp.study.result import RunHeader, roundtrip, run_header
 
 __all__ = [
     "BAD_INPUT",
@@ -52,6 +55,7 @@ __all__ = [
     "CommonConfig",
     "Experiment",
     "Outcome",
+    "RunHeader",
     "SiteConfig",
     "apply_threads",
     "build_parser",
@@ -67,6 +71,8 @@ __all__ = [
     "main",
     "model_for",
     "placement_kwargs",
+    "roundtrip",
+    "run_header",
     "seed_everything",
     "validate",
     "write_outcome",
