@@ -53,15 +53,16 @@ from me_interp.backends import check_backend
 from me_interp.experiments._weights import short_batch, spread
 from me_interp.interventions.soft import DirectionProjection, dim_projection
 from me_interp.interventions.wemask import (
+    MASK_ANYWAY,
     STARTS,
     VARIANTS,
     WeMask,
     locate_with_directions,
     mask_layers,
     massive_positions,
-    no_massive_activation,
 )
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.probes.site import no_massive_why
 from me_interp.prompts import builtin_texts, read_prompts
 from me_interp.study import (
     INDEX_CONVENTION,
@@ -396,7 +397,7 @@ def _me_layer(cfg: Config, model: Any, loc: Any, n_prompts: int) -> int:
     if cfg.me_layer is not None:
         return model.check_layer(cfg.me_layer)
     if loc.me_layer is None:
-        raise no_massive_activation(model, n_prompts)
+        raise claims.NotApplicable(no_massive_why(loc, n_prompts, MASK_ANYWAY))
     return int(loc.me_layer)
 
 

@@ -43,7 +43,6 @@ from typing import Any, Literal
 import torch
 from jaxtyping import Float, Int
 
-from me_interp.claims import NotApplicable
 from me_interp.interventions import core
 from me_interp.interventions.core import PositionsArg
 
@@ -131,30 +130,22 @@ def _dims_of(variant: str, x: torch.Tensor, k: int) -> torch.Tensor:
     return core.top_abs_dims(x, k)
 
 
-def no_massive_activation(model: Any, n_prompts: int | None = None) -> NotApplicable:
-    """The "not applicable" answer for a model without a massive activation, when no layers (and no
-    ME layer) were given: WeMask has no massive token to mask and no layer to start from."""
-    name = getattr(model, "name", type(model).__name__)
-    on = "" if n_prompts is None else f" on {n_prompts} prompts"
-    return NotApplicable(
-        f"no massive activation on this model: no layer output of {name} meets the "
-        f"massive-activation criterion{on}, so there is no ME layer to mask from (pass layers= or "
-        "me_layer= to mask anyway)"
-    )
+MASK_ANYWAY = "pass layers= or me_layer= to mask anyway"
+"""What to do on a model without a massive activation (the hint of its "not applicable")."""
 
 
 def me_layer_index(model: Any, batch: Any = None) -> int:
     """The measured ME layer (0-based) on ``batch`` (default: the built-in prompts), as an int.
 
-    The layer index of :func:`me_interp.probes.find_me_layer` (which returns the whole
-    :class:`~me_interp.probes.MELocation`), for callers that only need where to start masking.
+    The layer of the Site (:func:`me_interp.probes.site.locate`), for callers that only need where
+    to start masking.
 
     Raises:
         NotApplicable: when no layer meets the massive-activation criterion
             (:class:`me_interp.claims.NotApplicable`; the experiments report it as "not applicable").
     """
     from me_interp.loading.loaded import LoadedModel
-    from me_interp.probes import find_me_layer as _find
+    from me_interp.probes.site import locate
 
     if not isinstance(model, LoadedModel):
         raise TypeError(
@@ -164,10 +155,7 @@ def me_layer_index(model: Any, batch: Any = None) -> int:
         from me_interp.prompts import builtin_prompts
 
         batch = model.tokenize(builtin_prompts())
-    loc = _find(model, batch)
-    if loc.me_layer is None:
-        raise no_massive_activation(model, len(batch))
-    return int(loc.me_layer)
+    return int(locate(model, batch).require(MASK_ANYWAY))
 
 
 def mask_layers(
@@ -201,17 +189,17 @@ def mask_layers(
 
 
 def massive_positions(model: Any, batch: Any) -> list[list[int]]:
-    """Detected massive positions per prompt at the ME layer (:func:`me_interp.probes.find_me_layer`).
+    """Detected massive positions per prompt at the ME layer (the Site's,
+    :func:`me_interp.probes.site.locate`).
 
     Raises:
         NotApplicable: no massive activation in ``batch`` (no positions to mask).
     """
-    from me_interp.probes import find_me_layer as _find
+    from me_interp.probes.site import locate
 
-    loc = _find(model, batch)
-    if loc.me_layer is None:
-        raise no_massive_activation(model, len(batch))
-    return [list(p) for p in loc.massive_positions]
+    site = locate(model, batch)
+    site.require(MASK_ANYWAY)
+    return [list(p) for p in site.positions]
 
 
 def _record_first(x: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
@@ -400,7 +388,7 @@ __all__ = [
     "massive_positions",
     "me_layer_index",
     "n_dims",
-    "no_massive_activation",
+    "MASK_ANYWAY",
     "select_dims",
     "we_mask",
 ]
