@@ -213,6 +213,12 @@ THRESHOLDS: dict[str, Threshold] = {
         "this fraction of the distinct massive-token prefixes lies in the ME layer "
         "(Clopper-Pearson interval; under exchangeable layers the chance is 1 / n_layers)",
     ),
+    "first_token": Threshold(
+        0.75,
+        "'the massive token is the first token' when at least this fraction of the distinct "
+        "massive-token prefixes has its massive positions exactly at the first token "
+        "(Clopper-Pearson interval)",
+    ),
 }
 
 
