@@ -246,3 +246,23 @@ def test_quiet_libraries_hides_the_gguf_conversion_bar_and_restores_it(capfd):
             pass
     assert capfd.readouterr().err == ""
     assert gguf_utils.tqdm is before
+
+
+def test_me_interp_help_lists_the_commands_and_experiments(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {c} " in out for c in cli.COMMANDS)
+    assert all(name in out for name in battery.NAMES)
+
+
+def test_the_battery_bar_estimates_from_its_first_run():
+    """With no earlier durations the time left is unknown until an experiment finishes; then each
+    experiment never run before counts as the mean of those finished in this run."""
+    bar = cli.BatteryBar(terminal.Output())
+    bar.names, bar.previous, bar.left = ["a", "b", "c"], {}, ["a", "b", "c"]
+    assert bar._eta() == ""
+    bar.left.remove("a")
+    bar.done["a"] = 60.0
+    assert bar._eta() == f"roughly {terminal.fmt_seconds(120.0)}+ left"
+    bar.previous = {"b": 10.0, "c": 20.0}
+    assert bar._eta() == f"about {terminal.fmt_seconds(30.0)} left"

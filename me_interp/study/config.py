@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import math
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,17 +206,6 @@ class SiteConfig(CommonConfig):
 
     layer: int | None = checked(None, ge=0)
     position: int | None = None
-
-
-def check_choices(values: Sequence[str], allowed: Sequence[str], what: str) -> None:
-    """Raise ``ValueError`` unless ``values`` is non-empty and every value is one of ``allowed``
-    (for choices known only at run time; a field's fixed choices are declared with :func:`checked`).
-    ``what`` is the singular noun of one value ("site")."""
-    if not values:
-        raise ValueError(f"give at least one {what}")
-    for v in values:
-        if err := Check(choices=tuple(allowed)).errors(what, v):
-            raise ValueError(err)
 
 
 def check_placement(cfg: CommonConfig) -> None:

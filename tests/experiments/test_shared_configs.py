@@ -15,19 +15,6 @@ from me_interp.experiments._layer_report import DetectConfig
 from me_interp.experiments._weights import EDIT_COLUMNS, Measurement, edit_cells, edit_row
 
 
-def test_check_choices_accepts_known_values():
-    common.check_choices(("a", "b"), ("a", "b", "c"), "thing")
-
-
-@pytest.mark.parametrize(
-    ("values", "message"),
-    [((), "give at least one thing"), (("a", "z"), "unknown thing 'z'; choose from a, b")],
-)
-def test_check_choices_rejects(values, message):
-    with pytest.raises(ValueError, match=message):
-        common.check_choices(values, ("a", "b"), "thing")
-
-
 @dataclasses.dataclass(frozen=True)
 class Declared(study.CommonConfig):
     cut: int = study.checked(16, ge=2, also=(0,))
