@@ -33,6 +33,7 @@ from me_interp.claims import KIND_LABEL, Claim, tally_text
 from me_interp.report import FINISHED, REPORT_FILE, STATE_FILE, write_report
 from me_interp.study import (
     BAD_INPUT,
+    INTERRUPTED,
     ArgumentParser,
     CommonConfig,
     apply_threads,
@@ -71,6 +72,7 @@ class BatteryBar(Progress):
         self.output = output
         self.bar = None
         self.done: dict[str, float] = {}
+        self.current: str | None = None
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
 
@@ -109,6 +111,7 @@ class BatteryBar(Progress):
         return f"about {eta} left" if exact else f"roughly {eta}+ left"
 
     def start(self, name: str) -> None:
+        self.current = name
         eta = self._eta()
         k = self.names.index(name) + 1
         if self.bar is not None and not self.bar.disable:
@@ -168,6 +171,9 @@ def battery(argv: Sequence[str] | None, prog: str, positional: bool) -> int:
     bar = BatteryBar(output)
     try:
         cfg = config_from_args(CommonConfig, args)
+        io.check_writable(cfg.out)  # before the model loads
+        if sys.stderr.isatty():
+            terminal.note(f"battery: loading {cfg.model or 'the bundled model'} …")
         model = model_for(cfg)
         apply_threads(cfg, model)
         state = run_battery(cfg, chosen, model=model, progress=bar, fresh=args.fresh)
@@ -176,6 +182,15 @@ def battery(argv: Sequence[str] | None, prog: str, positional: bool) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        bar.close()
+        where = f"during {bar.current}" if bar.current else "before the first experiment"
+        print(
+            f"interrupted ({where}): every finished experiment is saved in {args.out}/{STATE_FILE}; "
+            "run the same command again to resume",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
     finally:
         bar.close()
     failed = [n for n in chosen if state["experiments"].get(n, {}).get("status") not in FINISHED]

@@ -14,6 +14,11 @@ battery goes on.
 from __future__ import annotations
 
 import traceback
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock (one battery per folder)
+    fcntl = None  # type: ignore[assignment]
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -127,8 +132,7 @@ def run_battery(
         raise ValueError(f"unknown experiments {unknown}; choose from {', '.join(NAMES)}")
     if not experiments:
         raise ValueError("no experiments selected")
-    out = Path(common.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = io.check_writable(common.out)
     state = {"experiments": {}} if fresh else _load_state(out)
     model = model_for(common, model)
     overrides = {k: dict(v) for k, v in (overrides or {}).items()}
@@ -143,6 +147,7 @@ def run_battery(
     previous = {**_durations().get(key, {}), **_seconds_of(state)}
     if progress:
         progress.begin(experiments, previous)
+    ran: list[str] = []
     for name in experiments:
         entry = state["experiments"].get(name, {})
         done = (
@@ -182,13 +187,38 @@ def run_battery(
             _record_duration(key, name, cost.seconds)
         if progress:
             progress.end(name, entry)
+        state = _save(out, state, ran={*ran, name}, experiments=experiments)
+        ran.append(name)
+        if report:
+            write_report(out, state, _shown(state, experiments))
+    if report:
+        write_report(out, state, _shown(state, experiments))
+    return state
+
+
+def _save(out: Path, state: dict[str, Any], ran: set[str], experiments: Sequence[str]) -> dict:
+    """Write ``battery.json``, merged with what another battery wrote into the same ``out`` since
+    this one read it: under an exclusive lock on ``battery.json.lock``, the entries on disk of the
+    experiments this process did not run are kept (when their settings are this battery's), so two
+    batteries started together into one folder both keep every experiment. Returns the merged
+    state."""
+    lock_path = out / (STATE_FILE + ".lock")
+    with open(lock_path, "a", encoding="utf-8") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        disk = _load_state(out)
+        if disk.get("settings") == state["settings"]:
+            theirs = {n: e for n, e in disk["experiments"].items() if n not in ran}
+            state = {**state, "experiments": {**state["experiments"], **theirs}}
         state["tally"] = claims_mod.tally(finished_claims(state, experiments))
         io.write_json(out / STATE_FILE, state)
-        if report:
-            write_report(out, state, [BY_NAME[n] for n in experiments])
-    if report:
-        write_report(out, state, [BY_NAME[n] for n in experiments])
     return state
+
+
+def _shown(state: Mapping[str, Any], experiments: Sequence[str]) -> list[Experiment]:
+    """The experiments a report of ``state`` shows: those asked for and those another battery
+    recorded in the same folder, in battery order."""
+    return [e for e in EXPERIMENTS if e.name in experiments or e.name in state["experiments"]]
 
 
 class Progress:

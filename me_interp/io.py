@@ -130,6 +130,20 @@ def read_result(tp: type, run_dir: str | Path) -> Any:
     return from_jsonable(tp, read_json(Path(run_dir) / RESULT_FILE))
 
 
+def check_writable(directory: str | Path) -> Path:
+    """Create ``directory`` if needed and check that a file can be written in it (before any work
+    is done); raises ``ValueError`` in one line otherwise."""
+    path = Path(directory).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".write-check.", dir=path)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise ValueError(f"out {directory} is not writable: {e.strerror or e}") from None
+    return path
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
     path = Path(path)

@@ -197,6 +197,13 @@ class LoadedModel:
                 return int(tid)
         return 0  # pragma: no cover
 
+    @property
+    def context_length(self) -> int | None:
+        """The most tokens a prompt may have: the model's ``max_position_embeddings`` (``None``
+        when its config does not say)."""
+        n = getattr(self.hf.config, "max_position_embeddings", None)
+        return int(n) if isinstance(n, int) and n > 0 else None
+
     def tokenize(self, prompts: Sequence[str] | str) -> Batch:
         """Tokenise ``prompts`` with the model's BOS choice, right-padded.
 
@@ -211,8 +218,9 @@ class LoadedModel:
         dropped (one row per input).
 
         Raises:
-            ValueError: for an empty prompt list, an empty prompt, ``bos="yes"`` on a tokenizer
-                without a BOS token, or experiment prompts that are all too short.
+            ValueError: for an empty prompt list, an empty prompt, a prompt longer than the model's
+                context (:attr:`context_length`), ``bos="yes"`` on a tokenizer without a BOS token,
+                or experiment prompts that are all too short.
         """
         import warnings
 
@@ -237,6 +245,14 @@ class LoadedModel:
         for i, r in enumerate(rows):
             if not r:
                 raise ValueError(f"prompt {i} ({prompts[i]!r}) has no tokens")
+        limit = self.context_length
+        long = [i for i, r in enumerate(rows) if limit is not None and len(r) > limit]
+        if long:
+            i = long[0]
+            raise ValueError(
+                f"prompt {i} has {len(rows[i])} tokens, more than the {limit} positions of "
+                f"{self.name} (max_position_embeddings): shorten it"
+            )
         marked = [isinstance(p, Prompt) for p in prompts]
         if any(marked):
             short = [i for i, r in enumerate(rows) if marked[i] and len(r) < MIN_PROMPT_TOKENS]

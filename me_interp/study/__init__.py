@@ -14,6 +14,7 @@ Dependencies point one way: the battery and the experiments import this package;
 
 from me_interp.study.cli import (
     BAD_INPUT,
+    INTERRUPTED,
     ArgumentParser,
     build_parser,
     command,
@@ -47,6 +48,7 @@ from me_interp.study.result import RunHeader, roundtrip, run_header
 
 __all__ = [
     "BAD_INPUT",
+    "INTERRUPTED",
     "INDEX_CONVENTION",
     "SMALL_MODEL_PARAMS",
     "ArgumentParser",

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from me_interp import terminal
+from me_interp import io, terminal
 from me_interp.loading.errors import ModelLoadError
 from me_interp.study.config import field_checks
 from me_interp.study.experiment import (
@@ -199,13 +199,18 @@ def is_bad_input(e: BaseException) -> bool:
 _PACKAGE = Path(__file__).resolve().parents[1]
 
 
+INTERRUPTED = 130
+"""The exit status after Ctrl-C (128 + SIGINT), as shells expect."""
+
+
 def main(exp: Experiment, argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run ``exp``, write ``<out>/<name>/<run_id>/``, print a summary and one line
     per claim (:mod:`me_interp.terminal`: ``--verbose``, ``--json``, ``--quiet``).
 
-    Returns 0 on success, also when the experiment is not applicable to the model (it says why), and 2
-    on bad input (with a one-line ``error:`` message on stderr); any other exception propagates with
-    its traceback (exit 1 from the shell).
+    Returns 0 on success, also when the experiment is not applicable to the model (it says why), 2
+    on bad input (with a one-line ``error:`` message on stderr: also an ``out`` that cannot be
+    written, checked before the model loads), 130 on Ctrl-C (one line); any other exception
+    propagates with its traceback (exit 1 from the shell).
     """
     parser = build_parser(exp.config, f"python -m me_interp.experiments.{exp.name}", exp.doc)
     terminal.add_output_flags(parser)
@@ -213,6 +218,7 @@ def main(exp: Experiment, argv: Sequence[str] | None = None) -> int:
     output = terminal.output_from_args(args)
     try:
         cfg = config_from_args(exp.config, args)
+        io.check_writable(cfg.out)  # before any work
         if sys.stderr.isatty():  # the first line at once, not after the model's silent load
             terminal.note(f"{exp.name}: loading {cfg.model or 'the bundled model'} …")
         seed_everything(cfg.seed)
@@ -225,6 +231,9 @@ def main(exp: Experiment, argv: Sequence[str] | None = None) -> int:
             raise  # a bug, not bad input: the traceback, exit 1
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: {exp.name} wrote no results (run it again)", file=sys.stderr)
+        return INTERRUPTED
     if outcome.not_applicable is not None:
         output.text(f"not applicable to {model.name}: {outcome.not_applicable}")
     elif not output.quiet:
