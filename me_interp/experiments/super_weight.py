@@ -105,11 +105,13 @@ from me_interp.probes.down_proj import (
     control_pool,
     down_proj_spikes,
     draw,
+    survey,
     weight_only_tops,
     yu_spike_layers,
 )
+from me_interp.probes.down_proj import survey_text as survey_text  # the survey's cell
 from me_interp.probes.massive import Criterion
-from me_interp.probes.site import Units, locate
+from me_interp.probes.site import Units
 from me_interp.prompts import read_prompts
 from me_interp.study import Experiment, RunHeader, checked, command, run_header
 from me_interp.terminal import fmt_table
@@ -165,38 +167,9 @@ def survey_entry(
     n_prompts: int = 16,
     max_tokens: int = 16,
 ) -> dict[str, Any]:
-    """The survey's super-weight column (detection only, no perplexity: two short forwards):
-    ``n_prompts`` prompts spread over ``prompts``, cut to ``max_tokens`` tokens; the ME layer and
-    massive positions located on them. ``super_weight`` is ``None`` when no weight's write reaches
-    the threshold (or there is no massive activation)."""
-    batch = short_batch(model, prompts, n_prompts, max_tokens)
-    loc = locate(model, batch, criterion=criterion or Criterion()).location
-    out: dict[str, Any] = {"me_layer": loc.me_layer, "n_prompts": len(batch), "super_weight": None}
-    if loc.me_layer is None:
-        return out
-    spikes = down_proj_spikes(model, batch, loc.reference_positions)
-    cands, _, _, _ = candidates(model, spikes, loc.me_layer, loc.massive_dims)
-    out["largest_output"] = float(spikes.out_max().amax())
-    if cands and cands[0].stability > 0:
-        c = cands[0]
-        out["super_weight"] = {
-            k: getattr(c, k) for k in ("layer", "row", "col", "weight", "write", "stability")
-        }
-        out["super_weight"]["in_me_layer"] = c.in_me_layer
-    return out
-
-
-def survey_text(entry: dict[str, Any] | None) -> str:
-    """One table cell for :func:`survey_entry`: ``11 [507, 1229] (ME layer; top on 100%)``."""
-    if not entry:
-        return ""
-    if "error" in entry:
-        return f"error: {entry['error']}"
-    sw = entry.get("super_weight")
-    if sw is None:
-        return "none" if entry.get("me_layer") is not None else ""
-    where = "ME layer" if sw["in_me_layer"] else f"not the ME layer {entry['me_layer']}"
-    return f"{sw['layer']} [{sw['row']}, {sw['col']}] ({where}; top on {sw['stability']:.0%})"
+    """The survey's super-weight column (:func:`me_interp.probes.down_proj.survey`, no perplexity)
+    on ``n_prompts`` prompts spread over ``prompts``, cut to ``max_tokens`` tokens."""
+    return survey(model, short_batch(model, prompts, n_prompts, max_tokens), criterion)
 
 
 # ------------------------------------------------------------------------------------------

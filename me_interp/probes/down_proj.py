@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -439,6 +440,48 @@ def draw(pool: Sequence, k: int, seed: int) -> list:
     return sorted(pool[i] for i in torch.randperm(len(pool), generator=gen)[:k].tolist())
 
 
+# ------------------------------------------------------------------------------------------
+# the survey's column
+# ------------------------------------------------------------------------------------------
+
+
+def survey(model: LoadedModel, batch: Batch, criterion: Any = None) -> dict[str, Any]:
+    """Detection only (no perplexity: two short forwards), for the survey's super-weight column:
+    the ME layer and massive positions located on ``batch``, and the top candidate.
+    ``super_weight`` is ``None`` when no weight's write reaches the threshold (or there is no
+    massive activation)."""
+    from me_interp.probes.massive import Criterion
+    from me_interp.probes.site import locate
+
+    loc = locate(model, batch, criterion=criterion or Criterion()).location
+    out: dict[str, Any] = {"me_layer": loc.me_layer, "n_prompts": len(batch), "super_weight": None}
+    if loc.me_layer is None:
+        return out
+    spikes = down_proj_spikes(model, batch, loc.reference_positions)
+    cands, _, _, _ = candidates(model, spikes, loc.me_layer, loc.massive_dims)
+    out["largest_output"] = float(spikes.out_max().amax())
+    if cands and cands[0].stability > 0:
+        c = cands[0]
+        out["super_weight"] = {
+            k: getattr(c, k) for k in ("layer", "row", "col", "weight", "write", "stability")
+        }
+        out["super_weight"]["in_me_layer"] = c.in_me_layer
+    return out
+
+
+def survey_text(entry: dict[str, Any] | None) -> str:
+    """One table cell for :func:`survey`: ``11 [507, 1229] (ME layer; top on 100%)``."""
+    if not entry:
+        return ""
+    if "error" in entry:
+        return f"error: {entry['error']}"
+    sw = entry.get("super_weight")
+    if sw is None:
+        return "none" if entry.get("me_layer") is not None else ""
+    where = "ME layer" if sw["in_me_layer"] else f"not the ME layer {entry['me_layer']}"
+    return f"{sw['layer']} [{sw['row']}, {sw['col']}] ({where}; top on {sw['stability']:.0%})"
+
+
 __all__ = [
     "N_ME_NEURONS",
     "Candidate",
@@ -449,6 +492,8 @@ __all__ = [
     "YuSpike",
     "control_pool",
     "draw",
+    "survey",
+    "survey_text",
     "SpikeRecorder",
     "Spikes",
     "candidate_at",
