@@ -192,7 +192,7 @@ class LayerReport:
             "detected_me_layer": self.detected_me_layer,
             "selected_me_layer": self.selected_layer,
             "layer_given": self.given,
-            "units": self.units.to_dict(),
+            "units": self.units.split(),
         }
 
     def peak(self, values: np.ndarray) -> claims.Outcomes:

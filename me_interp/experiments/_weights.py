@@ -5,8 +5,8 @@ weights of one layer (a context manager of ``me_interp.edits`` that restores the
 massive activation again. :func:`prepare` loads the model and prompts, measures the unedited model and
 resolves the layer to edit (raising :class:`me_interp.claims.NotApplicable` when the model has no
 massive activation and no layer was given); :func:`measure` measures the model as it is (inside an
-edit) in **one** forward pass; :func:`edit_row` and :func:`edit_cells` are the per-edit result row and
-summary cells of the experiments that edit the ME layer itself; :func:`depth_label` and
+edit) in **one** forward pass; :class:`EditRow` is the per-edit result row (and its summary cells) of
+the experiments that edit the ME layer itself, :class:`PartModules` what a swap or patch moved; :func:`depth_label` and
 :func:`majority` are how the swap / patch claims name and decide one partner layer's outcome.
 
 Every edit needs a forward, so these experiments subsample: ``n_prompts`` prompts spread evenly over
@@ -23,6 +23,7 @@ from typing import Any, get_args
 import numpy as np
 import torch
 
+from me_interp.claims import excess_fraction
 from me_interp.edits import PARTS
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching.suffix import give_up
@@ -39,7 +40,7 @@ from me_interp.probes.massive import (
 from me_interp.probes.norms import NormRecorder, NormScan, top_ratio
 from me_interp.probes.site import Site, locate
 from me_interp.prompts import spread
-from me_interp.study import INDEX_CONVENTION, CommonConfig, checked, model_for
+from me_interp.study import CommonConfig, checked, model_for
 
 SCAN_SITES = ("resid_pre", "resid_mid", "resid_post")
 PART_ORDER: tuple[str, ...] = (
@@ -142,67 +143,68 @@ class Measurement:
         vals = self.sink[start:]
         return float(sum(vals) / len(vals)) if vals else math.nan
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-    def at_layer(self, layer: int) -> dict[str, Any]:
-        """The ME layer, the massive ratio at ``layer`` and at the last layer, and the sink after
-        ``layer``: the ``baseline`` block of a result and the measures of :func:`edit_row`."""
-        return {
-            "me_layer": self.me_layer,
-            "ratio_at_layer": self.ratio_at(layer),
-            "ratio_last": self.top_ratio[-1],
-            "sink_downstream": self.sink_after(layer),
-        }
+@dataclass(frozen=True)
+class PartModules:
+    """The HF modules (names within a decoder layer) one part of ``me_interp.edits.PARTS`` moves."""
+
+    part: str
+    modules: list[str]
 
 
-def run_header(result: Any) -> dict[str, Any]:
-    """The fields every weight experiment's ``result.json`` opens with (model, BOS, the edited
-    layer in both conventions, whether it was given)."""
-    return {
-        "model": result.model,
-        "bos": result.bos,
-        "index_convention": INDEX_CONVENTION,
-        "layer": result.layer,
-        "layer_1based": result.layer + 1,
-        "layer_given": result.layer_given,
-    }
+@dataclass(frozen=True)
+class EditRow:
+    """What one edit of layer ``m`` itself left (the edit's own fields come from a subclass).
 
+    Attributes:
+        me_layer: the ME layer located after the edit (``None``: none).
+        survives: whether ``m``'s output is still massive.
+        ratio_at_layer, ratio_last: the median norm ratio ``R`` at ``m`` and at the last layer;
+            ``*_per_prompt``: per prompt (the units of an interval over prompts).
+        sink_downstream: the mean sink after ``m``; ``top_ratio``: ``R`` per layer.
+        change: the excess ``c = (R̄_m(edited) − 1) / (R̄_m(unedited) − 1)`` the edit leaves
+            (``R̄`` the mean over prompts).
+    """
 
-def edit_row(
-    after: Measurement, layer: int, *, per_prompt: bool = False, **what: Any
-) -> dict[str, Any]:
-    """One row of an experiment that edits ``layer`` itself: ``what`` (the edit), then whether
-    ``layer``'s output is still massive and :meth:`Measurement.at_layer` of ``after``; with
-    ``per_prompt``, also the per-prompt ratios at ``layer`` and at the last layer (the units of an
-    interval over prompts)."""
-    m = after.at_layer(layer)
-    row = {
-        **what,
-        "me_layer": m["me_layer"],
-        "survives": after.has_massive[layer],
-        "ratio_at_layer": m["ratio_at_layer"],
-        "ratio_last": m["ratio_last"],
-        "sink_downstream": m["sink_downstream"],
-        "top_ratio": after.top_ratio,
-    }
-    if per_prompt:
-        row["ratio_at_layer_per_prompt"] = after.prompt_ratio_at(layer)
-        row["ratio_last_per_prompt"] = after.prompt_ratio[-1]
-    return row
+    me_layer: int | None
+    survives: bool
+    ratio_at_layer: float
+    ratio_last: float
+    sink_downstream: float
+    top_ratio: list[float]
+    ratio_at_layer_per_prompt: list[float]
+    ratio_last_per_prompt: list[float]
+    change: float
+
+    @classmethod
+    def measured(cls, after: Measurement, baseline: Measurement, layer: int, **what: Any):
+        """The row of an edit (``what``: the subclass's fields) that left ``after``."""
+        per = after.prompt_ratio_at(layer)
+        before = float(np.asarray(baseline.prompt_ratio_at(layer), dtype=np.float64).mean())
+        return cls(
+            **what,
+            me_layer=after.me_layer,
+            survives=after.has_massive[layer],
+            ratio_at_layer=after.ratio_at(layer),
+            ratio_last=after.top_ratio[-1],
+            sink_downstream=after.sink_after(layer),
+            top_ratio=after.top_ratio,
+            ratio_at_layer_per_prompt=per,
+            ratio_last_per_prompt=after.prompt_ratio[-1],
+            change=excess_fraction(float(np.mean(per)), before),
+        )
+
+    def cells(self) -> tuple[Any, ...]:
+        """The summary-table cells (:data:`EDIT_COLUMNS`)."""
+        return (
+            self.me_layer,
+            "yes" if self.survives else "no",
+            self.ratio_at_layer,
+            self.ratio_last,
+        )
 
 
 EDIT_COLUMNS = ("ME after", "survives", "ratio@ME", "ratio@last")
-
-
-def edit_cells(row: dict[str, Any]) -> tuple[Any, ...]:
-    """The summary-table cells (:data:`EDIT_COLUMNS`) of an :func:`edit_row` row."""
-    return (
-        row["me_layer"],
-        "yes" if row["survives"] else "no",
-        row["ratio_at_layer"],
-        row["ratio_last"],
-    )
 
 
 def depth_label(layer: int, ref: int, name: str = "m") -> str:
@@ -218,11 +220,11 @@ def majority(flags: Sequence[bool]) -> bool:
 
 def where_edited(result: Any) -> str:
     """Where an edit experiment acted: the layer, its unedited mean norm ratio and the prompts."""
-    m = result.layer
+    m = result.header.layer
     r_m = sum(result.baseline.prompt_ratio_at(m)) / len(result.baseline.prompt_ratio_at(m))
     return (
         f"layer {m} (1-based {m + 1}); unedited R_m = {fmt_value(r_m)} (mean over "
-        f"{result.n_prompts} prompts of {max(result.prompt_lengths)} tokens at most)"
+        f"{result.header.n_prompts} prompts of {max(result.prompt_lengths)} tokens at most)"
     )
 
 

@@ -52,7 +52,7 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, terminal
-from me_interp.claims import excess_fraction, excess_stat
+from me_interp.claims import excess_stat
 from me_interp.edits import (
     MATRICES,
     SVD,
@@ -62,19 +62,17 @@ from me_interp.edits import (
 )
 from me_interp.experiments._weights import (
     EDIT_COLUMNS,
+    EditRow,
     Measurement,
     WeightConfig,
-    edit_cells,
-    edit_row,
     fmt_value,
     prepare,
-    run_header,
     where_edited,
 )
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.ffn import neuron_scores
 from me_interp.probes.site import Units, massive_units
-from me_interp.study import Experiment, checked, command
+from me_interp.study import Experiment, RunHeader, checked, command, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "ffn_svd_ablation"
@@ -124,48 +122,101 @@ def random_others(n_total: int, exclude: Sequence[int], k: int, seed: int) -> li
     return sorted(pool[torch.randperm(len(pool), generator=gen)[:k]].tolist())
 
 
-@dataclass
-class Result:
-    """The ablations of the ME layer's FFN and what they did.
+@dataclass(frozen=True)
+class Ablation(EditRow):
+    """One ablation of the ME layer's FFN and what it left (:class:`EditRow`).
 
-    Each row of ``rows`` is an :func:`~me_interp.experiments._weights.edit_row` with ``kind``
-    (:data:`KINDS`), ``matrix``, ``k``, ``directions`` (the removed singular directions), ``neurons``,
-    ``seed`` (random controls), the per-prompt ratios and ``change``: the excess ``c`` the edit leaves
-    (module docstring).
+    Attributes:
+        kind: :data:`KINDS`; ``matrix``: the ablated matrix (``svd``, ``svd_random``); ``k``: how
+            many directions; ``directions``: the removed singular directions; ``neurons``: the
+            ablated neurons; ``seed``: the draw of a random control.
     """
 
-    model: str
-    bos: str
-    layer: int
-    layer_given: bool
+    kind: str
+    matrix: str | None = None
+    k: int | None = None
+    directions: list[int] | None = None
+    neurons: list[int] | None = None
+    seed: int | None = None
+
+    def label(self) -> str:
+        if self.kind == "svd":
+            return f"W_{self.matrix} top {self.k}"
+        if self.kind == "svd_random":
+            return f"W_{self.matrix} {self.k} others, seed {self.seed}"
+        if self.kind == "neurons":
+            return "neurons " + " + ".join(map(str, self.neurons))
+        return f"{len(self.neurons)} other neurons, seed {self.seed}"
+
+
+@dataclass(frozen=True)
+class Spectrum:
+    """The largest singular values of one FFN matrix of the ME layer (as many as the sweep's
+    largest ``k``)."""
+
+    matrix: str
+    values: list[float]
+
+
+@dataclass(frozen=True)
+class Result:
+    """The ablations of the ME layer's FFN and what they did (``header.layer``: the ablated layer).
+
+    Attributes:
+        baseline: the unedited model's :class:`Measurement`.
+        rows: every ablation (:class:`Ablation`), in run order.
+        singular_values: per ablated matrix, its top singular values.
+        neurons, neuron_scores: the top neurons (by writes into ``massive_dims``) and their scores,
+            chosen on the selection half of ``units``.
+        units: the prompts grouped by massive-token prefix, and the selection / held-out halves.
+    """
+
+    header: RunHeader
     baseline: Measurement
-    rows: list[dict[str, Any]]
-    singular_values: dict[str, list[float]]
+    rows: list[Ablation]
+    singular_values: list[Spectrum]
     neurons: list[int]
     neuron_scores: list[float]
     massive_dims: list[int]
     claim_k: int
-    seed: int
-    n_prompts: int
     prompt_lengths: list[int]
     units: Units
+
+    @property
+    def model(self) -> str:
+        return self.header.model
+
+    @property
+    def layer(self) -> int:
+        return self.header.layer
+
+    @property
+    def n_prompts(self) -> int:
+        return self.header.n_prompts
+
+    @property
+    def seed(self) -> int:
+        """The run's seed (the claims' bootstrap seed, :func:`me_interp.claims.judge`)."""
+        return self.header.seed
 
     @property
     def massive_at_layer(self) -> bool:
         """Whether the unedited model's output at ``layer`` has a massive activation."""
         return bool(self.baseline.has_massive[self.layer])
 
-    def select(self, kind: str, matrix: str | None = None) -> list[dict[str, Any]]:
-        return [
-            r for r in self.rows if r["kind"] == kind and (matrix is None or r["matrix"] == matrix)
-        ]
+    def spectrum(self, matrix: str) -> list[float]:
+        """The top singular values of ``matrix`` (empty when it was not ablated)."""
+        return next((s.values for s in self.singular_values if s.matrix == matrix), [])
 
-    def svd_row(self, matrix: str, k: int) -> dict[str, Any] | None:
-        return next((r for r in self.select("svd", matrix) if r["k"] == k), None)
+    def select(self, kind: str, matrix: str | None = None) -> list[Ablation]:
+        return [r for r in self.rows if r.kind == kind and (matrix is None or r.matrix == matrix)]
+
+    def svd_row(self, matrix: str, k: int) -> Ablation | None:
+        return next((r for r in self.select("svd", matrix) if r.k == k), None)
 
     def kill_k(self, matrix: str) -> int | None:
         """The smallest swept ``k`` whose removal leaves no massive activation at the layer."""
-        ks = [r["k"] for r in self.select("svd", matrix) if not r["survives"]]
+        ks = [r.k for r in self.select("svd", matrix) if not r.survives]
         return min(ks) if ks else None
 
     def seed_values(
@@ -178,7 +229,7 @@ class Result:
         rows = self.select(kind, matrix)
         idx = list(range(self.n_prompts)) if prompts is None else list(prompts)
         base = float(np.mean(np.asarray(self.baseline.prompt_ratio_at(self.layer))[idx])) - 1.0
-        edited = np.asarray([r["ratio_at_layer_per_prompt"] for r in rows], dtype=np.float64)
+        edited = np.asarray([r.ratio_at_layer_per_prompt for r in rows], dtype=np.float64)
         return ((edited[:, idx] - 1.0) / base).T  # [prompt seed]
 
     @property
@@ -188,58 +239,11 @@ class Result:
         prefixes leave nothing to hold out."""
         return self.units.prompts(self.units.heldout)
 
-    def neuron_rows(self) -> list[dict[str, Any]]:
+    def neuron_rows(self) -> list[Ablation]:
         return self.select("neurons")
 
-    def neurons_row(self, neurons: Sequence[int]) -> dict[str, Any] | None:
-        return next((r for r in self.neuron_rows() if r["neurons"] == list(neurons)), None)
-
-    def to_dict(self) -> dict[str, Any]:
-        b = self.baseline
-        return {
-            **run_header(self),
-            "massive_at_layer": self.massive_at_layer,
-            "baseline": b.at_layer(self.layer),
-            "kill_k": {m: self.kill_k(m) for m in MATRICES if self.select("svd", m)},
-            "claim_k": self.claim_k,
-            "massive_dims": self.massive_dims,
-            "top_neurons": self.neurons,
-            "top_neuron_scores": self.neuron_scores,
-            "singular_values_top": self.singular_values,
-            "seed": self.seed,
-            "n_prompts": self.n_prompts,
-            "prompt_lengths": self.prompt_lengths,
-            "units": self.units.to_dict(),
-            "neurons_chosen_on": "selection half" if self.units.held_out else "all prompts",
-            "per_prompt": {
-                "ratio_unedited": b.prompt_ratio_at(self.layer),
-                "ratio_edited": {_label(r): r["ratio_at_layer_per_prompt"] for r in self.rows},
-                "seed_values": {
-                    **{
-                        f"svd_random {m}": self.seed_values("svd_random", m).tolist()
-                        for m in MATRICES
-                        if self.select("svd_random", m)
-                    },
-                    **(
-                        {"neurons_random": self.seed_values("neurons_random").tolist()}
-                        if self.select("neurons_random")
-                        else {}
-                    ),
-                },
-            },
-            "rows": self.rows,
-            "baseline_detail": b.to_dict(),
-        }
-
-
-def _label(row: dict[str, Any]) -> str:
-    if row["kind"] == "svd":
-        return f"W_{row['matrix']} top {row['k']}"
-    if row["kind"] == "svd_random":
-        return f"W_{row['matrix']} {row['k']} others, seed {row['seed']}"
-    if row["kind"] == "neurons":
-        return "neurons " + " + ".join(map(str, row["neurons"]))
-    return f"{len(row['neurons'])} other neurons, seed {row['seed']}"
+    def neurons_row(self, neurons: Sequence[int]) -> Ablation | None:
+        return next((r for r in self.neuron_rows() if r.neurons == list(neurons)), None)
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -278,7 +282,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     top = scores.argsort(descending=True)[: cfg.n_neurons].tolist()
     svds = {mat: SVD.of(ffn_matrix(s.model, m, mat)) for mat in cfg.matrices}
 
-    edits: list[tuple[dict[str, Any], Any]] = []
+    edits: list[tuple[dict, Any]] = []
     for mat in cfg.matrices:
         W = ffn_matrix(s.model, m, mat)
         for k in cfg.sweep():
@@ -298,37 +302,23 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         what = {"kind": "neurons_random", "neurons": g, "seed": cfg.seed + i}
         edits.append((what, partial(neurons_ablated, s.model, m, g)))
 
-    before = np.asarray(s.baseline.prompt_ratio_at(m), dtype=np.float64)
     rows = []
     s.reuse_from([m])  # every edit is in layer m's FFN
     for what, ctx in terminal.bar(edits, desc=NAME):
         with ctx():
             after = s.measure(start=m)
-        full = {
-            "matrix": None,
-            "k": None,
-            "directions": None,
-            "neurons": None,
-            "seed": None,
-            **what,
-        }
-        row = edit_row(after, m, per_prompt=True, **full)
-        after_m = float(np.mean(row["ratio_at_layer_per_prompt"]))
-        rows.append({**row, "change": excess_fraction(after_m, float(before.mean()))})
+        rows.append(Ablation.measured(after, s.baseline, m, **what))
     return Result(
-        model=s.model.name,
-        bos=s.model.bos,
-        layer=m,
-        layer_given=s.layer_given,
+        header=run_header(cfg, s.model, len(s.batch), s.site),
         baseline=s.baseline,
         rows=rows,
-        singular_values={mat: svds[mat].S[: max(cfg.sweep())].tolist() for mat in cfg.matrices},
+        singular_values=[
+            Spectrum(mat, svds[mat].S[: max(cfg.sweep())].tolist()) for mat in cfg.matrices
+        ],
         neurons=top,
         neuron_scores=[float(scores[n]) for n in top],
         massive_dims=list(dims),
         claim_k=cfg.claim_k,
-        seed=cfg.seed,
-        n_prompts=len(s.batch),
         prompt_lengths=s.batch.lengths,
         units=units,
     )
@@ -368,7 +358,7 @@ def _deterministic(
     statement: str,
     section: str,
     control: str,
-    row: Callable[[Result], dict[str, Any] | None],
+    row: Callable[[Result], Ablation | None],
     missing: str,
     extra: Callable[[Result], str],
     held_out: bool = False,
@@ -378,7 +368,7 @@ def _deterministic(
         if r is None:
             raise claims.NotApplicable(f"not measured in this run: {missing}")
         pairs = np.column_stack(
-            [r["ratio_at_layer_per_prompt"], result.baseline.prompt_ratio_at(result.layer)]
+            [r.ratio_at_layer_per_prompt, result.baseline.prompt_ratio_at(result.layer)]
         )
         if not held_out:
             return claims.Sample(pairs, excess_stat)
@@ -394,14 +384,14 @@ def _deterministic(
         if held_out:  # the numbers the statistic is computed from: the held-out prompts' means
             rows = result.neuron_prompts
             before = np.asarray(result.baseline.prompt_ratio_at(result.layer))[rows].mean()
-            after = np.asarray(r["ratio_at_layer_per_prompt"])[rows].mean()
+            after = np.asarray(r.ratio_at_layer_per_prompt)[rows].mean()
             held = (
                 f"; the means c is computed from, on the {len(rows)} prompts tested (prompts "
                 f"{rows}): R_m {fmt_value(before)} → {fmt_value(after)}"
             )
         return (
-            f"{where_edited(result)}; {_label(r)}: R_m after {fmt_value(r['ratio_at_layer'])} "
-            f"(median over all prompts){held}, survives {'yes' if r['survives'] else 'no'}; {extra(result)}"
+            f"{where_edited(result)}; {r.label()}: R_m after {fmt_value(r.ratio_at_layer)} "
+            f"(median over all prompts){held}, survives {'yes' if r.survives else 'no'}; {extra(result)}"
         )
 
     return claims.Spec(
@@ -440,10 +430,10 @@ def _control(
 
     def details(result: Result) -> str:
         rows = result.select(kind, matrix)
-        changes = ", ".join(fmt_value(r["change"]) for r in rows)
+        changes = ", ".join(fmt_value(r.change) for r in rows)
         return (
             f"{where_edited(result)}; c per seed {changes}; survives "
-            f"{sum(r['survives'] for r in rows)}/{len(rows)}; {extra(result)}"
+            f"{sum(r.survives for r in rows)}/{len(rows)}; {extra(result)}"
         )
 
     return claims.Spec(
@@ -466,7 +456,7 @@ def _control(
 
 def _svd_extra(mat: str) -> Callable[[Result], str]:
     def extra(result: Result) -> str:
-        sv = result.singular_values.get(mat, [])
+        sv = result.spectrum(mat)
         return f"top singular values {_fmt_list(sv[:3])}; smallest killing k {result.kill_k(mat)}"
 
     return extra
@@ -475,7 +465,7 @@ def _svd_extra(mat: str) -> Callable[[Result], str]:
 def _top_change(mat: str) -> Callable[[Result], str]:
     def extra(result: Result) -> str:
         top = result.svd_row(mat, result.claim_k)
-        return f"top-{result.claim_k} removal: c {fmt_value(top['change']) if top else 'not run'}"
+        return f"top-{result.claim_k} removal: c {fmt_value(top.change) if top else 'not run'}"
 
     return extra
 
@@ -494,11 +484,11 @@ def _about_neurons(result: Result) -> str:
     return f"top neurons {result.neurons} (scores {_fmt_list(result.neuron_scores)}, {where}"
 
 
-def _first_neuron(result: Result) -> dict[str, Any] | None:
+def _first_neuron(result: Result) -> Ablation | None:
     return result.neurons_row(result.neurons[:1]) if result.neurons else None
 
 
-def _all_neurons(result: Result) -> dict[str, Any] | None:
+def _all_neurons(result: Result) -> Ablation | None:
     if len(result.neurons) > 1:
         return result.neurons_row(result.neurons)
     return _first_neuron(result)
@@ -594,8 +584,8 @@ def figures(result: Result) -> dict[str, go.Figure]:
         if rows:
             fig.add_trace(
                 go.Scatter(
-                    x=[r["k"] for r in rows],
-                    y=[r["ratio_at_layer"] for r in rows],
+                    x=[r.k for r in rows],
+                    y=[r.ratio_at_layer for r in rows],
                     mode="lines+markers",
                     name=f"W_{mat}: top k",
                     hovertemplate="k=%{x}: ratio %{y:.4g}<extra>W_" + mat + "</extra>",
@@ -605,8 +595,8 @@ def figures(result: Result) -> dict[str, go.Figure]:
         if rand:
             fig.add_trace(
                 go.Scatter(
-                    x=[r["k"] for r in rand],
-                    y=[r["ratio_at_layer"] for r in rand],
+                    x=[r.k for r in rand],
+                    y=[r.ratio_at_layer for r in rand],
                     mode="markers",
                     marker={"symbol": "circle-open"},
                     name=f"W_{mat}: k others (seeds)",
@@ -626,9 +616,9 @@ def figures(result: Result) -> dict[str, go.Figure]:
     nrows = result.neuron_rows() + result.select("neurons_random")
     neu = go.Figure(
         go.Bar(
-            x=[_label(r) for r in nrows],
-            y=[r["ratio_at_layer"] for r in nrows],
-            marker_color=["seagreen" if r["survives"] else "firebrick" for r in nrows],
+            x=[r.label() for r in nrows],
+            y=[r.ratio_at_layer for r in nrows],
+            marker_color=["seagreen" if r.survives else "firebrick" for r in nrows],
         )
     )
     neu.add_hline(y=base, line_dash="dash", line_color="gray")
@@ -645,9 +635,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
 
 
 def summary(result: Result) -> str:
-    rows = [
-        (r["kind"], r["matrix"] or "-", _label(r), *edit_cells(r), r["change"]) for r in result.rows
-    ]
+    rows = [(r.kind, r.matrix or "-", r.label(), *r.cells(), r.change) for r in result.rows]
     return "\n".join(
         [
             f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited "

@@ -174,7 +174,7 @@ class Result:
             "me_site": loc.me_event.site if loc.me_event else None,
             "judged_layer": self.judged_layer(),
             "selected_jump_layer": self.selected_jump_layer(),
-            "units": None if self.units is None else self.units.to_dict(),
+            "units": None if self.units is None else self.units.split(),
             "events": [e.to_dict() for e in loc.events],
             "massive_positions": loc.massive_positions,
             "massive_dims": loc.massive_dims,

@@ -58,7 +58,7 @@ from jaxtyping import Float
 from plotly.subplots import make_subplots
 
 from me_interp import claims, terminal
-from me_interp.claims import excess_fraction, excess_stat
+from me_interp.claims import excess_stat
 from me_interp.edits import (
     NORMS,
     flattened_gain,
@@ -70,17 +70,16 @@ from me_interp.edits import (
 )
 from me_interp.experiments._weights import (
     EDIT_COLUMNS,
+    EditRow,
     Measurement,
     WeightConfig,
-    edit_cells,
-    edit_row,
     fmt_value,
     prepare,
-    run_header,
     where_edited,
 )
 from me_interp.loading.loaded import LoadedModel
 from me_interp.study import Experiment, checked, command
+from me_interp.study.result import RunHeader, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "rmsnorm_permutation"
@@ -129,46 +128,85 @@ def other_dims_permutation(w: Float[torch.Tensor, " d"], k: int, seed: int) -> t
     return perm
 
 
-@dataclass
-class Result:
-    """The edits of the ME layer's gains and what they did.
+@dataclass(frozen=True)
+class GainEdit(EditRow):
+    """One edit of a gain of the ME layer: ``norm``, ``kind`` (:data:`KINDS`) and ``param`` (the
+    seed, or ``α`` for ``flatten``), and what it left (:class:`EditRow`)."""
 
-    Each row of ``rows`` is an :func:`~me_interp.experiments._weights.edit_row` (with the per-prompt
-    ratios) with ``norm``, ``kind`` (:data:`KINDS`) and ``param`` (the seed, or ``α`` for
-    ``flatten``), plus ``change``: the excess ``c`` the edit leaves (module docstring).
+    norm: str
+    kind: str
+    param: int | float
+
+    def label(self) -> str:
+        what = f"α={self.param:g}" if self.kind == "flatten" else f"seed {self.param}"
+        return f"{self.norm} {self.kind} {what}"
+
+
+@dataclass(frozen=True)
+class GainTop:
+    """The ``top_k`` largest-``|w|`` dims of one norm's gain at the ME layer."""
+
+    norm: str
+    dims: list[int]
+
+
+@dataclass(frozen=True)
+class Result:
+    """The edits of the ME layer's gains and what they did (``header.layer``: the edited layer).
+
+    Attributes:
+        baseline: the unedited model's :class:`Measurement`.
+        rows: every edit (:class:`GainEdit`), in run order.
+        top_dims: per edited norm, its ``top_k`` largest-``|w|`` dims.
+        prompt_lengths: the prompts' token counts.
     """
 
-    model: str
-    bos: str
-    layer: int
-    layer_given: bool
+    header: RunHeader
     baseline: Measurement
-    rows: list[dict[str, Any]]
-    top_dims: dict[str, list[int]]
+    rows: list[GainEdit]
+    top_dims: list[GainTop]
     top_k: int
-    seed: int
-    n_prompts: int
     prompt_lengths: list[int]
+
+    @property
+    def model(self) -> str:
+        return self.header.model
+
+    @property
+    def layer(self) -> int:
+        return self.header.layer
+
+    @property
+    def n_prompts(self) -> int:
+        return self.header.n_prompts
+
+    @property
+    def seed(self) -> int:
+        """The run's seed (the claims' bootstrap seed, :func:`me_interp.claims.judge`)."""
+        return self.header.seed
 
     @property
     def massive_at_layer(self) -> bool:
         """Whether the unedited model's output at ``layer`` has a massive activation."""
         return bool(self.baseline.has_massive[self.layer])
 
-    def select(self, norm: str, kind: str) -> list[dict[str, Any]]:
-        return [r for r in self.rows if r["norm"] == norm and r["kind"] == kind]
+    def top_dims_of(self, norm: str) -> list[int] | None:
+        return next((g.dims for g in self.top_dims if g.norm == norm), None)
+
+    def select(self, norm: str, kind: str) -> list[GainEdit]:
+        return [r for r in self.rows if r.norm == norm and r.kind == kind]
 
     def survival(self, norm: str, kind: str) -> float | None:
         rows = self.select(norm, kind)
-        return sum(r["survives"] for r in rows) / len(rows) if rows else None
+        return sum(r.survives for r in rows) / len(rows) if rows else None
 
     def median_ratio(self, norm: str, kind: str) -> float | None:
         rows = self.select(norm, kind)
-        return statistics.median(r["ratio_at_layer"] for r in rows) if rows else None
+        return statistics.median(r.ratio_at_layer for r in rows) if rows else None
 
     def seed_changes(self, norm: str, kind: str) -> list[float]:
         """Per seed of a random edit: the excess ``c`` it leaves."""
-        return [r["change"] for r in self.select(norm, kind)]
+        return [r.change for r in self.select(norm, kind)]
 
     def seed_values(self, norm: str, kind: str) -> np.ndarray:
         """``[prompt, seed]`` of a random edit: ``(R_{m,b}(edited) − 1) / (R̄_m(unedited) − 1)``,
@@ -176,53 +214,11 @@ class Result:
         measurement)."""
         rows = self.select(norm, kind)
         base = float(np.mean(self.baseline.prompt_ratio_at(self.layer))) - 1.0
-        edited = np.asarray([r["ratio_at_layer_per_prompt"] for r in rows], dtype=np.float64)
+        edited = np.asarray([r.ratio_at_layer_per_prompt for r in rows], dtype=np.float64)
         return ((edited - 1.0) / base).T  # [prompt seed]
 
-    def flatten_row(self, norm: str, alpha: float) -> dict[str, Any] | None:
-        return next(
-            (r for r in self.select(norm, "flatten") if math.isclose(r["param"], alpha)), None
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        b = self.baseline
-        return {
-            **run_header(self),
-            "massive_at_layer": self.massive_at_layer,
-            "baseline": b.at_layer(self.layer),
-            "summary": {
-                f"{n}_{k}": {
-                    "survival": self.survival(n, k),
-                    "median_ratio_at_layer": self.median_ratio(n, k),
-                    "mean_change": float(np.mean([r["change"] for r in self.select(n, k)])),
-                }
-                for n in NORMS
-                for k in KINDS
-                if self.select(n, k)
-            },
-            "top_dims": self.top_dims,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "n_prompts": self.n_prompts,
-            "prompt_lengths": self.prompt_lengths,
-            "per_prompt": {
-                "ratio_unedited": b.prompt_ratio_at(self.layer),
-                "ratio_edited": {_label(r): r["ratio_at_layer_per_prompt"] for r in self.rows},
-                "seed_values": {
-                    f"{n} {k}": self.seed_values(n, k).tolist()
-                    for n in NORMS
-                    for k in SEEDED
-                    if self.select(n, k)
-                },
-            },
-            "rows": self.rows,
-            "baseline_detail": b.to_dict(),
-        }
-
-
-def _label(row: dict[str, Any]) -> str:
-    what = f"α={row['param']:g}" if row["kind"] == "flatten" else f"seed {row['param']}"
-    return f"{row['norm']} {row['kind']} {what}"
+    def flatten_row(self, norm: str, alpha: float) -> GainEdit | None:
+        return next((r for r in self.select(norm, "flatten") if math.isclose(r.param, alpha)), None)
 
 
 def _edits(model: LoadedModel, cfg: Config, layer: int) -> Iterator[tuple[str, str, Any, Any]]:
@@ -254,27 +250,19 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     d = s.model.d_model
     if cfg.top_k > d // 3:
         raise ValueError(f"top_k must be at most d_model/3 = {d // 3}, got {cfg.top_k}")
-    before = np.asarray(s.baseline.prompt_ratio_at(m), dtype=np.float64)
     n_edits = len(cfg.norms) * (3 * cfg.n_random + len(cfg.alphas))
     rows = []
     s.reuse_from([m])  # every edit is a gain of layer m
     for norm, kind, param, ctx in terminal.bar(_edits(s.model, cfg, m), total=n_edits, desc=NAME):
         with ctx:
             after = s.measure(start=m)
-        row = edit_row(after, m, per_prompt=True, norm=norm, kind=kind, param=param)
-        after_m = float(np.mean(row["ratio_at_layer_per_prompt"]))
-        rows.append({**row, "change": excess_fraction(after_m, float(before.mean()))})
+        rows.append(GainEdit.measured(after, s.baseline, m, norm=norm, kind=kind, param=param))
     return Result(
-        model=s.model.name,
-        bos=s.model.bos,
-        layer=m,
-        layer_given=s.layer_given,
+        header=run_header(cfg, s.model, len(s.batch), s.site),
         baseline=s.baseline,
         rows=rows,
-        top_dims={n: top_dims(gain(s.model, m, n), cfg.top_k) for n in cfg.norms},
+        top_dims=[GainTop(n, top_dims(gain(s.model, m, n), cfg.top_k)) for n in cfg.norms],
         top_k=cfg.top_k,
-        seed=cfg.seed,
-        n_prompts=len(s.batch),
         prompt_lengths=s.batch.lengths,
     )
 
@@ -308,8 +296,8 @@ def _control_text(result: Result, norm: str, kind: str) -> str:
     if not rows:
         return f"{norm} {kind}: not run"
     return (
-        f"{norm} {kind}: mean c {fmt_value(float(np.mean([r['change'] for r in rows])))}, "
-        f"survives {sum(r['survives'] for r in rows)}/{len(rows)}"
+        f"{norm} {kind}: mean c {fmt_value(float(np.mean([r.change for r in rows])))}, "
+        f"survives {sum(r.survives for r in rows)}/{len(rows)}"
     )
 
 
@@ -328,11 +316,11 @@ def _seeded_applies(norm: str, kind: str):
 def _seeded_details(norm: str, kind: str, other: tuple[str, str]):
     def details(result: Result) -> str:
         rows = result.select(norm, kind)
-        top = f"; top-{result.top_k} dims {result.top_dims.get('ffn')}" if norm == "ffn" else ""
-        changes = ", ".join(fmt_value(r["change"]) for r in rows)
+        top = f"; top-{result.top_k} dims {result.top_dims_of('ffn')}" if norm == "ffn" else ""
+        changes = ", ".join(fmt_value(r.change) for r in rows)
         return (
             f"{where_edited(result)}; c per seed {changes}; survives "
-            f"{sum(r['survives'] for r in rows)}/{len(rows)}{top}; "
+            f"{sum(r.survives for r in rows)}/{len(rows)}{top}; "
             f"{_control_text(result, *other)}"
         )
 
@@ -356,9 +344,9 @@ def _seeded(name, section, statement, what, op, norm, kind, other, control, spec
     )
 
 
-def _paired(row: dict[str, Any], base: Measurement, layer: int) -> np.ndarray:
+def _paired(row: GainEdit, base: Measurement, layer: int) -> np.ndarray:
     """``[prompt, 2]``: the edited and unedited ratio of each prompt at ``layer``."""
-    return np.column_stack([row["ratio_at_layer_per_prompt"], base.prompt_ratio_at(layer)])
+    return np.column_stack([row.ratio_at_layer_per_prompt, base.prompt_ratio_at(layer)])
 
 
 def _flatten_stat(result: Result) -> claims.Sample:
@@ -372,11 +360,11 @@ def _flatten_details(result: Result) -> str:
     flat = result.flatten_row("ffn", 0.0)
     ctrl = result.flatten_row("attn", 0.0)
     ctrl_text = "attn flatten α=0: " + (
-        "not run" if ctrl is None else f"c {fmt_value(ctrl['change'])}"
+        "not run" if ctrl is None else f"c {fmt_value(ctrl.change)}"
     )
     return (
-        f"{where_edited(result)}; R_m after {fmt_value(flat['ratio_at_layer'])}, survives "
-        f"{'yes' if flat['survives'] else 'no'}; {ctrl_text}"
+        f"{where_edited(result)}; R_m after {fmt_value(flat.ratio_at_layer)}, survives "
+        f"{'yes' if flat.survives else 'no'}; {ctrl_text}"
     )
 
 
@@ -453,19 +441,19 @@ claims.check_specs(SPECS)
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    norms = [n for n in NORMS if any(r["norm"] == n for r in result.rows)]
+    norms = [n for n in NORMS if any(r.norm == n for r in result.rows)]
     titles = {"ffn": "pre-FFN gain (test)", "attn": "pre-attention gain (control)"}
     fig = make_subplots(
         rows=1, cols=len(norms), subplot_titles=[titles[n] for n in norms], shared_yaxes=True
     )
     base = result.baseline.ratio_at(result.layer)
     for c, norm in enumerate(norms, start=1):
-        rows = [r for r in result.rows if r["norm"] == norm]
+        rows = [r for r in result.rows if r.norm == norm]
         fig.add_trace(
             go.Bar(
-                x=[_label(r).split(" ", 1)[1] for r in rows],
-                y=[r["ratio_at_layer"] for r in rows],
-                marker_color=["seagreen" if r["survives"] else "firebrick" for r in rows],
+                x=[r.label().split(" ", 1)[1] for r in rows],
+                y=[r.ratio_at_layer for r in rows],
+                marker_color=["seagreen" if r.survives else "firebrick" for r in rows],
                 name=titles[norm],
                 showlegend=False,
                 hovertemplate="%{x}<br>ratio at the ME layer %{y:.4g}<extra></extra>",
@@ -482,11 +470,11 @@ def figures(result: Result) -> dict[str, go.Figure]:
     )
     flat = go.Figure()
     for norm in norms:
-        rows = sorted(result.select(norm, "flatten"), key=lambda r: r["param"])
+        rows = sorted(result.select(norm, "flatten"), key=lambda r: r.param)
         flat.add_trace(
             go.Scatter(
-                x=[r["param"] for r in rows] + [1.0],
-                y=[r["ratio_at_layer"] for r in rows] + [base],
+                x=[r.param for r in rows] + [1.0],
+                y=[r.ratio_at_layer for r in rows] + [base],
                 mode="lines+markers",
                 name=titles[norm],
             )
@@ -502,12 +490,12 @@ def figures(result: Result) -> dict[str, go.Figure]:
 
 
 def summary(result: Result) -> str:
-    rows = [(r["norm"], r["kind"], r["param"], *edit_cells(r), r["change"]) for r in result.rows]
+    rows = [(r.norm, r.kind, r.param, *r.cells(), r.change) for r in result.rows]
     return "\n".join(
         [
             f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited "
             f"ratio {result.baseline.ratio_at(result.layer):.4g}   {result.n_prompts} prompts   "
-            f"top-{result.top_k} dims {result.top_dims}",
+            f"top-{result.top_k} dims { {g.norm: g.dims for g in result.top_dims} }",
             "",
             fmt_table(["norm", "edit", "seed/α", *EDIT_COLUMNS, "c"], rows),
         ]

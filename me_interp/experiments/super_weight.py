@@ -96,16 +96,24 @@ from me_interp.interventions.causal import set_ffn_own_at
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.down_proj import (
     Candidate,
+    Eraser,
+    MENeurons,
+    WeightOnlyTop,
+    YuSpike,
     candidate_at,
     candidates,
+    control_pool,
     down_proj_spikes,
+    draw,
+    survey,
     weight_only_tops,
     yu_spike_layers,
 )
+from me_interp.probes.down_proj import survey_text as survey_text  # the survey's cell
 from me_interp.probes.massive import Criterion
-from me_interp.probes.site import locate
+from me_interp.probes.site import Units
 from me_interp.prompts import read_prompts
-from me_interp.study import INDEX_CONVENTION, Experiment, checked, command
+from me_interp.study import Experiment, RunHeader, checked, command, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "super_weight"
@@ -159,62 +167,9 @@ def survey_entry(
     n_prompts: int = 16,
     max_tokens: int = 16,
 ) -> dict[str, Any]:
-    """The survey's super-weight column (detection only, no perplexity: two short forwards):
-    ``n_prompts`` prompts spread over ``prompts``, cut to ``max_tokens`` tokens; the ME layer and
-    massive positions located on them. ``super_weight`` is ``None`` when no weight's write reaches
-    the threshold (or there is no massive activation)."""
-    batch = short_batch(model, prompts, n_prompts, max_tokens)
-    loc = locate(model, batch, criterion=criterion or Criterion()).location
-    out: dict[str, Any] = {"me_layer": loc.me_layer, "n_prompts": len(batch), "super_weight": None}
-    if loc.me_layer is None:
-        return out
-    spikes = down_proj_spikes(model, batch, loc.reference_positions)
-    cands, _, _, _ = candidates(model, spikes, loc.me_layer, loc.massive_dims)
-    out["largest_output"] = float(spikes.out_max().amax())
-    if cands and cands[0].stability > 0:
-        c = cands[0]
-        out["super_weight"] = {
-            k: getattr(c, k) for k in ("layer", "row", "col", "weight", "write", "stability")
-        }
-        out["super_weight"]["in_me_layer"] = c.in_me_layer
-    return out
-
-
-def survey_text(entry: dict[str, Any] | None) -> str:
-    """One table cell for :func:`survey_entry`: ``11 [507, 1229] (ME layer; top on 100%)``."""
-    if not entry:
-        return ""
-    if "error" in entry:
-        return f"error: {entry['error']}"
-    sw = entry.get("super_weight")
-    if sw is None:
-        return "none" if entry.get("me_layer") is not None else ""
-    where = "ME layer" if sw["in_me_layer"] else f"not the ME layer {entry['me_layer']}"
-    return f"{sw['layer']} [{sw['row']}, {sw['col']}] ({where}; top on {sw['stability']:.0%})"
-
-
-# ------------------------------------------------------------------------------------------
-# the random control's weights
-# ------------------------------------------------------------------------------------------
-
-
-def control_pool(model: LoadedModel, layer: int, row: int, col: int, size: int) -> list:
-    """The ``size`` largest-magnitude weights of ``layer``'s ``W_down`` other than ``[row, col]``, as
-    ``[(row, col, value), ...]`` (every weight at least as large as it is among the first)."""
-    W = model.ffn_weights(layer).down.detach()
-    A = W.abs().flatten().clone()
-    A[row * W.shape[1] + col] = -1.0
-    idx = A.topk(min(size, A.numel() - 1)).indices.tolist()
-    n = W.shape[1]
-    return [(i // n, i % n, float(W.flatten()[i])) for i in idx]
-
-
-def draw(pool: Sequence, k: int, seed: int) -> list:
-    """``k`` entries of ``pool`` drawn without replacement with a seeded generator, sorted."""
-    if k > len(pool):
-        raise ValueError(f"cannot draw {k} of a pool of {len(pool)}")
-    gen = torch.Generator().manual_seed(seed)
-    return sorted(pool[i] for i in torch.randperm(len(pool), generator=gen)[:k].tolist())
+    """The survey's super-weight column (:func:`me_interp.probes.down_proj.survey`, no perplexity)
+    on ``n_prompts`` prompts spread over ``prompts``, cut to ``max_tokens`` tokens."""
+    return survey(model, short_batch(model, prompts, n_prompts, max_tokens), criterion)
 
 
 # ------------------------------------------------------------------------------------------
@@ -244,13 +199,39 @@ def text_nll(model: LoadedModel, batch: Batch, hooks: Sequence = ()) -> evaluati
 
 
 @dataclass(frozen=True)
+class Perplexities:
+    """Per text: ``n_pred`` predictions and the NLL sums ``unedited``, ``zeroed``, ``restored``;
+    ``random`` ``[seed][text]``."""
+
+    n_pred: list[int]
+    unedited: list[float]
+    zeroed: list[float]
+    restored: list[float]
+    random: list[list[float]]
+
+
+@dataclass(frozen=True)
+class Pool:
+    """What the random draws came from: ``size`` of the largest other weights of the matrix,
+    ``n_at_least`` of them at least as large as the super weight; their ``|W|`` range and the
+    super weight's ``|W|``."""
+
+    size: int
+    n_at_least: int
+    largest: float
+    smallest: float
+    super_weight: float
+
+
+@dataclass(frozen=True)
 class Result:
     """What :func:`run` measured (0-based layers; per-layer lists are ``[layer][prompt]``).
 
     Attributes:
-        me_layer: the ME layer ``m`` (given or detected); ``massive_dims`` its massive dims.
-        positions: each prompt's massive position; ``unit_keys`` its massive-token prefix (distinct
-            measurements).
+        header: the run; its ``layer`` is the ME layer ``m`` (given or detected), its ``dims`` the
+            massive dims.
+        positions: each prompt's massive position; ``units`` the prompts grouped by massive-token
+            prefix (distinct measurements).
         in_max, out_max, others_in_max, others_out_max: the spikes of the module docstring.
         yu_layers: Yu et al.'s spike layers and coordinates.
         candidates: every candidate (:class:`Candidate`), the super weight first.
@@ -261,57 +242,68 @@ class Result:
         weight_only: per layer, the largest ``ω`` entry and the largest ``|W_down|`` entry.
         check_layer: ``L*``, where the zeroing is measured; ``ratio_unedited`` / ``ratio_zeroed`` the
             per-prompt ``R_b`` there.
-        texts: per text ``n_pred`` and the NLL sums ``unedited``, ``zeroed``, ``restored``; ``random``
-            ``[seed][text]``; empty without a super weight.
+        texts: the per-text NLL sums (:class:`Perplexities`); ``None`` without a super weight.
         restore_positions: per text, where the super activation was restored: its massive token
             (largest-norm token at the output of ``L*``); ``restore_yu_positions`` where Yu et al.'s
             hook would have (the largest ``|y_row|``).
         random_draws: per seed, the zeroed ``(row, col, value)`` entries; ``pool`` what they were drawn
-            from (``n_at_least`` of its weights are at least as large as the super weight).
+            from.
         given: the weight of ``Config.weight`` (tested instead of the detected one), else ``None``.
     """
 
-    model: str
-    bos: str
-    me_layer: int
-    layer_given: bool
-    massive_dims: list[int]
-    n_prompts: int
+    header: RunHeader
     prompt_lengths: list[int]
     positions: list[int]
-    unit_keys: list[str]
-    unit_groups: list[list[int]]
+    units: Units
     in_max: list[list[float]]
     out_max: list[list[float]]
     others_in_max: list[list[float]]
     others_out_max: list[list[float]]
-    yu_layers: list[dict[str, Any]]
+    yu_layers: list[YuSpike]
     candidates: list[Candidate]
     prompt_tops: list[tuple[int, int, int] | None]
-    me_neurons: dict[str, Any]
-    erasers: list[dict[str, Any]]
-    weight_only: list[dict[str, Any]]
+    me_neurons: MENeurons
+    erasers: list[Eraser]
+    weight_only: list[WeightOnlyTop]
     check_layer: int | None = None
     ratio_unedited: list[float] = field(default_factory=list)
     ratio_zeroed: list[float] = field(default_factory=list)
     massive_at_check: bool = False
     n_texts: int = 0
     text_lengths: list[int] = field(default_factory=list)
-    texts: dict[str, Any] = field(default_factory=dict)
+    texts: Perplexities | None = None
     restore_positions: list[int] = field(default_factory=list)
     restore_yu_positions: list[int] = field(default_factory=list)
     random_draws: list[list[tuple[int, int, float]]] = field(default_factory=list)
-    pool: dict[str, Any] = field(default_factory=dict)
+    pool: Pool | None = None
     given: Candidate | None = None
-    seed: int = 0
+
+    @property
+    def model(self) -> str:
+        return self.header.model
+
+    @property
+    def me_layer(self) -> int:
+        """The ME layer ``m`` (given or detected)."""
+        return self.header.layer
+
+    @property
+    def massive_dims(self) -> list[int]:
+        return list(self.header.dims)
+
+    @property
+    def n_prompts(self) -> int:
+        return self.header.n_prompts
+
+    @property
+    def seed(self) -> int:
+        return self.header.seed
 
     @property
     def super_weight(self) -> Candidate | None:
         """The weight the causal tests zero: the given one (``Config.weight``), else the candidate
         that is top on the most prompts (``None``: no candidate)."""
-        if self.given is not None:
-            return self.given
-        return self.candidates[0] if self.candidates and self.candidates[0].stability > 0 else None
+        return self.given if self.given is not None else self.detected
 
     @property
     def detected(self) -> Candidate | None:
@@ -320,13 +312,13 @@ class Result:
 
     def per_text(self, kind: str) -> np.ndarray:
         """``[text]`` NLL sums of ``kind`` (``unedited``, ``zeroed``, ``restored``, ``n_pred``)."""
-        return np.asarray(self.texts[kind], dtype=np.float64)
+        return np.asarray(getattr(self.texts, kind), dtype=np.float64)
 
     def ppl(self, kind: str) -> float:
         """Pooled perplexity of ``kind`` (the geometric mean over seeds for ``random``)."""
         n = self.per_text("n_pred").sum()
         if kind == "random":
-            seeds = self.texts["random"]
+            seeds = self.texts.random
             return float(np.exp(np.mean([np.sum(s) for s in seeds]) / n)) if seeds else math.nan
         return math.exp(self.per_text(kind).sum() / n)
 
@@ -334,25 +326,8 @@ class Result:
         """``[text, seed]``: ``(nll_{b,s} − nll_b) / n̄`` (``n̄`` the mean prediction count), whose
         mean is the log of the geometric mean over seeds of the pooled perplexity ratio."""
         base, n = self.per_text("unedited"), self.per_text("n_pred")
-        rand = np.asarray(self.texts["random"], dtype=np.float64)  # [seed text]
+        rand = np.asarray(self.texts.random, dtype=np.float64)  # [seed text]
         return ((rand - base[None]) / n.mean()).T
-
-    def to_dict(self) -> dict[str, Any]:
-        sw = self.super_weight
-        d = {k: v for k, v in self.__dict__.items() if k not in ("candidates", "given")}
-        return {
-            "model": self.model,
-            "bos": self.bos,
-            "index_convention": INDEX_CONVENTION,
-            "me_layer_1based": self.me_layer + 1,
-            "threshold_spike": claims.threshold("super_weight_spike"),
-            "super_weight": None if sw is None else sw.to_dict(),
-            "weight_given": self.given is not None,
-            "detected": None if self.detected is None else self.detected.to_dict(),
-            "candidates": [c.to_dict() for c in self.candidates],
-            "perplexity": {k: self.ppl(k) for k in EDITS} if self.texts else {},
-            **d,
-        }
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -368,18 +343,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     spikes = down_proj_spikes(model, s.batch, positions)
     dims = list(s.site.dims)
     cands, tops, me, erasers = candidates(model, spikes, m, dims, cfg.top_k)
-    keys, groups = list(s.site.units.keys), [list(g) for g in s.site.units.groups]
     res = Result(
-        model=model.name,
-        bos=model.bos,
-        me_layer=m,
-        layer_given=s.layer_given,
-        massive_dims=dims,
-        n_prompts=len(s.batch),
+        header=run_header(cfg, model, len(s.batch), s.site),
         prompt_lengths=s.batch.lengths,
         positions=positions,
-        unit_keys=keys,
-        unit_groups=groups,
+        units=s.site.units,
         in_max=spikes.in_max().tolist(),
         out_max=spikes.out_max().tolist(),
         others_in_max=spikes.others_x.tolist(),
@@ -392,8 +360,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         weight_only=weight_only_tops(model),
         given=None
         if not cfg.weight
-        else candidate_at(model, spikes, cfg.weight, m, dims, me["top_neurons"]),
-        seed=cfg.seed,
+        else candidate_at(model, spikes, cfg.weight, m, dims, me.top_neurons),
     )
     sw = res.super_weight
     if sw is None:
@@ -431,23 +398,17 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         massive_at_check=bool(s.baseline.has_massive[check]),
         n_texts=len(tb),
         text_lengths=tb.lengths,
-        texts={
-            "n_pred": clean.n,
-            "unedited": clean.nll,
-            "zeroed": zero.nll,
-            "restored": rest.nll,
-            "random": rand,
-        },
+        texts=Perplexities(clean.n, clean.nll, zero.nll, rest.nll, rand),
         restore_positions=where.tolist(),
         restore_yu_positions=yu.tolist(),
         random_draws=draws,
-        pool={
-            "size": len(pool),
-            "n_at_least": sum(abs(v) >= abs(sw.weight) for _, _, v in pool),
-            "largest": abs(pool[0][2]) if pool else math.nan,
-            "smallest": abs(pool[-1][2]) if pool else math.nan,
-            "super_weight": abs(sw.weight),
-        },
+        pool=Pool(
+            size=len(pool),
+            n_at_least=sum(abs(v) >= abs(sw.weight) for _, _, v in pool),
+            largest=abs(pool[0][2]) if pool else math.nan,
+            smallest=abs(pool[-1][2]) if pool else math.nan,
+            super_weight=abs(sw.weight),
+        ),
     )
 
 
@@ -473,7 +434,7 @@ def _need_detected(r: Result) -> str | None:
 
 
 def _need_texts(r: Result) -> str | None:
-    return _need_sw(r) or (None if r.texts else "not measured in this run: no texts")
+    return _need_sw(r) or (None if r.texts is not None else "not measured in this run: no texts")
 
 
 def _need_massive(r: Result) -> str | None:
@@ -530,13 +491,13 @@ def _text_details(r: Result) -> str:
         f"{_where(r)}; perplexity over {r.n_texts} texts ({int(r.per_text('n_pred').sum())} "
         f"predictions): unedited {r.ppl('unedited'):.4g}, zeroed {r.ppl('zeroed'):.4g}, restored "
         f"{r.ppl('restored'):.4g}, random weights {r.ppl('random'):.4g} (geometric mean over "
-        f"{len(r.texts['random'])} seeds)"
+        f"{len(r.texts.random)} seeds)"
     )
 
 
 def _removes(r: Result) -> claims.Sample:
     pairs = np.column_stack([r.ratio_zeroed, r.ratio_unedited])
-    return claims.Sample(pairs, excess_stat, keys=r.unit_keys)
+    return claims.Sample(pairs, excess_stat, keys=list(r.units.keys))
 
 
 def _removes_details(r: Result) -> str:
@@ -550,7 +511,7 @@ def _removes_details(r: Result) -> str:
 
 def _layer_outcomes(r: Result) -> claims.Outcomes:
     out, labels = [], []
-    for group in r.unit_groups:
+    for group in r.units.groups:
         b = group[0]  # a prefix is one measurement: its prompts share the massive token's state
         top = r.prompt_tops[b]
         out.append(top is not None and top[0] == r.me_layer)
@@ -562,12 +523,12 @@ def _layer_outcomes(r: Result) -> claims.Outcomes:
 
 def _layer_details(r: Result) -> str:
     sw = r.detected
-    yu = ", ".join(f"{d['layer']} [{d['row']}, {d['col']}]" for d in r.yu_layers) or "none"
+    yu = ", ".join(f"{d.layer} [{d.row}, {d.col}]" for d in r.yu_layers) or "none"
     me = r.me_neurons
     return (
         f"{_where(r)}; row {sw.row} {'is' if sw.massive_dim else 'is not'} a massive dim "
-        f"{r.massive_dims[:4]}; ME layer's top neurons {me['top_neurons']} (shares "
-        f"{[round(x, 3) for x in me['top_shares']]}); Yu et al.'s spike layers: {yu}; "
+        f"{r.massive_dims[:4]}; ME layer's top neurons {me.top_neurons} (shares "
+        f"{[round(x, 3) for x in me.top_shares]}); Yu et al.'s spike layers: {yu}; "
         f"{len(r.candidates)} candidates"
     )
 
@@ -577,18 +538,18 @@ def _yu_agree(r: Result) -> int:
 
 
 def _random_applies(r: Result) -> str | None:
-    return _need_texts(r) or claims.too_few_seeds(len(r.texts["random"]), "--n-random")
+    return _need_texts(r) or claims.too_few_seeds(len(r.texts.random), "--n-random")
 
 
 def _random_details(r: Result) -> str:
     p = r.pool
     per = ", ".join(f"{math.exp(np.sum(s - r.per_text('unedited')) / r.per_text('n_pred').sum()):.3g}"
-                    for s in np.asarray(r.texts["random"]))  # fmt: skip
+                    for s in np.asarray(r.texts.random))  # fmt: skip
     return (
         f"{_text_details(r)}; ratio per seed {per}; each draw zeroes "
-        f"{len(r.random_draws[0])} of the {p['size']} largest other weights of the matrix "
-        f"(|W| {fmt_value(p['smallest'])}…{fmt_value(p['largest'])}; {p['n_at_least']} at least "
-        f"as large as the super weight's {fmt_value(p['super_weight'])})"
+        f"{len(r.random_draws[0])} of the {p.size} largest other weights of the matrix "
+        f"(|W| {fmt_value(p.smallest)}…{fmt_value(p.largest)}; {p.n_at_least} at least "
+        f"as large as the super weight's {fmt_value(p.super_weight)})"
     )
 
 
@@ -741,12 +702,12 @@ def figures(result: Result) -> dict[str, go.Figure]:
         margin={"t": 130},
     )
     out = {"down_proj_spikes": spikes}
-    if result.texts:
+    if result.texts is not None:
         labels = ["unedited", "super weight zeroed", "zeroed + super activation restored"]
         values = [result.ppl(k) for k in ("unedited", "zeroed", "restored")]
         n, base = result.per_text("n_pred"), result.per_text("unedited")
         seeds = [math.exp((np.sum(s) - base.sum()) / n.sum()) * result.ppl("unedited")
-                 for s in np.asarray(result.texts["random"])]  # fmt: skip
+                 for s in np.asarray(result.texts.random)]  # fmt: skip
         ppl = go.Figure(
             go.Bar(
                 x=labels,
@@ -805,7 +766,7 @@ def summary(result: Result) -> str:
     ]
     cols = ["layer", "row", "col", "W", "write", "share", "stable", "ME", "mdim", "|W| rk", "ω rk"]
     lines = [head, "", fmt_table(cols, rows) if rows else "(no candidate)"]
-    if result.texts:
+    if result.texts is not None:
         lines += [
             "",
             "perplexity: "

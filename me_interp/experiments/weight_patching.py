@@ -43,8 +43,7 @@ prompt), and the downstream attention sink.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 import plotly.graph_objects as go
 
@@ -57,6 +56,7 @@ from me_interp.experiments._weights import (
     PART_SECTION,
     PART_WHAT,
     Measurement,
+    PartModules,
     Setup,
     WeightConfig,
     depth_label,
@@ -69,7 +69,7 @@ from me_interp.interventions.core import check_layers
 from me_interp.loading import load_model
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.site import locate
-from me_interp.study import INDEX_CONVENTION, Experiment, checked, command
+from me_interp.study import Experiment, RunHeader, checked, command, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "weight_patching"
@@ -128,23 +128,39 @@ class PatchRow:
     top_ratio: list[float]
 
 
-@dataclass
+@dataclass(frozen=True)
+class TargetOutcome:
+    """One target layer of one part, as the claim counts it: its depth label, the new ME layer (all
+    prompts at once), whether it is eligible, how many prompts' own ME layer is the target, and the
+    majority outcome ``copied`` (:func:`~me_interp.experiments._weights.majority`)."""
+
+    target: int
+    label: str
+    me_layer: int | None
+    eligible: bool
+    copied_prompts: int
+    copied: bool
+
+
+@dataclass(frozen=True)
 class Result:
-    """What :func:`run` measured (0-based layers).
+    """What :func:`run` measured (0-based layers; ``header`` is the patched model's run, its
+    ``layer`` the Site's).
 
     Attributes:
-        source_layer: the copied layer (of ``source_model``); ``layer_given``: from ``--layer``.
+        source_model: the model copied from; ``source_layer``: the copied layer (``layer_given``:
+            from ``--layer``).
         targets: the target layers, in order; ``eligible``: those before the patched model's ME
             layer (every target when it has none), on which the claims are judged.
         baseline: the unpatched (target) model's :class:`Measurement`.
         rows: one per (part, target): outcome, new ME layer, ratios (also per prompt), sink.
-        seed: the run's seed (the claims are exact k-of-n counts: no resampling).
         part_modules: per part, the HF modules (names within a decoder layer) it copied.
+
+    The claims are exact k-of-n counts (no resampling).
     """
 
-    model: str
+    header: RunHeader
     source_model: str
-    bos: str
     source_layer: int
     layer_given: bool
     targets: list[int]
@@ -152,10 +168,20 @@ class Result:
     parts: list[str]
     baseline: Measurement
     rows: list[PatchRow]
-    n_prompts: int
     prompt_lengths: list[int]
-    seed: int = 0
-    part_modules: dict[str, list[str]] = field(default_factory=dict)
+    part_modules: list[PartModules] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        return self.header.model
+
+    @property
+    def n_prompts(self) -> int:
+        return self.header.n_prompts
+
+    @property
+    def seed(self) -> int:
+        return self.header.seed
 
     def part_rows(self, part: str, eligible_only: bool = False) -> list[PatchRow]:
         """The rows of ``part`` in target order (only eligible targets with ``eligible_only``)."""
@@ -172,69 +198,22 @@ class Result:
     def targets_with(self, part: str, outcome: str) -> list[int]:
         return [r.target for r in self.part_rows(part) if r.outcome == outcome]
 
-    def per_target(self, part: str) -> dict[str, list[Any]]:
-        """Per target layer (the claim's units): its depth label, the new ME layer (all prompts at
-        once), eligibility, how many prompts' own ME layer is the target, and the majority outcome
-        ``copied`` the claim counts (:func:`~me_interp.experiments._weights.majority`)."""
-        rows = self.part_rows(part)
-        hits = [[pl == r.target for pl in r.prompt_me_layer] for r in rows]
-        return {
-            "target": [r.target for r in rows],
-            "label": [depth_label(r.target, self.source_layer) for r in rows],
-            "me_layer": [r.me_layer for r in rows],
-            "eligible": [r.target in self.eligible for r in rows],
-            "copied_prompts": [sum(h) for h in hits],
-            "copied": [majority(h) for h in hits],
-        }
+    def per_target(self, part: str) -> list[TargetOutcome]:
+        """Per target layer of ``part`` (the claim's units), a :class:`TargetOutcome`."""
+        out = []
+        for r in self.part_rows(part):
+            hits = [pl == r.target for pl in r.prompt_me_layer]
+            label = depth_label(r.target, self.source_layer)
+            ok = r.target in self.eligible
+            out.append(TargetOutcome(r.target, label, r.me_layer, ok, sum(hits), majority(hits)))
+        return out
 
     def target_outcomes(self, part: str) -> claims.Outcomes:
         """The k-of-n measurement of a claim: per eligible target, the majority outcome."""
-        pp = self.per_target(part)
-        keep = [i for i, e in enumerate(pp["eligible"]) if e]
+        keep = [t for t in self.per_target(part) if t.eligible]
         return claims.Outcomes(
-            [pp["copied"][i] for i in keep], [pp["label"][i] for i in keep], unit="target layers"
+            [t.copied for t in keep], [t.label for t in keep], unit="target layers"
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        b = self.baseline
-        return {
-            "baseline": {
-                "me_layer": b.me_layer,
-                "me_layer_1based": None if b.me_layer is None else b.me_layer + 1,
-                "ratio_at_targets": {t: b.ratio_at(t) for t in self.targets},
-                "ratio_last": b.top_ratio[-1],
-                "sink_downstream": b.sink_after(b.me_layer),
-            },
-            "per_part": {
-                p: {
-                    **{o: self.fraction(p, o) for o in OUTCOMES},
-                    "copied_eligible": self.fraction(p, "copied", eligible_only=True),
-                    **{f"{o}_targets": self.targets_with(p, o) for o in OUTCOMES},
-                }
-                for p in self.parts
-            },
-            "per_target": {p: self.per_target(p) for p in self.parts},
-            "per_prompt": {
-                "prompt_lengths": self.prompt_lengths,
-                "baseline_ratio_last": b.prompt_ratio[-1],
-            },
-            "model": self.model,
-            "source_model": self.source_model,
-            "bos": self.bos,
-            "index_convention": INDEX_CONVENTION,
-            "source_layer": self.source_layer,
-            "source_layer_1based": self.source_layer + 1,
-            "layer_given": self.layer_given,
-            "targets": self.targets,
-            "eligible": self.eligible,
-            "parts": self.parts,
-            "part_modules": self.part_modules,
-            "n_prompts": self.n_prompts,
-            "n_targets": len(self.targets),
-            "seed": self.seed,
-            "rows": [asdict(r) for r in self.rows],
-            "baseline_detail": b.to_dict(),
-        }
 
 
 def outcome(me_after: int | None, me_before: int | None, target: int) -> str:
@@ -327,7 +306,7 @@ def run(
     targets = resolve_targets(cfg, target, same, source_layer, me0)
     for part in cfg.parts:  # a post-norm part needs it in both models
         moved_modules(src, part)
-    part_modules = {part: moved_modules(target, part) for part in cfg.parts}
+    part_modules = [PartModules(part, moved_modules(target, part)) for part in cfg.parts]
     rows = []
     todo = [(part, t) for part in cfg.parts for t in targets]
     s.reuse_from(targets)  # a patch changes nothing before its target layer
@@ -352,9 +331,8 @@ def run(
             )
         )
     return Result(
-        model=target.name,
+        header=run_header(cfg, target, len(s.batch), s.site),
         source_model=src.name,
-        bos=target.bos,
         source_layer=source_layer,
         layer_given=cfg.layer is not None,
         targets=targets,
@@ -362,9 +340,7 @@ def run(
         parts=list(cfg.parts),
         baseline=s.baseline,
         rows=rows,
-        n_prompts=len(s.batch),
         prompt_lengths=s.batch.lengths,
-        seed=cfg.seed,
         part_modules=part_modules,
     )
 
@@ -379,11 +355,10 @@ def _details(result: Result, part: str) -> str:
     got = "; ".join(
         f"{o} {result.targets_with(part, o)}" for o in OUTCOMES if result.targets_with(part, o)
     )
-    pp = result.per_target(part)
     per = ", ".join(
-        f"{lab} {k}/{result.n_prompts}"
-        for lab, k, e in zip(pp["label"], pp["copied_prompts"], pp["eligible"])
-        if e
+        f"{t.label} {t.copied_prompts}/{result.n_prompts}"
+        for t in result.per_target(part)
+        if t.eligible
     )
     later = [t for t in result.targets if t not in result.eligible]
     return (
@@ -484,7 +459,7 @@ def summary(result: Result) -> str:
             fmt_table(["part", *OUTCOMES], rows),
             "",
             "modules copied per part (within the decoder layer):",
-            *(f"  {p}: {' + '.join(mods)}" for p, mods in result.part_modules.items()),
+            *(f"  {p.part}: {' + '.join(p.modules)}" for p in result.part_modules),
         ]
     )
 

@@ -51,7 +51,7 @@ What the weight experiments share (:class:`WeightConfig`, :func:`prepare`, :func
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
@@ -64,19 +64,19 @@ from me_interp.experiments._weights import (
     PART_SECTION,
     PART_WHAT,
     Measurement,
+    PartModules,
     Setup,
     WeightConfig,
     depth_label,
     majority,
     measure,
     prepare,
-    run_header,
     short_batch,
     spread,
 )
 from me_interp.interventions.core import check_layers
 from me_interp.loading.loaded import LoadedModel
-from me_interp.study import Experiment, checked, command
+from me_interp.study import Experiment, RunHeader, checked, command, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "weight_swap"
@@ -136,31 +136,62 @@ class SwapRow:
     sink: list[float]
 
 
-@dataclass
+@dataclass(frozen=True)
+class PartnerOutcome:
+    """One partner layer of one part, as the claims count it: its depth label, the new ME layer
+    (all prompts at once), how many prompts' own ME layer moved to the partner / left ``m``, and
+    the majority outcomes ``moved`` / ``left_layer`` (:func:`majority`)."""
+
+    partner: int
+    label: str
+    me_layer: int | None
+    moved_prompts: int
+    left_prompts: int
+    moved: bool
+    left_layer: bool
+
+
+@dataclass(frozen=True)
 class Result:
-    """What :func:`run` measured (0-based layers).
+    """What :func:`run` measured (0-based layers; ``header.layer`` is the swapped layer ``m``,
+    ``header.layer_given`` whether it came from ``--layer``).
 
     Attributes:
-        layer: the swapped layer ``m``; ``layer_given``: it came from ``--layer`` (else detected).
         partners: the partner layers, in order; ``parts``: the swapped parts, in order.
         baseline: the unedited model's :class:`Measurement`.
         rows: one per (part, partner): outcome, new ME layer, ratios (also per prompt), sink.
-        seed: the run's seed (the claims are exact k-of-n counts: no resampling).
         part_modules: per part, the HF modules (names within a decoder layer) it moved.
+
+    The claims are exact k-of-n counts (no resampling).
     """
 
-    model: str
-    bos: str
-    layer: int
-    layer_given: bool
+    header: RunHeader
     partners: list[int]
     parts: list[str]
     baseline: Measurement
     rows: list[SwapRow]
-    n_prompts: int
     prompt_lengths: list[int]
-    seed: int = 0
-    part_modules: dict[str, list[str]] = field(default_factory=dict)
+    part_modules: list[PartModules] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        return self.header.model
+
+    @property
+    def layer(self) -> int:
+        return self.header.layer
+
+    @property
+    def layer_given(self) -> bool:
+        return self.header.layer_given
+
+    @property
+    def n_prompts(self) -> int:
+        return self.header.n_prompts
+
+    @property
+    def seed(self) -> int:
+        return self.header.seed
 
     def part_rows(self, part: str) -> list[SwapRow]:
         """The rows of ``part``, in partner order."""
@@ -170,76 +201,45 @@ class Result:
         """Per partner: the outcome of swapping ``part``."""
         return [r.outcome for r in self.part_rows(part)]
 
-    def fractions(self, part: str) -> dict[str, float]:
-        """Share of partners per outcome (:data:`OUTCOMES`)."""
+    def fractions(self, part: str) -> list[float]:
+        """Share of partners per outcome, in the order of :data:`OUTCOMES`."""
         got = self.outcomes(part)
         n = max(len(got), 1)
-        return {o: sum(g == o for g in got) / n for o in OUTCOMES}
+        return [sum(g == o for g in got) / n for o in OUTCOMES]
 
     def partners_with(self, part: str, outcome: str) -> list[int]:
         return [r.partner for r in self.part_rows(part) if r.outcome == outcome]
 
-    def per_partner(self, part: str) -> dict[str, list[Any]]:
-        """The claims' units: per partner layer, its depth label, the new ME layer (all prompts at
-        once), how many prompts' own ME layer moved to the partner / left ``m``, and the majority
-        outcomes ``moved`` / ``left_layer`` the claims count (:func:`majority`)."""
-        rows = self.part_rows(part)
-        moved = [[pl == r.partner for pl in r.prompt_me_layer] for r in rows]
-        left = [[pl != self.layer for pl in r.prompt_me_layer] for r in rows]
-        return {
-            "partner": [r.partner for r in rows],
-            "label": [depth_label(r.partner, self.layer) for r in rows],
-            "me_layer": [r.me_layer for r in rows],
-            "moved_prompts": [sum(f) for f in moved],
-            "left_prompts": [sum(f) for f in left],
-            "moved": [majority(f) for f in moved],
-            "left_layer": [majority(f) for f in left],
-        }
+    def per_partner(self, part: str) -> list[PartnerOutcome]:
+        """The claims' units: per partner layer of ``part``, a :class:`PartnerOutcome`."""
+        out = []
+        for r in self.part_rows(part):
+            moved = [pl == r.partner for pl in r.prompt_me_layer]
+            left = [pl != self.layer for pl in r.prompt_me_layer]
+            out.append(
+                PartnerOutcome(
+                    r.partner,
+                    depth_label(r.partner, self.layer),
+                    r.me_layer,
+                    sum(moved),
+                    sum(left),
+                    majority(moved),
+                    majority(left),
+                )
+            )
+        return out
 
     def partner_outcomes(self, part: str, what: str = "moved") -> claims.Outcomes:
         """The k-of-n measurement of a claim: per partner layer, the majority outcome ``what``
         (``"moved"`` or ``"left_layer"``), labelled by depth relative to ``m``."""
         pp = self.per_partner(part)
-        return claims.Outcomes(pp[what], pp["label"], unit="partner layers")
+        flags = [p.moved if what == "moved" else p.left_layer for p in pp]
+        return claims.Outcomes(flags, [p.label for p in pp], unit="partner layers")
 
     @property
     def baseline_has_emergence(self) -> bool:
         """Whether the unedited model's ME layer is the swapped layer."""
         return self.baseline.me_layer == self.layer
-
-    def to_dict(self) -> dict[str, Any]:
-        b = self.baseline
-        return {
-            "baseline": {
-                "me_layer": b.me_layer,
-                "me_layer_1based": None if b.me_layer is None else b.me_layer + 1,
-                "ratio_at_layer": b.ratio_at(self.layer),
-                "ratio_last": b.top_ratio[-1],
-                "sink_downstream": b.sink_after(self.layer),
-            },
-            "per_part": {
-                p: {
-                    **self.fractions(p),
-                    **{f"{o}_partners": self.partners_with(p, o) for o in OUTCOMES},
-                }
-                for p in self.parts
-            },
-            "per_partner": {p: self.per_partner(p) for p in self.parts},
-            "per_prompt": {
-                "prompt_lengths": self.prompt_lengths,
-                "baseline_ratio_at_layer": b.prompt_ratio_at(self.layer),
-                "baseline_ratio_last": b.prompt_ratio[-1],
-            },
-            **run_header(self),
-            "partners": self.partners,
-            "parts": self.parts,
-            "part_modules": self.part_modules,
-            "n_prompts": self.n_prompts,
-            "n_partners": len(self.partners),
-            "seed": self.seed,
-            "rows": [asdict(r) for r in self.rows],
-            "baseline_detail": b.to_dict(),
-        }
 
 
 def outcome(me_after: int | None, layer: int, partner: int) -> str:
@@ -278,7 +278,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     m = s.layer
     assert m is not None  # prepare(require_layer=True) raises otherwise
     partners = resolve_partners(cfg, s.model, m)
-    part_modules = {part: moved_modules(s.model, part) for part in cfg.parts}  # raises if absent
+    part_modules = [PartModules(part, moved_modules(s.model, part)) for part in cfg.parts]
     rows = []
     todo = [(part, p) for part in cfg.parts for p in partners]
     s.reuse_from([min(m, p) for p in partners])  # a swap changes nothing before its first layer
@@ -304,17 +304,12 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
             )
         )
     return Result(
-        model=s.model.name,
-        bos=s.model.bos,
-        layer=m,
-        layer_given=s.layer_given,
+        header=run_header(cfg, s.model, len(s.batch), s.site),
         partners=partners,
         parts=list(cfg.parts),
         baseline=s.baseline,
         rows=rows,
-        n_prompts=len(s.batch),
         prompt_lengths=s.batch.lengths,
-        seed=cfg.seed,
         part_modules=part_modules,
     )
 
@@ -330,9 +325,10 @@ def _details(result: Result, part: str, what: str = "moved") -> str:
     out = "; ".join(
         f"{o} {result.partners_with(part, o)}" for o in OUTCOMES if result.partners_with(part, o)
     )
-    pp = result.per_partner(part)
-    key = "moved_prompts" if what == "moved" else "left_prompts"
-    per = ", ".join(f"{lab} {k}/{result.n_prompts}" for lab, k in zip(pp["label"], pp[key]))
+    per = ", ".join(
+        f"{p.label} {p.moved_prompts if what == 'moved' else p.left_prompts}/{result.n_prompts}"
+        for p in result.per_partner(part)
+    )
     return (
         f"layer m = {m} (1-based {m + 1}, {where}; unedited ME layer {result.baseline.me_layer}, "
         f"ratio {result.baseline.ratio_at(m):.4g}); prompts whose own ME layer "
@@ -521,11 +517,11 @@ def summary(result: Result) -> str:
         "",
         fmt_table(
             ["part", *OUTCOMES],
-            [(p, *(f"{v:.0%}" for v in result.fractions(p).values())) for p in result.parts],
+            [(p, *(f"{v:.0%}" for v in result.fractions(p))) for p in result.parts],
         ),
         "",
         "modules moved per part (within the decoder layer):",
-        *(f"  {p}: {' + '.join(mods)}" for p, mods in result.part_modules.items()),
+        *(f"  {p.part}: {' + '.join(p.modules)}" for p in result.part_modules),
     ]
     return "\n".join(lines)
 

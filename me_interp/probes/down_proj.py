@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -250,8 +250,53 @@ class Candidate:
     def label(self) -> str:
         return f"layer {self.layer} W_down[{self.row}, {self.col}]"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "layer_1based": self.layer + 1}
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry ``[row, col]`` of a layer's ``W_down`` and a number about it."""
+
+    row: int
+    col: int
+    value: float
+
+
+@dataclass(frozen=True)
+class Eraser:
+    """A layer's commonest largest *erasing* write: ``W_down[row, col]``, its mean ``s``."""
+
+    layer: int
+    row: int
+    col: int
+    write: float
+
+
+@dataclass(frozen=True)
+class YuSpike:
+    """One of Yu et al.'s spike layers: its coordinate and the medians of ``max|x|``, ``max|y|``."""
+
+    layer: int
+    row: int
+    col: int
+    in_max: float
+    out_max: float
+
+
+@dataclass(frozen=True)
+class WeightOnlyTop:
+    """A layer's entry of largest weight-only score ``ω`` and of largest ``|W_down|``."""
+
+    layer: int
+    omega: Entry
+    abs: Entry
+
+
+@dataclass(frozen=True)
+class MENeurons:
+    """The ME layer's top neurons and their shares of the massive token's FFN output."""
+
+    layer: int
+    top_neurons: list[int]
+    top_shares: list[float]
 
 
 def _rank(scores: torch.Tensor, row: int, col: int) -> int:
@@ -302,7 +347,7 @@ def candidates(
     me_layer: int,
     massive_dims: Sequence[int],
     top_k: int = 5,
-) -> tuple[list[Candidate], list[tuple[int, int, int] | None], dict[str, Any], list[dict]]:
+) -> tuple[list[Candidate], list[tuple[int, int, int] | None], MENeurons, list[Eraser]]:
     """The candidates (building writes ``s`` ≥ ``super_weight_spike`` on some prompt, sorted by
     stability then mean write), each prompt's top candidate (``None`` where no building write
     reaches the threshold), the ME layer's top neurons with their shares, and per layer the
@@ -315,9 +360,7 @@ def candidates(
     for L in range(spikes.n_layers):
         builds, erases = top_writes(model, spikes, L, top_k)
         r, c = Counter((r, c) for r, c, _ in erases).most_common(1)[0][0]
-        erasers.append(
-            {"layer": L, "row": r, "col": c, "write": float(spikes.write(model, L, r, c).mean())}
-        )
+        erasers.append(Eraser(L, r, c, float(spikes.write(model, L, r, c).mean())))
         for b, entries in enumerate(builds):
             for r, c, s in entries:
                 if s < thr:
@@ -334,15 +377,11 @@ def candidates(
         for coord in coords
     ]
     out.sort(key=lambda k: (-k.stability, -k.write, k.coord))
-    me = {
-        "layer": me_layer,
-        "top_neurons": me_top,
-        "top_shares": [float(shares[n]) for n in me_top],
-    }
+    me = MENeurons(me_layer, me_top, [float(shares[n]) for n in me_top])
     return out, top, me, erasers
 
 
-def yu_spike_layers(spikes: Spikes) -> list[dict[str, Any]]:
+def yu_spike_layers(spikes: Spikes) -> list[YuSpike]:
     """Yu et al.'s rule: the layers whose median (over prompts) ``max|x|`` and ``max|y|`` at the
     massive token both exceed ``super_weight_spike``, with the coordinate ``(L, argmax|y|, argmax|x|)``
     (the commonest over prompts)."""
@@ -353,13 +392,11 @@ def yu_spike_layers(spikes: Spikes) -> list[dict[str, Any]]:
         if ins[L] > thr and outs[L] > thr:
             r = Counter(spikes.y[L].abs().argmax(-1).tolist()).most_common(1)[0][0]
             c = Counter(spikes.x[L].abs().argmax(-1).tolist()).most_common(1)[0][0]
-            rows.append(
-                {"layer": L, "row": r, "col": c, "in_max": float(ins[L]), "out_max": float(outs[L])}
-            )
+            rows.append(YuSpike(L, r, c, float(ins[L]), float(outs[L])))
     return rows
 
 
-def weight_only_tops(model: LoadedModel) -> list[dict[str, Any]]:
+def weight_only_tops(model: LoadedModel) -> list[WeightOnlyTop]:
     """Per layer, the entry of largest weight-only score ``ω`` and of largest ``|W_down|``."""
     out = []
     for L in range(model.n_layers):
@@ -368,18 +405,95 @@ def weight_only_tops(model: LoadedModel) -> list[dict[str, Any]]:
         i, j = int(omega.argmax()), int(A.argmax())
         n = omega.shape[1]
         out.append(
-            {
-                "layer": L,
-                "omega": {"row": i // n, "col": i % n, "score": float(omega.flatten()[i])},
-                "abs": {"row": j // n, "col": j % n, "value": float(A.flatten()[j])},
-            }
+            WeightOnlyTop(
+                L,
+                Entry(i // n, i % n, float(omega.flatten()[i])),
+                Entry(j // n, j % n, float(A.flatten()[j])),
+            )
         )
     return out
+
+
+# ------------------------------------------------------------------------------------------
+# the random control's weights
+# ------------------------------------------------------------------------------------------
+
+
+def control_pool(
+    model: LoadedModel, layer: int, row: int, col: int, size: int
+) -> list[tuple[int, int, float]]:
+    """The ``size`` largest-magnitude weights of ``layer``'s ``W_down`` other than ``[row, col]``, as
+    ``[(row, col, value), ...]`` (every weight at least as large as it is among the first)."""
+    W = model.ffn_weights(layer).down.detach()
+    A = W.abs().flatten().clone()
+    A[row * W.shape[1] + col] = -1.0
+    idx = A.topk(min(size, A.numel() - 1)).indices.tolist()
+    n = W.shape[1]
+    return [(i // n, i % n, float(W.flatten()[i])) for i in idx]
+
+
+def draw(pool: Sequence, k: int, seed: int) -> list:
+    """``k`` entries of ``pool`` drawn without replacement with a seeded generator, sorted."""
+    if k > len(pool):
+        raise ValueError(f"cannot draw {k} of a pool of {len(pool)}")
+    gen = torch.Generator().manual_seed(seed)
+    return sorted(pool[i] for i in torch.randperm(len(pool), generator=gen)[:k].tolist())
+
+
+# ------------------------------------------------------------------------------------------
+# the survey's column
+# ------------------------------------------------------------------------------------------
+
+
+def survey(model: LoadedModel, batch: Batch, criterion: Any = None) -> dict[str, Any]:
+    """Detection only (no perplexity: two short forwards), for the survey's super-weight column:
+    the ME layer and massive positions located on ``batch``, and the top candidate.
+    ``super_weight`` is ``None`` when no weight's write reaches the threshold (or there is no
+    massive activation)."""
+    from me_interp.probes.massive import Criterion
+    from me_interp.probes.site import locate
+
+    loc = locate(model, batch, criterion=criterion or Criterion()).location
+    out: dict[str, Any] = {"me_layer": loc.me_layer, "n_prompts": len(batch), "super_weight": None}
+    if loc.me_layer is None:
+        return out
+    spikes = down_proj_spikes(model, batch, loc.reference_positions)
+    cands, _, _, _ = candidates(model, spikes, loc.me_layer, loc.massive_dims)
+    out["largest_output"] = float(spikes.out_max().amax())
+    if cands and cands[0].stability > 0:
+        c = cands[0]
+        out["super_weight"] = {
+            k: getattr(c, k) for k in ("layer", "row", "col", "weight", "write", "stability")
+        }
+        out["super_weight"]["in_me_layer"] = c.in_me_layer
+    return out
+
+
+def survey_text(entry: dict[str, Any] | None) -> str:
+    """One table cell for :func:`survey`: ``11 [507, 1229] (ME layer; top on 100%)``."""
+    if not entry:
+        return ""
+    if "error" in entry:
+        return f"error: {entry['error']}"
+    sw = entry.get("super_weight")
+    if sw is None:
+        return "none" if entry.get("me_layer") is not None else ""
+    where = "ME layer" if sw["in_me_layer"] else f"not the ME layer {entry['me_layer']}"
+    return f"{sw['layer']} [{sw['row']}, {sw['col']}] ({where}; top on {sw['stability']:.0%})"
 
 
 __all__ = [
     "N_ME_NEURONS",
     "Candidate",
+    "Entry",
+    "Eraser",
+    "MENeurons",
+    "WeightOnlyTop",
+    "YuSpike",
+    "control_pool",
+    "draw",
+    "survey",
+    "survey_text",
     "SpikeRecorder",
     "Spikes",
     "candidate_at",

@@ -116,7 +116,8 @@ class Units:
             f"{len(self.prompts(self.heldout))}{same}"
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def split(self) -> dict[str, Any]:
+        """How many units, and which prompts select and which test (for a reader of JSON)."""
         return {
             "n_units": self.n,
             "select_prompts": self.prompts(self.select),

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from me_interp import claims, load_model, names, synthetic
+from me_interp import claims, io, load_model, names, synthetic
 from me_interp.claims import FAILS, HOLDS, NOT_APPLICABLE, NotApplicable
 from me_interp.experiments import ffn_svd_ablation, rmsnorm_permutation
-from me_interp.study import execute
+from me_interp.study import execute, roundtrip
 
 # What the planted construction implies (synthetic.planted_llama: layer 2's pre-FFN gain is 8 on the
 # gain dims (3, 11); FFN neuron 5 reads them through gate and up and writes the massive dim 7; the
@@ -83,14 +83,16 @@ def _check_claims(cs, specs):
 
 
 def _check_result(result, n_prompts):
-    d = result.to_dict()
-    json.dumps(d, default=str)
-    assert d["per_prompt"]["ratio_unedited"] and len(d["per_prompt"]["ratio_unedited"]) == n_prompts
-    before = np.mean(d["per_prompt"]["ratio_unedited"])
+    d = io.to_jsonable(result)
+    json.dumps(d)
+    assert io.to_jsonable(roundtrip(result)) == d  # result.json reads back as the typed Result
+    unedited = result.baseline.prompt_ratio_at(result.layer)
+    assert unedited and len(unedited) == n_prompts
+    before = np.mean(unedited)
     for row in result.rows:
-        after = row["ratio_at_layer_per_prompt"]
-        assert len(after) == n_prompts and d["per_prompt"]["ratio_edited"]
-        assert row["change"] == pytest.approx((np.mean(after) - 1) / (before - 1))  # excess left
+        after = row.ratio_at_layer_per_prompt
+        assert len(after) == n_prompts
+        assert row.change == pytest.approx((np.mean(after) - 1) / (before - 1))  # excess left
     return d
 
 
@@ -115,25 +117,25 @@ def test_rmsnorm_permutation_planted(planted, prompt_file):
     cfg = rmsnorm_permutation.Config(prompts=prompt_file, n_prompts=0, top_k=2)
     res = rmsnorm_permutation.run(cfg, model)
     L = plant.layer
-    assert res.layer == L and not res.layer_given and res.massive_at_layer
-    assert set(res.top_dims["ffn"]) == set(plant.gain_dims)
+    assert res.layer == L and not res.header.layer_given and res.massive_at_layer
+    assert set(res.top_dims_of("ffn")) == set(plant.gain_dims)
     assert res.survival("ffn", "random") == 0.0 and res.survival("ffn", "top") == 0.0
     assert res.survival("ffn", "other") == 1.0
     for kind in rmsnorm_permutation.KINDS:
         assert res.survival("attn", kind) == 1.0  # the pre-attention gain does not create it
-    flat = {r["param"]: r for r in res.select("ffn", "flatten")}
-    assert not flat[0.0]["survives"]
+    flat = {r.param: r for r in res.select("ffn", "flatten")}
+    assert not flat[0.0].survives
     base = res.baseline.ratio_at(L)
-    assert flat[0.0]["ratio_at_layer"] < flat[0.5]["ratio_at_layer"] < base  # monotone in α
+    assert flat[0.0].ratio_at_layer < flat[0.5].ratio_at_layer < base  # monotone in α
     # the excess left by hand: (mean edited R − 1) / (mean unedited R − 1) at the layer
     row = res.select("ffn", "random")[0]
-    want = (np.mean(row["ratio_at_layer_per_prompt"]) - 1) / (
+    want = (np.mean(row.ratio_at_layer_per_prompt) - 1) / (
         np.mean(res.baseline.prompt_ratio_at(L)) - 1
     )
-    assert row["change"] == pytest.approx(want) and 0 <= row["change"] < 0.1
+    assert row.change == pytest.approx(want) and 0 <= row.change < 0.1
     assert len(res.select("ffn", "random")) == cfg.n_random == claims.MIN_SEEDS
     d = _check_result(res, len(synthetic.planted_prompts(8)))
-    assert d["layer_1based"] == L + 1 and d["summary"]["ffn_random"]["survival"] == 0.0
+    assert d["header"]["layer_1based"] == L + 1 and res.survival("ffn", "random") == 0.0
     cs = _judge(rmsnorm_permutation, res)
     _check_claims(cs, rmsnorm_permutation.SPECS)
     assert _verdicts(cs) == PLANTED_PERMUTATION
@@ -159,12 +161,11 @@ def test_seed_values_by_hand_and_the_nested_interval(planted, prompt_file):
     rows = res.select("attn", "random")
     before = np.mean(res.baseline.prompt_ratio_at(plant.layer))
     want = np.array(
-        [[(r["ratio_at_layer_per_prompt"][b] - 1) / (before - 1) for r in rows] for b in range(8)]
+        [[(r.ratio_at_layer_per_prompt[b] - 1) / (before - 1) for r in rows] for b in range(8)]
     )
     got = res.seed_values("attn", "random")
     np.testing.assert_allclose(got, want, rtol=1e-12)
-    assert got.mean() == pytest.approx(np.mean([r["change"] for r in rows]))
-    assert res.to_dict()["per_prompt"]["seed_values"]["attn random"] == got.tolist()
+    assert got.mean() == pytest.approx(np.mean([r.change for r in rows]))
     rng = np.random.default_rng(res.seed)
     n, k = got.shape
     iu = rng.integers(0, n, size=(claims.N_BOOTSTRAP, n))
@@ -219,7 +220,7 @@ def test_rmsnorm_permutation_explicit_layer_on_twin(twin, prompt_file, snap_hf):
     before = snap_hf(model)
     cfg = rmsnorm_permutation.Config(prompts=prompt_file, layer=plant.layer, n_random=1, top_k=2)
     res = rmsnorm_permutation.run(cfg, model)
-    assert res.layer_given and not res.massive_at_layer
+    assert res.header.layer_given and not res.massive_at_layer
     cs = _judge(rmsnorm_permutation, res)
     assert {c.verdict for c in cs} == {NOT_APPLICABLE}
     assert all("no massive activation at layer 2" in c.why for c in cs)
@@ -272,14 +273,14 @@ def test_ffn_svd_ablation_planted(planted, prompt_file):
     assert res.layer == plant.layer and res.massive_at_layer
     assert res.neurons[0] == plant.neuron and plant.massive_dim in res.massive_dims
     assert res.kill_k("down") == res.kill_k("up") == res.kill_k("gate") == 1
-    assert [r["k"] for r in res.select("svd", "down")] == [1, 4, 8]  # claim_k is always run
-    assert res.singular_values["down"][0] == pytest.approx(plant.down_scale, rel=1e-4)
-    assert not res.neurons_row([plant.neuron])["survives"]
-    assert res.neurons_row([res.neurons[1]])["survives"]  # the runner-up is not the mechanism
+    assert [r.k for r in res.select("svd", "down")] == [1, 4, 8]  # claim_k is always run
+    assert res.spectrum("down")[0] == pytest.approx(plant.down_scale, rel=1e-4)
+    assert not res.neurons_row([plant.neuron]).survives
+    assert res.neurons_row([res.neurons[1]]).survives  # the runner-up is not the mechanism
     for r in res.select("svd_random"):
-        assert r["survives"] and min(r["directions"]) >= cfg.claim_k
+        assert r.survives and min(r.directions) >= cfg.claim_k
     for r in res.select("neurons_random"):
-        assert r["survives"] and not set(r["neurons"]) & set(res.neurons)
+        assert r.survives and not set(r.neurons) & set(res.neurons)
     assert len(res.select("neurons_random")) == cfg.n_random
     _check_result(res, len(synthetic.planted_prompts(8)))
     cs = _judge(ffn_svd_ablation, res)
@@ -342,7 +343,7 @@ def test_cli_smoke(module, args, prompt_file, tmp_path, capsys):
     assert f"[holds] {module.NAME}." in out and "rule: holds if" in out
     run_dir = next((tmp_path / module.NAME).iterdir())
     result = json.loads((run_dir / "result.json").read_text())
-    assert result["layer"] == 2 and result["per_prompt"]["ratio_unedited"]
+    assert result["header"]["layer"] == 2 and result["baseline"]["prompt_ratio"][2]
     assert {c["id"] for c in result["claims"]} == {s.id for s in module.SPECS}
     assert (run_dir / "config.json").is_file() and (run_dir / "env.json").is_file()
     assert list(run_dir.glob("*.html"))
@@ -392,7 +393,7 @@ def test_rmsnorm_permutation_bundled(bundled):
     assert 100 < res.baseline.ratio_at(11) < 250
     for kind in ("random", "top", "other", "flatten"):
         for r in res.select("ffn", kind):
-            assert r["survives"] and 0.8 < r["change"] < 1.2
+            assert r.survives and 0.8 < r.change < 1.2
     v = _verdicts(_judge(rmsnorm_permutation, res))
     assert v == {
         "rmsnorm_permutation.ffn_permutation_removes": FAILS,
@@ -411,10 +412,10 @@ def test_ffn_svd_ablation_bundled(bundled):
     res = ffn_svd_ablation.run(ffn_svd_ablation.Config(ks=(1, 2, 8)), bundled)
     assert res.layer == 11 and res.neurons[:2] == [1229, 1487]
     assert res.kill_k("up") == 1 and res.kill_k("gate") == 2 and res.kill_k("down") is None
-    assert 0.4 < res.svd_row("down", 8)["change"] < 0.8
-    assert res.svd_row("up", 8)["change"] < 0.05 and res.svd_row("gate", 8)["change"] < 0.05
-    assert 0.15 < res.neurons_row([1229])["change"] < 0.4
-    assert res.neurons_row(res.neurons)["change"] < 0.05
+    assert 0.4 < res.svd_row("down", 8).change < 0.8
+    assert res.svd_row("up", 8).change < 0.05 and res.svd_row("gate", 8).change < 0.05
+    assert 0.15 < res.neurons_row([1229]).change < 0.4
+    assert res.neurons_row(res.neurons).change < 0.05
     v = _verdicts(_judge(ffn_svd_ablation, res))
     assert v == {
         "ffn_svd_ablation.svd_gate_removes": HOLDS,
@@ -457,7 +458,7 @@ def test_ffn_neurons_chosen_on_the_selection_half(tmp_path):
         assert est.n == len(held) and est.unit == "held-out prompts"
     keeps = cs["ffn_svd_ablation.random_neurons_keep"].estimate
     assert keeps.n == len(held)
-    assert res.to_dict()["neurons_chosen_on"] == "selection half"
+    assert res.units.held_out  # the neurons were chosen on the selection half
 
 
 def test_ffn_neuron_details_give_the_tested_prompts_means(tmp_path):
@@ -471,7 +472,7 @@ def test_ffn_neuron_details_give_the_tested_prompts_means(tmp_path):
     rows = res.neuron_prompts
     r = res.neurons_row(res.neurons)
     before = float(np.mean(np.asarray(res.baseline.prompt_ratio_at(res.layer))[rows]))
-    after = float(np.mean(np.asarray(r["ratio_at_layer_per_prompt"])[rows]))
+    after = float(np.mean(np.asarray(r.ratio_at_layer_per_prompt)[rows]))
     assert f"on the {len(rows)} prompts tested" in c.details
     assert f"{before:.4g} → {after:.4g}" in c.details
     assert c.estimate.value == pytest.approx((after - 1) / (before - 1), rel=1e-9)

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from me_interp import claims, evaluation, load_model, synthetic
+from me_interp import claims, evaluation, io, load_model, synthetic
 from me_interp.claims import (
     FAILS,
     HOLDS,
@@ -23,7 +23,7 @@ from me_interp.claims import (
 from me_interp.edits import down_weights_zeroed
 from me_interp.experiments import super_weight as sw
 from me_interp.packaged import GEMMA_3_270M
-from me_interp.study import execute
+from me_interp.study import execute, roundtrip
 
 THR = claims.threshold("super_weight_spike")
 IDS = [s.id for s in sw.SPECS]
@@ -80,8 +80,9 @@ def test_control_pool_and_draws(planted):
 
 
 def _check_result(res):
-    d = res.to_dict()
-    json.dumps(d, default=str)
+    d = io.to_jsonable(res)
+    json.dumps(d)
+    assert io.to_jsonable(roundtrip(res)) == d  # result.json reads back as the typed Result
     cs = claims.judge(sw.SPECS, res)
     assert [c.id for c in cs] == IDS
     for c in cs:
@@ -97,7 +98,7 @@ def test_planted_nobos_verdicts_and_the_statistics_by_hand(distinct):
     plant = synthetic.planted_nobos()[2]
     assert res.super_weight.coord == (plant.layer, plant.massive_dim, plant.neuron)
     assert res.check_layer == plant.layer and res.n_prompts == 16 and res.n_texts == 16
-    assert len(set(res.unit_keys)) == 16
+    assert len(set(res.units.keys)) == 16
     assert _verdicts(res) == {
         "zeroing_removes": HOLDS,
         "zeroing_hurts": FAILS,
@@ -120,8 +121,8 @@ def test_planted_nobos_verdicts_and_the_statistics_by_hand(distinct):
     assert res.ppl("unedited") == pytest.approx(base, rel=1e-6)
     assert by["zeroing_hurts"].estimate.value == pytest.approx(zero / base, rel=1e-6)
     d = _check_result(res)
-    assert d["super_weight"]["layer_1based"] == plant.layer + 1
-    assert d["perplexity"]["zeroed"] == pytest.approx(zero, rel=1e-6)
+    assert d["candidates"][0]["layer"] == plant.layer and d["header"]["layer"] == plant.layer
+    assert res.ppl("zeroed") == pytest.approx(zero, rel=1e-6)
     assert set(sw.figures(res)) == {"down_proj_spikes", "perplexity"}
     assert "W_down[7, 5]" in sw.summary(res)
 
@@ -147,13 +148,9 @@ def test_needsink_hurts_and_restoring_is_exact(shared_bos):
             res.super_weight.row,
             res.super_weight.col,
         )
-        np.testing.assert_allclose(
-            cells[:, s], (np.asarray(res.texts["random"][s]) - base) / n.mean()
-        )
+        np.testing.assert_allclose(cells[:, s], (np.asarray(res.texts.random[s]) - base) / n.mean())
     assert math.exp(cells.mean()) == pytest.approx(res.ppl("random") / res.ppl("unedited"))
-    assert (
-        res.pool["size"] == 100 and res.pool["n_at_least"] == 0
-    )  # the planted weight is the largest
+    assert res.pool.size == 100 and res.pool.n_at_least == 0  # the planted weight is the largest
 
 
 def _damage_ok(res, lo, hi):
@@ -270,7 +267,8 @@ def test_cli_smoke(shared_bos, tmp_path, capsys):
     result = json.loads((run_dir / "result.json").read_text())
     verdicts = {c["id"]: c["verdict"] for c in result["claims"]}
     assert verdicts["super_weight.zeroing_hurts"] == HOLDS
-    assert result["super_weight"]["row"] == 7 and result["n_texts"] == 8
+    assert result["candidates"][0]["row"] == 7 and result["n_texts"] == 8
+    assert io.read_result(sw.Result, run_dir).super_weight.row == 7
     assert {c["id"] for c in result["claims"]} == set(IDS)
     assert (run_dir / "down_proj_spikes.html").is_file() and (run_dir / "perplexity.html").is_file()
 
@@ -300,11 +298,11 @@ def test_bundled(bundled):
     assert res.me_layer == 11 and s.coord == (11, 507, 1229) and s.stability == 1.0
     assert 5.5 < s.weight < 6.2 and 0.6 < s.share < 0.85 and s.abs_rank == 1
     assert 1e4 < s.write < 3e4 and s.me_neuron and s.massive_dim
-    assert res.me_neurons["top_neurons"][:2] == [1229, 1487]
+    assert res.me_neurons.top_neurons[:2] == [1229, 1487]
     assert 507 in res.massive_dims and (11, 507, 1229) in {
-        (d["layer"], d["row"], d["col"]) for d in res.yu_layers
+        (d.layer, d.row, d.col) for d in res.yu_layers
     }
-    assert res.erasers[28]["row"] == 507 and res.erasers[28]["write"] > 5e3  # the late eraser
+    assert res.erasers[28].row == 507 and res.erasers[28].write > 5e3  # the late eraser
     assert 8 < res.ppl("zeroed") / res.ppl("unedited") < 40
     assert abs(res.ppl("restored") / res.ppl("unedited") - 1) < 0.01
     assert 0.2 < excess_fraction(np.mean(res.ratio_zeroed), np.mean(res.ratio_unedited)) < 0.4

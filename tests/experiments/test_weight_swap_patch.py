@@ -16,12 +16,13 @@ from functools import partial
 import pytest
 import torch
 
-from me_interp import claims, load_model, names, synthetic
+from me_interp import claims, io, load_model, names, synthetic
 from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotApplicable
 from me_interp.experiments import _weights, weight_patching, weight_swap
 from me_interp.probes import Criterion
 from me_interp.probes.attention import attention_stats
 from me_interp.probes.site import locate
+from me_interp.study import roundtrip
 
 # What the planted construction implies (synthetic.planted_llama: layer 2's pre-FFN gain is 8 on the
 # gain dims, neuron 5 reads them and writes the massive dim; no part of attention is involved).
@@ -230,13 +231,14 @@ def test_weight_swap_planted(planted, prompt_file):
     }
     assert "layer 0 (m-2) 5/5" in head.details and "more than half" in head.statistic
     assert head.threshold == claims.threshold("moved_fraction")
-    d = res.to_dict()
+    d = io.to_jsonable(res)
     assert "claims" not in d  # the CLI / battery add them (study.Outcome)
-    assert d["per_partner"]["ffn_path"]["moved"] == [True] * 4
-    assert d["per_partner"]["ffn_path"]["moved_prompts"] == [5] * 4
-    assert d["per_partner"]["ffn_norm"]["left_layer"] == [True] * 4
-    assert d["per_part"]["ffn"]["vanished_partners"] == [0, 1, 3, 4]
+    assert [p.moved for p in res.per_partner("ffn_path")] == [True] * 4
+    assert [p.moved_prompts for p in res.per_partner("ffn_path")] == [5] * 4
+    assert [p.left_layer for p in res.per_partner("ffn_norm")] == [True] * 4
+    assert res.partners_with("ffn", "vanished") == [0, 1, 3, 4]
     json.dumps(d)
+    assert io.to_jsonable(roundtrip(res)) == d  # result.json reads back as the typed Result
     assert set(weight_swap.figures(res)) == {
         "me_layer_after_swap",
         "ratio_at_partner",
@@ -271,9 +273,13 @@ def test_weight_swap_majority_over_prompts_by_hand(planted8, prompt_file):
     more = [5] * (n // 2 + 1) + [None] * (n - n // 2 - 1)
     res.rows[1] = dataclasses.replace(res.rows[1], prompt_me_layer=more)
     pp = res.per_partner("ffn_path")
-    assert pp["moved_prompts"] == [n // 2, n // 2 + 1, n]
-    assert pp["moved"] == [False, True, True]
-    assert pp["left_layer"] == [False, True, True]  # row 0: half its prompts still at m = 2
+    assert [p.moved_prompts for p in pp] == [n // 2, n // 2 + 1, n]
+    assert [p.moved for p in pp] == [False, True, True]
+    assert [p.left_layer for p in pp] == [
+        False,
+        True,
+        True,
+    ]  # row 0: half its prompts still at m = 2
     o = res.partner_outcomes("ffn_path")
     assert list(o.outcomes) == [False, True, True]
     assert list(o.labels) == ["layer 0 (m-2)", "layer 5 (m+3)", "layer 7 (m+5)"]
@@ -304,7 +310,7 @@ def test_weight_swap_me_layer_at_the_last_layer(prompt_file):
     model, plant = _load(layer=4)
     res = weight_swap.run(weight_swap.Config(prompts=prompt_file, parts=("ffn_path",)), model)
     assert res.layer == 4 and res.partners == [0, 1, 2, 3]
-    assert res.per_partner("ffn_path")["moved"] == [True] * 4
+    assert [p.moved for p in res.per_partner("ffn_path")] == [True] * 4
     c = _judge(weight_swap, res)[0]
     assert list(c.outcomes) == [f"layer {p} (m{p - 4})" for p in range(4)]
     assert weight_swap.summary(res) and weight_swap.figures(res)
@@ -388,10 +394,11 @@ def test_weight_patching_within_planted(planted, prompt_file):
     assert cs[0].estimate.unit == "target layers" and cs[0].estimate.n == 2
     assert cs[0].estimate.lo == pytest.approx(0.025**0.5)
     assert cs[0].outcomes == {"layer 0 (m-2)": True, "layer 1 (m-1)": True}
-    d = res.to_dict()
-    assert d["per_target"]["ffn_path"]["copied"] == [True, True]
-    assert d["per_target"]["ffn_path"]["copied_prompts"] == [5, 5]
+    d = io.to_jsonable(res)
+    assert [t.copied for t in res.per_target("ffn_path")] == [True, True]
+    assert [t.copied_prompts for t in res.per_target("ffn_path")] == [5, 5]
     json.dumps(d)
+    assert io.to_jsonable(roundtrip(res)) == d  # result.json reads back as the typed Result
     assert set(weight_patching.figures(res)) == {"me_layer_after_patch"}
     assert "ffn_path" in weight_patching.summary(res)
 
@@ -415,7 +422,8 @@ def test_weight_patching_majority_over_prompts_by_hand(planted, prompt_file):
         res.rows[1], prompt_me_layer=[1] * (n // 2) + [None] * (n - n // 2)
     )
     pp = res.per_target("ffn_path")
-    assert pp["copied_prompts"][:2] == [n, n // 2] and pp["copied"] == [True, False, False]
+    assert [t.copied_prompts for t in pp][:2] == [n, n // 2]
+    assert [t.copied for t in pp] == [True, False, False]
     o = res.target_outcomes("ffn_path")  # target 3 (after the ME layer) is not judged
     assert list(o.outcomes) == [True, False] and list(o.labels) == [
         "layer 0 (m-2)",
@@ -542,11 +550,10 @@ def test_edit_row_per_prompt(planted, prompt_file):
     batch = weight_swap.short_batch(model, synthetic.planted_prompts(5), 0, 0)
     m = weight_swap.measure(model, batch, Criterion(), sink=False)
     assert m.sink == []
-    row = _weights.edit_row(m, plant.layer, per_prompt=True, kind="none")
-    assert row["kind"] == "none" and "per_prompt" not in row
-    assert row["ratio_at_layer_per_prompt"] == m.prompt_ratio[plant.layer]
-    assert len(row["ratio_last_per_prompt"]) == 5
-    assert "ratio_at_layer_per_prompt" not in _weights.edit_row(m, plant.layer)
+    row = _weights.EditRow.measured(m, m, plant.layer)
+    assert row.ratio_at_layer_per_prompt == m.prompt_ratio[plant.layer]
+    assert len(row.ratio_last_per_prompt) == 5 and row.change == pytest.approx(1.0)  # unedited
+    assert row.cells() == (m.me_layer, "yes", m.top_ratio[plant.layer], m.top_ratio[-1])
 
 
 @pytest.mark.parametrize("module", [weight_swap, weight_patching])
@@ -606,7 +613,7 @@ def test_weight_swap_bundled(bundled):
     # was FAILS / HOLDS on a zero-width bootstrap over 3 partners (issue 17 finding 4): 0 of 3 is
     # [0, 0.71] and 3 of 3 [0.29, 1] under Clopper–Pearson
     assert v["weight_swap.ffn_norm"] == v["weight_swap.ffn_path_needed"] == INCONCLUSIVE
-    assert res.per_partner("ffn_path")["label"] == [
+    assert [p.label for p in res.per_partner("ffn_path")] == [
         "layer 10 (m-1)",
         "layer 12 (m+1)",
         "layer 20 (m+9)",

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from me_interp import claims, load_model, synthetic
+from me_interp import claims, io, load_model, synthetic
 from me_interp.probes.down_proj import (
+    Candidate,
     candidate_at,
     candidates,
     down_proj_spikes,
@@ -44,10 +45,10 @@ def test_detection_finds_exactly_the_planted_weight_and_nothing_on_the_twin(arch
     assert c.weight == pytest.approx(plant.down_scale) and c.write > 20 * THR
     assert c.share == pytest.approx(1.0, abs=1e-4)  # nothing else writes the massive dim
     assert c.abs_rank == 0 and c.weight_only_rank == 0
-    assert me["top_neurons"][0] == plant.neuron and me["top_shares"][0] > 0.99
+    assert me.top_neurons[0] == plant.neuron and me.top_shares[0] > 0.99
     # Yu et al.'s raw spikes: both above 50 in the planted layer, except where a post-FFN norm
     # (Gemma 2/3, post_gain 400) makes the massive value from a smaller down_proj input
-    yu = [(d["layer"], d["row"], d["col"]) for d in yu_spike_layers(spikes)]
+    yu = [(d.layer, d.row, d.col) for d in yu_spike_layers(spikes)]
     raw_in = float(spikes.in_max()[plant.layer].median())
     assert yu == ([want] if raw_in > THR else [])
     assert yu == [want] or model.arch.post_ffn_norm is not None
@@ -146,7 +147,7 @@ def test_builds_and_erases_on_the_erased_decoy():
     assert bool(spikes.builds(model, rec.layers[0], D, rec.neuron).all())
     _, _, _, erasers = candidates(model, spikes, rec.layers[0], [D])
     er = erasers[rec.erased_at]
-    assert er["row"] == D and er["col"] in rec.eraser_neurons and er["write"] > THR
+    assert er.row == D and er.col in rec.eraser_neurons and er.write > THR
 
 
 def test_weight_only_tops_and_a_given_candidate_by_hand(planted):
@@ -154,14 +155,14 @@ def test_weight_only_tops_and_a_given_candidate_by_hand(planted):
     weight (the planted one: rank 0 on both; another: its ranks counted by hand)."""
     model, plant = planted
     tops = weight_only_tops(model)
-    assert [t["layer"] for t in tops] == list(range(model.n_layers))
+    assert [t.layer for t in tops] == list(range(model.n_layers))
     for t in tops:
-        omega = weight_only_scores(model, t["layer"])
-        A = model.ffn_weights(t["layer"]).down.detach().abs()
-        o, a = t["omega"], t["abs"]
-        assert float(omega[o["row"], o["col"]]) == pytest.approx(float(omega.max()))
-        assert float(A[a["row"], a["col"]]) == a["value"] == pytest.approx(float(A.max()))
-    assert (tops[plant.layer]["omega"]["row"], tops[plant.layer]["omega"]["col"]) == (
+        omega = weight_only_scores(model, t.layer)
+        A = model.ffn_weights(t.layer).down.detach().abs()
+        o, a = t.omega, t.abs
+        assert float(omega[o.row, o.col]) == pytest.approx(float(omega.max()))
+        assert float(A[a.row, a.col]) == a.value == pytest.approx(float(A.max()))
+    assert (tops[plant.layer].omega.row, tops[plant.layer].omega.col) == (
         plant.massive_dim,
         plant.neuron,
     )
@@ -172,7 +173,7 @@ def test_weight_only_tops_and_a_given_candidate_by_hand(planted):
     assert c.coord == (L, D, n) and c.stability == 0.5 and c.me_neuron and c.massive_dim
     assert c.abs_rank == 0 and c.weight_only_rank == 0
     assert c.write_per_prompt == pytest.approx(spikes.write(model, L, D, n).tolist())
-    assert c.to_dict()["layer_1based"] == L + 1
+    assert io.from_jsonable(Candidate, io.to_jsonable(c)) == c  # reads back as itself
     other = candidate_at(model, spikes, (L, 1, 2), L, [D], [n])
     W = model.ffn_weights(L).down.detach()
     assert other.abs_rank == int((W.abs() > W[1, 2].abs()).sum())
