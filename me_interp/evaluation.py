@@ -306,6 +306,66 @@ POOLED_METRICS = ("perplexity", "kl", "top1", "sink", "entropy", "eff_rank")
 """What :func:`pooled_metrics` makes of them."""
 
 
+@dataclass(frozen=True)
+class TextStats:
+    """Per text, in the order of the texts, the statistics :data:`TEXT_STATS` of one condition."""
+
+    nll: list[float]
+    n_pred: list[float]
+    kl: list[float]
+    top1: list[float]
+    n_pos: list[float]
+    sink: list[float]
+    entropy: list[float]
+    eff_rank: list[float]
+
+    def perplexity(self) -> np.ndarray:
+        """``[text]``: each text's own perplexity ``exp(nll_b / n_b)`` (NaN for a text without a
+        prediction)."""
+        nll = np.asarray(self.nll, dtype=np.float64)
+        n = np.asarray(self.n_pred, dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(n > 0, np.exp(nll / np.where(n > 0, n, 1.0)), np.nan)
+
+
+@dataclass(frozen=True)
+class ItemOutcomes:
+    """Per MC item: whether the summed (``correct``) and the per-token mean (``correct_norm``)
+    log-likelihood pick the right choice."""
+
+    correct: list[bool]
+    correct_norm: list[bool]
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """The pooled metrics (:data:`POOLED_METRICS`) of one condition, their per-text statistics and,
+    when MC items were scored, the accuracy with its per-item outcomes."""
+
+    perplexity: float
+    kl: float
+    top1: float
+    sink: float
+    entropy: float
+    eff_rank: float
+    per_text: TextStats
+    mc_accuracy: float | None = None
+    per_item: ItemOutcomes | None = None
+
+    @classmethod
+    def of(cls, m: dict[str, Any]) -> Metrics:
+        """The typed form of one row of :func:`sweep` (pooled metrics, ``per_text``, ``per_item``)."""
+        items = m.get("per_item")
+        return cls(
+            **{k: float(m[k]) for k in POOLED_METRICS},
+            per_text=TextStats(**{k: [float(v) for v in m["per_text"][k]] for k in TEXT_STATS}),
+            mc_accuracy=None if m.get("mc_accuracy") is None else float(m["mc_accuracy"]),
+            per_item=None if items is None else ItemOutcomes(
+                [bool(v) for v in items["correct"]], [bool(v) for v in items["correct_norm"]]
+            ),
+        )  # fmt: skip
+
+
 def _record_pattern(a: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
     store[layer] = a.detach().float().cpu()
     return a
