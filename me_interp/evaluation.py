@@ -84,6 +84,20 @@ PPL_CHANGE = claims.of_means(lambda m: _pooled_ppl_ratio(m) - 1.0)
 """The same ratio − 1 (signed: an equivalence claim bootstraps it unfolded)."""
 
 
+@claims.of_means
+def sink_drop(m: np.ndarray) -> np.ndarray | float:
+    """``1 − mean(column 1) / mean(column 0)`` (the relative drop of a mean, e.g. of the attention
+    to the sink), NaN when the base is not positive."""
+    return 1.0 - claims.divide(m[..., 1], m[..., 0], m[..., 0] > 0)
+
+
+@claims.of_means
+def ratio_change(m: np.ndarray) -> np.ndarray | float:
+    """``mean(column 1) / mean(column 0) − 1`` (e.g. of an MC accuracy), NaN when the base is not
+    positive."""
+    return claims.divide(m[..., 1], m[..., 0], m[..., 0] > 0) - 1.0
+
+
 @dataclass(frozen=True)
 class TextNLL:
     """Per-text next-token NLL sums: text ``b`` contributes ``nll[b] = Σ_t −log p(x_{t+1} | x_{≤t})``
@@ -364,6 +378,30 @@ class Metrics:
                 [bool(v) for v in items["correct"]], [bool(v) for v in items["correct_norm"]]
             ),
         )  # fmt: skip
+
+
+def nll_columns(*rows: Metrics) -> np.ndarray:
+    """``[text, 1 + len(rows)]``: the prediction count, then the NLL sum of each row, per text (what
+    :data:`PPL_RATIO` and :data:`PPL_CHANGE` read)."""
+    n = np.asarray(rows[0].per_text.n_pred, dtype=np.float64)
+    return np.column_stack([n, *(np.asarray(r.per_text.nll, dtype=np.float64) for r in rows)])
+
+
+def text_gap(row: Metrics, weight: Metrics, base: Metrics) -> np.ndarray:
+    """``[text]``: ``(ppl_x − ppl_weight) / ppl_unmasked`` of each text (its own perplexities): how much
+    more the condition of ``row`` hurts than the one of ``weight``, in units of ``base``."""
+    ppl = lambda m: m.per_text.perplexity()  # noqa: E731
+    return (ppl(row) - ppl(weight)) / ppl(base)
+
+
+def check_rank_layer(layer: int, n_layers: int) -> int:
+    """``layer`` as a 0-based layer (negative: from the end), or ``ValueError``."""
+    if not -n_layers <= layer < n_layers:
+        raise ValueError(
+            f"rank_layer {layer} is out of range: this model has {n_layers} layers "
+            f"(0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
+        )
+    return layer % n_layers
 
 
 def _record_pattern(a: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:

@@ -51,11 +51,10 @@ from me_interp import claims, evaluation, terminal
 from me_interp.backends import check_backend
 from me_interp.evaluation import Metrics
 from me_interp.experiments._weights import short_batch, spread
-from me_interp.interventions.soft import DirectionProjection, dim_projection
+from me_interp.interventions.soft import MaskCondition as Condition
 from me_interp.interventions.wemask import (
     STARTS,
     VARIANTS,
-    WeMask,
     locate_with_directions,
     mask_layers,
     massive_positions,
@@ -164,33 +163,6 @@ class Config(CommonConfig):
 # ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Condition:
-    """One masked condition."""
-
-    kind: Literal["wemask", "dim_projection", "direction_projection"]
-    variant: str
-    rate: float
-    alpha: float = 1.0
-    seed: int = 0
-
-    def label(self) -> str:
-        if self.kind == "wemask":
-            tail = f" seed {self.seed}" if self.variant == "random" else ""
-            return f"wemask {self.variant} r={self.rate:g}{tail}"
-        if self.kind == "dim_projection":
-            return f"dim_projection r={self.rate:g} α={self.alpha:g}"
-        return f"direction_projection α={self.alpha:g}"
-
-    def is_wemask(self, variant: str | None = None, rate: float | None = None) -> bool:
-        """Whether this is a WeMask condition (of ``variant``, at ``rate``, when given)."""
-        return (
-            self.kind == "wemask"
-            and variant in (None, self.variant)
-            and (rate is None or self.rate == rate)
-        )
-
-
 def conditions(cfg: Config) -> list[Condition]:
     """Every masked condition of the run, without duplicates: one ``r = 1`` forward for all selections
     (they coincide), ``n_seeds`` random seeds at ``claim_rate``, and the soft alternatives (the dim
@@ -217,16 +189,6 @@ def conditions(cfg: Config) -> list[Condition]:
     return out
 
 
-def _spec(model, cond: Condition, layers, positions, directions) -> Any:
-    if cond.kind == "wemask":
-        return WeMask.build(model, layers, cond.rate, cond.variant, positions, seed=cond.seed)
-    if cond.kind == "dim_projection":
-        return dim_projection(
-            model, cond.alpha, layers, variant=cond.variant, rate=cond.rate, positions=positions
-        )
-    return DirectionProjection.build(model, cond.alpha, directions, layers, positions=positions)
-
-
 # ------------------------------------------------------------------------------------------
 # result
 # ------------------------------------------------------------------------------------------
@@ -244,7 +206,7 @@ class Row:
 @dataclass(frozen=True)
 class RandomGaps:
     """Per text and random seed at ``claim_rate``: ``(ppl_random − ppl_weight) / ppl_unmasked`` of the
-    text's own perplexities (:func:`text_gap`); ``per_text[text][seed]``."""
+    text's own perplexities (:func:`me_interp.evaluation.text_gap`); ``per_text[text][seed]``."""
 
     seeds: list[int]
     per_text: list[list[float]]
@@ -312,7 +274,9 @@ class Result:
         )
         if w is None or not rand:
             return RandomGaps([], [])
-        gaps = np.column_stack([text_gap(r.metrics, w, self.baseline) for r in rand])  # [text seed]
+        gaps = np.column_stack(
+            [evaluation.text_gap(r.metrics, w, self.baseline) for r in rand]
+        )  # [text seed]
         return RandomGaps([r.condition.seed for r in rand], gaps.tolist())
 
 
@@ -332,16 +296,6 @@ def _rows(cfg: Config, cond: Condition, m: Metrics) -> list[Row]:
     return rows
 
 
-def _check_rank_layer(layer: int, n_layers: int) -> int:
-    """``rank_layer`` as a 0-based layer (negative: from the end), or ``ValueError``."""
-    if not -n_layers <= layer < n_layers:
-        raise ValueError(
-            f"rank_layer {layer} is out of range: this model has {n_layers} layers "
-            f"(0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
-        )
-    return layer % n_layers
-
-
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """Run the sweep. No printing (a tqdm bar on stderr), no files.
 
@@ -359,14 +313,14 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     if cfg.positions == "massive":
         positions = [p or [0] for p in massive_positions(model, model.tokenize(texts))]
     chunks = evaluation.length_batches(model, texts, cfg.batch_tokens)
-    rank_layer = _check_rank_layer(cfg.rank_layer, model.n_layers)
+    rank_layer = evaluation.check_rank_layer(cfg.rank_layer, model.n_layers)
     # the massive direction of each masked layer: the mean attention input at position 0
     directions = {L: first[L] for L in layers}
     conds = conditions(cfg)
     claim = Condition("wemask", "weight", cfg.claim_rate, 1.0, cfg.seed)
     swept = evaluation.sweep(
         model, chunks, layers, rank_layer,
-        [partial(_spec, model, c, layers, directions=directions) for c in conds],
+        [partial(c.spec, model, layers, directions=directions) for c in conds],
         positions=positions,
         per_text=cfg.positions == "massive",
         items=evaluation.load_mc_items(cfg.mc_items) if cfg.mc != "none" else [],
@@ -428,31 +382,6 @@ def _where(r: Result) -> str:
         f"r = {r.claim_rate:g}, layers {r.layers[0]}..{r.layers[-1]} (ME layer {r.me_layer}, "
         f"1-based {r.me_layer + 1}), positions {_pos_label(r.positions)}"
     )
-
-
-def _cols(*rows: Metrics) -> np.ndarray:
-    """``[text, 1 + len(rows)]``: the prediction count, then the NLL sum of each row, per text."""
-    n = np.asarray(rows[0].per_text.n_pred, dtype=np.float64)
-    return np.column_stack([n, *(np.asarray(r.per_text.nll, dtype=np.float64) for r in rows)])
-
-
-@claims.of_means
-def _sink_drop(m: np.ndarray) -> np.ndarray | float:
-    """``1 − mean(column 1) / mean(column 0)``, NaN when the base is not positive."""
-    return 1.0 - claims.divide(m[..., 1], m[..., 0], m[..., 0] > 0)
-
-
-@claims.of_means
-def _acc_dev(m: np.ndarray) -> np.ndarray | float:
-    """``mean(column 1) / mean(column 0) − 1``, NaN when the base is not positive."""
-    return claims.divide(m[..., 1], m[..., 0], m[..., 0] > 0) - 1.0
-
-
-def text_gap(row: Metrics, weight: Metrics, base: Metrics) -> np.ndarray:
-    """``[text]``: ``(ppl_x − ppl_weight) / ppl_unmasked`` of each text (its own perplexities): how much
-    more the selection of ``row`` hurts than the weight selection, in units of the unmasked model."""
-    ppl = lambda m: m.per_text.perplexity()  # noqa: E731
-    return (ppl(row) - ppl(weight)) / ppl(base)
 
 
 def _applies(*need: tuple[Callable[[Result], Any], str]) -> Callable[[Result], str | None]:
@@ -542,7 +471,9 @@ SPECS: tuple[claims.Spec, ...] = (
         "ppl_unchanged",
         "the full mask (wemask.full_mask_collapses) and the random / magnitude dims at the same "
         f"rate (wemask.beats_random, wemask.beats_magnitude); {_VACUOUS}",
-        stat=lambda r: claims.Sample(_cols(r.baseline, _weight(r)), evaluation.PPL_CHANGE),
+        stat=lambda r: claims.Sample(
+            evaluation.nll_columns(r.baseline, _weight(r)), evaluation.PPL_CHANGE
+        ),
         unit="texts",
         applies=_applies(_NEED_WEIGHT),
         details=lambda r: (
@@ -567,7 +498,7 @@ SPECS: tuple[claims.Spec, ...] = (
             np.column_stack([r.baseline.per_item.correct, _mc(r).per_item.correct]).astype(
                 np.float64
             ),
-            _acc_dev,
+            evaluation.ratio_change,
             keys=range(r.n_items),  # every item is its own measurement
         ),
         unit="items",
@@ -609,7 +540,9 @@ SPECS: tuple[claims.Spec, ...] = (
         ">",
         "ppl_unchanged",
         "the weight-selected WeMask on the same texts (paired)",
-        stat=lambda r: claims.Sample(text_gap(_variant("magnitude")(r), _weight(r), r.baseline)),
+        stat=lambda r: claims.Sample(
+            evaluation.text_gap(_variant("magnitude")(r), _weight(r), r.baseline)
+        ),
         unit="texts",
         applies=_applies(
             _NEED_WEIGHT, (_variant("magnitude"), "the magnitude or weight variant was not run")
@@ -629,7 +562,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "ppl_unchanged",
         f"the weight-selected WeMask on the same texts (paired); {_VACUOUS}",
         stat=lambda r: claims.Sample(
-            _cols(_weight(r), _variant("activation")(r)), evaluation.PPL_CHANGE
+            evaluation.nll_columns(_weight(r), _variant("activation")(r)), evaluation.PPL_CHANGE
         ),
         unit="texts",
         applies=_applies(
@@ -649,7 +582,9 @@ SPECS: tuple[claims.Spec, ...] = (
         ">=",
         "ppl_damage",
         "the small-rate WeMask (wemask.small_rate_ppl_unchanged)",
-        stat=lambda r: claims.Sample(_cols(r.baseline, r.full_row()), evaluation.PPL_RATIO),
+        stat=lambda r: claims.Sample(
+            evaluation.nll_columns(r.baseline, r.full_row()), evaluation.PPL_RATIO
+        ),
         unit="texts",
         applies=_applies(_NEED_FULL),
         details=_full_details,
@@ -668,7 +603,7 @@ SPECS: tuple[claims.Spec, ...] = (
         kind="sanity",
         stat=lambda r: claims.Sample(
             np.column_stack([r.baseline.per_text.sink, r.full_row().per_text.sink]),
-            _sink_drop,
+            evaluation.sink_drop,
         ),
         unit="texts",
         applies=_applies(_NEED_FULL),
@@ -699,33 +634,44 @@ def _sweep_points(result: Result, variant: str, metric: str) -> list[tuple[float
     return sorted((k, float(np.mean(v))) for k, v in by.items())
 
 
-def figures(result: Result) -> dict[str, go.Figure]:
-    metrics = [m for m in (*METRICS, "mc_accuracy") if getattr(result.baseline, m) is not None]
-    cols = 3
-    nrows = (len(metrics) + cols - 1) // cols
-    rate_fig = make_subplots(
-        rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics]
-    )
-    variants = [v for v in VARIANTS if any(r.condition.variant == v for r in result.rows)]
-    colors = dict(zip(VARIANTS, ("firebrick", "darkorange", "gray", "steelblue")))
+def _soft_points(result: Result, kind: str, metric: str) -> list[tuple[float, float]]:
+    """(α, value) of one soft alternative, from the unmasked model at α = 0."""
+    pts = [(r.condition.alpha, getattr(r.metrics, metric)) for r in result.rows]
+    pts = [p for r, p in zip(result.rows, pts) if r.condition.kind == kind and p[1] is not None]
+    return [(0.0, getattr(result.baseline, metric)), *sorted(pts)]
+
+
+def _grid(metrics: list[str], series: list[str], points, xtitle: str, title: str, colors=None):
+    """One panel per metric, one line per series (``points(series, metric)`` → (x, y) pairs)."""
+    cols, nrows = 3, (len(metrics) + 2) // 3
+    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics])
     for i, m in enumerate(metrics):
         rr, cc = i // cols + 1, i % cols + 1
-        for v in variants:
-            pts = _sweep_points(result, v, m)
-            rate_fig.add_trace(
-                go.Scatter(
-                    x=[p[0] for p in pts],
-                    y=[p[1] for p in pts],
-                    mode="lines+markers",
-                    name=v,
-                    legendgroup=v,
-                    showlegend=i == 0,
-                    line_color=colors.get(v),
-                ),
-                row=rr,
-                col=cc,
-            )
-        rand = result.random_rows(result.claim_rate)
+        for v in series:
+            x, y = zip(*points(v, m)) if points(v, m) else ((), ())
+            line = {"line_color": colors.get(v)} if colors else {}
+            trace = go.Scatter(x=x, y=y, mode="lines+markers", name=v, legendgroup=v, **line)
+            fig.add_trace(trace.update(showlegend=i == 0), row=rr, col=cc)
+        fig.update_xaxes(title_text=xtitle, row=rr, col=cc)
+    fig.update_layout(title=title, template="plotly_white", height=330 * nrows + 120)
+    return fig
+
+
+def figures(result: Result) -> dict[str, go.Figure]:
+    metrics = [m for m in (*METRICS, "mc_accuracy") if getattr(result.baseline, m) is not None]
+    variants = [v for v in VARIANTS if any(r.condition.variant == v for r in result.rows)]
+    colors = dict(zip(VARIANTS, ("firebrick", "darkorange", "gray", "steelblue")))
+    rate_fig = _grid(
+        metrics, variants, partial(_sweep_points, result), "mask rate r",
+        f"WeMask mask-rate study — {result.model}<br><sup>masked positions: "
+        f"{_pos_label(result.positions)}; layers {result.layers[0]}..{result.layers[-1]} (ME layer "
+        f"{result.me_layer}, start '{result.start}'); {result.n_texts} texts</sup>",
+        colors,
+    )  # fmt: skip
+    rand = result.random_rows(result.claim_rate)
+    for i, m in enumerate(metrics):
+        if m == "perplexity":
+            rate_fig.update_yaxes(type="log", row=i // 3 + 1, col=i % 3 + 1)
         if m in METRICS and len(rand) > 1:
             rate_fig.add_trace(
                 go.Scatter(
@@ -737,54 +683,18 @@ def figures(result: Result) -> dict[str, go.Figure]:
                     legendgroup="seeds",
                     showlegend=i == 0,
                 ),
-                row=rr,
-                col=cc,
+                row=i // 3 + 1,
+                col=i % 3 + 1,
             )
-        rate_fig.update_xaxes(title_text="mask rate r", row=rr, col=cc)
-        if m == "perplexity":
-            rate_fig.update_yaxes(type="log", row=rr, col=cc)
-    rate_fig.update_layout(
-        title=f"WeMask mask-rate study — {result.model}<br><sup>masked positions: "
-        f"{_pos_label(result.positions)}; layers {result.layers[0]}..{result.layers[-1]} (ME layer "
-        f"{result.me_layer}, start '{result.start}'); {result.n_texts} texts</sup>",
-        template="plotly_white",
-        height=330 * nrows + 120,
-    )
-    soft_fig = make_subplots(
-        rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics]
-    )
     kinds = [
         k
         for k in ("dim_projection", "direction_projection")
         if any(r.condition.kind == k for r in result.rows)
     ]
-    for i, m in enumerate(metrics):
-        rr, cc = i // cols + 1, i % cols + 1
-        for k in kinds:
-            pts = [(0.0, getattr(result.baseline, m))]
-            pts += sorted(
-                (r.condition.alpha, getattr(r.metrics, m))
-                for r in result.rows
-                if r.condition.kind == k and getattr(r.metrics, m) is not None
-            )
-            soft_fig.add_trace(
-                go.Scatter(
-                    x=[p[0] for p in pts],
-                    y=[p[1] for p in pts],
-                    mode="lines+markers",
-                    name=k,
-                    legendgroup=k,
-                    showlegend=i == 0,
-                ),
-                row=rr,
-                col=cc,
-            )
-        soft_fig.update_xaxes(title_text="α", row=rr, col=cc)
-    soft_fig.update_layout(
-        title=f"Soft alternatives: h − α P_S h (weight dims) and h − α proj_v h — {result.model}",
-        template="plotly_white",
-        height=330 * nrows + 120,
-    )
+    soft_fig = _grid(
+        metrics, kinds, partial(_soft_points, result), "α",
+        f"Soft alternatives: h − α P_S h (weight dims) and h − α proj_v h — {result.model}",
+    )  # fmt: skip
     return {"mask_rate": rate_fig, "soft_alpha": soft_fig}
 
 
