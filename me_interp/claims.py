@@ -807,11 +807,12 @@ def judge(specs: Iterable[Spec], result: Any, *, seed: int | None = None) -> lis
     kind (bootstrap over units, two-way bootstrap over units × seeds, Clopper–Pearson for k of
     n), decided against the threshold, and *not decided* (inconclusive, saying why) when it rests on
     fewer than two distinct measurements or, for a bootstrap, on a zero-width interval. ``seed``
-    defaults to ``result.seed`` (0 without one).
+    defaults to ``result.header.seed`` (``result.seed`` without a header; 0 without either).
     """
     specs = tuple(specs)
     check_specs(specs)
-    seed = int(getattr(result, "seed", 0) or 0) if seed is None else seed
+    if seed is None:  # the run header's seed (a Result's first field), else the result's own
+        seed = int(getattr(getattr(result, "header", result), "seed", 0) or 0)
     return [s.evaluate(result, seed) for s in specs]
 
 

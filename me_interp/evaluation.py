@@ -84,6 +84,20 @@ PPL_CHANGE = claims.of_means(lambda m: _pooled_ppl_ratio(m) - 1.0)
 """The same ratio − 1 (signed: an equivalence claim bootstraps it unfolded)."""
 
 
+@claims.of_means
+def sink_drop(m: np.ndarray) -> np.ndarray | float:
+    """``1 − mean(column 1) / mean(column 0)`` (the relative drop of a mean, e.g. of the attention
+    to the sink), NaN when the base is not positive."""
+    return 1.0 - claims.divide(m[..., 1], m[..., 0], m[..., 0] > 0)
+
+
+@claims.of_means
+def ratio_change(m: np.ndarray) -> np.ndarray | float:
+    """``mean(column 1) / mean(column 0) − 1`` (e.g. of an MC accuracy), NaN when the base is not
+    positive."""
+    return claims.divide(m[..., 1], m[..., 0], m[..., 0] > 0) - 1.0
+
+
 @dataclass(frozen=True)
 class TextNLL:
     """Per-text next-token NLL sums: text ``b`` contributes ``nll[b] = Σ_t −log p(x_{t+1} | x_{≤t})``
@@ -304,6 +318,90 @@ TEXT_STATS = ("nll", "n_pred", "kl", "top1", "n_pos", "sink", "entropy", "eff_ra
 otherwise)."""
 POOLED_METRICS = ("perplexity", "kl", "top1", "sink", "entropy", "eff_rank")
 """What :func:`pooled_metrics` makes of them."""
+
+
+@dataclass(frozen=True)
+class TextStats:
+    """Per text, in the order of the texts, the statistics :data:`TEXT_STATS` of one condition."""
+
+    nll: list[float]
+    n_pred: list[float]
+    kl: list[float]
+    top1: list[float]
+    n_pos: list[float]
+    sink: list[float]
+    entropy: list[float]
+    eff_rank: list[float]
+
+    def perplexity(self) -> np.ndarray:
+        """``[text]``: each text's own perplexity ``exp(nll_b / n_b)`` (NaN for a text without a
+        prediction)."""
+        nll = np.asarray(self.nll, dtype=np.float64)
+        n = np.asarray(self.n_pred, dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(n > 0, np.exp(nll / np.where(n > 0, n, 1.0)), np.nan)
+
+
+@dataclass(frozen=True)
+class ItemOutcomes:
+    """Per MC item: whether the summed (``correct``) and the per-token mean (``correct_norm``)
+    log-likelihood pick the right choice."""
+
+    correct: list[bool]
+    correct_norm: list[bool]
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """The pooled metrics (:data:`POOLED_METRICS`) of one condition, their per-text statistics and,
+    when MC items were scored, the accuracy with its per-item outcomes."""
+
+    perplexity: float
+    kl: float
+    top1: float
+    sink: float
+    entropy: float
+    eff_rank: float
+    per_text: TextStats
+    mc_accuracy: float | None = None
+    per_item: ItemOutcomes | None = None
+
+    @classmethod
+    def of(cls, m: dict[str, Any]) -> Metrics:
+        """The typed form of one row of :func:`sweep` (pooled metrics, ``per_text``, ``per_item``)."""
+        items = m.get("per_item")
+        return cls(
+            **{k: float(m[k]) for k in POOLED_METRICS},
+            per_text=TextStats(**{k: [float(v) for v in m["per_text"][k]] for k in TEXT_STATS}),
+            mc_accuracy=None if m.get("mc_accuracy") is None else float(m["mc_accuracy"]),
+            per_item=None if items is None else ItemOutcomes(
+                [bool(v) for v in items["correct"]], [bool(v) for v in items["correct_norm"]]
+            ),
+        )  # fmt: skip
+
+
+def nll_columns(*rows: Metrics) -> np.ndarray:
+    """``[text, 1 + len(rows)]``: the prediction count, then the NLL sum of each row, per text (what
+    :data:`PPL_RATIO` and :data:`PPL_CHANGE` read)."""
+    n = np.asarray(rows[0].per_text.n_pred, dtype=np.float64)
+    return np.column_stack([n, *(np.asarray(r.per_text.nll, dtype=np.float64) for r in rows)])
+
+
+def text_gap(row: Metrics, weight: Metrics, base: Metrics) -> np.ndarray:
+    """``[text]``: ``(ppl_x − ppl_weight) / ppl_unmasked`` of each text (its own perplexities): how much
+    more the condition of ``row`` hurts than the one of ``weight``, in units of ``base``."""
+    ppl = lambda m: m.per_text.perplexity()  # noqa: E731
+    return (ppl(row) - ppl(weight)) / ppl(base)
+
+
+def check_rank_layer(layer: int, n_layers: int) -> int:
+    """``layer`` as a 0-based layer (negative: from the end), or ``ValueError``."""
+    if not -n_layers <= layer < n_layers:
+        raise ValueError(
+            f"rank_layer {layer} is out of range: this model has {n_layers} layers "
+            f"(0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
+        )
+    return layer % n_layers
 
 
 def _record_pattern(a: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:

@@ -78,7 +78,6 @@ def _by_hand():
         sink_causality,
         super_weight,
         transplant,
-        wemask,
     )
 
     def ppl(a):
@@ -115,8 +114,8 @@ def _by_hand():
         ),
         (evaluation.PPL_RATIO, ppl, 3),
         (evaluation.PPL_CHANGE, lambda a: ppl(a) - 1, 3),
-        (wemask._sink_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
-        (wemask._acc_dev, lambda a: a[:, 1].mean() / a[:, 0].mean() - 1, 2),
+        (evaluation.sink_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
+        (evaluation.ratio_change, lambda a: a[:, 1].mean() / a[:, 0].mean() - 1, 2),
         (super_weight._recovered, recovered, 4),
         (mechanism._gain_alignment, gain, 4),
         (claims.of_means(lambda m: attention_sinks._shift(m, 2)), shift, 6),

@@ -150,20 +150,23 @@ def _wemask_rows_agree(tl_model, nn_model, cfg: dict) -> None:
     w_tl = wemask.run(wemask.Config(**cfg), tl_model)
     w_nn = wemask.run(wemask.Config(**cfg, backend="nnsight"), nn_model)
     assert (w_nn.me_layer, w_nn.layers) == (w_tl.me_layer, w_tl.layers)
-    assert math.isclose(w_nn.baseline["perplexity"], w_tl.baseline["perplexity"], rel_tol=RTOL)
-    wemask_rows = [r for r in w_nn.rows if r["kind"] == "wemask"]
-    assert {r["variant"] for r in wemask_rows} == set(wemask.VARIANTS)
-    for r in w_nn.rows:
-        o = w_tl.row(r["kind"], r["variant"], r["rate"], r["alpha"], r["seed"])
-        assert o is not None, r
-        assert math.isclose(r["perplexity"], o["perplexity"], rel_tol=RTOL), r["variant"]
-        np.testing.assert_allclose(r["per_text"]["nll"], o["per_text"]["nll"], rtol=RTOL)
-        assert r["per_text"]["n_pred"] == o["per_text"]["n_pred"]
+    assert math.isclose(w_nn.baseline.perplexity, w_tl.baseline.perplexity, rel_tol=RTOL)
+    wemask_rows = [r for r in w_nn.rows if r.condition.is_wemask()]
+    assert {r.condition.variant for r in wemask_rows} == set(wemask.VARIANTS)
+    for row in w_nn.rows:
+        c, r = row.condition, row.metrics
+        o = w_tl.metrics(c.kind, c.variant, c.rate, c.alpha, c.seed)
+        assert o is not None, row
+        assert math.isclose(r.perplexity, o.perplexity, rel_tol=RTOL), c.variant
+        np.testing.assert_allclose(r.per_text.nll, o.per_text.nll, rtol=RTOL)
+        assert r.per_text.n_pred == o.per_text.n_pred
         for k in ("sink", "entropy", "eff_rank"):
-            np.testing.assert_allclose(r["per_text"][k], o["per_text"][k], rtol=RTOL, atol=1e-7)
-        assert math.isnan(r["kl"])  # not measured by the nnsight backend: NaN, never 0
+            np.testing.assert_allclose(
+                getattr(r.per_text, k), getattr(o.per_text, k), rtol=RTOL, atol=1e-7
+            )
+        assert math.isnan(r.kl)  # not measured by the nnsight backend: NaN, never 0
     full = w_nn.full_row()
-    assert full["perplexity"] != w_nn.baseline["perplexity"]  # the mask acts
+    assert full.perplexity != w_nn.baseline.perplexity  # the mask acts
 
 
 def test_wemask_perplexities_agree_for_every_selection(planted_tl, planted_nn):

@@ -25,8 +25,8 @@ Claims (:data:`SPECS`, declarations judged by :func:`me_interp.claims.judge`; th
 rows of a text stay paired across conditions) and MC accuracies over items; the two "hurts more than
 the weight dims" comparisons use each text's own perplexity, ``(ppl_x − ppl_weight) / ppl_unmasked``
 per text, and the random-dims one is a two-way (crossed) bootstrap over texts × seeds
-(:class:`me_interp.claims.Nested`; the per-text, per-seed gaps are in the result as
-``random_dims_gap``). ``full_mask_removes_sink`` is a sanity check (the masked key is computed from
+(:class:`me_interp.claims.Nested`; the per-text, per-seed gaps are
+:meth:`Result.random_gaps`). ``full_mask_removes_sink`` is a sanity check (the masked key is computed from
 zeros). The "unchanged" claims are informative only where the full mask hurts: on a model that does not
 use the massive token's attention input (the planted model's random language model) every mask leaves
 perplexity unchanged. On a model without a massive activation (and no ``me_layer`` given) :func:`run`
@@ -38,9 +38,8 @@ raises :class:`me_interp.claims.NotApplicable`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -50,28 +49,29 @@ from plotly.subplots import make_subplots
 
 from me_interp import claims, evaluation, terminal
 from me_interp.backends import check_backend
+from me_interp.evaluation import Metrics
 from me_interp.experiments._weights import short_batch, spread
-from me_interp.interventions.soft import DirectionProjection, dim_projection
+from me_interp.interventions.soft import MaskCondition as Condition
 from me_interp.interventions.wemask import (
     MASK_ANYWAY,
     STARTS,
     VARIANTS,
-    WeMask,
     locate_with_directions,
     mask_layers,
     massive_positions,
 )
-from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.site import no_massive_why
 from me_interp.prompts import builtin_texts, read_prompts
 from me_interp.study import (
-    INDEX_CONVENTION,
     CommonConfig,
     Experiment,
     checked,
     command,
     model_for,
+    run_header,
 )
+from me_interp.study.result import RunHeader
 from me_interp.terminal import fmt_table
 
 NAME = "wemask"
@@ -164,25 +164,6 @@ class Config(CommonConfig):
 # ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Condition:
-    """One masked condition: ``kind`` ∈ {wemask, dim_projection, direction_projection}."""
-
-    kind: str
-    variant: str
-    rate: float
-    alpha: float = 1.0
-    seed: int = 0
-
-    def label(self) -> str:
-        if self.kind == "wemask":
-            tail = f" seed {self.seed}" if self.variant == "random" else ""
-            return f"wemask {self.variant} r={self.rate:g}{tail}"
-        if self.kind == "dim_projection":
-            return f"dim_projection r={self.rate:g} α={self.alpha:g}"
-        return f"direction_projection α={self.alpha:g}"
-
-
 def conditions(cfg: Config) -> list[Condition]:
     """Every masked condition of the run, without duplicates: one ``r = 1`` forward for all selections
     (they coincide), ``n_seeds`` random seeds at ``claim_rate``, and the soft alternatives (the dim
@@ -209,142 +190,111 @@ def conditions(cfg: Config) -> list[Condition]:
     return out
 
 
-def _spec(model, cond: Condition, layers, positions, directions) -> Any:
-    if cond.kind == "wemask":
-        return WeMask.build(model, layers, cond.rate, cond.variant, positions, seed=cond.seed)
-    if cond.kind == "dim_projection":
-        return dim_projection(
-            model, cond.alpha, layers, variant=cond.variant, rate=cond.rate, positions=positions
-        )
-    return DirectionProjection.build(model, cond.alpha, directions, layers, positions=positions)
-
-
 # ------------------------------------------------------------------------------------------
 # result
 # ------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Result:
-    """What :func:`run` measured. ``baseline`` and each row of ``rows`` hold the pooled metrics, their
-    ``per_text`` statistics (:data:`PER_TEXT`, in the order of the texts) and, when scored, the MC
-    accuracy with ``per_item`` outcomes."""
+@dataclass(frozen=True)
+class Row:
+    """One condition's measurements; a row that shares another's forward says which (``same_as``)."""
 
-    model: str
-    bos: str
-    me_layer: int
-    me_layer_given: bool
+    condition: Condition
+    metrics: Metrics
+    same_as: str | None = None
+
+
+@dataclass(frozen=True)
+class RandomGaps:
+    """Per text and random seed at ``claim_rate``: ``(ppl_random − ppl_weight) / ppl_unmasked`` of the
+    text's own perplexities (:func:`me_interp.evaluation.text_gap`); ``per_text[text][seed]``."""
+
+    seeds: list[int]
+    per_text: list[list[float]]
+
+
+@dataclass(frozen=True)
+class Result:
+    """What :func:`run` measured. The header's ``layer`` is the layer the masks start from (given or
+    detected: :attr:`me_layer`), its ``me_layer`` and ``dims`` the detected ME layer and massive dims.
+    ``baseline`` and each row of ``rows`` hold the pooled metrics, their per-text statistics and, when
+    scored, the MC accuracy with per-item outcomes. ``not_measured``: what the backend left out."""
+
+    header: RunHeader
     massive_at_me: bool
     start: str
     layers: list[int]
+    positions: tuple[int, ...] | list[list[int]]
     rank_layer: int
     claim_rate: float
     n_seeds: int
-    seed: int
     n_texts: int
     n_tokens: int
     n_items: int
-    detection: dict[str, Any]
-    baseline: dict[str, Any]
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    positions: Any = (0,)
+    baseline: Metrics
+    rows: list[Row]
+    not_measured: str | None = None
 
-    def row(
+    @property
+    def model(self) -> str:
+        return self.header.model
+
+    @property
+    def me_layer(self) -> int:
+        """The layer the masks start from (``start``)."""
+        return int(self.header.layer)  # type: ignore[arg-type]
+
+    @property
+    def me_layer_given(self) -> bool:
+        return self.header.layer_given
+
+    def metrics(
         self, kind: str, variant: str, rate: float, alpha: float = 1.0, seed: int | None = None
-    ) -> dict | None:
-        """The row of one condition (``seed=None``: the run's own seed)."""
-        seed = self.seed if seed is None else seed
-        for r in self.rows:
-            if (
-                (r["kind"], r["variant"]) == (kind, variant)
-                and math.isclose(r["rate"], rate)
-                and math.isclose(r["alpha"], alpha)
-                and r["seed"] == seed
-            ):
-                return r
-        return None
+    ) -> Metrics | None:
+        """The metrics of one condition (``seed=None``: the run's own seed), ``None`` when not run."""
+        c = Condition(kind, variant, rate, alpha, self.header.seed if seed is None else seed)
+        return next((r.metrics for r in self.rows if r.condition == c), None)
 
-    def random_rows(self, rate: float) -> list[dict[str, Any]]:
+    def random_rows(self, rate: float) -> list[Row]:
         """Every seed's ``random`` row at ``rate``."""
-        return [
-            r
-            for r in self.rows
-            if r["kind"] == "wemask" and r["variant"] == "random" and math.isclose(r["rate"], rate)
-        ]
+        return [r for r in self.rows if r.condition.is_wemask("random", rate)]
 
-    def full_row(self) -> dict[str, Any] | None:
+    def full_row(self) -> Metrics | None:
         """The ``r = 1`` forward (the one row every selection shares), or ``None`` when not run."""
         return next(
-            (
-                r
-                for r in self.rows
-                if r["kind"] == "wemask" and r["rate"] == 1.0 and "same_as" not in r
-            ),
+            (r.metrics for r in self.rows if r.condition.is_wemask(rate=1.0) and r.same_as is None),
             None,
         )
 
-    def random_gaps(self) -> dict[str, Any]:
-        """What ``wemask.beats_random`` is judged on: per text and random seed at ``claim_rate``,
-        ``(ppl_random − ppl_weight) / ppl_unmasked`` of the text's own perplexities
-        (:func:`text_gap`): ``{"seeds": [...], "per_text": [[gap of seed s] per text]}`` (empty
-        when the weight or random selection was not run)."""
-        w, rand = self.row("wemask", "weight", self.claim_rate), self.random_rows(self.claim_rate)
+    def random_gaps(self) -> RandomGaps:
+        """What ``wemask.beats_random`` is judged on (empty when the weight or random selection was
+        not run)."""
+        w, rand = (
+            self.metrics("wemask", "weight", self.claim_rate),
+            self.random_rows(self.claim_rate),
+        )
         if w is None or not rand:
-            return {"seeds": [], "per_text": []}
-        gaps = np.column_stack([text_gap(r, w, self.baseline) for r in rand])  # [text seed]
-        return {"seeds": [r["seed"] for r in rand], "per_text": gaps.tolist()}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "bos": self.bos,
-            "index_convention": INDEX_CONVENTION,
-            "me_layer": self.me_layer,
-            "me_layer_1based": self.me_layer + 1,
-            "me_layer_given": self.me_layer_given,
-            "massive_at_me_layer": self.massive_at_me,
-            "start": self.start,
-            "masked_layers": self.layers,
-            "masked_positions": self.positions,
-            "rank_layer": self.rank_layer,
-            "claim_rate": self.claim_rate,
-            "n_seeds": self.n_seeds,
-            "seed": self.seed,
-            "n_texts": self.n_texts,
-            "n_tokens": self.n_tokens,
-            "n_items": self.n_items,
-            "detection": self.detection,
-            "baseline": self.baseline,
-            "table": self.rows,
-            "random_dims_gap": self.random_gaps(),
-        }
+            return RandomGaps([], [])
+        gaps = np.column_stack(
+            [evaluation.text_gap(r.metrics, w, self.baseline) for r in rand]
+        )  # [text seed]
+        return RandomGaps([r.condition.seed for r in rand], gaps.tolist())
 
 
-def _rows(cfg: Config, cond: Condition, m: dict[str, Any]) -> list[dict[str, Any]]:
+def _rows(cfg: Config, cond: Condition, m: Metrics) -> list[Row]:
     """The table rows one forward stands for: ``cond`` itself, every other selection at ``r = 1``, and
     the dim projection at ``α = 1`` for WeMask ``weight`` at ``soft_rate`` (marked ``same_as``)."""
-    rows = [{**_cond_dict(cond), **m}]
+    rows = [Row(cond, m)]
     if cond.kind != "wemask":
         return rows
+    same = f"wemask {cond.variant}"
     if cond.rate == 1.0:
-        for v in cfg.variants[1:]:
-            same = Condition("wemask", v, 1.0, 1.0, cfg.seed)
-            rows.append({**_cond_dict(same), **m, "same_as": f"wemask {cond.variant}"})
+        rows += [Row(Condition("wemask", v, 1.0, 1.0, cfg.seed), m, same) for v in cfg.variants[1:]]
     is_weight = cond.variant == "weight" or cond.rate == 1.0  # r = 1: every selection
     if is_weight and cond.rate == cfg.soft_rate and 1.0 in cfg.alphas:
         alias = Condition("dim_projection", "weight", cfg.soft_rate, 1.0, cfg.seed)
-        rows.append({**_cond_dict(alias), **m, "same_as": f"wemask {cond.variant}"})
+        rows.append(Row(alias, m, same))
     return rows
-
-
-def _check_rank_layer(layer: int, n_layers: int) -> int:
-    """``rank_layer`` as a 0-based layer (negative: from the end), or ``ValueError``."""
-    if not -n_layers <= layer < n_layers:
-        raise ValueError(
-            f"rank_layer {layer} is out of range: this model has {n_layers} layers "
-            f"(0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
-        )
-    return layer % n_layers
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -364,31 +314,53 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     if cfg.positions == "massive":
         positions = [p or [0] for p in massive_positions(model, model.tokenize(texts))]
     chunks = evaluation.length_batches(model, texts, cfg.batch_tokens)
-    rank_layer = _check_rank_layer(cfg.rank_layer, model.n_layers)
+    rank_layer = evaluation.check_rank_layer(cfg.rank_layer, model.n_layers)
     # the massive direction of each masked layer: the mean attention input at position 0
     directions = {L: first[L] for L in layers}
     conds = conditions(cfg)
     claim = Condition("wemask", "weight", cfg.claim_rate, 1.0, cfg.seed)
     swept = evaluation.sweep(
         model, chunks, layers, rank_layer,
-        [partial(_spec, model, c, layers, directions=directions) for c in conds],
+        [partial(c.spec, model, layers, directions=directions) for c in conds],
         positions=positions,
         per_text=cfg.positions == "massive",
         items=evaluation.load_mc_items(cfg.mc_items) if cfg.mc != "none" else [],
         score_mc=[cfg.mc == "all" or c == claim for c in conds],
         progress=partial(terminal.bar, desc="wemask sweep"),
     )  # fmt: skip
-    rows: list[dict[str, Any]] = []
+    rows: list[Row] = []
     for cond, m in zip(conds, swept.rows):
         if m is not None:  # None: a condition the model's backend does not apply
-            rows += _rows(cfg, cond, m)
-    detection: dict[str, Any] = {"n_prompts": len(detect)}
-    if swept.not_measured:
-        detection["not_measured"] = swept.not_measured
-    return _result(
-        cfg, model, loc, me, layers, rank_layer, len(texts), chunks, swept.n_items, detection,
-        swept.base, rows, positions,
-    )  # fmt: skip
+            rows += _rows(cfg, cond, Metrics.of(m))
+    base = Metrics.of(swept.base)
+    if 0.0 in cfg.rates:  # the identity rows: the baseline, once per selection, for the figure
+        rows += [
+            Row(Condition("wemask", v, 0.0, 1.0, cfg.seed), base, "baseline") for v in cfg.variants
+        ]
+    header = replace(
+        run_header(cfg, model, len(detect)),
+        layer=me,
+        layer_1based=me + 1,
+        layer_given=cfg.me_layer is not None,
+        me_layer=loc.me_layer,
+        dims=tuple(loc.massive_dims),
+    )
+    return Result(
+        header=header,
+        massive_at_me=bool(loc.layer_has_massive[me]),
+        start=cfg.start,
+        layers=layers,
+        positions=positions,
+        rank_layer=rank_layer,
+        claim_rate=float(cfg.claim_rate),
+        n_seeds=cfg.n_seeds,
+        n_texts=len(texts),
+        n_tokens=int(sum(b.attention_mask.sum() for _, b in chunks)),
+        n_items=swept.n_items,
+        baseline=base,
+        rows=rows,
+        not_measured=swept.not_measured,
+    )
 
 
 def _me_layer(cfg: Config, model: Any, loc: Any, n_prompts: int) -> int:
@@ -401,58 +373,6 @@ def _me_layer(cfg: Config, model: Any, loc: Any, n_prompts: int) -> int:
     return int(loc.me_layer)
 
 
-def _result(
-    cfg: Config,
-    model: Any,
-    loc: Any,
-    me: int,
-    layers: list[int],
-    rank_layer: int,
-    n_texts: int,
-    chunks: list[tuple[list[int], Batch]],
-    n_items: int,
-    detection: dict[str, Any],
-    base: dict[str, Any],
-    rows: list[dict[str, Any]],
-    positions: Any,
-) -> Result:
-    """The :class:`Result` of a sweep, with the identity rows (``r = 0``: the baseline, once per
-    selection, for the sweep figure) added when ``0`` is among the rates."""
-    if 0.0 in cfg.rates:
-        for v in cfg.variants:
-            zero = Condition("wemask", v, 0.0, 1.0, cfg.seed)
-            rows.append({**_cond_dict(zero), **base, "same_as": "baseline"})
-    return Result(
-        model=model.name,
-        bos=model.bos,
-        me_layer=me,
-        me_layer_given=cfg.me_layer is not None,
-        massive_at_me=bool(loc.layer_has_massive[me]),
-        start=cfg.start,
-        layers=layers,
-        rank_layer=rank_layer,
-        claim_rate=float(cfg.claim_rate),
-        n_seeds=cfg.n_seeds,
-        seed=cfg.seed,
-        n_texts=n_texts,
-        n_tokens=int(sum(b.attention_mask.sum() for _, b in chunks)),
-        n_items=n_items,
-        detection={
-            **detection,
-            "max_tokens": cfg.detect_tokens,
-            "me_layer_detected": loc.me_layer,
-            "massive_dims": loc.massive_dims,
-        },
-        baseline=base,
-        rows=rows,
-        positions=positions,
-    )
-
-
-def _cond_dict(c: Condition) -> dict[str, Any]:
-    return {"kind": c.kind, "variant": c.variant, "rate": c.rate, "alpha": c.alpha, "seed": c.seed}
-
-
 # ------------------------------------------------------------------------------------------
 # claims: declarations judged by claims.judge (common.execute)
 # ------------------------------------------------------------------------------------------
@@ -463,39 +383,6 @@ def _where(r: Result) -> str:
         f"r = {r.claim_rate:g}, layers {r.layers[0]}..{r.layers[-1]} (ME layer {r.me_layer}, "
         f"1-based {r.me_layer + 1}), positions {_pos_label(r.positions)}"
     )
-
-
-def _cols(*rows: dict[str, Any], key: str = "nll") -> np.ndarray:
-    """``[text, 1 + len(rows)]``: the prediction count, then ``key`` of each row, per text."""
-    n = np.asarray(rows[0]["per_text"]["n_pred"], dtype=np.float64)
-    return np.column_stack([n, *(np.asarray(r["per_text"][key], dtype=np.float64) for r in rows)])
-
-
-@claims.of_means
-def _sink_drop(m: np.ndarray) -> np.ndarray | float:
-    """``1 − mean(column 1) / mean(column 0)``, NaN when the base is not positive."""
-    return 1.0 - claims.divide(m[..., 1], m[..., 0], m[..., 0] > 0)
-
-
-@claims.of_means
-def _acc_dev(m: np.ndarray) -> np.ndarray | float:
-    """``mean(column 1) / mean(column 0) − 1``, NaN when the base is not positive."""
-    return claims.divide(m[..., 1], m[..., 0], m[..., 0] > 0) - 1.0
-
-
-def text_perplexity(row: dict[str, Any]) -> np.ndarray:
-    """``[text]``: each text's own perplexity ``exp(nll_b / n_b)`` (NaN for a text without a
-    prediction)."""
-    nll = np.asarray(row["per_text"]["nll"], dtype=np.float64)
-    n = np.asarray(row["per_text"]["n_pred"], dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(n > 0, np.exp(nll / np.where(n > 0, n, 1.0)), np.nan)
-
-
-def text_gap(row: dict[str, Any], weight: dict[str, Any], base: dict[str, Any]) -> np.ndarray:
-    """``[text]``: ``(ppl_x − ppl_weight) / ppl_unmasked`` of each text (its own perplexities): how much
-    more the selection of ``row`` hurts than the weight selection, in units of the unmasked model."""
-    return (text_perplexity(row) - text_perplexity(weight)) / text_perplexity(base)
 
 
 def _applies(*need: tuple[Callable[[Result], Any], str]) -> Callable[[Result], str | None]:
@@ -516,20 +403,20 @@ def _applies(*need: tuple[Callable[[Result], Any], str]) -> Callable[[Result], s
     return check
 
 
-def _weight(r: Result) -> dict | None:
-    return r.row("wemask", "weight", r.claim_rate)
+def _weight(r: Result) -> Metrics | None:
+    return r.metrics("wemask", "weight", r.claim_rate)
 
 
-def _variant(name: str) -> Callable[[Result], dict | None]:
-    def get(r: Result) -> dict | None:
-        return r.row("wemask", name, r.claim_rate) if _weight(r) is not None else None
+def _variant(name: str) -> Callable[[Result], Metrics | None]:
+    def get(r: Result) -> Metrics | None:
+        return r.metrics("wemask", name, r.claim_rate) if _weight(r) is not None else None
 
     return get
 
 
-def _mc(r: Result) -> dict | None:
+def _mc(r: Result) -> Metrics | None:
     w = _weight(r)
-    return w if (w is not None and "per_item" in w and "per_item" in r.baseline) else None
+    return w if (w is not None and w.per_item and r.baseline.per_item) else None
 
 
 def _seeds(r: Result) -> list | None:
@@ -547,25 +434,25 @@ _NEED_FULL = (lambda r: r.full_row(), "r = 1 was not run (--rates)")
 
 def _random_measure(r: Result) -> claims.Nested:
     _seeds(r)  # raises NotApplicable with fewer than MIN_SEEDS seeds
-    return claims.Nested(np.asarray(r.random_gaps()["per_text"], dtype=np.float64), unit="texts")
+    return claims.Nested(np.asarray(r.random_gaps().per_text, dtype=np.float64), unit="texts")
 
 
 def _random_details(r: Result) -> str:
     rand, w, base = r.random_rows(r.claim_rate), _weight(r), r.baseline
     return (
-        f"{_where(r)}; pooled perplexity random {_fmt_list(x['perplexity'] for x in rand)} (seeds "
-        f"{[x['seed'] for x in rand]}) vs weight {w['perplexity']:.4g}, unmasked "
-        f"{base['perplexity']:.4g}; a seed's dim set is shared by every text (per-text, per-seed "
-        "gaps in the result's random_dims_gap)"
+        f"{_where(r)}; pooled perplexity random {_fmt_list(x.metrics.perplexity for x in rand)} "
+        f"(seeds {[x.condition.seed for x in rand]}) vs weight {w.perplexity:.4g}, unmasked "
+        f"{base.perplexity:.4g}; a seed's dim set is shared by every text (per-text, per-seed "
+        "gaps: Result.random_gaps())"
     )
 
 
 def _full_details(r: Result) -> str:
     full = r.full_row()
     return (
-        f"layers {r.layers[0]}..{r.layers[-1]}, every dim; perplexity {r.baseline['perplexity']:.4g} "
-        f"→ {full['perplexity']:.4g}; top-1 agreement {full['top1']:.3f}; attention to position 0 "
-        f"{r.baseline['sink']:.3f} → {full['sink']:.3f}"
+        f"layers {r.layers[0]}..{r.layers[-1]}, every dim; perplexity {r.baseline.perplexity:.4g} "
+        f"→ {full.perplexity:.4g}; top-1 agreement {full.top1:.3f}; attention to position 0 "
+        f"{r.baseline.sink:.3f} → {full.sink:.3f}"
     )
 
 
@@ -585,14 +472,16 @@ SPECS: tuple[claims.Spec, ...] = (
         "ppl_unchanged",
         "the full mask (wemask.full_mask_collapses) and the random / magnitude dims at the same "
         f"rate (wemask.beats_random, wemask.beats_magnitude); {_VACUOUS}",
-        stat=lambda r: claims.Sample(_cols(r.baseline, _weight(r)), evaluation.PPL_CHANGE),
+        stat=lambda r: claims.Sample(
+            evaluation.nll_columns(r.baseline, _weight(r)), evaluation.PPL_CHANGE
+        ),
         unit="texts",
         applies=_applies(_NEED_WEIGHT),
         details=lambda r: (
-            f"{_where(r)}; perplexity {r.baseline['perplexity']:.4g} → "
-            f"{_weight(r)['perplexity']:.4g} over {r.n_texts} texts "
-            f"({int(sum(r.baseline['per_text']['n_pred']))} predictions); KL "
-            f"{_weight(r)['kl']:.3g} nats, top-1 agreement {_weight(r)['top1']:.3f}"
+            f"{_where(r)}; perplexity {r.baseline.perplexity:.4g} → "
+            f"{_weight(r).perplexity:.4g} over {r.n_texts} texts "
+            f"({int(sum(r.baseline.per_text.n_pred))} predictions); KL "
+            f"{_weight(r).kl:.3g} nats, top-1 agreement {_weight(r).top1:.3f}"
         ),
     ),
     claims.Spec(
@@ -607,18 +496,18 @@ SPECS: tuple[claims.Spec, ...] = (
         "interval has zero width and the claim is not decided (the items bound the change only "
         "through their number)",
         stat=lambda r: claims.Sample(
-            np.column_stack(
-                [r.baseline["per_item"]["correct"], _mc(r)["per_item"]["correct"]]
-            ).astype(np.float64),
-            _acc_dev,
+            np.column_stack([r.baseline.per_item.correct, _mc(r).per_item.correct]).astype(
+                np.float64
+            ),
+            evaluation.ratio_change,
             keys=range(r.n_items),  # every item is its own measurement
         ),
         unit="items",
         applies=_applies(_NEED_WEIGHT, (_mc, "MC items not scored (--mc none)")),
         details=lambda r: (
-            f"{_where(r)}; accuracy {r.baseline['mc_accuracy']:.3f} → "
-            f"{_mc(r)['mc_accuracy']:.3f} on {r.n_items} items; "
-            f"{sum(a != b for a, b in zip(r.baseline['per_item']['correct'], _mc(r)['per_item']['correct']))} "
+            f"{_where(r)}; accuracy {r.baseline.mc_accuracy:.3f} → "
+            f"{_mc(r).mc_accuracy:.3f} on {r.n_items} items; "
+            f"{sum(a != b for a, b in zip(r.baseline.per_item.correct, _mc(r).per_item.correct))} "
             "items change their outcome"
         ),
     ),
@@ -652,14 +541,16 @@ SPECS: tuple[claims.Spec, ...] = (
         ">",
         "ppl_unchanged",
         "the weight-selected WeMask on the same texts (paired)",
-        stat=lambda r: claims.Sample(text_gap(_variant("magnitude")(r), _weight(r), r.baseline)),
+        stat=lambda r: claims.Sample(
+            evaluation.text_gap(_variant("magnitude")(r), _weight(r), r.baseline)
+        ),
         unit="texts",
         applies=_applies(
             _NEED_WEIGHT, (_variant("magnitude"), "the magnitude or weight variant was not run")
         ),
         details=lambda r: (
-            f"{_where(r)}; pooled perplexity magnitude {_variant('magnitude')(r)['perplexity']:.4g} "
-            f"vs weight {_weight(r)['perplexity']:.4g}, unmasked {r.baseline['perplexity']:.4g}"
+            f"{_where(r)}; pooled perplexity magnitude {_variant('magnitude')(r).perplexity:.4g} "
+            f"vs weight {_weight(r).perplexity:.4g}, unmasked {r.baseline.perplexity:.4g}"
         ),
     ),
     claims.Spec(
@@ -672,16 +563,16 @@ SPECS: tuple[claims.Spec, ...] = (
         "ppl_unchanged",
         f"the weight-selected WeMask on the same texts (paired); {_VACUOUS}",
         stat=lambda r: claims.Sample(
-            _cols(_weight(r), _variant("activation")(r)), evaluation.PPL_CHANGE
+            evaluation.nll_columns(_weight(r), _variant("activation")(r)), evaluation.PPL_CHANGE
         ),
         unit="texts",
         applies=_applies(
             _NEED_WEIGHT, (_variant("activation"), "the activation or weight variant was not run")
         ),
         details=lambda r: (
-            f"{_where(r)}; perplexity activation {_variant('activation')(r)['perplexity']:.4g} vs "
-            f"weight {_weight(r)['perplexity']:.4g}; KL {_variant('activation')(r)['kl']:.3g} vs "
-            f"{_weight(r)['kl']:.3g} nats"
+            f"{_where(r)}; perplexity activation {_variant('activation')(r).perplexity:.4g} vs "
+            f"weight {_weight(r).perplexity:.4g}; KL {_variant('activation')(r).kl:.3g} vs "
+            f"{_weight(r).kl:.3g} nats"
         ),
     ),
     claims.Spec(
@@ -692,7 +583,9 @@ SPECS: tuple[claims.Spec, ...] = (
         ">=",
         "ppl_damage",
         "the small-rate WeMask (wemask.small_rate_ppl_unchanged)",
-        stat=lambda r: claims.Sample(_cols(r.baseline, r.full_row()), evaluation.PPL_RATIO),
+        stat=lambda r: claims.Sample(
+            evaluation.nll_columns(r.baseline, r.full_row()), evaluation.PPL_RATIO
+        ),
         unit="texts",
         applies=_applies(_NEED_FULL),
         details=_full_details,
@@ -710,14 +603,14 @@ SPECS: tuple[claims.Spec, ...] = (
         "the unmasked model on the same texts (paired)",
         kind="sanity",
         stat=lambda r: claims.Sample(
-            np.column_stack([r.baseline["per_text"]["sink"], r.full_row()["per_text"]["sink"]]),
-            _sink_drop,
+            np.column_stack([r.baseline.per_text.sink, r.full_row().per_text.sink]),
+            evaluation.sink_drop,
         ),
         unit="texts",
         applies=_applies(_NEED_FULL),
         details=lambda r: (
             f"attention to position 0 in layers {r.layers[0]}..{r.layers[-1]}: "
-            f"{r.baseline['sink']:.3f} → {r.full_row()['sink']:.3f}"
+            f"{r.baseline.sink:.3f} → {r.full_row().sink:.3f}"
         ),
     ),
 )
@@ -737,93 +630,72 @@ def _sweep_points(result: Result, variant: str, metric: str) -> list[tuple[float
     """(rate, value) of one selection; several random seeds at a rate are averaged."""
     by: dict[float, list[float]] = {}
     for r in result.rows:
-        if r["kind"] == "wemask" and r["variant"] == variant and metric in r:
-            by.setdefault(r["rate"], []).append(r[metric])
+        if r.condition.is_wemask(variant) and getattr(r.metrics, metric) is not None:
+            by.setdefault(r.condition.rate, []).append(getattr(r.metrics, metric))
     return sorted((k, float(np.mean(v))) for k, v in by.items())
 
 
-def figures(result: Result) -> dict[str, go.Figure]:
-    metrics = [m for m in (*METRICS, "mc_accuracy") if m in result.baseline]
-    cols = 3
-    nrows = (len(metrics) + cols - 1) // cols
-    rate_fig = make_subplots(
-        rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics]
-    )
-    variants = [v for v in VARIANTS if any(r["variant"] == v for r in result.rows)]
-    colors = dict(zip(VARIANTS, ("firebrick", "darkorange", "gray", "steelblue")))
+def _soft_points(result: Result, kind: str, metric: str) -> list[tuple[float, float]]:
+    """(α, value) of one soft alternative, from the unmasked model at α = 0."""
+    pts = [(r.condition.alpha, getattr(r.metrics, metric)) for r in result.rows]
+    pts = [p for r, p in zip(result.rows, pts) if r.condition.kind == kind and p[1] is not None]
+    return [(0.0, getattr(result.baseline, metric)), *sorted(pts)]
+
+
+def _grid(metrics: list[str], series: list[str], points, xtitle: str, title: str, colors=None):
+    """One panel per metric, one line per series (``points(series, metric)`` → (x, y) pairs)."""
+    cols, nrows = 3, (len(metrics) + 2) // 3
+    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics])
     for i, m in enumerate(metrics):
         rr, cc = i // cols + 1, i % cols + 1
-        for v in variants:
-            pts = _sweep_points(result, v, m)
-            rate_fig.add_trace(
-                go.Scatter(
-                    x=[p[0] for p in pts],
-                    y=[p[1] for p in pts],
-                    mode="lines+markers",
-                    name=v,
-                    legendgroup=v,
-                    showlegend=i == 0,
-                    line_color=colors.get(v),
-                ),
-                row=rr,
-                col=cc,
-            )
-        rand = result.random_rows(result.claim_rate)
+        for v in series:
+            x, y = zip(*points(v, m)) if points(v, m) else ((), ())
+            line = {"line_color": colors.get(v)} if colors else {}
+            trace = go.Scatter(x=x, y=y, mode="lines+markers", name=v, legendgroup=v, **line)
+            fig.add_trace(trace.update(showlegend=i == 0), row=rr, col=cc)
+        fig.update_xaxes(title_text=xtitle, row=rr, col=cc)
+    fig.update_layout(title=title, template="plotly_white", height=330 * nrows + 120)
+    return fig
+
+
+def figures(result: Result) -> dict[str, go.Figure]:
+    metrics = [m for m in (*METRICS, "mc_accuracy") if getattr(result.baseline, m) is not None]
+    variants = [v for v in VARIANTS if any(r.condition.variant == v for r in result.rows)]
+    colors = dict(zip(VARIANTS, ("firebrick", "darkorange", "gray", "steelblue")))
+    rate_fig = _grid(
+        metrics, variants, partial(_sweep_points, result), "mask rate r",
+        f"WeMask mask-rate study — {result.model}<br><sup>masked positions: "
+        f"{_pos_label(result.positions)}; layers {result.layers[0]}..{result.layers[-1]} (ME layer "
+        f"{result.me_layer}, start '{result.start}'); {result.n_texts} texts</sup>",
+        colors,
+    )  # fmt: skip
+    rand = result.random_rows(result.claim_rate)
+    for i, m in enumerate(metrics):
+        if m == "perplexity":
+            rate_fig.update_yaxes(type="log", row=i // 3 + 1, col=i % 3 + 1)
         if m in METRICS and len(rand) > 1:
             rate_fig.add_trace(
                 go.Scatter(
                     x=[result.claim_rate] * len(rand),
-                    y=[r[m] for r in rand],
+                    y=[getattr(r.metrics, m) for r in rand],
                     mode="markers",
                     marker={"color": "gray", "symbol": "circle-open"},
                     name="random, each seed",
                     legendgroup="seeds",
                     showlegend=i == 0,
                 ),
-                row=rr,
-                col=cc,
+                row=i // 3 + 1,
+                col=i % 3 + 1,
             )
-        rate_fig.update_xaxes(title_text="mask rate r", row=rr, col=cc)
-        if m == "perplexity":
-            rate_fig.update_yaxes(type="log", row=rr, col=cc)
-    rate_fig.update_layout(
-        title=f"WeMask mask-rate study — {result.model}<br><sup>masked positions: "
-        f"{_pos_label(result.positions)}; layers {result.layers[0]}..{result.layers[-1]} (ME layer "
-        f"{result.me_layer}, start '{result.start}'); {result.n_texts} texts</sup>",
-        template="plotly_white",
-        height=330 * nrows + 120,
-    )
-    soft_fig = make_subplots(
-        rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics]
-    )
     kinds = [
         k
         for k in ("dim_projection", "direction_projection")
-        if any(r["kind"] == k for r in result.rows)
+        if any(r.condition.kind == k for r in result.rows)
     ]
-    for i, m in enumerate(metrics):
-        rr, cc = i // cols + 1, i % cols + 1
-        for k in kinds:
-            pts = [(0.0, result.baseline[m])]
-            pts += sorted((r["alpha"], r[m]) for r in result.rows if r["kind"] == k and m in r)
-            soft_fig.add_trace(
-                go.Scatter(
-                    x=[p[0] for p in pts],
-                    y=[p[1] for p in pts],
-                    mode="lines+markers",
-                    name=k,
-                    legendgroup=k,
-                    showlegend=i == 0,
-                ),
-                row=rr,
-                col=cc,
-            )
-        soft_fig.update_xaxes(title_text="α", row=rr, col=cc)
-    soft_fig.update_layout(
-        title=f"Soft alternatives: h − α P_S h (weight dims) and h − α proj_v h — {result.model}",
-        template="plotly_white",
-        height=330 * nrows + 120,
-    )
+    soft_fig = _grid(
+        metrics, kinds, partial(_soft_points, result), "α",
+        f"Soft alternatives: h − α P_S h (weight dims) and h − α proj_v h — {result.model}",
+    )  # fmt: skip
     return {"mask_rate": rate_fig, "soft_alpha": soft_fig}
 
 
@@ -841,12 +713,12 @@ def summary(result: Result) -> str:
         f"r = {result.claim_rate:g}"
     )
     metrics = [*METRICS, "mc_accuracy"]
-    cell = lambda r, m: r.get(m, "-")  # noqa: E731
+    cell = lambda x, m: "-" if getattr(x, m) is None else getattr(x, m)  # noqa: E731
     rows = [("baseline", "-", "-", "-", "-", *(cell(result.baseline, m) for m in metrics))]
     rows += [
-        (r["kind"], r["variant"], r["rate"], r["alpha"], r["seed"], *(cell(r, m) for m in metrics))
+        (*astuple(r.condition), *(cell(r.metrics, m) for m in metrics))
         for r in result.rows
-        if r.get("same_as") is None
+        if r.same_as is None
     ]
     table = fmt_table(["kind", "variant", "rate", "alpha", "seed", *metrics], rows)
     return "\n".join([head, "", table])

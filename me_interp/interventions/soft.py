@@ -7,6 +7,9 @@
   (given, or estimated as the mean of the massive tokens' vectors at that site by
   :func:`estimate_direction`). ``α = 1`` removes the component along ``v`` entirely.
 
+:class:`MaskCondition` names one of these masks of the massive token's attention input, or a WeMask
+selection, and builds it (the conditions of the mask-rate study, ``experiments.wemask``).
+
 Both act at the attention input (``site="attn_in"``: ``RMSNorm_attn`` output, residual untouched) or in
 the residual stream (``site="resid_post"``: the layer output, carried downstream). ``α ∈ [0, 1]``.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float
@@ -189,3 +192,49 @@ __all__ = [
     "project_dims",
     "project_direction",
 ]
+
+
+@dataclass(frozen=True)
+class MaskCondition:
+    """One mask of the massive token's attention input: a WeMask selection ``variant`` at ``rate``
+    (``seed`` for ``random``), the dim projection of a selection at strength ``alpha``, or the
+    direction projection at ``alpha``."""
+
+    kind: Literal["wemask", "dim_projection", "direction_projection"]
+    variant: str
+    rate: float
+    alpha: float = 1.0
+    seed: int = 0
+
+    def label(self) -> str:
+        if self.kind == "wemask":
+            tail = f" seed {self.seed}" if self.variant == "random" else ""
+            return f"wemask {self.variant} r={self.rate:g}{tail}"
+        if self.kind == "dim_projection":
+            return f"dim_projection r={self.rate:g} α={self.alpha:g}"
+        return f"direction_projection α={self.alpha:g}"
+
+    def is_wemask(self, variant: str | None = None, rate: float | None = None) -> bool:
+        """Whether this is a WeMask condition (of ``variant``, at ``rate``, when given)."""
+        return (
+            self.kind == "wemask"
+            and variant in (None, self.variant)
+            and (rate is None or self.rate == rate)
+        )
+
+    def spec(
+        self,
+        model: Any,
+        layers: Sequence[int],
+        positions: PositionsArg,
+        directions: Mapping[int, torch.Tensor],
+    ) -> Any:
+        """The intervention spec of this condition on ``layers`` at ``positions`` (``directions``:
+        the massive direction of each layer, for the direction projection)."""
+        if self.kind == "wemask":
+            return WeMask.build(model, layers, self.rate, self.variant, positions, seed=self.seed)
+        if self.kind == "dim_projection":
+            return dim_projection(
+                model, self.alpha, layers, variant=self.variant, rate=self.rate, positions=positions
+            )
+        return DirectionProjection.build(model, self.alpha, directions, layers, positions=positions)

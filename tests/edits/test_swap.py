@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from me_interp import claims, edits, load_model, synthetic
+from me_interp import claims, edits, io, load_model, synthetic
 from me_interp.edits import core
 from me_interp.experiments import weight_patching, weight_swap
 from me_interp.probes import find_me_layer
@@ -322,7 +322,9 @@ def test_weight_experiments_record_the_modules_moved(planted, sandwich, planted_
     want = {p: list(HF_PART_SANDWICH[p]) for p in parts}
     cfg = weight_swap.Config(prompts=str(prompts), partners=(0,), parts=parts, sink=False)
     res = weight_swap.run(cfg, gemma)
-    assert res.part_modules == want and res.to_dict()["part_modules"] == want
+    moved = {pm.part: pm.modules for pm in res.part_modules}
+    written = io.to_jsonable(res)["part_modules"]
+    assert moved == want and written == [{"part": p, "modules": want[p]} for p in parts]
     assert [r.outcome for r in res.rows] == ["moved", "stayed", "stayed"]
     assert "post_ffn_norm: post_feedforward_layernorm" in weight_swap.summary(res)
     assert "ffn_path: pre_feedforward_layernorm + mlp + post_feedforward_layernorm" in (
@@ -331,11 +333,13 @@ def test_weight_experiments_record_the_modules_moved(planted, sandwich, planted_
     assert {c.id for c in claims.judge(weight_swap.SPECS, res)} == {s.id for s in weight_swap.SPECS}
     pcfg = weight_patching.Config(prompts=str(prompts), targets=(0,), parts=("ffn_path",))
     pres = weight_patching.run(pcfg, gemma)
-    assert pres.to_dict()["part_modules"] == {"ffn_path": want["ffn_path"]}
+    assert [(pm.part, pm.modules) for pm in pres.part_modules] == [("ffn_path", want["ffn_path"])]
     lres = weight_swap.run(
         weight_swap.Config(prompts=str(prompts), partners=(0,), parts=("ffn_path",)), llama
     )
-    assert lres.part_modules == {"ffn_path": ["post_attention_layernorm", "mlp"]}
+    assert [(pm.part, pm.modules) for pm in lres.part_modules] == [
+        ("ffn_path", ["post_attention_layernorm", "mlp"])
+    ]
     with pytest.raises(ValueError, match="LlamaForCausalLM .* has no such norm"):
         weight_swap.run(weight_swap.Config(prompts=str(prompts), parts=("post_ffn_norm",)), llama)
     with pytest.raises(ValueError, match="LlamaForCausalLM .* has no such norm"):

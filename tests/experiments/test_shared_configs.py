@@ -12,7 +12,7 @@ import pytest
 from me_interp import claims, study, terminal
 from me_interp import study as common
 from me_interp.experiments._layer_report import DetectConfig
-from me_interp.experiments._weights import EDIT_COLUMNS, Measurement, edit_cells, edit_row
+from me_interp.experiments._weights import EDIT_COLUMNS, EditRow, Measurement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,33 +78,24 @@ def test_detect_config_validates_the_criterion():
 
 
 def test_edit_row_and_cells():
-    m = Measurement(
+    """An edit's row against the measurement by hand: R at the layer and the last, the sink after
+    it, and the excess c = (mean R_m(edited) - 1) / (mean R_m(unedited) - 1)."""
+    after = Measurement(
         me_layer=1,
         event_layers=[1],
         has_massive=[False, True, True],
         top_ratio=[1.0, 50.0, 40.0],
         max_over_median=[1.0, 2.0, 3.0],
         sink=[0.1, 0.2, 0.6],
+        prompt_ratio=[[1.0, 1.0], [41.0, 61.0], [40.0, 40.0]],
     )
-    row = edit_row(m, 1, kind="k", param=2)
-    assert row == {
-        "kind": "k",
-        "param": 2,
-        "me_layer": 1,
-        "survives": True,
-        "ratio_at_layer": 50.0,
-        "ratio_last": 40.0,
-        "sink_downstream": pytest.approx(0.6),
-        "top_ratio": [1.0, 50.0, 40.0],
-    }
-    assert m.at_layer(0) == {
-        "me_layer": 1,
-        "ratio_at_layer": 1.0,
-        "ratio_last": 40.0,
-        "sink_downstream": pytest.approx(0.4),
-    }
-    assert len(edit_cells(row)) == len(EDIT_COLUMNS)
-    assert edit_cells(row) == (1, "yes", 50.0, 40.0)
+    before = dataclasses.replace(after, prompt_ratio=[[1.0, 1.0], [101.0, 101.0], [90.0, 90.0]])
+    row = EditRow.measured(after, before, 1)
+    assert (row.me_layer, row.survives, row.ratio_at_layer, row.ratio_last) == (1, True, 50.0, 40.0)
+    assert row.sink_downstream == pytest.approx(0.6)
+    assert row.ratio_at_layer_per_prompt == [41.0, 61.0]
+    assert row.change == pytest.approx((51.0 - 1) / (101.0 - 1))
+    assert len(row.cells()) == len(EDIT_COLUMNS) and row.cells()[:2] == (1, "yes")
 
 
 def _raised(fn):

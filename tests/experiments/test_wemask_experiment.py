@@ -4,13 +4,14 @@ with two-sided bounds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import numpy as np
 import pytest
 
-from me_interp import claims, evaluation, io, synthetic
+from me_interp import claims, evaluation, io, study, synthetic
 from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotApplicable
 from me_interp.experiments import wemask as exp
 from me_interp.interventions import we_mask
@@ -96,46 +97,47 @@ def test_result_layout_and_fixed_points(planted_result, planted):
     r = planted_result
     assert r.me_layer == plant.layer and r.layers == [2, 3, 4] and r.massive_at_me
     assert r.n_texts == 12 and r.n_items == 10
-    d = r.to_dict()
-    json.dumps(io.to_jsonable(d))
-    assert d["me_layer_1based"] == plant.layer + 1 and d["claim_rate"] == 0.1
-    for row in [r.baseline, *r.rows]:
-        assert set(row["per_text"]) == set(exp.PER_TEXT)
-        assert all(len(v) == r.n_texts for v in row["per_text"].values())
-        assert len(row["per_item"]["correct"]) == r.n_items  # mc="all"
-        assert row["perplexity"] == pytest.approx(
-            evaluation.pooled_perplexity(row["per_text"]["nll"], row["per_text"]["n_pred"])
+    json.dumps(io.to_jsonable(r))
+    assert io.to_jsonable(study.roundtrip(r)) == io.to_jsonable(r)
+    assert r.header.layer_1based == plant.layer + 1 and r.claim_rate == 0.1
+    for m in [r.baseline, *(row.metrics for row in r.rows)]:
+        per_text = dataclasses.asdict(m.per_text)
+        assert set(per_text) == set(exp.PER_TEXT)
+        assert all(len(v) == r.n_texts for v in per_text.values())
+        assert len(m.per_item.correct) == r.n_items  # mc="all"
+        assert m.perplexity == pytest.approx(
+            evaluation.pooled_perplexity(m.per_text.nll, m.per_text.n_pred)
         )
     # r = 0 rows are the baseline; r = 1 rows are one forward shared by every selection
     for row in r.rows:
-        if row["kind"] == "wemask" and row["rate"] == 0:
-            assert all(row[m] == r.baseline[m] for m in exp.METRICS)
-    full = [row for row in r.rows if row["kind"] == "wemask" and row["rate"] == 1.0]
-    assert sorted(row["variant"] for row in full) == sorted(exp.VARIANTS)
-    assert all(row["perplexity"] == full[0]["perplexity"] for row in full)
+        if row.condition.is_wemask(rate=0.0):
+            assert all(getattr(row.metrics, m) == getattr(r.baseline, m) for m in exp.METRICS)
+    full = [row for row in r.rows if row.condition.is_wemask(rate=1.0)]
+    assert sorted(row.condition.variant for row in full) == sorted(exp.VARIANTS)
+    assert all(row.metrics.perplexity == full[0].metrics.perplexity for row in full)
     assert (
-        r.row("dim_projection", "weight", 0.1, 1.0)["perplexity"]
-        == r.row("wemask", "weight", 0.1)["perplexity"]
+        r.metrics("dim_projection", "weight", 0.1, 1.0).perplexity
+        == r.metrics("wemask", "weight", 0.1).perplexity
     )
     assert len(r.random_rows(0.1)) == 5 and len(r.random_rows(0.5)) == 1
     # the planted sink head reads the masked attention input: masking lowers attention to position 0
-    assert full[0]["sink"] < r.baseline["sink"]
-    assert r.baseline["kl"] == 0.0 and r.baseline["top1"] == 1.0
+    assert full[0].metrics.sink < r.baseline.sink
+    assert r.baseline.kl == 0.0 and r.baseline.top1 == 1.0
 
 
 def test_per_text_perplexity_matches_evaluation(planted, planted_result, texts_file):
     """Pooled per-text NLL (length-grouped batches) = evaluation.perplexity on one padded batch."""
     model, _ = planted
     texts = exp.Config(texts=texts_file).load_texts()
-    assert planted_result.baseline["perplexity"] == pytest.approx(
+    assert planted_result.baseline.perplexity == pytest.approx(
         evaluation.perplexity(model, texts), rel=1e-5
     )
-    w = planted_result.row("wemask", "weight", 0.5)
+    w = planted_result.metrics("wemask", "weight", 0.5)
     hooks = we_mask(model, 0.5, "weight", layers=planted_result.layers)
-    assert w["perplexity"] == pytest.approx(evaluation.perplexity(model, texts, hooks), rel=1e-5)
+    assert w.perplexity == pytest.approx(evaluation.perplexity(model, texts, hooks), rel=1e-5)
     ag = evaluation.next_token_agreement(model, texts, hooks)
-    assert w["kl"] == pytest.approx(ag.kl, rel=1e-4, abs=1e-6)
-    assert w["top1"] == pytest.approx(ag.top1)
+    assert w.kl == pytest.approx(ag.kl, rel=1e-4, abs=1e-6)
+    assert w.top1 == pytest.approx(ag.top1)
 
 
 def test_planted_verdicts(planted_result):
@@ -174,11 +176,11 @@ def test_random_and_magnitude_gaps_match_by_hand(planted, planted_result, texts_
     )  # [text seed]
     mag = np.array([_text_ppl(model, t, hooks("magnitude")) for t in texts])
     gaps = (rand - w[:, None]) / base[:, None]
-    recorded = r.to_dict()["random_dims_gap"]
-    assert recorded["seeds"] == [0, 1, 2, 3, 4]
+    recorded = r.random_gaps()
+    assert recorded.seeds == [0, 1, 2, 3, 4]
     # one text at a time vs length-grouped batches: float32 noise of ~1e-6 on gaps of ~1e-4
-    np.testing.assert_allclose(exp.text_perplexity(r.baseline), base, rtol=1e-5)
-    np.testing.assert_allclose(recorded["per_text"], gaps, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(r.baseline.per_text.perplexity(), base, rtol=1e-5)
+    np.testing.assert_allclose(recorded.per_text, gaps, rtol=0, atol=2e-6)
     assert np.abs(gaps).max() > 5e-5  # the tolerance is well below the values
     by = {c.id: c for c in claims.judge(exp.SPECS, r)}
     assert by["wemask.beats_random"].estimate.value == pytest.approx(gaps.mean(), abs=2e-6)
@@ -192,11 +194,13 @@ def test_random_interval_carries_the_texts(planted_result):
     r = planted_result
     first = r.random_rows(r.claim_rate)[0]
     rows = [
-        {**first, "seed": row["seed"]} if row in r.random_rows(r.claim_rate) else row
+        dataclasses.replace(row, metrics=first.metrics)
+        if row in r.random_rows(r.claim_rate)
+        else row
         for row in r.rows
     ]
-    mod = exp.Result(**{**r.__dict__, "rows": rows})
-    gaps = np.asarray(mod.random_gaps()["per_text"])
+    mod = dataclasses.replace(r, rows=rows)
+    gaps = np.asarray(mod.random_gaps().per_text)
     assert np.ptp(gaps, axis=1).max() == 0  # the seeds agree
     c = next(c for c in claims.judge(exp.SPECS, mod) if c.id == "wemask.beats_random")
     assert c.estimate.value == pytest.approx(gaps[:, 0].mean())
@@ -267,7 +271,7 @@ def test_claims_hold_and_fail_on_a_model_that_needs_its_sink(
         claim_rate=rate, alphas=(),
     )  # fmt: skip
     r = exp.run(cfg, model)
-    assert r.me_layer == 2 and r.baseline["perplexity"] < 2  # the bigram model reads the texts
+    assert r.me_layer == 2 and r.baseline.perplexity < 2  # the bigram model reads the texts
     got = {c.id.split(".", 1)[1]: c.verdict for c in claims.judge(exp.SPECS, r)}
     assert {k: got[k] for k in expected} == expected
 
@@ -320,14 +324,15 @@ def test_given_me_layer_without_massive_activation(twin, prompt_file, texts_file
 def test_constructed_straddle_is_inconclusive(planted_result):
     """A perplexity change whose interval straddles the 'unchanged' tolerance is inconclusive."""
     r = planted_result
-    base, w = r.baseline, r.row("wemask", "weight", 0.1)
-    n = len(base["per_text"]["nll"])
+    base, w = r.baseline, r.metrics("wemask", "weight", 0.1)
+    n = len(base.per_text.nll)
     shift = [0.0] * n  # make half of the texts 10 % more surprising under the mask
     for i in range(0, n, 2):
-        shift[i] = math.log(1.1) * base["per_text"]["n_pred"][i]
-    fake = {**w, "per_text": {**w["per_text"], "nll": list(np.add(base["per_text"]["nll"], shift))}}
-    rows = [fake if row is w else row for row in r.rows]
-    mod = exp.Result(**{**r.__dict__, "rows": rows})
+        shift[i] = math.log(1.1) * base.per_text.n_pred[i]
+    nll = list(np.add(base.per_text.nll, shift))
+    fake = dataclasses.replace(w, per_text=dataclasses.replace(w.per_text, nll=nll))
+    rows = [dataclasses.replace(row, metrics=fake) if row.metrics is w else row for row in r.rows]
+    mod = dataclasses.replace(r, rows=rows)
     c = next(c for c in claims.judge(exp.SPECS, mod) if c.id == "wemask.small_rate_ppl_unchanged")
     assert c.estimate.lo < claims.threshold("ppl_unchanged") < c.estimate.hi
     assert c.verdict == claims.INCONCLUSIVE
@@ -370,7 +375,7 @@ def test_cli_smoke(tmp_path, prompt_file, texts_file, capsys):
     assert rc == 0 and "[holds] wemask.full_mask_removes_sink" in out
     run_dir = next((tmp_path / "wemask").iterdir())
     run = io.load_run(run_dir)
-    assert run["result"]["me_layer"] == 2 and run["result"]["n_texts"] == 12
+    assert run["result"]["header"]["layer"] == 2 and run["result"]["n_texts"] == 12
     assert {c["id"] for c in run["result"]["claims"]} == {s.id for s in exp.SPECS}
     assert (run_dir / "mask_rate.html").is_file()
     assert exp.main(["--model", "synthetic:planted", "--rates", "3", "--out", str(tmp_path)]) == 2
@@ -388,8 +393,8 @@ def test_massive_positions_option(planted, prompt_file, texts_file):
     assert r.positions == [[0]] * r.n_texts  # the planted massive token is the BOS at position 0
     first = exp.run(exp.Config(**common), model)
     assert (
-        r.row("wemask", "weight", 1.0)["perplexity"]
-        == first.row("wemask", "weight", 1.0)["perplexity"]
+        r.metrics("wemask", "weight", 1.0).perplexity
+        == first.metrics("wemask", "weight", 1.0).perplexity
     )
 
 
@@ -400,15 +405,15 @@ def test_bundled_small_sweep(bundled):
     cfg = exp.Config(rates=(0.1, 1.0), variants=("weight", "magnitude"), alphas=(), mc="none")
     r = exp.run(cfg, bundled)
     assert r.me_layer == 11 and r.n_texts == 32 and r.layers == list(range(11, 30))
-    base = r.baseline["perplexity"]
+    base = r.baseline.perplexity
     assert 20 < base < 60
-    w01 = r.row("wemask", "weight", 0.1)["perplexity"] / base
-    w1 = r.row("wemask", "weight", 1.0)["perplexity"] / base
-    m01 = r.row("wemask", "magnitude", 0.1)["perplexity"] / base
+    w01 = r.metrics("wemask", "weight", 0.1).perplexity / base
+    w1 = r.metrics("wemask", "weight", 1.0).perplexity / base
+    m01 = r.metrics("wemask", "magnitude", 0.1).perplexity / base
     assert 0.97 < w01 < 1.08
     assert 1.3 < w1 < 2.0
     assert 1.3 < m01 < 2.0
-    drop = 1 - r.row("wemask", "weight", 1.0)["sink"] / r.baseline["sink"]
+    drop = 1 - r.metrics("wemask", "weight", 1.0).sink / r.baseline.sink
     assert 0.3 < drop < 0.6
     v = {c.id: c.verdict for c in claims.judge(exp.SPECS, r)}
     assert v["wemask.beats_magnitude"] == HOLDS

@@ -12,7 +12,7 @@ from me_interp.experiments import wemask
 
 def _numbers(rows):
     keys = ("perplexity", "kl", "top1", "sink", "entropy", "eff_rank")
-    return np.array([[r[k] for k in keys] for r in rows], dtype=np.float64)
+    return np.array([[getattr(r.metrics, k) for k in keys] for r in rows], dtype=np.float64)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
@@ -42,5 +42,5 @@ def test_sweep_from_the_first_masked_block_equals_full_forwards(arch, tmp_path, 
     assert used == [True]  # the suffix was used (the ME layer is not layer 0)
     monkeypatch.setattr(evaluation.Sweep, "reuse_prefix", lambda self, base: None)
     full = wemask.run(cfg, model)
-    assert [r["variant"] for r in part.rows] == [r["variant"] for r in full.rows]
+    assert [r.condition for r in part.rows] == [r.condition for r in full.rows]
     np.testing.assert_allclose(_numbers(part.rows), _numbers(full.rows), rtol=1e-5, atol=1e-7)
