@@ -209,7 +209,7 @@ class Result:
             "seed": self.seed,
             "n_prompts": self.n_prompts,
             "prompt_lengths": self.prompt_lengths,
-            "units": self.units.to_dict(),
+            "units": self.units.counts(),
             "neurons_chosen_on": "selection half" if self.units.held_out else "all prompts",
             "per_prompt": {
                 "ratio_unedited": b.prompt_ratio_at(self.layer),

@@ -116,7 +116,9 @@ class Units:
             f"{len(self.prompts(self.heldout))}{same}"
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def counts(self) -> dict[str, Any]:
+        """How many units, and the prompts of each half (a summary; the Units themselves are
+        written field by field)."""
         return {
             "n_units": self.n,
             "select_prompts": self.prompts(self.select),
