@@ -3,9 +3,9 @@
 Runs the prompts once (``probes.batching``: length-sorted chunks, no logits), records token norms at
 every site of every layer (``probes.norms``), detects massive activations over all positions
 (``probes.massive``) and localises the ME layer and every emergence event (0-based and 1-based).
-Writes ``result.json`` with ``model``, ``bos``, ``me_layer``, ``me_layer_1based``, ``events``,
-``massive_positions``, ``massive_dims``, per-layer ``resid_norm_ratio``, ``ffn_out_norm_ratio``,
-``max_over_median``, the per-prompt ratios behind the claims (``per_prompt``) and the claims
+Writes ``result.json``: the typed :class:`Result` (the run header, the ME-layer ``location`` with every
+event, the massive positions and dims and the per-layer ratios of every site, the Figure-1 norms, the
+per-prompt ratios behind the claims in ``per_prompt``; docs/me_layer.md) and the claims
 (``claims``, see :data:`SPECS`); and three figures: the Figure-1 view (massive-token norm vs the others
 at each site; on a sandwich-norm model, Gemma 2/3, also at the attention's and the FFN's own outputs
 before their post-norms, ``attn_own`` / ``ffn_own``, beside their residual contributions), a token ×

@@ -63,6 +63,8 @@ from me_interp.probes.ffn import (
     STAGES,
     FFNAtRecorder,
     FFNRecorder,
+    Neuron,
+    Stages,
     make_scan,
     neuron_contributions,
     top_neurons,
@@ -268,19 +270,6 @@ class Config(DetectConfig):
 
 
 @dataclass(frozen=True)
-class Stages:
-    """One value per FFN stage (``probes.ffn.STAGES``; ``residual``: after a post-FFN norm, on
-    sandwich-norm models only)."""
-
-    input: float
-    gate: float
-    up: float
-    product: float
-    down: float
-    residual: float | None = None
-
-
-@dataclass(frozen=True)
 class Layer:
     """Per layer, the means over prompts: ΔFrac and ΔKL at the pre-FFN norm output (``delta_frac``,
     ``delta_kl``) and at each of ``probes.alignment.ALIGN_SITES``; Frac, KL and the weight norm of
@@ -340,17 +329,6 @@ class PerPrompt:
     random_neuron_share: list[float]
     magnification_residual: list[list[float]] | None = None
     delta_c_residual: list[list[float]] | None = None
-
-
-@dataclass(frozen=True)
-class Neuron:
-    """One row of the neuron table (``probes.ffn.NeuronTable``): mean share of the massive token's
-    FFN output, mean activation, mean ``|a_n| ‖W_down[:, n]‖``."""
-
-    neuron: int
-    share: float
-    activation: float
-    contribution_norm: float
 
 
 @dataclass(frozen=True)
@@ -465,16 +443,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         layer=table.layer,
         layer_1based=table.layer + 1,
         n_prompts=table.n_prompts,
-        neurons=[
-            Neuron(*row)
-            for row in zip(
-                table.neurons,
-                table.mean_share,
-                table.mean_activation,
-                table.mean_contribution_norm,
-                strict=True,
-            )
-        ],
+        neurons=table.rows(),
         chosen_as="given" if cfg.neuron_layer >= 0 else "ME layer",
     )
     shares = neuron_contributions(fs.act_at_ref[nl], model.ffn_weights(nl).down)  # [batch d_mlp]
@@ -552,55 +521,20 @@ def figures(result: Result) -> dict[str, go.Figure]:
         log_y=True,
     )
     rows = result.neurons.neurons
-    neurons = go.Figure(
-        go.Bar(
-            x=[f"n{r.neuron}" for r in rows],
-            y=[100 * r.share for r in rows],
-            hovertemplate="neuron %{x}: %{y:.3g} % of the FFN output<extra></extra>",
-        )
-    )
     nl = result.neuron_layer
-    neurons.update_layout(
-        title=f"Top FFN neurons of layer {nl} (1-based {nl + 1}, {result.neurons.chosen_as}) by "
-        "share of the massive token's FFN output",
-        xaxis_title="FFN neuron (index in d_mlp)",
-        yaxis_title="share of the FFN output (%; signed projection, all neurons sum to 100)",
-        template="plotly_white",
+    neurons = plotting.neuron_shares(
+        [r.neuron for r in rows],
+        [r.share for r in rows],
+        f"Top FFN neurons of layer {nl} (1-based {nl + 1}, {result.neurons.chosen_as}) by share of "
+        "the massive token's FFN output",
     )
-    gain = [abs(x) for x in result.ffn_gain_at_me]
-    order = sorted(range(len(gain)), key=lambda i: -gain[i])
     gl = result.me_layer if result.me_layer is not None else nl
-    gfig = go.Figure(
-        go.Scatter(
-            x=list(range(1, len(gain) + 1)),
-            y=[gain[i] for i in order],
-            mode="lines",
-            name="|w| sorted",
-            customdata=order,
-            hovertemplate="rank %{x}: dim %{customdata}, |w| = %{y:.3g}<extra></extra>",
-        )
-    )
-    for g in (result.gain_ranks.ffn or [[]] * (gl + 1))[gl]:
-        gfig.add_trace(
-            go.Scatter(
-                x=[g.rank],
-                y=[g.abs_gain],
-                mode="markers+text",
-                marker=dict(size=11, color="firebrick"),
-                text=[f"massive dim {g.dim}"],
-                textposition="top center",
-                name=f"massive dim {g.dim} (rank {g.rank})",
-            )
-        )
-    gfig.add_vline(
-        x=result.k, line_dash="dot", line_color="gray", annotation_text=f"K = {result.k}"
-    )
-    gfig.update_layout(
-        title=f"Pre-FFN RMSNorm gains |w| of layer {gl} (1-based {gl + 1}) sorted, massive dims marked",
-        xaxis_title="rank of |w| (1 = largest)",
-        yaxis_title="|w| (gain, log scale)",
-        yaxis_type="log",
-        template="plotly_white",
+    marks = [(g.dim, g.rank, g.abs_gain) for g in (result.gain_ranks.ffn or [[]] * (gl + 1))[gl]]
+    gfig = plotting.sorted_gains(
+        result.ffn_gain_at_me,
+        marks,
+        result.k,
+        f"Pre-FFN RMSNorm gains |w| of layer {gl} (1-based {gl + 1}) sorted, massive dims marked",
     )
     return {
         "delta_frac": frac,
