@@ -32,6 +32,11 @@ RESULT_FILE = "result.json"
 PLOTLY_JS = "plotly.min.js"
 
 
+TRANSIENT = "transient"
+"""Field metadata key: a dataclass field with ``metadata={TRANSIENT: True}`` (what a run keeps in
+memory for its claims, e.g. tensors) is not written by :func:`to_jsonable` and is left at its default
+by :func:`from_jsonable`."""
+
 _SCALARS = frozenset({str, int, bool, type(None)})
 """Types that are JSON values as they are (with finite floats: :func:`to_jsonable` checks these
 inline, so a list of a million floats is one call, not a million)."""
@@ -46,7 +51,11 @@ def to_jsonable(obj: Any) -> Any:  # every recursive call (15,000 a battery on a
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         if hasattr(obj, "to_dict"):
             return to_jsonable(obj.to_dict())
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {
+            f.name: to_jsonable(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if not f.metadata.get(TRANSIENT)
+        }
     if isinstance(obj, Mapping):
         return dict(zip(map(str, obj), to_jsonable(list(obj.values())), strict=True))
     if isinstance(obj, (list, tuple, set, frozenset)):
@@ -120,7 +129,8 @@ def from_jsonable(tp: Any, data: Any) -> Any:
             raise TypeError(f"{tp.__name__} writes itself with to_dict: no generic inverse")
         hints = typing.get_type_hints(tp)
         kwargs = {f.name: from_jsonable(hints[f.name], data[f.name])
-                  for f in dataclasses.fields(tp) if f.init and f.name in data}  # fmt: skip
+                  for f in dataclasses.fields(tp)
+                  if f.init and f.name in data and not f.metadata.get(TRANSIENT)}  # fmt: skip
         return tp(**kwargs)
     return tp(data) if isinstance(tp, type) else data
 

@@ -182,3 +182,60 @@ def token_dim_heatmap(
         height=max(300, 24 * len(labels) + 150),
     )
     return fig
+
+
+def neuron_shares(neurons: Sequence[int], shares: Sequence[float], title: str) -> go.Figure:
+    """A bar per FFN neuron: its share of the massive token's FFN output (in %)."""
+    fig = go.Figure(
+        go.Bar(
+            x=[f"n{n}" for n in neurons],
+            y=[100 * s for s in shares],
+            hovertemplate="neuron %{x}: %{y:.3g} % of the FFN output<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=title,
+        xaxis_title="FFN neuron (index in d_mlp)",
+        yaxis_title="share of the FFN output (%; signed projection, all neurons sum to 100)",
+        template="plotly_white",
+    )
+    return fig
+
+
+def sorted_gains(
+    gain: Sequence[float], marks: Sequence[tuple[int, int, float]], k: int, title: str
+) -> go.Figure:
+    """``|w|`` sorted (log scale), with ``marks`` ``(dim, rank, |w|)`` and the line at ``K``."""
+    absg = [abs(x) for x in gain]
+    order = sorted(range(len(absg)), key=lambda i: -absg[i])
+    fig = go.Figure(
+        go.Scatter(
+            x=list(range(1, len(absg) + 1)),
+            y=[absg[i] for i in order],
+            mode="lines",
+            name="|w| sorted",
+            customdata=order,
+            hovertemplate="rank %{x}: dim %{customdata}, |w| = %{y:.3g}<extra></extra>",
+        )
+    )
+    for dim, rank, value in marks:
+        fig.add_trace(
+            go.Scatter(
+                x=[rank],
+                y=[value],
+                mode="markers+text",
+                marker=dict(size=11, color="firebrick"),
+                text=[f"massive dim {dim}"],
+                textposition="top center",
+                name=f"massive dim {dim} (rank {rank})",
+            )
+        )
+    fig.add_vline(x=k, line_dash="dot", line_color="gray", annotation_text=f"K = {k}")
+    fig.update_layout(
+        title=title,
+        xaxis_title="rank of |w| (1 = largest)",
+        yaxis_title="|w| (gain, log scale)",
+        yaxis_type="log",
+        template="plotly_white",
+    )
+    return fig

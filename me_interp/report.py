@@ -190,33 +190,34 @@ def _battery_cost(state: Mapping[str, Any], experiments: Sequence[str]) -> str |
     )
 
 
-def _model_card(out: Path, state: dict[str, Any], experiments: Sequence[str]) -> str:
+def _model_card(out: Path, state: dict[str, Any], experiments: Sequence[Experiment]) -> str:
     """The model, prompts and code the battery ran: ``env.json`` and the ME-layer result of a
-    finished run (the first one), the battery's settings."""
+    finished run (the first one, read back as its typed Result), the battery's settings."""
     settings = state.get("settings", {})
     env: dict[str, Any] = {}
-    me: dict[str, Any] = {}
-    for name in experiments:
-        entry = state["experiments"].get(name) or {}
+    me: Any = None
+    for exp in experiments:
+        entry = state["experiments"].get(exp.name) or {}
         if entry.get("status") not in FINISHED:
             continue
         run_dir = Path(entry["run_dir"])
         if not env and (run_dir / io.ENV_FILE).is_file():
             env = io.read_json(run_dir / io.ENV_FILE)
-        if name == "me_layer" and (run_dir / io.RESULT_FILE).is_file():
-            me = io.read_json(run_dir / io.RESULT_FILE)
+        if exp.name == "me_layer" and exp.result_type is not None:
+            if (run_dir / io.RESULT_FILE).is_file():
+                me = io.read_result(exp.result_type, run_dir)
     model = env.get("model") or settings.get("model") or "bundled SmolLM2-135M-Instruct"
     bos = str(env.get("bos", settings.get("bos")))
-    if "bos_prepended" in me:
-        bos += "; every prompt starts with BOS" if me["bos_prepended"] else "; no BOS prepended"
+    if me is not None:
+        bos += "; every prompt starts with BOS" if me.bos_prepended else "; no BOS prepended"
     prompts = settings.get("prompts") or "built-in prompts (docs/prompts.md)"
-    n = f"; n = {me['n_prompts']} in the ME-layer scan" if "n_prompts" in me else ""
-    if me.get("me_layer") is not None:
+    n = "" if me is None else f"; n = {me.n_prompts} in the ME-layer scan"
+    if me is not None and me.me_layer is not None:
         found = (
-            f"layer {me['me_layer']} (0-based) = {me['me_layer_1based']} (1-based), made by "
-            f"{site_text(str(me.get('me_site')))}; dims {me.get('massive_dims', [])[:8]}"
+            f"layer {me.me_layer} (0-based) = {me.me_layer + 1} (1-based), made by "
+            f"{site_text(str(me.me_site))}; dims {me.location.massive_dims[:8]}"
         )
-    elif me:
+    elif me is not None:
         found = "none: no massive activation on these prompts"
     else:
         found = "not measured (me_layer did not run)"
@@ -231,7 +232,7 @@ def _model_card(out: Path, state: dict[str, Any], experiments: Sequence[str]) ->
         ("prompts", f"{prompts}{n} (each claim gives its own n)"),
         ("seed", settings.get("seed")),
         ("ME layer", found),
-        ("cost", _battery_cost(state, experiments)),
+        ("cost", _battery_cost(state, [e.name for e in experiments])),
         (
             "me_interp",
             f"{settings.get('me_interp', env.get('me_interp'))}, commit "
@@ -375,7 +376,7 @@ details {{ margin: 0.5em 0 1em; }}
 summary {{ cursor: pointer; color: #0969da; }}
 </style></head><body>
 <h1>me_interp report</h1>
-<div class=head>{_model_card(out, state, experiments)}
+<div class=head>{_model_card(out, state, exps)}
 <div><table><tr><th colspan=5>claims of the paper and its critics on this model
 ({sum(t["raw"].values())} claims; {sum(t["control"].values())} controls and
 {sum(t["sanity"].values())} sanity checks shown apart)</th></tr>{summary}</table>

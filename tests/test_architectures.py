@@ -521,7 +521,7 @@ def test_battery_on_planted_model_finds_what_was_planted(arch, tmp_path):
     from pathlib import Path
 
     from me_interp import __main__ as cli
-    from me_interp import falsifiability, report
+    from me_interp import falsifiability, io, report
 
     spec = importlib.util.spec_from_file_location(
         "_verdict_meta", Path(__file__).with_name("test_verdict_meta.py")
@@ -547,17 +547,19 @@ def test_battery_on_planted_model_finds_what_was_planted(arch, tmp_path):
         want.update(GEMMA2_VS_GEMMA3)
     wrong = {i: (got.get(i), v) for i, v in want.items() if got.get(i) != v}
     assert not wrong, f"(got, expected): {wrong}"
-    me = json.loads(next((out / "me_layer").glob("*/result.json")).read_text())
-    assert (me["me_layer"], me["massive_dims"], me["me_site"]) == (2, [7], "ffn")
+    from me_interp.experiments import me_layer, mechanism
+
+    me = io.read_result(me_layer.Result, next((out / "me_layer").glob("*/")))
+    assert (me.me_layer, me.location.massive_dims, me.me_site) == (2, [7], "ffn")
     # the site table reports the FFN's own output beside its residual contribution
-    row = me["layers"][2]
-    mech = json.loads(next((out / "mechanism").glob("*/result.json")).read_text())
-    assert mech["neurons"]["neurons"][0]["neuron"] == 5
+    ratios = me.location.site_ratios
+    mech = io.read_result(mechanism.Result, next((out / "mechanism").glob("*/")))
+    assert mech.neurons.neurons[0].neuron == 5
     if sandwich:
-        assert row["ffn_own_norm_ratio"] != row["ffn_out_norm_ratio"]
-        assert "magnification_residual" in mech["layers"][2]
+        assert ratios["ffn_own"][2] != ratios["ffn_out"][2]
+        assert mech.layers[2].magnification_residual is not None
     else:
-        assert "magnification_residual" not in mech["layers"][2]
+        assert mech.layers[2].magnification_residual is None
 
 
 # ------------------------------------------------------------------------------------------

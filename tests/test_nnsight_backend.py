@@ -142,7 +142,9 @@ def test_me_layer_and_attention_sinks_runs_agree(planted_tl, planted_nn):
     assert a_nn.me_layer == a_tl.me_layer
     for k in ("sink_rate", "attn_to_massive", "attn_entropy", "effective_rank"):
         np.testing.assert_allclose(
-            np.array(a_nn.per_prompt[k], float), np.array(a_tl.per_prompt[k], float), rtol=RTOL
+            np.array(getattr(a_nn.per_prompt, k), float),
+            np.array(getattr(a_tl.per_prompt, k), float),
+            rtol=RTOL,
         )
 
 

@@ -38,7 +38,7 @@ from me_interp.probes.massive import (
 )
 from me_interp.probes.norms import NormScan
 from me_interp.probes.site import Site, Units, locate, subset_scan
-from me_interp.study import INDEX_CONVENTION, CommonConfig, checked
+from me_interp.study import CommonConfig, RunHeader, checked, run_header
 from me_interp.terminal import fmt_table
 
 PositionChoice = Literal["detected", "zero"]
@@ -110,14 +110,14 @@ class Detection:
     def units(self) -> Units:
         return self.site.units
 
-    def report_fields(self) -> dict[str, Any]:
-        """The :class:`LayerReport` fields this detection fills."""
+    def report_fields(self, cfg: CommonConfig, model: LoadedModel, batch: Batch) -> dict[str, Any]:
+        """The :class:`LayerReport` fields this detection fills (the run header with the Site)."""
         return {
-            "me_layer": self.me_layer,
+            "header": run_header(cfg, model, len(batch), self.site),
+            "bos_prepended": model.bos_prepended(batch),
             "detected_me_layer": self.location.me_layer,
             "units": self.units,
             "selected_layer": self.selected_layer,
-            "given": self.given,
         }
 
 
@@ -141,27 +141,40 @@ def detect(cfg: DetectConfig, model: LoadedModel, scan: NormScan, batch: Batch) 
     return Detection(site, selected)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerReport:
-    """What the per-layer reports (mechanism, invariance, attention_sinks) share: the run, the
-    tested ME layer (``given`` by ``--layer`` or detected), the units of the massive token with the
-    layer the held-out claims test (``selected_layer``, see :class:`Detection`), and one dict of
-    measures per layer."""
+    """What the per-layer reports (mechanism, invariance, attention_sinks) share: the run header
+    (with the tested ME layer, ``header.layer``, given by ``--layer`` or detected), the detected ME
+    layer, the units of the massive token with the layer the held-out claims test
+    (``selected_layer``, see :class:`Detection`). Each report adds ``layers``: one typed row per
+    layer (a dataclass with a ``layer`` field)."""
 
-    model: str
-    bos: str
+    header: RunHeader
     bos_prepended: bool
-    n_prompts: int
-    me_layer: int | None
     detected_me_layer: int | None
-    layers: list[dict[str, Any]]
     units: Units
     selected_layer: int | None
-    given: bool
 
-    def series(self, key: str, sub: str | None = None) -> list:
-        """``layers[i][key]`` (or ``layers[i][key][sub]``) for every layer."""
-        return [row[key][sub] if sub else row[key] for row in self.layers]
+    @property
+    def model(self) -> str:
+        return self.header.model
+
+    @property
+    def bos(self) -> str:
+        return self.header.bos
+
+    @property
+    def n_prompts(self) -> int:
+        return self.header.n_prompts
+
+    @property
+    def me_layer(self) -> int | None:
+        """The tested ME layer (given, or detected)."""
+        return self.header.layer
+
+    @property
+    def given(self) -> bool:
+        return self.header.layer_given
 
     def me_text(self) -> str:
         """``"L (1-based L+1)"`` (``given`` when not the detected one), or ``"none"``."""
@@ -173,27 +186,11 @@ class LayerReport:
         )
         return f"{me} (1-based {me + 1}{given})"
 
-    def layer_table(self, columns: Sequence[str], cells: Callable[[dict[str, Any]], tuple]) -> str:
+    def layer_table(self, columns: Sequence[str], cells: Callable[[Any], tuple]) -> str:
         """A table with one row per layer: the layer, ``*`` at the ME layer, then ``cells(row)``."""
-        rows = [
-            (r["layer"], "*" if r["layer"] == self.me_layer else "", *cells(r)) for r in self.layers
-        ]
+        layers = self.layers  # type: ignore[attr-defined]  # every report declares its rows
+        rows = [(r.layer, "*" if r.layer == self.me_layer else "", *cells(r)) for r in layers]
         return fmt_table(["layer", "ME", *columns], rows)
-
-    def header(self) -> dict[str, Any]:
-        """The first keys of ``result.json``."""
-        return {
-            "model": self.model,
-            "bos": self.bos,
-            "bos_prepended": self.bos_prepended,
-            "index_convention": INDEX_CONVENTION,
-            "me_layer": self.me_layer,
-            "me_layer_1based": None if self.me_layer is None else self.me_layer + 1,
-            "detected_me_layer": self.detected_me_layer,
-            "selected_me_layer": self.selected_layer,
-            "layer_given": self.given,
-            "units": self.units.split(),
-        }
 
     def peak(self, values: np.ndarray) -> claims.Outcomes:
         """:func:`peak_measure` of ``values[prompt, layer]`` at the selected layer.
@@ -218,9 +215,9 @@ class LayerReport:
 # ------------------------------------------------------------------------------------------
 
 
-def as_array(per_prompt: dict[str, Any], key: str) -> np.ndarray:
-    """``per_prompt[key]`` as a float array (``[prompt]`` or ``[prompt, layer]``)."""
-    return np.asarray(per_prompt[key], dtype=np.float64)
+def as_array(values: Sequence) -> np.ndarray:
+    """Per-prompt values as a float array (``[prompt]`` or ``[prompt, layer]``)."""
+    return np.asarray(values, dtype=np.float64)
 
 
 def unit_curves(values: np.ndarray, units: Units) -> np.ndarray:

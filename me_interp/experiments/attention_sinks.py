@@ -31,8 +31,8 @@ is layer 0. On a model without a massive activation ``run`` raises ``claims.NotA
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import plotly.graph_objects as go
@@ -75,30 +75,54 @@ class Config(DetectConfig):
         check_backend(self.backend, self.remote)
 
 
-@dataclass
+@dataclass(frozen=True)
+class Layer:
+    """Per layer (means over prompts): the sink rate (share of heads at or above the sink
+    threshold), the attention to the massive token, the BOS metric, the attention entropy (means
+    over heads, and per head), and the geometry of the layer output (``probes.geometry.METRICS``,
+    with all tokens and without the massive token)."""
+
+    layer: int
+    layer_1based: int
+    sink_rate: float
+    attn_to_massive: float
+    bos_attention: float
+    attn_entropy: float
+    head_sink_rate: list[float]
+    head_attn_to_massive: list[float]
+    head_attn_entropy: list[float]
+    mean_cos: float
+    mean_cos_others: float
+    effective_rank: float
+    effective_rank_others: float
+    participation_ratio: float
+    participation_ratio_others: float
+
+
+@dataclass(frozen=True)
+class PerPrompt:
+    """``[prompt][layer]``: ``sink_rate`` (share of heads at or above the sink threshold),
+    ``attn_to_massive`` and ``attn_entropy`` (means over heads), ``effective_rank`` and
+    ``effective_rank_others``."""
+
+    sink_rate: list[list[float]]
+    attn_to_massive: list[list[float]]
+    attn_entropy: list[list[float]]
+    effective_rank: list[list[float]]
+    effective_rank_others: list[list[float]]
+
+
+@dataclass(frozen=True)
 class Result(LayerReport):
-    """What :func:`run` measured. ``per_prompt`` holds ``[prompt][layer]``: ``sink_rate`` (share of
-    heads at or above the sink threshold), ``attn_to_massive`` and ``attn_entropy`` (means over
-    heads), ``effective_rank`` and ``effective_rank_others``."""
+    """What :func:`run` measured (see :class:`Layer`, :class:`PerPrompt`); ``attn_to_each_position``:
+    per key position, the mean attention to it per layer."""
 
     eps: float
     reference_positions: list[int]
     massive_positions: list[list[int]]
+    layers: list[Layer]
     attn_to_each_position: dict[int, list[float]]
-    per_prompt: dict[str, list] = field(default_factory=dict)
-    seed: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **self.header(),
-            "n_prompts": self.n_prompts,
-            "eps": self.eps,
-            "reference_positions": self.reference_positions,
-            "massive_positions": self.massive_positions,
-            "layers": self.layers,
-            "attn_to_each_position": {str(k): v for k, v in self.attn_to_each_position.items()},
-            "per_prompt": self.per_prompt,
-        }
+    per_prompt: PerPrompt
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -124,45 +148,38 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     to_m, bos, ent = ap.mean_to_ref(), ap.mean_bos(), ap.mean_entropy()
     hto, hent = ap.head_to_ref(), ap.head_entropy()
     g = {(m, t): gs.mean(m, t) for m in METRICS for t in ("all", "others")}
-    layers = []
-    for i in range(model.n_layers):
-        row: dict[str, Any] = {
-            "layer": i,
-            "layer_1based": i + 1,
-            "sink_rate": sink[i],
-            "attn_to_massive": to_m[i],
-            "bos_attention": bos[i],
-            "attn_entropy": ent[i],
-            "head_sink_rate": hs[i],
-            "head_attn_to_massive": hto[i],
-            "head_attn_entropy": hent[i],
-        }
-        for m in METRICS:
-            row[m] = g[(m, "all")][i]
-            row[f"{m}_others"] = g[(m, "others")][i]
-        layers.append(row)
+    layers = [
+        Layer(
+            layer=i,
+            layer_1based=i + 1,
+            sink_rate=sink[i],
+            attn_to_massive=to_m[i],
+            bos_attention=bos[i],
+            attn_entropy=ent[i],
+            head_sink_rate=hs[i],
+            head_attn_to_massive=hto[i],
+            head_attn_entropy=hent[i],
+            **{m: g[(m, "all")][i] for m in METRICS},
+            **{f"{m}_others": g[(m, "others")][i] for m in METRICS},
+        )
+        for i in range(model.n_layers)
+    ]
     er = gs.values["effective_rank"]
-    result = Result(
-        model=model.name,
-        bos=model.bos,
-        bos_prepended=model.bos_prepended(batch),
-        n_prompts=len(batch),
-        **det.report_fields(),
+    return Result(
+        **det.report_fields(cfg, model, batch),
         eps=eps,
         reference_positions=list(ap.reference),
         massive_positions=ap.massive_positions,
         layers=layers,
         attn_to_each_position=ap.mean_to_each(),
-        per_prompt={
-            "sink_rate": sink_pp.T.tolist(),
-            "attn_to_massive": to_ref.mean(-1).T.tolist(),
-            "attn_entropy": ap.entropy.mean(-1).T.tolist(),
-            "effective_rank": er["all"].T.tolist(),
-            "effective_rank_others": er["others"].T.tolist(),
-        },
-        seed=cfg.seed,
+        per_prompt=PerPrompt(
+            sink_rate=sink_pp.T.tolist(),
+            attn_to_massive=to_ref.mean(-1).T.tolist(),
+            attn_entropy=ap.entropy.mean(-1).T.tolist(),
+            effective_rank=er["all"].T.tolist(),
+            effective_rank_others=er["others"].T.tolist(),
+        ),
     )
-    return result
 
 
 def sink_shift(a: np.ndarray, me: int) -> float:
@@ -195,18 +212,18 @@ def _geometry_applies(r: Result) -> str | None:
 def _sink(r: Result) -> claims.Sample:
     me = r.me_layer
     return claims.Sample(
-        as_array(r.per_prompt, "attn_to_massive"), claims.of_means(lambda m: _shift(m, me))
+        as_array(r.per_prompt.attn_to_massive), claims.of_means(lambda m: _shift(m, me))
     )
 
 
 def _sink_details(r: Result) -> str:
     me = r.me_layer
     parts = []
-    for key, what in (
-        ("attn_to_massive", "mean attention to the massive token"),
-        ("sink_rate", f"sink rate (heads ≥ {r.eps:g})"),
+    for values, what in (
+        (r.per_prompt.attn_to_massive, "mean attention to the massive token"),
+        (r.per_prompt.sink_rate, f"sink rate (heads ≥ {r.eps:g})"),
     ):
-        curve = as_array(r.per_prompt, key).mean(0)
+        curve = as_array(values).mean(0)
         parts.append(
             f"{what}: max over layers ≤ ME {curve[: me + 1].max():.3g} (layer "
             f"{int(curve[: me + 1].argmax())}), at ME {curve[me]:.3g}, mean over layers > ME "
@@ -216,7 +233,7 @@ def _sink_details(r: Result) -> str:
 
 
 def _entropy_rows(r: Result) -> np.ndarray:
-    ent, me = as_array(r.per_prompt, "attn_entropy"), r.me_layer
+    ent, me = as_array(r.per_prompt.attn_entropy), r.me_layer
     return paired(ent[:, : me + 1].mean(1), ent[:, me + 1 :].mean(1))
 
 
@@ -228,17 +245,20 @@ def _entropy_details(r: Result) -> str:
     )
 
 
-def _rank_rows(key: str) -> Callable[[Result], np.ndarray]:
+_Values = Callable[["PerPrompt"], list[list[float]]]
+
+
+def _rank_rows(values: _Values) -> Callable[[Result], np.ndarray]:
     def rows(r: Result) -> np.ndarray:
-        er, me = as_array(r.per_prompt, key), r.me_layer
+        er, me = as_array(values(r.per_prompt)), r.me_layer
         return paired(er[:, :me].mean(1), er[:, me:].mean(1))
 
     return rows
 
 
-def _rank_details(key: str) -> Callable[[Result], str]:
+def _rank_details(values: _Values) -> Callable[[Result], str]:
     def details(r: Result) -> str:
-        er, me = as_array(r.per_prompt, key), r.me_layer
+        er, me = as_array(values(r.per_prompt)), r.me_layer
         rb, ra = er[:, :me].mean(1).mean(), er[:, me:].mean(1).mean()
         return (
             f"ME layer {r.me_text()}; mean effective rank over layers < ME {rb:.3g}, over layers "
@@ -247,6 +267,14 @@ def _rank_details(key: str) -> Callable[[Result], str]:
         )
 
     return details
+
+
+def _ranks_all(p: PerPrompt) -> list[list[float]]:
+    return p.effective_rank
+
+
+def _ranks_others(p: PerPrompt) -> list[list[float]]:
+    return p.effective_rank_others
 
 
 SPECS: tuple[claims.Spec, ...] = (
@@ -289,9 +317,9 @@ SPECS: tuple[claims.Spec, ...] = (
         threshold="relative_drop",
         control="rank_drop_others (without the massive token)",
         kind="sanity",
-        stat=lambda r: claims.Sample(_rank_rows("effective_rank")(r), relative_drop),
+        stat=lambda r: claims.Sample(_rank_rows(_ranks_all)(r), relative_drop),
         applies=_geometry_applies,
-        details=_rank_details("effective_rank"),
+        details=_rank_details(_ranks_all),
     ),
     claims.Spec(
         "attention_sinks.rank_drop_others",
@@ -303,9 +331,9 @@ SPECS: tuple[claims.Spec, ...] = (
         op=">=",
         threshold="relative_drop",
         control="the same prompts' layer outputs before the ME layer",
-        stat=lambda r: claims.Sample(_rank_rows("effective_rank_others")(r), relative_drop),
+        stat=lambda r: claims.Sample(_rank_rows(_ranks_others)(r), relative_drop),
         applies=_geometry_applies,
-        details=_rank_details("effective_rank_others"),
+        details=_rank_details(_ranks_others),
     ),
 )
 
@@ -330,11 +358,11 @@ def _head_heatmap(z: list[list[float]], title: str, cbar: str, me: int | None, *
 def figures(result: Result) -> dict[str, go.Figure]:
     me = result.me_layer
     lines = {
-        f"sink rate (share of heads with mean attention ≥ {result.eps:g})": result.series(
-            "sink_rate"
-        ),
-        "mean attention to the massive token": result.series("attn_to_massive"),
-        "BOS metric: 2nd-half queries → position 0": result.series("bos_attention"),
+        f"sink rate (share of heads with mean attention ≥ {result.eps:g})": [
+            r.sink_rate for r in result.layers
+        ],
+        "mean attention to the massive token": [r.attn_to_massive for r in result.layers],
+        "BOS metric: 2nd-half queries → position 0": [r.bos_attention for r in result.layers],
     }
     if len(result.attn_to_each_position) > 1:  # several massive positions: one line each
         for p, ys in result.attn_to_each_position.items():
@@ -346,7 +374,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
         me,
     )
     to = _head_heatmap(
-        result.series("head_attn_to_massive"),
+        [r.head_attn_to_massive for r in result.layers],
         "Mean attention to the massive token per layer and head (mean over prompts and queries)",
         "attention",
         me,
@@ -355,7 +383,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
         colorscale="Viridis",
     )
     ent = _head_heatmap(
-        result.series("head_attn_entropy"),
+        [r.head_attn_entropy for r in result.layers],
         "Attention entropy per layer and head (nats; mean over prompts and queries)",
         "nats",
         me,
@@ -363,12 +391,14 @@ def figures(result: Result) -> dict[str, go.Figure]:
     )
     rank = plotting.layer_lines(
         {
-            "effective rank, all tokens": result.series("effective_rank"),
-            "effective rank, without the massive token": result.series("effective_rank_others"),
-            "participation ratio, all tokens": result.series("participation_ratio"),
-            "participation ratio, without the massive token": result.series(
-                "participation_ratio_others"
-            ),
+            "effective rank, all tokens": [r.effective_rank for r in result.layers],
+            "effective rank, without the massive token": [
+                r.effective_rank_others for r in result.layers
+            ],
+            "participation ratio, all tokens": [r.participation_ratio for r in result.layers],
+            "participation ratio, without the massive token": [
+                r.participation_ratio_others for r in result.layers
+            ],
         },
         "Effective dimension of the token states (layer output) per layer, mean over prompts",
         "effective rank / participation ratio (number of dims)",
@@ -376,8 +406,8 @@ def figures(result: Result) -> dict[str, go.Figure]:
     )
     cos = plotting.layer_lines(
         {
-            "all tokens": result.series("mean_cos"),
-            "without the massive token": result.series("mean_cos_others"),
+            "all tokens": [r.mean_cos for r in result.layers],
+            "without the massive token": [r.mean_cos_others for r in result.layers],
         },
         "Mean pairwise cosine of the token states (layer output) per layer",
         "cosine (1 = all tokens parallel)",
@@ -400,19 +430,27 @@ def summary(result: Result) -> str:
     table = result.layer_table(
         ["sink rate", "attn->m", "BOS", "entropy", "eff rank", "eff rank (others)"],
         lambda r: (
-            r["sink_rate"],
-            r["attn_to_massive"],
-            r["bos_attention"],
-            r["attn_entropy"],
-            r["effective_rank"],
-            r["effective_rank_others"],
+            r.sink_rate,
+            r.attn_to_massive,
+            r.bos_attention,
+            r.attn_entropy,
+            r.effective_rank,
+            r.effective_rank_others,
         ),
     )
     return "\n\n".join([head, table])
 
 
 EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("sink_rate",)
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    key_figures=("sink_rate",),
+    result_type=Result,
 )
 main = command(EXPERIMENT)
 

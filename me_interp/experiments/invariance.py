@@ -41,7 +41,7 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from me_interp import claims, names, plotting
+from me_interp import claims, io, names, plotting
 from me_interp.experiments._layer_report import DetectConfig, LayerReport, detect
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.batching import record
@@ -64,38 +64,59 @@ class Config(DetectConfig):
     ``claims.THRESHOLDS['invariance_cos']`` and ``['invariance_gap']``)."""
 
 
-@dataclass
+@dataclass(frozen=True)
+class Layer:
+    """Per layer: the mean cosine of the massive token's state ``h_m`` across pairs of inputs
+    (different first tokens; the same first token; the control batch), the other tokens' (and the
+    gap), the keys' per key/value head, the cosine to the next layer and to the ME layer, and the
+    norm's stability (std / mean across inputs, the mean norm)."""
+
+    layer: int
+    layer_1based: int
+    cos_across_inputs: float
+    cos_across_inputs_same_first_token: float
+    cos_across_inputs_control: float
+    others_cos_across_inputs: float
+    cos_gap: float
+    key_cos_across_inputs: list[float]
+    key_cos_across_inputs_control: list[float]
+    cos_next_layer: float
+    cos_to_me_layer: float
+    norm_cv: float
+    mean_norm: float
+
+
+@dataclass(frozen=True)
+class PerPrompt:
+    """``[prompt][layer]``: ``cos_to_inputs`` (mean cosine of the prompt's ``h_m`` to the prompts
+    with a different first token), ``others_cos_to_inputs`` (the same for the other tokens' mean
+    direction), ``control_cos_to_inputs`` (control batch, all other prompts), ``cos_to_me_layer``."""
+
+    cos_to_inputs: list[list[float]]
+    others_cos_to_inputs: list[list[float]]
+    control_cos_to_inputs: list[list[float]]
+    cos_to_me_layer: list[list[float]]
+
+
+_TRANSIENT = {io.TRANSIENT: True}
+
+
+@dataclass(frozen=True)
 class Result(LayerReport):
     """What :func:`run` measured. ``scan`` / ``control`` hold the massive token's states and keys of
     the prompts and of the control batch (not written to ``result.json``; the pairwise matrices of
-    the claims are computed from them). ``per_prompt`` (written) holds ``[prompt][layer]``:
-    ``cos_to_inputs`` (mean cosine of the prompt's ``h_m`` to the prompts with a different first
-    token), ``others_cos_to_inputs`` (the same for the other tokens' mean direction),
-    ``control_cos_to_inputs`` (control batch, all other prompts) and ``cos_to_me_layer``."""
+    the claims are computed from them)."""
 
     reference_positions: list[int]
     first_tokens: list[int]
     n_pairs_distinct: int
     n_pairs_same: int
+    layers: list[Layer]
     cos_across_layers: list[list[float]]
-    scan: InvarianceScan | None = None
-    control: InvarianceScan | None = None
-    control_keys: list[str] = field(default_factory=list)
-    per_prompt: dict[str, list] = field(default_factory=dict)
-    seed: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **self.header(),
-            "n_prompts": self.n_prompts,
-            "reference_positions": self.reference_positions,
-            "first_tokens": self.first_tokens,
-            "n_pairs_distinct_first_token": self.n_pairs_distinct,
-            "n_pairs_same_first_token": self.n_pairs_same,
-            "layers": self.layers,
-            "cos_across_layers": self.cos_across_layers,
-            "per_prompt": self.per_prompt,
-        }
+    control_keys: list[str]
+    per_prompt: PerPrompt
+    scan: InvarianceScan | None = field(default=None, metadata=_TRANSIENT)
+    control: InvarianceScan | None = field(default=None, metadata=_TRANSIENT)
 
 
 def _states(model: LoadedModel, batch: Batch, ref: list[int]) -> InvarianceRecorder:
@@ -153,48 +174,42 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     norms_m = scan.mean_norm()
     L = scan.n_layers
     layers = [
-        {
-            "layer": i,
-            "layer_1based": i + 1,
-            "cos_across_inputs": cos_d[i],
-            "cos_across_inputs_same_first_token": cos_s[i],
-            "cos_across_inputs_control": cos_c[i],
-            "others_cos_across_inputs": per_layer_others[i],
-            "cos_gap": cos_d[i] - per_layer_others[i],
-            "key_cos_across_inputs": kd[i],
-            "key_cos_across_inputs_control": kc[i],
-            "cos_next_layer": float(cal[i, i + 1]) if i + 1 < L else float("nan"),
-            "cos_to_me_layer": float(cal[i, me]),
-            "norm_cv": cv[i],
-            "mean_norm": norms_m[i],
-        }
+        Layer(
+            layer=i,
+            layer_1based=i + 1,
+            cos_across_inputs=cos_d[i],
+            cos_across_inputs_same_first_token=cos_s[i],
+            cos_across_inputs_control=cos_c[i],
+            others_cos_across_inputs=per_layer_others[i],
+            cos_gap=cos_d[i] - per_layer_others[i],
+            key_cos_across_inputs=kd[i],
+            key_cos_across_inputs_control=kc[i],
+            cos_next_layer=float(cal[i, i + 1]) if i + 1 < L else float("nan"),
+            cos_to_me_layer=float(cal[i, me]),
+            norm_cv=cv[i],
+            mean_norm=norms_m[i],
+        )
         for i in range(L)
     ]
-    per_prompt = {
-        "cos_to_inputs": _partner_mean(cm, sym(distinct)).T.tolist(),
-        "others_cos_to_inputs": _partner_mean(om, sym(distinct)).T.tolist(),
-        "control_cos_to_inputs": _partner_mean(ctrl.cos_matrices(), sym(every)).T.tolist(),
-        "cos_to_me_layer": scan.cos_to_layers()[me].T.tolist(),
-    }
-    result = Result(
-        model=model.name,
-        bos=model.bos,
-        bos_prepended=model.bos_prepended(batch),
-        n_prompts=len(batch),
-        **det.report_fields(),
+    per_prompt = PerPrompt(
+        cos_to_inputs=_partner_mean(cm, sym(distinct)).T.tolist(),
+        others_cos_to_inputs=_partner_mean(om, sym(distinct)).T.tolist(),
+        control_cos_to_inputs=_partner_mean(ctrl.cos_matrices(), sym(every)).T.tolist(),
+        cos_to_me_layer=scan.cos_to_layers()[me].T.tolist(),
+    )
+    return Result(
+        **det.report_fields(cfg, model, batch),
         reference_positions=ref,
         first_tokens=first,
         n_pairs_distinct=scan.n_pairs(False),
         n_pairs_same=scan.n_pairs(True),
         layers=layers,
         cos_across_layers=cal.tolist(),
-        scan=scan,
-        control=ctrl,
         control_keys=list(massive_units(ctrl_batch.tokens, ref, cfg.seed).keys),
         per_prompt=per_prompt,
-        seed=cfg.seed,
+        scan=scan,
+        control=ctrl,
     )
-    return result
 
 
 def pair_measure(
@@ -303,31 +318,30 @@ def _control(r: Result) -> claims.Sample:
     )
 
 
-def _span(result: Result, key: str, me: int) -> str:
-    xs = result.series(key)
+def _span(xs: Sequence[float], me: int) -> str:
     return f"{min(xs[me:]):.4g} to {max(xs[me:]):.4g} at layers ≥ {me}"
 
 
 def _control_text(r: Result) -> str:
-    return f"control (first token made identical): per-layer cosine {_span(r, 'cos_across_inputs_control', r.me_layer)}"
+    return f"control (first token made identical): per-layer cosine {_span([x.cos_across_inputs_control for x in r.layers], r.me_layer)}"
 
 
 def _state_details(r: Result) -> str:
     return (
         f"ME layer {r.me_text()}; {r.n_pairs_distinct} pairs with different first tokens; "
-        f"per-layer cosine from {_span(r, 'cos_across_inputs', r.me_layer)}; {_control_text(r)}"
+        f"per-layer cosine from {_span([x.cos_across_inputs for x in r.layers], r.me_layer)}; {_control_text(r)}"
     )
 
 
 def _beyond_details(r: Result) -> str:
     return (
         f"ME layer {r.me_text()}; the other tokens' cosine across the same pairs: "
-        f"{_span(r, 'others_cos_across_inputs', r.me_layer)}"
+        f"{_span([x.others_cos_across_inputs for x in r.layers], r.me_layer)}"
     )
 
 
 def _key_details(r: Result) -> str:
-    heads = len(r.layers[0]["key_cos_across_inputs"])
+    heads = len(r.layers[0].key_cos_across_inputs)
     return (
         f"ME layer {r.me_text()}; layers > ME (a layer's keys are read from its input, before its "
         f"FFN); {heads} key/value heads; {r.n_pairs_distinct} pairs; {_control_text(r)}"
@@ -335,7 +349,7 @@ def _key_details(r: Result) -> str:
 
 
 def _created_details(r: Result) -> str:
-    cos = np.asarray(r.series("cos_across_inputs"), dtype=np.float64)
+    cos = np.asarray([x.cos_across_inputs for x in r.layers], dtype=np.float64)
     me = r.me_layer
     return (
         f"ME layer {r.me_text()}; mean cosine before the ME layer {np.nanmean(cos[:me]):.4g} "
@@ -427,17 +441,21 @@ def figures(result: Result) -> dict[str, go.Figure]:
     me = result.me_layer
     cos = plotting.layer_lines(
         {
-            f"different first tokens ({result.n_pairs_distinct} pairs)": result.series(
-                "cos_across_inputs"
-            ),
-            "control: first token made identical": result.series("cos_across_inputs_control"),
-            "baseline: the other tokens, same pairs": result.series("others_cos_across_inputs"),
+            f"different first tokens ({result.n_pairs_distinct} pairs)": [
+                r.cos_across_inputs for r in result.layers
+            ],
+            "control: first token made identical": [
+                r.cos_across_inputs_control for r in result.layers
+            ],
+            "baseline: the other tokens, same pairs": [
+                r.others_cos_across_inputs for r in result.layers
+            ],
         },
         "Cosine of the massive token's layer output across inputs (mean over pairs)",
         "cosine (1 = same direction)",
         me,
     )
-    kd = result.series("key_cos_across_inputs")
+    kd = [r.key_cos_across_inputs for r in result.layers]
     heads = len(kd[0]) if kd else 0
     key = plotting.layer_lines(
         {f"kv head {h}": [row[h] for row in kd] for h in range(heads)},
@@ -466,7 +484,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
         template="plotly_white",
     )
     norm = plotting.layer_lines(
-        {"std / mean of ‖h_m‖ across inputs": result.series("norm_cv")},
+        {"std / mean of ‖h_m‖ across inputs": [r.norm_cv for r in result.layers]},
         "Norm stability of the massive token across inputs (coefficient of variation)",
         "coefficient of variation (dimensionless)",
         me,
@@ -488,18 +506,26 @@ def summary(result: Result) -> str:
     table = result.layer_table(
         ["cos inputs", "control", "min key cos", "cos next", "norm CV"],
         lambda r: (
-            r["cos_across_inputs"],
-            r["cos_across_inputs_control"],
-            min(r["key_cos_across_inputs"]),
-            r["cos_next_layer"],
-            r["norm_cv"],
+            r.cos_across_inputs,
+            r.cos_across_inputs_control,
+            min(r.key_cos_across_inputs),
+            r.cos_next_layer,
+            r.norm_cv,
         ),
     )
     return "\n\n".join([head, table])
 
 
 EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("cos_across_inputs",)
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    key_figures=("cos_across_inputs",),
+    result_type=Result,
 )
 main = command(EXPERIMENT)
 

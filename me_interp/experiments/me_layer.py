@@ -3,9 +3,9 @@
 Runs the prompts once (``probes.batching``: length-sorted chunks, no logits), records token norms at
 every site of every layer (``probes.norms``), detects massive activations over all positions
 (``probes.massive``) and localises the ME layer and every emergence event (0-based and 1-based).
-Writes ``result.json`` with ``model``, ``bos``, ``me_layer``, ``me_layer_1based``, ``events``,
-``massive_positions``, ``massive_dims``, per-layer ``resid_norm_ratio``, ``ffn_out_norm_ratio``,
-``max_over_median``, the per-prompt ratios behind the claims (``per_prompt``) and the claims
+Writes ``result.json``: the typed :class:`Result` (the run header, the ME-layer ``location`` with every
+event, the massive positions and dims and the per-layer ratios of every site, the Figure-1 norms, the
+per-prompt ratios behind the claims in ``per_prompt``; docs/me_layer.md) and the claims
 (``claims``, see :data:`SPECS`); and three figures: the Figure-1 view (massive-token norm vs the others
 at each site; on a sandwich-norm model, Gemma 2/3, also at the attention's and the FFN's own outputs
 before their post-norms, ``attn_own`` / ``ffn_own``, beside their residual contributions), a token ×
@@ -27,7 +27,7 @@ without ``resid_pre``/``resid_mid``; ``carried`` also when the ME layer is the l
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -53,12 +53,13 @@ from me_interp.probes.massive import (
 from me_interp.probes.norms import NormScan, ratio_to_others, scan_norms, top_ratio
 from me_interp.probes.site import Units, locate, no_massive_why
 from me_interp.study import (
-    INDEX_CONVENTION,
     CommonConfig,
     Experiment,
+    RunHeader,
     checked,
     command,
     model_for,
+    run_header,
 )
 from me_interp.terminal import fmt_table
 
@@ -109,37 +110,72 @@ class Config(CommonConfig):
         )
 
 
-@dataclass
+@dataclass(frozen=True)
+class SiteNorms:
+    """Per layer, the median over prompts of the reference token's norm (``massive``) and of the
+    other tokens' mean norm (``others``) at one site."""
+
+    massive: list[float]
+    others: list[float]
+
+
+@dataclass(frozen=True)
+class PerPrompt:
+    """The ``[prompt][layer]`` arrays behind the claims: ``r_pre``, ``r_mid``, ``r_post`` (the
+    position-agnostic norm ratio ``R`` at the block input, after attention and at the layer output),
+    ``ref_ratio`` (the reference token's layer-output norm over the mean of the others') and
+    ``massive`` (1 where the prompt has a massive token at that layer's output)."""
+
+    r_pre: list[list[float]]
+    r_mid: list[list[float]]
+    r_post: list[list[float]]
+    ref_ratio: list[list[float]]
+    massive: list[list[float]]
+
+    def array(self, key: str) -> np.ndarray:
+        """One of the arrays as a ``[prompt, layer]`` float array."""
+        return np.asarray(getattr(self, key), dtype=np.float64)
+
+
+@dataclass(frozen=True)
 class Result:
-    """What :func:`run` measured.
+    """What :func:`run` measured: the run header (with the Site: the detected ME layer, its dims and
+    position), the ME-layer location (every event, the per-layer ratios of every site in
+    ``location.site_ratios``), the Figure-1 norms per site, the heatmap of prompt 0, and the
+    per-prompt arrays behind the claims."""
 
-    ``per_prompt`` holds ``[prompt][layer]`` arrays behind the claims: ``r_pre``, ``r_mid``,
-    ``r_post`` (the position-agnostic norm ratio ``R`` at the block input, after attention and at the
-    layer output), ``ref_ratio`` (the reference token's layer-output norm over the mean of the
-    others') and ``massive`` (whether the prompt has a massive token at that layer's output).
-    """
-
-    model: str
-    bos: str
+    header: RunHeader
     bos_prepended: bool
-    n_prompts: int
     location: MELocation
-    site_norms: dict[str, dict[str, list[float]]]
+    site_norms: dict[str, SiteNorms]
     heatmap_tokens: list[str]
     heatmap_values: list[list[float]]
     heatmap_layer: int
-    prompt_lengths: list[int] = field(default_factory=list)
-    per_prompt: dict[str, list[list[float]]] = field(default_factory=dict)
-    units: Units | None = None
-    seed: int = 0
+    prompt_lengths: list[int]
+    per_prompt: PerPrompt
+    units: Units | None
+
+    @property
+    def model(self) -> str:
+        return self.header.model
+
+    @property
+    def n_prompts(self) -> int:
+        return self.header.n_prompts
 
     @property
     def me_layer(self) -> int | None:
         return self.location.me_layer
 
+    @property
+    def me_site(self) -> str | None:
+        """The sub-layer that creates the massive activation at the ME layer."""
+        ev = self.location.me_event
+        return None if ev is None else ev.site
+
     def array(self, key: str) -> np.ndarray:
-        """``per_prompt[key]`` as a ``[prompt, layer]`` float array."""
-        return np.asarray(self.per_prompt[key], dtype=np.float64)
+        """``per_prompt.<key>`` as a ``[prompt, layer]`` float array."""
+        return self.per_prompt.array(key)
 
     def log_jumps(self) -> np.ndarray:
         """``[prompt, layer]`` ``log(R_l / R_{l-1})`` of the layer output (``R_{-1}`` = block 0 input)."""
@@ -160,55 +196,8 @@ class Result:
         rows = units.prompts(units.select) if units is not None else range(self.n_prompts)
         return int(np.argmax(self.log_jumps()[list(rows)].mean(0)))
 
-    def to_dict(self) -> dict[str, Any]:
-        loc = self.location
-        ratios = loc.site_ratios
-        n = len(loc.top_ratio)
-        return {
-            "model": self.model,
-            "bos": self.bos,
-            "bos_prepended": self.bos_prepended,
-            "index_convention": INDEX_CONVENTION,
-            "me_layer": loc.me_layer,
-            "me_layer_1based": loc.me_layer_1based,
-            "me_site": loc.me_event.site if loc.me_event else None,
-            "judged_layer": self.judged_layer(),
-            "selected_jump_layer": self.selected_jump_layer(),
-            "units": None if self.units is None else self.units.split(),
-            "events": [e.to_dict() for e in loc.events],
-            "massive_positions": loc.massive_positions,
-            "massive_dims": loc.massive_dims,
-            "reference_positions": loc.reference_positions,
-            "criterion": loc.criterion.to_dict(),
-            "n_prompts": self.n_prompts,
-            "prompt_lengths": self.prompt_lengths,
-            "layers": [
-                {
-                    "layer": i,
-                    "layer_1based": i + 1,
-                    "resid_norm_ratio": ratios["resid_post"][i],
-                    "ffn_out_norm_ratio": ratios["ffn_out"][i],
-                    "ffn_in_norm_ratio": ratios["ffn_in"][i],
-                    "attn_out_norm_ratio": ratios["attn_out"][i],
-                    "attn_in_norm_ratio": ratios["attn_in"][i],
-                    **{
-                        f"{s}_norm_ratio": ratios[s][i]
-                        for s in names.OWN_SITES
-                        if s in ratios  # sandwich norms: the sub-layer's own output as well
-                    },
-                    "top_norm_ratio": loc.top_ratio[i],
-                    "max_over_median": loc.max_over_median[i],
-                    "has_massive": loc.layer_has_massive[i],
-                    "prompt_fraction": loc.prompt_fraction[i],
-                }
-                for i in range(n)
-            ],
-            "site_norms": self.site_norms,
-            "per_prompt": self.per_prompt,
-        }
 
-
-def _site_norms(scan: NormScan, reference: Sequence[int]) -> dict[str, dict[str, list[float]]]:
+def _site_norms(scan: NormScan, reference: Sequence[int]) -> dict[str, SiteNorms]:
     """Median over prompts of the reference token's norm and of the other tokens' mean norm."""
     ref = torch.as_tensor(list(reference))
     idx = torch.arange(len(ref))
@@ -219,10 +208,7 @@ def _site_norms(scan: NormScan, reference: Sequence[int]) -> dict[str, dict[str,
         n = scan.site_norms(s)  # [layer batch pos]
         mass = n[:, idx, ref]
         other = torch.where(others, n, torch.zeros(())).sum(-1) / others.sum(-1).clamp(min=1)
-        out[s] = {
-            "massive": mass.median(-1).values.tolist(),
-            "others": other.median(-1).values.tolist(),
-        }
+        out[s] = SiteNorms(mass.median(-1).values.tolist(), other.median(-1).values.tolist())
     return out
 
 
@@ -242,33 +228,32 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     site = locate(model, batch, scan=scan, criterion=crit, seed=cfg.seed)
     loc = site.location
     ref = torch.as_tensor(loc.reference_positions)
-    per_prompt = {
-        f"r_{s}": top_ratio(scan.site_norms(f"resid_{s}"), scan.mask).T.tolist()
+    r = {
+        s: top_ratio(scan.site_norms(f"resid_{s}"), scan.mask).T.tolist()
         for s in ("pre", "mid", "post")
     }
-    per_prompt["ref_ratio"] = ratio_to_others(
-        scan.site_norms("resid_post"), scan.mask, ref
-    ).T.tolist()
-    per_prompt["massive"] = massive_tokens(scan, crit).any(-1).T.float().tolist()
+    per_prompt = PerPrompt(
+        r_pre=r["pre"],
+        r_mid=r["mid"],
+        r_post=r["post"],
+        ref_ratio=ratio_to_others(scan.site_norms("resid_post"), scan.mask, ref).T.tolist(),
+        massive=massive_tokens(scan, crit).any(-1).T.float().tolist(),
+    )
     layer = loc.me_layer if loc.me_layer is not None else int(torch.tensor(loc.top_ratio).argmax())
     n0 = batch.lengths[0]
     tokens = [model.tokenizer.decode([int(t)]) for t in batch.tokens[0, :n0]]
-    result = Result(
-        model=model.name,
-        bos=model.bos,
+    return Result(
+        header=run_header(cfg, model, len(prompts), site),
         bos_prepended=model.bos_prepended(batch),
-        n_prompts=len(prompts),
         location=loc,
         site_norms=_site_norms(scan, loc.reference_positions),
         heatmap_tokens=tokens,
         heatmap_values=scan.kept_resid[layer].tolist(),
         heatmap_layer=layer,
-        prompt_lengths=batch.lengths,
+        prompt_lengths=list(batch.lengths),
         per_prompt=per_prompt,
         units=site.units,
-        seed=cfg.seed,
     )
-    return result
 
 
 #: The sites of the Figure-1 view (``norms_by_site``), in forward order.
@@ -295,7 +280,7 @@ def figures(result: Result) -> dict[str, Any]:
     loc = result.location
     sites = figure_sites(list(result.site_norms))
     fig1 = plotting.site_norms_figure(
-        {s: result.site_norms[s] for s in sites}, loc.me_layer, result.model
+        {s: vars(result.site_norms[s]) for s in sites}, loc.me_layer, result.model
     )
     what = (
         "ME layer"
@@ -324,7 +309,7 @@ def figures(result: Result) -> dict[str, Any]:
 def summary(result: Result) -> str:
     loc = result.location
     lines = [
-        f"model: {result.model}   bos: {result.bos} (BOS prepended: {result.bos_prepended})   "
+        f"model: {result.model}   bos: {result.header.bos} (BOS prepended: {result.bos_prepended})   "
         f"prompts: {result.n_prompts}",
     ]
     if loc.me_layer is None:
@@ -535,7 +520,16 @@ SPECS: tuple[claims.Spec, ...] = (
 
 # attention="sdpa": it reads no attention pattern (the fused kernel, me_interp.loading.attention)
 EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, attention="sdpa", key_figures=("ratios",)
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    attention="sdpa",
+    key_figures=("ratios",),
+    result_type=Result,
 )
 main = command(EXPERIMENT)
 

@@ -35,8 +35,7 @@ On a model without a massive activation ``run`` raises ``claims.NotApplicable``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import plotly.graph_objects as go
@@ -55,6 +54,7 @@ from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.alignment import (
     ALIGN_SITES,
     AlignmentRecorder,
+    GainRank,
     massive_dim_gain_ranks,
 )
 from me_interp.probes.batching import record
@@ -63,6 +63,8 @@ from me_interp.probes.ffn import (
     STAGES,
     FFNAtRecorder,
     FFNRecorder,
+    Neuron,
+    Stages,
     make_scan,
     neuron_contributions,
     top_neurons,
@@ -88,21 +90,17 @@ N_TOP = 3
 # ------------------------------------------------------------------------------------------
 
 
-def _delta_c(stage: str) -> Callable[[Result], np.ndarray]:
-    return lambda r: as_array(r.per_prompt, f"delta_c_{stage}")
-
-
 def _log_magnification(r: Result) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.log10(as_array(r.per_prompt, "magnification"))
+        return np.log10(as_array(r.per_prompt.magnification))
 
 
 _PEAK_VALUES: dict[str, Callable[[Result], np.ndarray]] = {
-    "frac_peak": lambda r: as_array(r.per_prompt, "delta_frac"),
-    "kl_peak": lambda r: -as_array(r.per_prompt, "delta_kl"),
-    "dc_gate_peak": _delta_c("gate"),
-    "dc_up_peak": _delta_c("up"),
-    "dc_down_peak": _delta_c("down"),
+    "frac_peak": lambda r: as_array(r.per_prompt.delta_frac),
+    "kl_peak": lambda r: -as_array(r.per_prompt.delta_kl),
+    "dc_gate_peak": lambda r: as_array(r.per_prompt.delta_c_gate),
+    "dc_up_peak": lambda r: as_array(r.per_prompt.delta_c_up),
+    "dc_down_peak": lambda r: as_array(r.per_prompt.delta_c_down),
     "magnification_peak": _log_magnification,
 }
 
@@ -141,8 +139,9 @@ def _gain_alignment(m: np.ndarray) -> np.ndarray | float:
 
 
 def _frac_rows(r: Result) -> np.ndarray:
-    keys = ("frac_massive", "frac_others", "frac_massive_pregain", "frac_others_pregain")
-    return np.stack([as_array(r.per_prompt, k)[:, r.me_layer] for k in keys], axis=1)
+    p = r.per_prompt
+    cols = (p.frac_massive, p.frac_others, p.frac_massive_pregain, p.frac_others_pregain)
+    return np.stack([as_array(c)[:, r.me_layer] for c in cols], axis=1)
 
 
 def _frac_details(r: Result) -> str:
@@ -155,8 +154,8 @@ def _frac_details(r: Result) -> str:
 
 
 def _kl_details(r: Result) -> str:
-    km = as_array(r.per_prompt, "kl_massive")[:, r.me_layer]
-    ko = as_array(r.per_prompt, "kl_others")[:, r.me_layer]
+    km = as_array(r.per_prompt.kl_massive)[:, r.me_layer]
+    ko = as_array(r.per_prompt.kl_others)[:, r.me_layer]
     return (
         f"ME layer {r.me_text()}; mean KL massive {km.mean():.3g} nats, others {ko.mean():.3g} "
         f"(ΔKL {(km - ko).mean():.3g})"
@@ -164,23 +163,23 @@ def _kl_details(r: Result) -> str:
 
 
 def _neuron_measure(r: Result) -> claims.Sample:
-    share = as_array(r.per_prompt, "selected_neuron_share")
-    null = as_array(r.per_prompt, "random_neuron_share")
+    share = as_array(r.per_prompt.selected_neuron_share)
+    null = as_array(r.per_prompt.random_neuron_share)
     rows = r.units.prompts(r.units.heldout)
     unit = "held-out prompts" if r.units.held_out else "prompts (nothing held out)"
     return claims.Sample(share[rows] - null[rows], unit=unit, keys=[r.units.keys[b] for b in rows])
 
 
 def _neuron_details(r: Result) -> str:
-    top = r.neurons["neurons"][:N_TOP]
+    top = r.neurons.neurons[:N_TOP]
     rows = r.units.prompts(r.units.heldout)
-    held = as_array(r.per_prompt, "selected_neuron_share")[rows].mean()
-    null = as_array(r.per_prompt, "random_neuron_share")[rows].mean()
+    held = as_array(r.per_prompt.selected_neuron_share)[rows].mean()
+    null = as_array(r.per_prompt.random_neuron_share)[rows].mean()
     return (
-        f"neuron layer {r.neuron_layer} ({r.neurons['chosen_as']}); top {N_TOP} of the selection "
+        f"neuron layer {r.neuron_layer} ({r.neurons.chosen_as}); top {N_TOP} of the selection "
         f"half: {r.selected_neurons}; {r.units.text()}; held-out share {held:.3g}, random "
         f"{N_TOP} neurons {null:.3g}; top neurons on all prompts "
-        + ", ".join(f"{n['neuron']} ({100 * n['share']:.1f} %)" for n in top)
+        + ", ".join(f"{n.neuron} ({100 * n.share:.1f} %)" for n in top)
     )
 
 
@@ -213,8 +212,8 @@ SPECS: tuple[claims.Spec, ...] = (
         control="the other tokens of the same prompts at the same layer",
         stat=lambda r: claims.Sample(
             paired(
-                as_array(r.per_prompt, "kl_others")[:, r.me_layer],
-                as_array(r.per_prompt, "kl_massive")[:, r.me_layer],
+                as_array(r.per_prompt.kl_others)[:, r.me_layer],
+                as_array(r.per_prompt.kl_massive)[:, r.me_layer],
             ),
             relative_drop,
         ),
@@ -270,44 +269,103 @@ class Config(DetectConfig):
         return self.k_abs if self.k_abs > 0 else float(self.k_frac)
 
 
-@dataclass
-class Result(LayerReport):
-    """What :func:`run` measured. ``per_prompt`` holds the ``[prompt][layer]`` statistics behind the
-    claims (``delta_frac``, ``frac_massive``, ``frac_others``, ``delta_kl``, ``kl_massive``,
-    ``kl_others``, ``frac_massive_pregain``, ``frac_others_pregain`` (the standardised h / rms
-    before the gain), ``delta_c_<stage>``, ``magnification``, ``magnification_others``) and, per
-    prompt, ``selected_neuron_share`` (the share of :attr:`selected_neurons`, the top-:data:`N_TOP`
+@dataclass(frozen=True)
+class Layer:
+    """Per layer, the means over prompts: ΔFrac and ΔKL at the pre-FFN norm output (``delta_frac``,
+    ``delta_kl``) and at each of ``probes.alignment.ALIGN_SITES``; Frac, KL and the weight norm of
+    the massive token and of the others at the pre-FFN norm output; the Herfindahl concentration per
+    FFN stage (massive minus others, massive, others); the FFN magnification."""
+
+    layer: int
+    layer_1based: int
+    delta_frac: float
+    delta_kl: float
+    delta_frac_ffn_in: float
+    delta_kl_ffn_in: float
+    delta_frac_ffn_normalized: float
+    delta_kl_ffn_normalized: float
+    delta_frac_attn_in: float
+    delta_kl_attn_in: float
+    delta_frac_attn_normalized: float
+    delta_kl_attn_normalized: float
+    frac_massive: float
+    frac_others: float
+    kl_massive: float
+    kl_others: float
+    weight_norm_massive: float
+    weight_norm_others: float
+    delta_c: Stages
+    c_massive: Stages
+    c_others: Stages
+    magnification: float
+    magnification_others: float
+    magnification_residual: float | None = None
+
+
+@dataclass(frozen=True)
+class PerPrompt:
+    """The ``[prompt][layer]`` statistics behind the claims (the standardised h / rms before the gain
+    in ``*_pregain``; ``*_residual`` on sandwich-norm models only) and, per prompt,
+    ``selected_neuron_share`` (the share of ``Result.selected_neurons``, the top-:data:`N_TOP`
     neurons of the neuron layer on the selection half) and ``random_neuron_share`` (the mean share of
     :data:`N_TOP` random neurons: ``N_TOP`` × the mean share)."""
+
+    delta_frac: list[list[float]]
+    frac_massive: list[list[float]]
+    frac_others: list[list[float]]
+    delta_kl: list[list[float]]
+    kl_massive: list[list[float]]
+    kl_others: list[list[float]]
+    frac_massive_pregain: list[list[float]]
+    frac_others_pregain: list[list[float]]
+    delta_c_input: list[list[float]]
+    delta_c_gate: list[list[float]]
+    delta_c_up: list[list[float]]
+    delta_c_product: list[list[float]]
+    delta_c_down: list[list[float]]
+    magnification: list[list[float]]
+    magnification_others: list[list[float]]
+    selected_neuron_share: list[float]
+    random_neuron_share: list[float]
+    magnification_residual: list[list[float]] | None = None
+    delta_c_residual: list[list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class Neurons:
+    """The top neurons of the neuron layer, ``chosen_as`` ``given`` or ``ME layer``."""
+
+    layer: int
+    layer_1based: int
+    n_prompts: int
+    neurons: list[Neuron]
+    chosen_as: str
+
+
+@dataclass(frozen=True)
+class GainRanks:
+    """Per layer, where the massive dims rank in the pre-FFN and pre-attention gains ``|w|``."""
+
+    ffn: list[list[GainRank]]
+    attn: list[list[GainRank]]
+
+
+@dataclass(frozen=True)
+class Result(LayerReport):
+    """What :func:`run` measured (see :class:`Layer`, :class:`PerPrompt`)."""
 
     massive_dims: list[int]
     massive_positions: list[list[int]]
     reference_positions: list[int]
     k: int
     d_model: int
-    neurons: dict[str, Any]
+    layers: list[Layer]
+    neurons: Neurons
     neuron_layer: int
-    gain_ranks: dict[str, list[list[dict]]]
+    gain_ranks: GainRanks
     ffn_gain_at_me: list[float]
-    selected_neurons: list[int] = field(default_factory=list)
-    per_prompt: dict[str, list] = field(default_factory=dict)
-    seed: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **self.header(),
-            "massive_dims": self.massive_dims,
-            "massive_positions": self.massive_positions,
-            "reference_positions": self.reference_positions,
-            "n_prompts": self.n_prompts,
-            "k": self.k,
-            "d_model": self.d_model,
-            "layers": self.layers,
-            "neurons": self.neurons,
-            "selected_neurons": self.selected_neurons,
-            "gain_ranks": self.gain_ranks,
-            "per_prompt": self.per_prompt,
-        }
+    selected_neurons: list[int]
+    per_prompt: PerPrompt
 
 
 def _mean(x) -> float:
@@ -351,59 +409,68 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     if mag_res is not None:
         per["magnification_residual"] = mag_res
         per[f"delta_c_{RESIDUAL_STAGE}"] = fs.delta_c(RESIDUAL_STAGE)
+
+    def stages(c: Callable[[str], torch.Tensor], L: int, residual: float | None = None) -> Stages:
+        return Stages(*(_mean(c(s)[L]) for s in STAGES), residual=residual)  # type: ignore[misc]
+
     layers = []
     for L in range(model.n_layers):
-        row: dict[str, Any] = {"layer": L, "layer_1based": L + 1}
-        row["delta_frac"] = _mean(per["delta_frac"][L])
-        row["delta_kl"] = _mean(per["delta_kl"][L])
+        align = {}
         for s in ALIGN_SITES:
-            row[f"delta_frac_{s}"] = _mean(al.delta_frac(s)[L])
-            row[f"delta_kl_{s}"] = _mean(al.delta_kl(s)[L])
+            align[f"delta_frac_{s}"] = _mean(al.delta_frac(s)[L])
+            align[f"delta_kl_{s}"] = _mean(al.delta_kl(s)[L])
         for m in ("frac", "kl", "weight_norm"):
-            row[f"{m}_massive"] = _mean(al.massive(m, "ffn_in")[L])
-            row[f"{m}_others"] = _mean(al.others(m, "ffn_in")[L])
-        row["delta_c"] = {s: _mean(fs.delta_c(s)[L]) for s in STAGES}
-        row["c_massive"] = {s: _mean(fs.massive_c(s)[L]) for s in STAGES}
-        row["c_others"] = {s: _mean(fs.others_c(s)[L]) for s in STAGES}
-        row["magnification"] = _mean(mag[L])
-        row["magnification_others"] = _mean(mag_o[L])
-        if mag_res is not None:
-            row["magnification_residual"] = _mean(mag_res[L])
-            row["delta_c"][RESIDUAL_STAGE] = _mean(per[f"delta_c_{RESIDUAL_STAGE}"][L])
-        layers.append(row)
-    table = top_neurons(model, fs, nl, cfg.top_neurons).to_dict()
-    table["chosen_as"] = "given" if cfg.neuron_layer >= 0 else "ME layer"
+            align[f"{m}_massive"] = _mean(al.massive(m, "ffn_in")[L])
+            align[f"{m}_others"] = _mean(al.others(m, "ffn_in")[L])
+        res = None if mag_res is None else _mean(per[f"delta_c_{RESIDUAL_STAGE}"][L])
+        layers.append(
+            Layer(
+                layer=L,
+                layer_1based=L + 1,
+                delta_frac=_mean(per["delta_frac"][L]),
+                delta_kl=_mean(per["delta_kl"][L]),
+                **align,
+                delta_c=stages(fs.delta_c, L, res),
+                c_massive=stages(fs.massive_c, L),
+                c_others=stages(fs.others_c, L),
+                magnification=_mean(mag[L]),
+                magnification_others=_mean(mag_o[L]),
+                magnification_residual=None if mag_res is None else _mean(mag_res[L]),
+            )
+        )
+    table = top_neurons(model, fs, nl, cfg.top_neurons)
+    neurons = Neurons(
+        layer=table.layer,
+        layer_1based=table.layer + 1,
+        n_prompts=table.n_prompts,
+        neurons=table.rows(),
+        chosen_as="given" if cfg.neuron_layer >= 0 else "ME layer",
+    )
     shares = neuron_contributions(fs.act_at_ref[nl], model.ffn_weights(nl).down)  # [batch d_mlp]
     sel = det.units.prompts(det.units.select)
     chosen = shares[sel].mean(0).argsort(descending=True)[:N_TOP].tolist()  # on the selection half
     loc = det.location
     dims = list(loc.massive_dims[:4])
     ranks = massive_dim_gain_ranks(model, dims, al.k) if dims else {"ffn": [], "attn": []}
-    result = Result(
-        model=model.name,
-        bos=model.bos,
-        bos_prepended=model.bos_prepended(batch),
-        n_prompts=len(batch),
-        **det.report_fields(),
+    return Result(
+        **det.report_fields(cfg, model, batch),
         massive_dims=list(loc.massive_dims),
         massive_positions=det.massive_positions,
         reference_positions=ref,
         k=al.k,
         d_model=model.d_model,
         layers=layers,
-        neurons=table,
+        neurons=neurons,
         neuron_layer=nl,
-        gain_ranks={n: [[g.to_dict() for g in row] for row in v] for n, v in ranks.items()},
+        gain_ranks=GainRanks(ffn=ranks["ffn"], attn=ranks["attn"]),
         ffn_gain_at_me=model.ffn_norm_gain(me).detach().float().cpu().tolist(),
         selected_neurons=[int(n) for n in chosen],
-        per_prompt={
+        per_prompt=PerPrompt(
             **{k: v.T.tolist() for k, v in per.items()},
-            "selected_neuron_share": shares[:, chosen].sum(-1).tolist(),
-            "random_neuron_share": (N_TOP * shares.mean(-1)).tolist(),
-        },
-        seed=cfg.seed,
+            selected_neuron_share=shares[:, chosen].sum(-1).tolist(),
+            random_neuron_share=(N_TOP * shares.mean(-1)).tolist(),
+        ),
     )
-    return result
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
@@ -411,9 +478,13 @@ def figures(result: Result) -> dict[str, go.Figure]:
     k = f"K = {result.k} of {result.d_model} dims"
     frac = plotting.layer_lines(
         {
-            "pre-FFN RMSNorm output (after gain)": result.series("delta_frac_ffn_in"),
-            "pre-FFN standardised h/rms (before gain)": result.series("delta_frac_ffn_normalized"),
-            "pre-attention RMSNorm output (after gain)": result.series("delta_frac_attn_in"),
+            "pre-FFN RMSNorm output (after gain)": [r.delta_frac_ffn_in for r in result.layers],
+            "pre-FFN standardised h/rms (before gain)": [
+                r.delta_frac_ffn_normalized for r in result.layers
+            ],
+            "pre-attention RMSNorm output (after gain)": [
+                r.delta_frac_attn_in for r in result.layers
+            ],
         },
         f"ΔFrac: share of energy on the top-|w| dims, massive token minus others ({k})",
         "ΔFrac (fraction, > 0: massive token more aligned)",
@@ -421,80 +492,49 @@ def figures(result: Result) -> dict[str, go.Figure]:
     )
     kl = plotting.layer_lines(
         {
-            "pre-FFN RMSNorm output (after gain)": result.series("delta_kl_ffn_in"),
-            "pre-FFN standardised h/rms (before gain)": result.series("delta_kl_ffn_normalized"),
-            "pre-attention RMSNorm output (after gain)": result.series("delta_kl_attn_in"),
+            "pre-FFN RMSNorm output (after gain)": [r.delta_kl_ffn_in for r in result.layers],
+            "pre-FFN standardised h/rms (before gain)": [
+                r.delta_kl_ffn_normalized for r in result.layers
+            ],
+            "pre-attention RMSNorm output (after gain)": [
+                r.delta_kl_attn_in for r in result.layers
+            ],
         },
         "ΔKL(p‖g): energy distribution vs gain distribution, massive token minus others",
         "ΔKL (nats, < 0: massive token closer to the gains)",
         me,
     )
     dc = plotting.layer_lines(
-        {STAGE_LABELS[s]: result.series("delta_c", s) for s in STAGES},
+        {STAGE_LABELS[s]: [getattr(r.delta_c, s) for r in result.layers] for s in STAGES},
         "ΔC: Herfindahl concentration of the massive token minus the others, per FFN stage",
         "ΔC (dimensionless, 1 = one-hot)",
         me,
     )
     mag = plotting.layer_lines(
         {
-            "massive token": result.series("magnification"),
-            "mean of other tokens": result.series("magnification_others"),
+            "massive token": [r.magnification for r in result.layers],
+            "mean of other tokens": [r.magnification_others for r in result.layers],
         },
         "FFN magnification ‖FFN(ĥ)‖ / ‖ĥ‖ per layer (mean over prompts)",
         "magnification (ratio, log scale)",
         me,
         log_y=True,
     )
-    rows = result.neurons["neurons"]
-    neurons = go.Figure(
-        go.Bar(
-            x=[f"n{r['neuron']}" for r in rows],
-            y=[100 * r["share"] for r in rows],
-            hovertemplate="neuron %{x}: %{y:.3g} % of the FFN output<extra></extra>",
-        )
-    )
+    rows = result.neurons.neurons
     nl = result.neuron_layer
-    neurons.update_layout(
-        title=f"Top FFN neurons of layer {nl} (1-based {nl + 1}, {result.neurons['chosen_as']}) by "
-        "share of the massive token's FFN output",
-        xaxis_title="FFN neuron (index in d_mlp)",
-        yaxis_title="share of the FFN output (%; signed projection, all neurons sum to 100)",
-        template="plotly_white",
+    neurons = plotting.neuron_shares(
+        [r.neuron for r in rows],
+        [r.share for r in rows],
+        f"Top FFN neurons of layer {nl} (1-based {nl + 1}, {result.neurons.chosen_as}) by share of "
+        "the massive token's FFN output",
     )
-    gain = [abs(x) for x in result.ffn_gain_at_me]
-    order = sorted(range(len(gain)), key=lambda i: -gain[i])
     gl = result.me_layer if result.me_layer is not None else nl
-    gfig = go.Figure(
-        go.Scatter(
-            x=list(range(1, len(gain) + 1)),
-            y=[gain[i] for i in order],
-            mode="lines",
-            name="|w| sorted",
-            customdata=order,
-            hovertemplate="rank %{x}: dim %{customdata}, |w| = %{y:.3g}<extra></extra>",
-        )
-    )
-    for g in (result.gain_ranks.get("ffn") or [[]] * (gl + 1))[gl]:
-        gfig.add_trace(
-            go.Scatter(
-                x=[g["rank"]],
-                y=[g["abs_gain"]],
-                mode="markers+text",
-                marker=dict(size=11, color="firebrick"),
-                text=[f"massive dim {g['dim']}"],
-                textposition="top center",
-                name=f"massive dim {g['dim']} (rank {g['rank']})",
-            )
-        )
-    gfig.add_vline(
-        x=result.k, line_dash="dot", line_color="gray", annotation_text=f"K = {result.k}"
-    )
-    gfig.update_layout(
-        title=f"Pre-FFN RMSNorm gains |w| of layer {gl} (1-based {gl + 1}) sorted, massive dims marked",
-        xaxis_title="rank of |w| (1 = largest)",
-        yaxis_title="|w| (gain, log scale)",
-        yaxis_type="log",
-        template="plotly_white",
+    marks = [(g.dim, g.rank, g.abs_gain) for g in (result.gain_ranks.ffn or [[]] * (gl + 1))[gl]]
+    gfig = plotting.sorted_gains(
+        result.ffn_gain_at_me,
+        marks,
+        result.k,
+        f"Pre-FFN RMSNorm gains |w| of layer {gl} (1-based {gl + 1}) sorted, massive dims marked",
     )
     return {
         "delta_frac": frac,
@@ -514,24 +554,32 @@ def summary(result: Result) -> str:
     table = result.layer_table(
         ["dFrac", "dKL", "dC gate", "dC up", "dC prod", "dC down", "magnif"],
         lambda r: (
-            r["delta_frac"],
-            r["delta_kl"],
-            r["delta_c"]["gate"],
-            r["delta_c"]["up"],
-            r["delta_c"]["product"],
-            r["delta_c"]["down"],
-            r["magnification"],
+            r.delta_frac,
+            r.delta_kl,
+            r.delta_c.gate,
+            r.delta_c.up,
+            r.delta_c.product,
+            r.delta_c.down,
+            r.magnification,
         ),
     )
     ntab = fmt_table(
         ["neuron", "share", "activation"],
-        [(n["neuron"], n["share"], n["activation"]) for n in result.neurons["neurons"]],
+        [(n.neuron, n.share, n.activation) for n in result.neurons.neurons],
     )
     return "\n\n".join([head, table, f"top neurons of layer {result.neuron_layer}:\n{ntab}"])
 
 
 EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("delta_frac", "delta_c")
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    key_figures=("delta_frac", "delta_c"),
+    result_type=Result,
 )
 main = command(EXPERIMENT)
 

@@ -54,8 +54,10 @@ from me_interp.loading import load_model
 from me_interp.loading.devices import resolve_device
 from me_interp.loading.errors import ModelLoadError
 from me_interp.loading.loaded import LoadedModel
+from me_interp.probes.massive import Criterion, Event
 from me_interp.study import (
     BAD_INPUT,
+    INDEX_CONVENTION,
     apply_threads,
     build_parser,
     checked,
@@ -123,7 +125,7 @@ class Row:
     other_positions: int = 0
     last_layer: int | None = None
     persists_to_end: bool | None = None
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     ratio: list[float] = field(default_factory=list)
     massive_norm: list[float] = field(default_factory=list)
     others_norm: list[float] = field(default_factory=list)
@@ -154,7 +156,7 @@ class Result:
     """Every row, in the order of ``Config.models``."""
 
     rows: list[Row]
-    criterion: dict[str, Any]
+    criterion: Criterion
     n_prompts: int
 
     @property
@@ -163,7 +165,7 @@ class Result:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "index_convention": me_layer.INDEX_CONVENTION,
+            "index_convention": INDEX_CONVENTION,
             "criterion": self.criterion,
             "n_prompts": self.n_prompts,
             "rows": [r.to_dict() for r in self.rows],
@@ -184,13 +186,13 @@ def _row(spec: str, model: LoadedModel, res: me_layer.Result, min_fraction: floa
         arch=info.get("arch"),
         n_layers=model.n_layers,
         d_model=model.d_model,
-        bos=res.bos,
+        bos=res.header.bos,
         bos_prepended=res.bos_prepended,
         n_prompts=res.n_prompts,
-        events=[e.to_dict() for e in loc.events],
+        events=list(loc.events),
         ratio=list(ratio),
-        massive_norm=res.site_norms["resid_post"]["massive"],
-        others_norm=res.site_norms["resid_post"]["others"],
+        massive_norm=res.site_norms["resid_post"].massive,
+        others_norm=res.site_norms["resid_post"].others,
         peak_layer=peak,
         peak_ratio=ratio[peak],
         claims=claims.judge(me_layer.SPECS, res),
@@ -297,7 +299,7 @@ def run(
             if owned:
                 model = None
                 free_memory()
-    return Result(rows=rows, criterion=cfg.detection().to_dict(), n_prompts=len(prompts))
+    return Result(rows=rows, criterion=cfg.detection(), n_prompts=len(prompts))
 
 
 def _fmt(v: float | None) -> str:

@@ -204,16 +204,6 @@ class GainRank:
     ratio_to_median: float
     in_top_k: bool
 
-    def to_dict(self) -> dict:
-        return {
-            "dim": self.dim,
-            "abs_gain": self.abs_gain,
-            "rank": self.rank,
-            "d": self.d,
-            "ratio_to_median": self.ratio_to_median,
-            "in_top_k": self.in_top_k,
-        }
-
 
 def gain_ranks(w: Float[torch.Tensor, " d"], dims: Sequence[int], k: int) -> list[GainRank]:
     """Rank of each of ``dims`` in ``|w|``: ``rank = 1 + #{j : |w_j| > |w_i|}``; ``in_top_k = rank ≤ k``.

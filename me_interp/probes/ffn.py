@@ -240,6 +240,30 @@ def neuron_contributions(
 
 
 @dataclass(frozen=True)
+class Stages:
+    """One value per FFN stage (:data:`STAGES`; ``residual``: after a post-FFN norm, on
+    sandwich-norm models only)."""
+
+    input: float
+    gate: float
+    up: float
+    product: float
+    down: float
+    residual: float | None = None
+
+
+@dataclass(frozen=True)
+class Neuron:
+    """One row of :class:`NeuronTable`: mean share of the massive token's
+    FFN output, mean activation, mean ``|a_n| ‖W_down[:, n]‖``."""
+
+    neuron: int
+    share: float
+    activation: float
+    contribution_norm: float
+
+
+@dataclass(frozen=True)
 class NeuronTable:
     """Top FFN neurons of one layer by their share of the massive token's FFN output."""
 
@@ -249,6 +273,11 @@ class NeuronTable:
     mean_activation: list[float]
     mean_contribution_norm: list[float]
     n_prompts: int
+
+    def rows(self) -> list[Neuron]:
+        """One :class:`Neuron` per ranked neuron."""
+        cols = (self.neurons, self.mean_share, self.mean_activation, self.mean_contribution_norm)
+        return [Neuron(*row) for row in zip(*cols, strict=True)]
 
     def to_dict(self) -> dict:
         return {

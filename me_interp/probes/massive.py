@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -83,9 +83,6 @@ class Criterion:
                 )
         if not 0 < self.min_prompt_fraction <= 1:
             raise ValueError("min_prompt_fraction must be in (0, 1]")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def value_passes(scan: NormScan, crit: Criterion) -> Bool[torch.Tensor, "layer batch pos k"]:
@@ -145,9 +142,6 @@ class Event:
     positions: list[list[int]]
     dims: list[int]
     prompt_fraction: float
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

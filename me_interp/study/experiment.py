@@ -53,6 +53,8 @@ class Experiment:
         attention: ``eager`` (attention patterns are read) or ``sdpa`` (the fused kernel: the
             experiment reads no attention pattern; recorded in ``env.json``).
         specs_for: when the result decides which claims apply, ``specs_for(result)``.
+        result_type: its Result class, for readers of a finished run's ``result.json``
+            (``io.read_result(result_type, run_dir)``); ``None`` where none reads it back.
     """
 
     name: str
@@ -65,6 +67,7 @@ class Experiment:
     key_figures: tuple[str, ...] = ()
     attention: str = "eager"
     specs_for: Callable[[Any], Sequence[claims.Spec]] | None = field(default=None, repr=False)
+    result_type: type | None = field(default=None, repr=False)
 
     def judged(self, result: Any) -> list[claims.Claim]:
         """Every claim of this experiment judged on ``result``."""

@@ -4,13 +4,12 @@ bad inputs."""
 from __future__ import annotations
 
 import importlib
-import json
 from functools import partial
 
 import numpy as np
 import pytest
 
-from me_interp import claims, io, load_model, names, plotting, synthetic
+from me_interp import claims, io, load_model, names, plotting, study, synthetic
 from me_interp.experiments import me_layer
 
 H, F, INC, NA = claims.HOLDS, claims.FAILS, claims.INCONCLUSIVE, claims.NOT_APPLICABLE
@@ -47,25 +46,21 @@ def word_prompts(tmp_path):
 def test_run_on_planted(planted, word_prompts):
     model, plant = planted
     res = me_layer.run(me_layer.Config(prompts=word_prompts), model)
-    d = res.to_dict()
-    for key in (
-        "model",
-        "bos",
-        "me_layer",
-        "me_layer_1based",
-        "events",
-        "massive_positions",
-        "massive_dims",
-        "layers",
-    ):
-        assert key in d
-    assert d["me_layer"] == plant.layer and d["me_layer_1based"] == plant.layer + 1
-    assert d["massive_dims"] == [plant.massive_dim] and d["me_site"] == "ffn"
-    assert len(d["layers"]) == model.n_layers
-    for key in ("resid_norm_ratio", "ffn_out_norm_ratio", "max_over_median"):
-        assert all(isinstance(layer[key], float) for layer in d["layers"])
-    assert d["layers"][plant.layer]["ffn_out_norm_ratio"] > 100
-    assert d["layers"][plant.layer - 1]["resid_norm_ratio"] < 2
+    assert io.to_jsonable(study.roundtrip(res)) == io.to_jsonable(res)
+    loc, h = res.location, res.header
+    assert h.model == model.name and h.bos == model.bos and h.seed == 0
+    assert (
+        res.me_layer == h.me_layer == h.layer == plant.layer and h.layer_1based == plant.layer + 1
+    )
+    assert loc.massive_dims == [plant.massive_dim] and res.me_site == "ffn"
+    assert loc.events and loc.massive_positions
+    ratios = loc.site_ratios
+    assert len(loc.max_over_median) == len(ratios["resid_post"]) == model.n_layers
+    for key in ("resid_post", "ffn_out"):
+        assert all(isinstance(x, float) for x in ratios[key])
+    assert all(isinstance(x, float) for x in loc.max_over_median)
+    assert ratios["ffn_out"][plant.layer] > 100
+    assert ratios["resid_post"][plant.layer - 1] < 2
     figs = me_layer.figures(res)
     assert set(figs) == {"norms_by_site", "me_layer_tokens_by_dim", "ratios"}
     # no sandwich norms: the five panels of the paper's Figure 1, nothing else
@@ -155,7 +150,8 @@ def test_cli_writes_a_complete_run(tmp_path, word_prompts, capsys):
     html = (run_dir / "norms_by_site.html").read_text()
     assert "../../plotly.min.js" in html and len(html) < 500_000  # plotly.js shared, not embedded
     run = io.load_run(run_dir)
-    assert run["result"]["me_layer"] == 2
+    assert run["result"]["location"]["me_layer"] == run["result"]["header"]["me_layer"] == 2
+    assert io.read_result(me_layer.Result, run_dir).me_layer == 2
     assert run["config"]["prompts"] == word_prompts and run["config"]["bos"] == "auto"
     assert run["env"]["bos"] == "auto" and run["env"]["dtype"] == "float32"
     assert "torch" in run["env"] and "layer_index" in run["env"]
@@ -169,7 +165,7 @@ def test_cli_on_twin_reports_no_me_layer(tmp_path, word_prompts, capsys):
     assert rc == 0
     assert "none found" in capsys.readouterr().out
     (run_dir,) = (tmp_path / "me_layer").iterdir()
-    assert json.loads((run_dir / "result.json").read_text())["me_layer"] is None
+    assert io.read_result(me_layer.Result, run_dir).me_layer is None
 
 
 def test_cli_bad_prompts(tmp_path, capsys):
@@ -267,10 +263,10 @@ def test_planted_claims_are_what_the_construction_implies(planted, many_prompts)
         "prompts 0…15 (16, one massive-token prefix)": True
     }
     assert "nothing to hold out" in one.details
-    d = res.to_dict()
+    d = io.to_jsonable(res)
     assert "claims" not in d  # the CLI and the battery add them (execute)
     assert np.asarray(d["per_prompt"]["r_post"]).shape == (16, model.n_layers)
-    assert d["judged_layer"] == plant.layer
+    assert res.judged_layer() == plant.layer
     line = by_id["me_layer.sudden_birth"].line()
     for part in ("[holds]", "95% CI", "n = 16 prompts", "threshold 'jump'", "control:"):
         assert part in line
@@ -328,7 +324,7 @@ def test_one_layer_is_held_out(planted, second_prompts):
     sel, held = claims.halves(16, 0)
     assert units.prompts(units.select) == sel.tolist()
     assert units.prompts(units.heldout) == held.tolist()
-    post, pre = np.asarray(res.per_prompt["r_post"]), np.asarray(res.per_prompt["r_pre"])
+    post, pre = np.asarray(res.per_prompt.r_post), np.asarray(res.per_prompt.r_pre)
     logj = np.log(post / np.concatenate([pre[:, :1], post[:, :-1]], axis=1))
     layer = int(np.argmax(logj[sel].mean(0)))
     assert layer == res.selected_jump_layer() == plant.layer
@@ -348,7 +344,7 @@ def test_ffn_creates_divides_by_the_attention_factor(planted, many_prompts):
     model, plant = planted
     res = me_layer.run(me_layer.Config(prompts=many_prompts), model)
     L = plant.layer
-    pp = {k: np.asarray(v, dtype=np.float64) for k, v in res.per_prompt.items()}
+    pp = {k: np.asarray(v, dtype=np.float64) for k, v in vars(res.per_prompt).items()}
     est = {c.id: c for c in _claims(res)}["me_layer.ffn_creates"].estimate
     want = np.median(
         pp["r_post"][:, L]
@@ -359,7 +355,9 @@ def test_ffn_creates_divides_by_the_attention_factor(planted, many_prompts):
     moved = dict(pp)  # the attention writes what the FFN wrote: R_mid = R_post at the ME layer
     moved["r_mid"] = pp["r_mid"].copy()
     moved["r_mid"][:, L] = pp["r_post"][:, L] / 1.5
-    attn = dataclasses.replace(res, per_prompt={k: v.tolist() for k, v in moved.items()})
+    attn = dataclasses.replace(
+        res, per_prompt=me_layer.PerPrompt(**{k: v.tolist() for k, v in moved.items()})
+    )
     c = {c.id: c for c in _claims(attn)}["me_layer.ffn_creates"]
     assert c.verdict == F and c.estimate.hi < 1.0
 
@@ -439,11 +437,10 @@ def test_carried_fails_when_a_later_layer_removes_the_activation(planted, many_p
 @pytest.mark.slow
 def test_cli_on_bundled_model(tmp_path, capsys, bundled):
     res = me_layer.run(me_layer.Config(out=str(tmp_path)), bundled)
-    d = res.to_dict()
-    assert d["me_layer"] == 11 and d["me_layer_1based"] == 12
-    assert d["bos"] == "auto" and d["bos_prepended"] is False
-    assert 507 in d["massive_dims"]
-    assert 100 < d["layers"][11]["resid_norm_ratio"] < 300
+    assert res.me_layer == 11 and res.header.layer_1based == 12
+    assert res.header.bos == "auto" and res.bos_prepended is False
+    assert 507 in res.location.massive_dims
+    assert 100 < res.location.site_ratios["resid_post"][11] < 300
     by_id = {c.id: c for c in _claims(res)}
     # measured with the built-in prompts (82): birth jump 127 [124, 130]; the largest-jump layer of
     # 41 prompts (11) is the largest jump of each of the other 41; FFN factor over the attention's

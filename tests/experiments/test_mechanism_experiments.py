@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from me_interp import claims, synthetic
+from me_interp import claims, io, study, synthetic
 from me_interp.experiments import attention_sinks, invariance, mechanism
 from me_interp.models import LoadedModel
 
@@ -113,10 +113,11 @@ def _check_claims(module, result):
                 next(s for s in module.SPECS if s.id == c.id).threshold
             )
             assert c.details
-    d = result.to_dict()
+    assert io.to_jsonable(study.roundtrip(result)) == io.to_jsonable(result)
+    d = io.to_jsonable(result)
     json.dumps(d["per_prompt"])  # serialisable
     for v in d["per_prompt"].values():
-        assert len(v) == result.n_prompts
+        assert v is None or len(v) == result.n_prompts
 
 
 def _no_bos(model) -> LoadedModel:
@@ -140,11 +141,12 @@ def test_planted_verdicts_are_what_the_construction_implies(module, planted_resu
 def test_planted_mechanism_numbers(planted_results):
     res, plant = planted_results
     r = res["mechanism"]
-    assert r.neuron_layer == plant.layer and r.neurons["neurons"][0]["neuron"] == plant.neuron
-    d = r.to_dict()
+    assert r.neuron_layer == plant.layer and r.neurons.neurons[0].neuron == plant.neuron
+    d = io.to_jsonable(r)
     for row in d["layers"]:
         assert {"delta_frac", "delta_kl", "delta_c", "magnification"} <= set(row)
-        assert set(row["delta_c"]) == {"input", "gate", "up", "product", "down"}
+        assert set(row["delta_c"]) == {"input", "gate", "up", "product", "down", "residual"}
+        assert row["delta_c"]["residual"] is None  # no post-FFN norm
     assert d["gain_ranks"]["ffn"][plant.layer][0]["dim"] == plant.massive_dim
     assert np.asarray(d["per_prompt"]["delta_kl"]).shape == (r.n_prompts, 5)
     by_id = {c.id: c for c in _claims(r)}
@@ -154,15 +156,19 @@ def test_planted_mechanism_numbers(planted_results):
     assert r.selected_neurons[0] == plant.neuron and "not decided" in few.why
     kl = by_id["mechanism.kl_peak"]  # layer 2 is the argmax of −ΔKL, but of one measurement
     assert kl.outcomes == {"prompts 0…15 (16, one massive-token prefix)": True}
-    assert np.argmax(r.series("delta_kl")) != plant.layer == np.argmin(r.series("delta_kl"))
+    assert (
+        np.argmax([x.delta_kl for x in r.layers])
+        != plant.layer
+        == np.argmin([x.delta_kl for x in r.layers])
+    )
 
 
 def test_planted_attention_sink_numbers(planted_results):
     res, plant = planted_results
     r = res["attention_sinks"]
-    rates = r.series("sink_rate")
+    rates = [x.sink_rate for x in r.layers]
     assert max(rates[: plant.layer + 1]) == 0.0 and min(rates[plant.layer + 1 :]) > 0.0
-    heads = r.layers[plant.layer + 1]["head_attn_to_massive"]
+    heads = r.layers[plant.layer + 1].head_attn_to_massive
     assert max(range(len(heads)), key=heads.__getitem__) == plant.sink_head
     ent = {c.id: c for c in _claims(r)}["attention_sinks.entropy_drop"].estimate
     assert 0.2 < ent.lo <= ent.hi < 0.35
@@ -207,7 +213,9 @@ def test_planted_attention_sinks_with_the_massive_token_elsewhere(planted, tmp_p
     assert r.reference_positions == [2] * 8
     want = geometry_scan(model, model.tokenize(p.read_text().splitlines()), positions=[2] * 8)
     np.testing.assert_allclose(
-        r.series("effective_rank_others"), want.mean("effective_rank", "others"), rtol=1e-5
+        [x.effective_rank_others for x in r.layers],
+        want.mean("effective_rank", "others"),
+        rtol=1e-5,
     )
     assert _verdicts(r)["attention_sinks.sink_downstream"] == H
 
@@ -255,7 +263,7 @@ def test_twin_peaks_fail_at_a_given_layer(twin, second_file):
     r = mechanism.run(mechanism.Config(prompts=second_file, layer=2), _no_bos(twin[0]))
     by_id = {c.id: c for c in _claims(r)}
     up = by_id["mechanism.dc_up_peak"]
-    dc = np.asarray(r.per_prompt["delta_c_up"])
+    dc = np.asarray(r.per_prompt.delta_c_up)
     want = {f"prompt {b}": bool(np.argmax(dc[b]) == 2) for b in range(16)}  # layer given: all
     assert up.outcomes == want and up.verdict == F
     assert "given (--layer), not selected" in up.details
@@ -267,7 +275,7 @@ def test_position_zero_option_and_neuron_layer(planted, prompt_file):
     r = mechanism.run(
         mechanism.Config(prompts=prompt_file, position="zero", neuron_layer=0, k_abs=2), model
     )
-    assert r.k == 2 and r.neuron_layer == 0 and r.neurons["chosen_as"] == "given"
+    assert r.k == 2 and r.neuron_layer == 0 and r.neurons.chosen_as == "given"
     assert r.reference_positions == [0] * r.n_prompts
     # layer 0 has no dominant neuron, but every prompt's massive token is <s>: one measurement
     assert _verdicts(r)["mechanism.few_neurons"] == INC
@@ -377,7 +385,7 @@ def test_pair_measure_bootstrap_equals_the_pairs_of_each_resample():
 
 def test_frac_aligned_and_few_neurons_by_hand(second_results):
     r = second_results["mechanism"]
-    pp = {k: np.asarray(v, dtype=np.float64) for k, v in r.per_prompt.items()}
+    pp = {k: np.asarray(v, dtype=np.float64) for k, v in vars(r.per_prompt).items()}
     me = r.me_layer
     fm, fo = pp["frac_massive"][:, me].mean(), pp["frac_others"][:, me].mean()
     fm0, fo0 = pp["frac_massive_pregain"][:, me].mean(), pp["frac_others_pregain"][:, me].mean()
@@ -396,11 +404,11 @@ def test_frac_aligned_and_few_neurons_by_hand(second_results):
 
 def test_created_at_me_and_sink_downstream_by_hand(second_results):
     r = second_results["invariance"]
-    cos = np.asarray(r.series("cos_across_inputs"))
+    cos = np.asarray([x.cos_across_inputs for x in r.layers])
     c = {c.id: c for c in _claims(r)}["invariance.created_at_me"]
     assert c.estimate.value == pytest.approx(invariance.removed_misalignment(cos, r.me_layer))
     a = second_results["attention_sinks"]
-    att = np.asarray(a.per_prompt["attn_to_massive"])
+    att = np.asarray(a.per_prompt.attn_to_massive)
     before, after = att.mean(0)[: a.me_layer + 1].max(), att.mean(0)[a.me_layer + 1 :].mean()
     s = {c.id: c for c in _claims(a)}["attention_sinks.sink_downstream"]
     assert s.estimate.value == pytest.approx((after - before) / max(before, after))
@@ -429,7 +437,7 @@ def test_cli_writes_a_run(module, tmp_path, prompt_file, capsys):
     runs = list((out / module.NAME).iterdir())
     assert len(runs) == 1
     result = json.loads((runs[0] / "result.json").read_text())
-    assert result["me_layer"] == 2 and result["me_layer_1based"] == 3
+    assert result["header"]["layer"] == 2 and result["header"]["layer_1based"] == 3
     assert [c["id"] for c in result["claims"]] == [s.id for s in module.SPECS]
     assert all(
         set(c) >= {"verdict", "estimate", "rule", "control", "line"} for c in result["claims"]
@@ -521,17 +529,17 @@ def test_bundled_mechanism(bundled_results):
         c = next(c for c in _claims(r) if c.id == f"mechanism.{cid}")
         assert c.estimate.n == 41 and sum(c.outcomes.values()) == k, cid
     assert 0.99 < _est(r, "mechanism.few_neurons").lo <= 1.0
-    dkl = r.series("delta_kl")
+    dkl = [x.delta_kl for x in r.layers]
     assert -2.0 < dkl[me] < -1.3 and min(range(30), key=dkl.__getitem__) == me
-    down = r.series("delta_c", "down")
+    down = [x.delta_c.down for x in r.layers]
     assert 0.9 < down[me] < 0.99 and max(range(30), key=down.__getitem__) == me
-    mag = r.series("magnification")
+    mag = [x.magnification for x in r.layers]
     assert 2000 < mag[me] < 8000 and max(range(30), key=mag.__getitem__) == me
-    rows = r.neurons["neurons"]
-    assert [n["neuron"] for n in rows[:2]] == [1229, 1487]
-    assert 0.65 < rows[0]["share"] < 0.8 and 0.2 < rows[1]["share"] < 0.33
-    g507 = next(g for g in r.gain_ranks["ffn"][me] if g["dim"] == 507)
-    assert g507["rank"] >= 570 and g507["abs_gain"] < 1e-3  # the massive dim has a tiny gain
+    rows = r.neurons.neurons
+    assert [n.neuron for n in rows[:2]] == [1229, 1487]
+    assert 0.65 < rows[0].share < 0.8 and 0.2 < rows[1].share < 0.33
+    g507 = next(g for g in r.gain_ranks.ffn[me] if g.dim == 507)
+    assert g507.rank >= 570 and g507.abs_gain < 1e-3  # the massive dim has a tiny gain
 
 
 @pytest.mark.slow
@@ -553,10 +561,12 @@ def test_bundled_invariance(bundled_results):
     assert 0.98 < _est(r, "invariance.key").lo < 1.0
     created = _est(r, "invariance.created_at_me")
     assert 0.93 < created.lo <= created.hi < 0.99
-    cos = r.series("cos_across_inputs")
+    cos = [x.cos_across_inputs for x in r.layers]
     assert all(c > 0.999 for c in cos[11:28])
     assert 0.4 < cos[0] < 0.65 and 0.75 < cos[10] < 0.9 and min(cos[2:9]) > 0.99
-    assert all(c == pytest.approx(1.0, abs=1e-5) for c in r.series("cos_across_inputs_control"))
+    assert all(
+        c == pytest.approx(1.0, abs=1e-5) for c in [x.cos_across_inputs_control for x in r.layers]
+    )
     cme = r.cos_across_layers[11]
     assert min(cme[11:28]) > 0.95 and 0.4 < cme[29] < 0.8  # carried to layer 28, then rotated
 
@@ -580,11 +590,11 @@ def test_bundled_attention_sinks(bundled_results):
     assert 0.65 < _est(r, "attention_sinks.rank_drop_all").lo < 0.85
     others = _est(r, "attention_sinks.rank_drop_others")
     assert -0.25 < others.lo <= others.hi < 0.0
-    rate = r.series("sink_rate")
+    rate = [x.sink_rate for x in r.layers]
     assert 0.0 <= rate[11] < 0.05  # the ME layer's own attention has no sink ...
     assert min(rate[3:9]) > 0.7  # ... but layers before the ME layer already do
     assert min(rate[12:29]) > 0.65
-    er, ero = r.series("effective_rank"), r.series("effective_rank_others")
+    er, ero = [x.effective_rank for x in r.layers], [x.effective_rank_others for x in r.layers]
     assert 30 < er[10] < 37 and 2.5 < er[11] < 3.5 and 30 < ero[11] < 37
 
 
