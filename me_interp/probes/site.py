@@ -116,14 +116,6 @@ class Units:
             f"{len(self.prompts(self.heldout))}{same}"
         )
 
-    def split(self) -> dict[str, Any]:
-        """How many units, and which prompts select and which test (for a reader of JSON)."""
-        return {
-            "n_units": self.n,
-            "select_prompts": self.prompts(self.select),
-            "heldout_prompts": self.prompts(self.heldout),
-        }
-
 
 def massive_units(tokens: torch.Tensor, reference: Sequence[int], seed: int) -> Units:
     """:class:`Units` of a batch (``tokens[b, : reference[b] + 1]`` is prompt ``b``'s key)."""
