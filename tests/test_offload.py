@@ -249,7 +249,7 @@ def test_the_battery_on_offloaded_weights_gives_the_plain_verdicts_or_refuses(
     refused = []
     for name in EXPERIMENTS:
         module = _BY_NAME[name]
-        cfg = module.Config(model=str(path), out=str(tmp_path / "runs"))
+        cfg = module.config(model=str(path), out=str(tmp_path / "runs"))
         try:
             b = study.execute(module, cfg, off, figures=False)
         except PlacementError as e:
@@ -278,8 +278,8 @@ def test_the_bundled_model_offloaded_to_disk_equals_the_plain_load(bundled, tmp_
     assert "disk" in set(off.hf.hf_device_map.values()) and off.offloaded
     for module in (me_layer, attention_sinks):
         cfg = module.Config(prompts=str(prompts), out=str(tmp_path / "runs"))
-        a = study.execute(module, cfg, bundled, figures=False)
-        b = study.execute(module, cfg, off, figures=False)
+        a = study.execute(module.EXPERIMENT, cfg, bundled, figures=False)
+        b = study.execute(module.EXPERIMENT, cfg, off, figures=False)
         assert [(c.id, c.verdict) for c in b.claims] == [(c.id, c.verdict) for c in a.claims]
         if module is me_layer:
             ra, rb = a.result, b.result
