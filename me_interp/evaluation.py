@@ -33,8 +33,7 @@ from jaxtyping import Bool, Float, Int
 
 from me_interp import claims, names
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.batching import stop_hook_name
-from me_interp.probes.blocks import capture_block_inputs, final_logits, run_blocks
+from me_interp.probes.batching import capture_block_inputs, final_logits, run_blocks, stop_hook_name
 from me_interp.probes.geometry import effective_rank
 
 
@@ -324,7 +323,7 @@ def _eff_rank(x: torch.Tensor) -> float:
 @dataclass(frozen=True)
 class BlockInputs:
     """What block ``start`` and the later ones receive in the unmodified model's forward of one batch
-    (``probes.blocks``): their keyword arguments and the residual stream entering ``start``."""
+    (``probes.batching``): their keyword arguments and the residual stream entering ``start``."""
 
     start: int
     kwargs: dict[int, dict]

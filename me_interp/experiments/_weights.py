@@ -30,8 +30,7 @@ from me_interp.edits import PARTS
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching.suffix import give_up
 from me_interp.probes.attention import mean_to_keys
-from me_interp.probes.batching import Chunk, record
-from me_interp.probes.blocks import Prefix, capture_prefix
+from me_interp.probes.batching import Chunk, Prefix, capture_prefix, record
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer, prompt_me_layers
 from me_interp.probes.norms import NormRecorder, NormScan, scan_norms, top_ratio
 from me_interp.prompts import spread
@@ -309,7 +308,7 @@ def _same(a: Measurement, b: Measurement) -> str | None:
 @dataclass(frozen=True)
 class Unedited:
     """The unedited model's forward of a batch, for measuring edits that start at a later block:
-    its block inputs (``probes.blocks``), its norm scan and its per-head sink mass (``None``
+    its block inputs (``probes.batching``), its norm scan and its per-head sink mass (``None``
     without the sink)."""
 
     prefix: Prefix

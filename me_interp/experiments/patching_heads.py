@@ -60,7 +60,7 @@ from me_interp import claims, names
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching import KLToClean, attribution_sweep
 from me_interp.patching.heads import patch_head_sets
-from me_interp.patching.suffix import _gather_last
+from me_interp.patching.suffix import gather_last
 
 SITE = "attn_head_out"
 """The per-head site patched: each head's output before ``W_O`` (``hook_z``)."""
@@ -226,14 +226,14 @@ def measure(
     randoms = draw_random(top, H, n_random, seed)
     held = Batch(clean.tokens[test], clean.attention_mask[test], None)
     held_corrupt, held_hooks = corrupt_for(held)
-    clean_logits = _gather_last(model.run_with_hooks(held), held.attention_mask.bool())
+    clean_logits = gather_last(model.run_with_hooks(held), held.attention_mask.bool())
     metrics = {KL: KLToClean(clean_logits)}
     res = patch_head_sets(
         model, held, held_corrupt, SITE, [top, *randoms], metrics, batch_size, held_hooks
     )
     grid, n_fwd = None, res.n_forwards
     if single:
-        clean_logits = _gather_last(model.run_with_hooks(clean), clean.attention_mask.bool())
+        clean_logits = gather_last(model.run_with_hooks(clean), clean.attention_mask.bool())
         sw = attribution_sweep(
             model,
             clean,

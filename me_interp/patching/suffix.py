@@ -25,8 +25,8 @@ from jaxtyping import Float
 
 from me_interp.models import LoadedModel
 from me_interp.patching.metrics import LOGITS, hook_layer
-from me_interp.probes.blocks import _record, final_logits
-from me_interp.probes.blocks import run_blocks as _run_blocks
+from me_interp.probes.batching import final_logits, save_hook
+from me_interp.probes.batching import run_blocks as _run_blocks
 
 #: Environment variable: when set (not ``""``/``"0"``), a ``skip_shared`` sweep that cannot run the
 #: block suffix raises instead of warning and falling back to full forwards (tests set it).
@@ -44,7 +44,9 @@ def last_token_logits(
     return final_logits(model, x)[:, 0]
 
 
-def _gather_last(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def gather_last(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's values at its last real token: ``logits[b, last_b]`` with ``last_b`` the number
+    of real tokens of row ``b`` in ``mask`` minus one."""
     idx = mask.to(logits.device).long().sum(-1) - 1
     return logits[torch.arange(logits.shape[0], device=logits.device), idx]
 
@@ -80,7 +82,7 @@ def _check_suffix(
     n_layers = model.n_layers
     got: dict[str, torch.Tensor] = {}
     rec = [
-        (n, partial(_record, store=got, key=n))
+        (n, partial(save_hook, store=got, key=n))
         for n in want
         if n != LOGITS and hook_layer(n, n_layers) >= first
     ]
@@ -248,7 +250,7 @@ def _check_positions(
     kwargs, resid_in, _ = suffix
     names_ = [n for n in want if n != LOGITS and hook_layer(n, model.n_layers) >= first]
     got: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(_record, store=got, key=n)) for n in names_]
+    rec = [(n, partial(save_hook, store=got, key=n)) for n in names_]
     why = None
     try:
         kv = _capture_kv(
