@@ -23,9 +23,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from functools import partial
 from importlib import resources
-from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +31,15 @@ from jaxtyping import Bool, Float, Int
 
 from me_interp import claims, names
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.batching import capture_block_inputs, final_logits, run_blocks, stop_hook_name
+from me_interp.probes.activations import Activations
+from me_interp.probes.batching import (
+    Chunk,
+    capture_block_inputs,
+    final_logits,
+    record,
+    run_blocks,
+    stop_hook_name,
+)
 from me_interp.probes.geometry import effective_rank
 
 
@@ -303,16 +309,6 @@ POOLED_METRICS = ("perplexity", "kl", "top1", "sink", "entropy", "eff_rank")
 """What :func:`pooled_metrics` makes of them."""
 
 
-def _record_pattern(a: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
-    store[layer] = a.detach().float().cpu()
-    return a
-
-
-def _record_resid(x: torch.Tensor, hook: Any, *, store: dict) -> torch.Tensor:
-    store["resid"] = x.detach().float().cpu()
-    return x
-
-
 def _eff_rank(x: torch.Tensor) -> float:
     try:
         return effective_rank(x)
@@ -363,17 +359,16 @@ def text_metrics(
     (:func:`block_inputs`), when ``hooks`` change nothing before that block and ``layers`` and
     ``rank_layer`` are not before it either: only blocks ``start..`` run.
     """
-    store: dict[Any, torch.Tensor] = {}
-    rec = [(names.pattern(L), partial(_record_pattern, store=store, layer=L)) for L in layers]
-    rec.append((names.resid_post(rank_layer), partial(_record_resid, store=store)))
+    acts = Activations(model, batch, [*map(names.pattern, layers), names.resid_post(rank_layer)])
     if suffix is None:
-        logits = model.run_with_hooks(batch, [*hooks, *rec])
+        logits = record(model, batch, [acts], fwd_hooks=hooks, logits=True)
     else:
         if min([*layers, rank_layer]) < suffix.start:
             raise ValueError(
                 f"a run from block {suffix.start} records nothing of layers {min(layers)}.."
             )
         last = model.n_layers - 1
+        rec = acts.hooks(Chunk.whole(batch))
         h = run_blocks(model, suffix.resid, suffix.start, last, suffix.kwargs, [*hooks, *rec])
         logits = final_logits(model, h)
     logp = torch.log_softmax(logits.float(), -1).cpu()
@@ -395,12 +390,12 @@ def text_metrics(
     sink = torch.zeros(len(batch), dtype=torch.float64)
     ent = torch.zeros(len(batch), dtype=torch.float64)
     for L in layers:
-        a = store[L]  # [batch head q k]
+        a = acts[names.pattern(L)].float().cpu()  # [batch head q k]
         to0 = a[..., 0]
         h = -(a * a.clamp_min(1e-30).log()).sum(-1)
         sink += ((to0 * qm).sum(-1) / n_q).mean(-1).double()  # per text: mean over queries, heads
         ent += ((h * qm).sum(-1) / n_q).mean(-1).double()
-    resid = store["resid"]
+    resid = acts[names.resid_post(rank_layer)].float().cpu()
     ranks = [_eff_rank(resid[b, 1:n]) if n > 2 else math.nan for b, n in enumerate(batch.lengths)]
     stats = {
         "nll": nll.nll,

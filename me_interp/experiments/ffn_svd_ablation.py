@@ -70,6 +70,8 @@ from me_interp.experiments._weights import (
 )
 from me_interp.interventions.causal import excess_fraction, excess_stat
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.probes.activations import Activations
+from me_interp.probes.batching import record
 from me_interp.study import Experiment, command
 from me_interp.terminal import fmt_table
 
@@ -117,11 +119,6 @@ class Config(WeightConfig):
         return sorted({*self.ks, self.claim_k})
 
 
-def _record_act(act: torch.Tensor, hook, *, store: dict) -> torch.Tensor:
-    store["act"] = act.detach().float()
-    return act
-
-
 def neuron_scores(
     model: LoadedModel,
     batch: Batch,
@@ -144,10 +141,11 @@ def neuron_scores(
         raise ValueError(
             f"dims must be a non-empty list of dims in 0..{model.d_model - 1}, got {dims}"
         )
-    store: dict = {}
-    hook = (names.site("ffn_act", layer), partial(_record_act, store=store))
-    model.run_with_hooks(batch, [hook], stop_at_layer=layer + 1)
-    act = store["act"][torch.arange(len(batch)), positions.to(store["act"].device)]  # [batch d_mlp]
+    name = names.site("ffn_act", layer)
+    acts = Activations(model, batch, [name])
+    record(model, batch, [acts], last_layer=layer, max_tokens=None)
+    full = acts[name].float()
+    act = full[torch.arange(len(batch)), positions.to(full.device)]  # [batch d_mlp]
     W = ffn_matrix(model, layer, "down").detach().float()[dims].to(act.device)  # [D d_mlp]
     writes = act[:, None, :] * W[None]  # [batch D d_mlp]
     per_prompt = writes.norm(dim=1)  # [batch d_mlp]

@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -64,7 +63,8 @@ from me_interp.interventions.wemask import (
 )
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching.suffix import give_up
-from me_interp.probes import find_me_layer
+from me_interp.probes import Activations, find_me_layer
+from me_interp.probes.batching import Chunk
 from me_interp.probes.massive import locate_me_layer
 from me_interp.prompts import builtin_texts, read_prompts
 from me_interp.study import INDEX_CONVENTION, CommonConfig, Experiment, command, model_for
@@ -192,11 +192,6 @@ class Config(CommonConfig):
 # ------------------------------------------------------------------------------------------
 # the conditions: one forward each over the texts (evaluation.text_metrics)
 # ------------------------------------------------------------------------------------------
-
-
-def _record_first(x: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
-    store[layer] = x.detach()[:, 0].float().cpu()  # [batch d_model]: the token at position 0
-    return x
 
 
 @dataclass(frozen=True)
@@ -477,12 +472,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     if cfg.backend == "nnsight":
         return _run_nnsight(cfg, model)
     detect = short_batch(model, cfg.load_prompts(), 0, cfg.detect_tokens)
-    first: dict[int, torch.Tensor] = {}
-    capture = [
-        (names.attn_in(L), partial(_record_first, store=first, layer=L))
-        for L in range(model.n_layers)
-    ]
-    loc = find_me_layer(model, detect, fwd_hooks=capture)
+    # the attention input of the token at position 0, in the ME-layer probe's forward
+    first = Activations(model, detect, [names.attn_in(L) for L in range(model.n_layers)], at=0)
+    loc = find_me_layer(model, detect, fwd_hooks=first.hooks(Chunk.whole(detect)))
     me = _me_layer(cfg, model, loc, len(detect))
     layers = list(mask_layers(model, cfg.start, me))
     texts = cfg.load_texts()
@@ -498,7 +490,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         n_texts=len(texts),
         positions=positions,
         # the massive direction of each masked layer: the mean attention input at position 0
-        directions={L: first[L].mean(0) for L in layers},
+        directions={L: first[names.attn_in(L)].float().cpu().mean(0) for L in layers},
         items=evaluation.load_mc_items(cfg.mc_items) if cfg.mc != "none" else [],
     )
     base, refs = sweep.measure(None, None)

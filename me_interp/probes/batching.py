@@ -78,6 +78,11 @@ class Chunk:
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
+    @classmethod
+    def whole(cls, batch: Batch) -> Chunk:
+        """The whole batch as it is: every row, in order, at its full width."""
+        return cls(torch.arange(len(batch)), batch, batch.lengths)
+
 
 @runtime_checkable
 class Recorder(Protocol):
@@ -170,10 +175,11 @@ def record(
     upto: Sequence[int] | None = None,
     fwd_hooks: Sequence[Hook] = (),
     last_layer: int | None = None,
-    max_tokens: int = MAX_CHUNK_TOKENS,
+    max_tokens: int | None = MAX_CHUNK_TOKENS,
     prefix: Prefix | None = None,
     start: int = 0,
-) -> None:
+    logits: bool = False,
+) -> torch.Tensor | None:
     """Run ``batch`` (its ``rows``, their first ``upto`` tokens) once, chunk by chunk, with the hooks
     of every recorder (see the module docstring). Recorders write their outputs in place.
 
@@ -184,35 +190,55 @@ def record(
         rows: the rows to run (default: all).
         upto: per row, how many leading tokens to keep (only for recorders that read positions
             before ``upto``).
-        fwd_hooks: interventions built for the whole batch: the batch then runs unchunked, to the
-            logits (``rows`` and ``upto`` must be ``None``).
+        fwd_hooks: interventions built for the whole batch: the batch then runs as it is, in one
+            forward, to the logits unless ``last_layer`` is given (``rows`` and ``upto`` must be
+            ``None``).
         last_layer: the last block any recorder reads (default: all); the forward stops after it.
-        max_tokens: the padded-token budget of a chunk.
+        max_tokens: the padded-token budget of a chunk; ``None``: the batch runs as it is, in one
+            forward (its rows in order, padding included).
         prefix: the unedited model's block inputs for ``batch`` (:func:`capture_prefix`, same
             ``max_tokens``): run blocks ``start..`` only, from the unedited
             residual stream entering block ``start``; the recorders' hooks of earlier layers do not
             run (their outputs there are the caller's to fill, e.g. from the unedited run).
         start: the first block run with ``prefix`` (checked: captured, and no parameter before it
             edited since).
+        logits: run the batch as it is to the unembedding and return its logits
+            ``[batch pos vocab]`` (what ``model.run_with_hooks`` returns); ``last_layer`` must be
+            ``None``.
+
+    Returns:
+        The logits with ``logits=True``, else ``None``.
     """
-    if fwd_hooks:
-        if rows is not None or upto is not None:
-            raise ValueError(
-                "rows/upto cannot be combined with fwd_hooks built for the whole batch"
-            )
-        whole = Chunk(torch.arange(len(batch)), batch, batch.lengths)
-        hooks = [h for rec in recorders for h in rec.hooks(whole)]
-        model.run_with_hooks(batch, [*fwd_hooks, *hooks])
-        return
+    if logits and last_layer is not None:
+        raise ValueError("logits=True runs every block: last_layer must be None")
     if prefix is not None:
-        if rows is not None or upto is not None or fwd_hooks:
-            raise ValueError("a prefix run takes the whole batch, with no rows, upto or fwd_hooks")
+        if rows is not None or upto is not None or fwd_hooks or logits:
+            raise ValueError(
+                "a prefix run takes the whole batch, with no rows, upto, fwd_hooks or logits"
+            )
         prefix.check(model, start)
         last = model.n_layers - 1 if last_layer is None else model.check_layer(last_layer)
         for c, chunk in enumerate(prefix.chunks):
             hooks = [h for rec in recorders for h in rec.hooks(chunk)]
             run_blocks(model, prefix.resid[c][start], start, last, prefix.kwargs[c], hooks)
-        return
+        return None
+    if fwd_hooks or logits or max_tokens is None:  # the batch as it is, in one forward
+        if rows is not None or upto is not None:
+            raise ValueError(
+                "rows/upto cannot be combined with fwd_hooks built for the whole batch, logits or "
+                "max_tokens=None (the batch as it is)"
+            )
+        whole = Chunk.whole(batch)
+        hooks = [*fwd_hooks, *(h for rec in recorders for h in rec.hooks(whole))]
+        if logits:
+            return model.run_with_hooks(batch, hooks)
+        to_logits = bool(fwd_hooks) and last_layer is None
+        stop = None if to_logits else stop_hook_name(model, last_layer)
+        try:  # the stop hook registered last: it runs after the recorders' hooks
+            model.run_with_hooks(batch, hooks if stop is None else [*hooks, (stop, _raise_stop)])
+        except _Stop:
+            pass
+        return None
     stop = stop_hook_name(model, last_layer)
     for chunk in chunks(batch, rows, upto, max_tokens):
         hooks = [h for rec in recorders for h in rec.hooks(chunk)]
@@ -222,6 +248,7 @@ def record(
             model.run_with_hooks(chunk.batch, hooks)
         except _Stop:
             pass
+    return None
 
 
 # ------------------------------------------------------------------------------------------
