@@ -32,14 +32,7 @@ from jaxtyping import Bool, Float, Int
 from me_interp import claims, names
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.activations import Activations
-from me_interp.probes.batching import (
-    Chunk,
-    capture_block_inputs,
-    final_logits,
-    record,
-    run_blocks,
-    stop_hook_name,
-)
+from me_interp.probes.batching import Prefix, record
 from me_interp.probes.geometry import effective_rank
 
 
@@ -316,24 +309,6 @@ def _eff_rank(x: torch.Tensor) -> float:
         return math.nan
 
 
-@dataclass(frozen=True)
-class BlockInputs:
-    """What block ``start`` and the later ones receive in the unmodified model's forward of one batch
-    (``probes.batching``): their keyword arguments and the residual stream entering ``start``."""
-
-    start: int
-    kwargs: dict[int, dict]
-    resid: torch.Tensor
-
-
-def block_inputs(model: LoadedModel, batch: Batch, start: int) -> BlockInputs:
-    """:class:`BlockInputs` of ``batch`` at block ``start``, from one unmodified forward (stopped
-    before the unembedding)."""
-    stop = stop_hook_name(model)  # after the last block: no unembedding
-    kwargs, resid = capture_block_inputs(model, batch, [], [model.check_layer(start)], stop=stop)
-    return BlockInputs(start, kwargs, resid[start])
-
-
 def text_metrics(
     model: LoadedModel,
     batch: Batch,
@@ -341,7 +316,8 @@ def text_metrics(
     layers: Sequence[int],
     rank_layer: int,
     ref: Reference | None,
-    suffix: BlockInputs | None = None,
+    prefix: Prefix | None = None,
+    start: int = 0,
 ) -> tuple[dict[str, list[float]], Reference | None]:
     """Per-text statistics (:data:`TEXT_STATS`) of one forward of ``batch`` under ``hooks``.
 
@@ -355,22 +331,15 @@ def text_metrics(
     without it (the baseline) KL is 0, top-1 agreement complete, and the batch's own
     :class:`Reference` is returned for the later runs.
 
-    ``suffix``: the unmodified model's inputs to block ``suffix.start`` for this batch
-    (:func:`block_inputs`), when ``hooks`` change nothing before that block and ``layers`` and
-    ``rank_layer`` are not before it either: only blocks ``start..`` run.
+    ``prefix``: the unmodified model's block inputs for this batch as it is
+    (``probes.batching.capture_prefix(..., max_tokens=None)``), when ``hooks`` change nothing before
+    block ``start`` and ``layers`` and ``rank_layer`` are not before it either: only blocks
+    ``start..`` run (``probes.batching.record(prefix=, start=)``).
     """
     acts = Activations(model, batch, [*map(names.pattern, layers), names.resid_post(rank_layer)])
-    if suffix is None:
-        logits = record(model, batch, [acts], fwd_hooks=hooks, logits=True)
-    else:
-        if min([*layers, rank_layer]) < suffix.start:
-            raise ValueError(
-                f"a run from block {suffix.start} records nothing of layers {min(layers)}.."
-            )
-        last = model.n_layers - 1
-        rec = acts.hooks(Chunk.whole(batch))
-        h = run_blocks(model, suffix.resid, suffix.start, last, suffix.kwargs, [*hooks, *rec])
-        logits = final_logits(model, h)
+    if prefix is not None and min([*layers, rank_layer]) < start:
+        raise ValueError(f"a run from block {start} records nothing of layers {min(layers)}..")
+    logits = record(model, batch, [acts], fwd_hooks=hooks, logits=True, prefix=prefix, start=start)
     logp = torch.log_softmax(logits.float(), -1).cpu()
     del logits
     mask = batch.attention_mask.cpu()

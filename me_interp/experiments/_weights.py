@@ -28,9 +28,8 @@ from me_interp import names
 from me_interp.claims import NotApplicable
 from me_interp.edits import PARTS
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.patching.suffix import give_up
 from me_interp.probes.attention import mean_to_keys
-from me_interp.probes.batching import Chunk, Prefix, capture_prefix, record
+from me_interp.probes.batching import Chunk, Prefix, capture_prefix, give_up, record
 from me_interp.probes.massive import Criterion, MELocation, locate_me_layer, prompt_me_layers
 from me_interp.probes.norms import NormRecorder, NormScan, scan_norms, top_ratio
 from me_interp.prompts import spread

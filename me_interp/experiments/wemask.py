@@ -62,9 +62,8 @@ from me_interp.interventions.wemask import (
     no_massive_activation,
 )
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.patching.suffix import give_up
 from me_interp.probes import Activations, find_me_layer
-from me_interp.probes.batching import Chunk
+from me_interp.probes.batching import Chunk, Prefix, capture_prefix
 from me_interp.probes.massive import locate_me_layer
 from me_interp.prompts import builtin_texts, read_prompts
 from me_interp.study import INDEX_CONVENTION, CommonConfig, Experiment, command, model_for
@@ -364,33 +363,9 @@ class _Sweep:
     positions: Any
     directions: dict[int, torch.Tensor]
     items: list[evaluation.MCItem]
-    suffixes: list[evaluation.BlockInputs] | None = None
-
-    def reuse_prefix(self, base: dict[str, Any]) -> None:
-        """Keep each text batch's unmasked inputs to the first masked block, so that a condition
-        runs the masked blocks only (the blocks before are the unmasked model's): checked on the
-        unmasked model against the full forward's per-text statistics ``base`` (rtol 1e-5); on a
-        mismatch every condition runs the full forward, with a warning (an error under
-        ``ME_INTERP_STRICT``)."""
-        start = min(self.layers)
-        if start == 0 or self.rank_layer < start:
-            return
-        self.suffixes = [
-            evaluation.block_inputs(self.model, batch, start) for _, batch in self.chunks
-        ]
-        got = self.measure(None, None)[0]
-        bad = [
-            k
-            for k in PER_TEXT
-            if not np.allclose(got["per_text"][k], base["per_text"][k], rtol=1e-5, equal_nan=True)
-        ]
-        if bad:
-            self.suffixes = None
-            msg = (
-                f"running blocks {start}.. from the unmasked inputs changed {bad[0]}: every "
-                "condition runs the full forward (slower, same values)"
-            )
-            give_up(msg, stacklevel=3)
+    prefixes: list[Prefix | None] | None = None
+    """Per text batch, the unmasked model's block inputs (``probes.batching.capture_prefix``): a
+    condition then runs from the first masked block (the blocks before are the unmasked model's)."""
 
     def _positions(self, idx: list[int]) -> Any:
         per_text = self.cfg.positions == "massive"
@@ -415,9 +390,16 @@ class _Sweep:
                 spec = _spec(self.model, cond, self.layers, self._positions(idx), self.directions)
                 hooks = core.tl_hooks(spec)
             ref = None if refs is None else refs[c]
-            suffix = None if self.suffixes is None else self.suffixes[c]
+            prefix = None if self.prefixes is None else self.prefixes[c]
             stats, r = evaluation.text_metrics(
-                self.model, batch, hooks, self.layers, self.rank_layer, ref, suffix
+                self.model,
+                batch,
+                hooks,
+                self.layers,
+                self.rank_layer,
+                ref,
+                prefix,
+                min(self.layers),
             )
             for k, vals in stats.items():
                 for i, v in zip(idx, vals):
@@ -494,7 +476,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         items=evaluation.load_mc_items(cfg.mc_items) if cfg.mc != "none" else [],
     )
     base, refs = sweep.measure(None, None)
-    sweep.reuse_prefix(base)  # the masks change nothing before the first masked layer
+    start = min(layers)
+    if 0 < start <= sweep.rank_layer:  # the masks change nothing before the first masked layer
+        sweep.prefixes = [
+            capture_prefix(model, b, [start], max_tokens=None) for _, b in sweep.chunks
+        ]
     rows: list[dict[str, Any]] = []
     for cond in terminal.bar(conditions(cfg), desc="wemask sweep"):
         rows += _rows(cfg, cond, sweep.measure(cond, refs)[0])

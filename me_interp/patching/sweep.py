@@ -48,14 +48,12 @@ from me_interp.patching.metrics import LOGITS, PatchMetric, hook_layer, metric_h
 from me_interp.patching.suffix import (
     _assemble,
     _check_positions,
-    _check_suffix,
     _order,
     _run_suffix,
     gather_last,
     last_token_logits,
 )
-from me_interp.probes.batching import capture_block_inputs as _capture_block_inputs
-from me_interp.probes.batching import save_hook
+from me_interp.probes.batching import capture_prefix, save_hook
 
 HEAD_SITES: dict[str, str] = {
     "attn_head_out": "z",
@@ -460,21 +458,16 @@ def patch_sweep(
     pos_ok = False
     pos_fallback: str | None = None
     if skip_shared and cells:
-        # run only blocks first_patched..last_needed, from the corrupt run's residual stream; checked
-        # once against the full corrupt forward, else fall back to full forwards
+        # run only blocks first_patched..last_needed, from the corrupt run's residual stream (its
+        # prefix, checked once when captured), else fall back to full forwards
         first0 = min(layers[c[0]] for c in cells)
         # the first layer a position-suffix run can start at: above every corruption hook
         first_p = max([first0, *(h + 1 for h in hook_layers)])
-        kwargs, resid_in = _capture_block_inputs(
-            model, corrupt, corrupt_hooks, sorted({layers[c[0]] for c in cells} | {first_p})
-        )
-        want = dict(cstore_m)
-        if wants_logits:
-            want[LOGITS] = gather_last(model.run_with_hooks(corrupt, corrupt_hooks), mask_b)
-        fallback = _check_suffix(
-            model, resid_in, first0, last_needed, kwargs, corrupt_hooks, want, mask_b
-        )
+        starts = sorted({layers[c[0]] for c in cells} | {first_p})
+        prefix = capture_prefix(model, corrupt, starts, max_tokens=None, fwd_hooks=corrupt_hooks)
+        fallback = prefix.why
         if fallback is None:
+            kwargs, resid_in = prefix.kwargs[0], prefix.resid[0]
             suffix = (kwargs, resid_in, None)
             if (
                 grid.positions is not None
@@ -482,6 +475,9 @@ def patch_sweep(
                 and not corrupt.padded
                 and first_p <= last_needed
             ):
+                want = dict(cstore_m)
+                if wants_logits:
+                    want[LOGITS] = gather_last(model.run_with_hooks(corrupt, corrupt_hooks), mask_b)
                 pos_fallback, kv = _check_positions(
                     model, suffix, first_p, last_needed, T // 2, B, want, mask_b
                 )

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.batching import Chunk, Hook
+from me_interp.probes.batching import Chunk, Hook, block_of
 
 _QUERY_KEY = ("hook_pattern", "hook_attn_scores")
 """Hook points whose activation is ``[batch, head, query_pos, key_pos]`` (two position axes)."""
@@ -27,12 +27,6 @@ _QUERY_KEY = ("hook_pattern", "hook_attn_scores")
 
 def _pos_axes(name: str) -> tuple[int, ...]:
     return (2, 3) if name.endswith(_QUERY_KEY) else (1,)
-
-
-def _block_of(name: str) -> int | None:
-    """The block a hook point is in (``blocks.L.…``), ``None`` outside the blocks."""
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit() else None
 
 
 class Activations(Mapping[str, torch.Tensor]):
@@ -63,7 +57,7 @@ class Activations(Mapping[str, torch.Tensor]):
     def last_layer(self) -> int | None:
         """The last block any name is in (``record(..., last_layer=)``); ``None`` when a name is
         outside the blocks (the embedding, the final norm, the unembedding)."""
-        blocks = [_block_of(n) for n in self.names]
+        blocks = [block_of(n) for n in self.names]
         return None if any(b is None for b in blocks) else max(blocks)  # type: ignore[type-var]
 
     def hooks(self, chunk: Chunk) -> list[Hook]:

@@ -17,19 +17,23 @@ chunk with the hooks of every recorder, so probes that need the same forward sha
   attention a token's state depends only on the tokens up to it, so a recorder that reads one position
   ``m_b`` per prompt gets the same values from the prefix of ``m_b + 1`` tokens.
 * **Interventions.** ``fwd_hooks`` built for the whole batch (per-prompt positions, …) are not valid on
-  a chunk: with ``fwd_hooks`` the batch runs as it is, in one forward, to the logits.
+  a chunk: with ``fwd_hooks`` (or ``max_tokens=None``, or ``logits=True``) the batch runs as it is,
+  in one forward (to the logits unless ``last_layer`` is given).
 * **The unedited prefix.** An edit of block ``s`` (its weights, or a hook inside it) cannot change
   blocks ``0..s−1``: their outputs, and the residual stream entering block ``s``, are those of the
   unedited model. A sweep of edits that all start at or after ``s`` (the weight experiments: swaps,
-  patches, ablations of the ME layer's FFN or norm) therefore needs the first ``s`` blocks only once.
-  :func:`capture_prefix` runs the unedited model once per chunk and keeps what each block receives
-  (masks, rotary embeddings: :func:`capture_block_inputs`) and the residual stream entering each
-  requested start block; ``record(..., prefix=p, start=s)`` then runs blocks ``s..`` only
-  (:func:`run_blocks`), and the recorders' statistics of layers ``< s`` are the unedited run's. A
-  :class:`Prefix` knows the parameters of the embedding and of blocks ``< s`` as they were captured
-  (object and in-place version counter): :meth:`Prefix.check` refuses to reuse it once any of them
-  has been replaced or edited in place, so an edit placed before its start block fails loudly
-  instead of giving the unedited model's values there.
+  patches, ablations of the ME layer's FFN or norm; the WeMask conditions; the cells of an
+  activation-patching sweep, from the corrupt run) therefore needs the first ``s`` blocks only once.
+  :func:`capture_prefix` runs the model once per chunk and keeps what each block receives (masks,
+  rotary embeddings) and the residual stream entering each requested start block;
+  ``record(..., prefix=p, start=s)`` then runs blocks ``s..`` only (:func:`run_blocks`), and the
+  recorders' statistics of layers ``< s`` are the unedited run's. One check, when it is captured:
+  the blocks from the first start must give the forward's last block output, else (``Prefix.why``,
+  a warning, an error under :data:`STRICT_ENV`) ``record`` runs the whole forward instead, the one
+  fallback. A :class:`Prefix` knows the parameters of the embedding and of blocks ``< s`` as they
+  were captured (object and in-place version counter): :meth:`Prefix.check` refuses to reuse it once
+  any of them has been replaced or edited in place, so an edit placed before its start block fails
+  loudly instead of giving the unedited model's values there.
 
 :func:`save_hook` is the plain TransformerLens hook that keeps an activation in a dict (what
 ``run_with_cache`` does at each hook point).
@@ -37,6 +41,8 @@ chunk with the hooks of every recorder, so probes that need the same forward sha
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -196,10 +202,13 @@ def record(
         last_layer: the last block any recorder reads (default: all); the forward stops after it.
         max_tokens: the padded-token budget of a chunk; ``None``: the batch runs as it is, in one
             forward (its rows in order, padding included).
-        prefix: the unedited model's block inputs for ``batch`` (:func:`capture_prefix`, same
-            ``max_tokens``): run blocks ``start..`` only, from the unedited
-            residual stream entering block ``start``; the recorders' hooks of earlier layers do not
-            run (their outputs there are the caller's to fill, e.g. from the unedited run).
+        prefix: the unedited model's block inputs for ``batch`` (:func:`capture_prefix`): run
+            blocks ``start..`` only, from the residual stream entering block ``start``, under the
+            prefix's own hooks and ``fwd_hooks`` (none before block ``start``); the recorders' hooks
+            of earlier layers do not run (their outputs there are the caller's to fill, e.g. from
+            the unedited run). When the prefix failed its check (``prefix.why``), the whole forward
+            runs instead, chunk by chunk, with the same hooks (same values, slower). ``fwd_hooks``
+            and ``logits`` need a prefix of the batch as it is (``max_tokens=None``).
         start: the first block run with ``prefix`` (checked: captured, and no parameter before it
             edited since).
         logits: run the batch as it is to the unembedding and return its logits
@@ -212,16 +221,9 @@ def record(
     if logits and last_layer is not None:
         raise ValueError("logits=True runs every block: last_layer must be None")
     if prefix is not None:
-        if rows is not None or upto is not None or fwd_hooks or logits:
-            raise ValueError(
-                "a prefix run takes the whole batch, with no rows, upto, fwd_hooks or logits"
-            )
-        prefix.check(model, start)
-        last = model.n_layers - 1 if last_layer is None else model.check_layer(last_layer)
-        for c, chunk in enumerate(prefix.chunks):
-            hooks = [h for rec in recorders for h in rec.hooks(chunk)]
-            run_blocks(model, prefix.resid[c][start], start, last, prefix.kwargs[c], hooks)
-        return None
+        if rows is not None or upto is not None:
+            raise ValueError("a prefix run takes the whole batch, with no rows or upto")
+        return _from_prefix(model, recorders, fwd_hooks, last_layer, prefix, start, logits)
     if fwd_hooks or logits or max_tokens is None:  # the batch as it is, in one forward
         if rows is not None or upto is not None:
             raise ValueError(
@@ -258,39 +260,55 @@ def record(
 _DROP = ("cache", "past_key_value", "past_key_values", "use_cache", "cache_position")
 """Block keyword arguments that belong to one forward's cache, not to the block's input."""
 
+STRICT_ENV = "ME_INTERP_STRICT"
+"""Environment variable: when set (not ``""``/``"0"``), a shortcut that cannot be used (a prefix that
+fails its check, a position suffix) raises instead of warning and falling back (tests set it)."""
 
-def capture_block_inputs(
-    model: LoadedModel,
-    batch: Batch,
-    hooks: Sequence,
-    layers: Sequence[int],
-    stop: str | None = None,
-):
-    """One forward of ``batch`` under ``hooks``: the keyword arguments each block receives (masks,
-    rotary embeddings), per block — Gemma 2/3 give sliding-window and global layers their own mask
-    and rotary embedding — and the residual stream entering each of ``layers``. ``stop``: a hook
-    point after the last block where the forward may end (no unembedding)."""
+
+def strict() -> bool:
+    """Whether a fallback to full forwards raises (:data:`STRICT_ENV` set to anything but ``""`` or
+    ``"0"``; the test suite sets it) instead of warning."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+def give_up(msg: str, err: BaseException | None = None, stacklevel: int = 4) -> None:
+    """A shortcut (a reused prefix, a position suffix) that cannot be used: a ``RuntimeWarning``
+    that the run falls back to full forwards, or under :func:`strict` an error."""
+    if strict():
+        raise RuntimeError(f"{msg} [{STRICT_ENV} is set]") from err
+    warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel)
+
+
+def _block_inputs(model: LoadedModel, batch: Batch, hooks: Sequence, starts: Sequence[int]):
+    """One forward of ``batch`` under ``hooks``, stopped before the unembedding: the keyword
+    arguments each block receives (masks, rotary embeddings), per block — Gemma 2/3 give
+    sliding-window and global layers their own mask and rotary embedding —, the residual stream
+    entering each of ``starts`` and the last block's output."""
     got: dict[int, dict] = {}
 
     def pre(module, args, kwargs, *, i):
         got.setdefault(i, kwargs)
 
-    store: dict[str, torch.Tensor] = {}
-    rec = [(names.resid_pre(x), partial(save_hook, store=store, key=str(x))) for x in set(layers)]
+    last = model.n_layers - 1
+    store: dict[int, torch.Tensor] = {}
+    rec = [(names.resid_pre(x), partial(save_hook, store=store, key=x)) for x in set(starts)]
+    rec.append((names.resid_post(last), partial(save_hook, store=store, key=-1)))
     handles = [
         block.register_forward_pre_hook(partial(pre, i=i), with_kwargs=True)
         for i, block in enumerate(model.bridge.blocks)
     ]
-    ends = [] if stop is None else [(stop, _raise_stop)]
+    stop = stop_hook_name(model)
     try:
-        model.run_with_hooks(batch, [*hooks, *rec, *ends])
+        model.run_with_hooks(
+            batch, [*hooks, *rec, *([] if stop is None else [(stop, _raise_stop)])]
+        )
     except _Stop:
         pass
     finally:
         for h in handles:
             h.remove()
     kwargs = {i: {k: v for k, v in kw.items() if k not in _DROP} for i, kw in got.items()}
-    return kwargs, {int(k): v for k, v in store.items()}
+    return kwargs, store
 
 
 def run_blocks(
@@ -330,21 +348,34 @@ def _params_before(model: LoadedModel, start: int) -> list[tuple[str, torch.nn.P
 
 @dataclass
 class Prefix:
-    """The unedited model's block inputs, per chunk of one batch (:func:`chunks`).
+    """The block inputs of one batch's forward (under ``hooks``), per chunk (:func:`chunks`).
 
     Attributes:
         starts: the blocks a run may start at.
-        chunks: the chunks, as :func:`chunks` makes them for the batch.
+        chunks: the chunks, as :func:`chunks` makes them for the batch (one, the batch as it is,
+            with ``max_tokens=None``).
         kwargs: per chunk, per block, the keyword arguments that block received.
         resid: per chunk, per start block, the residual stream entering it.
+        hooks: the hooks the forward ran under (a run from a start block runs them too).
+        why: why running blocks from the first start did not reproduce the forward (then
+            :func:`record` runs the whole forward instead), ``None`` when it did.
     """
 
     model: LoadedModel
     starts: tuple[int, ...]
-    chunks: list
+    chunks: list[Chunk]
     kwargs: list[dict[int, dict]]
     resid: list[dict[int, torch.Tensor]]
+    hooks: tuple = ()
+    why: str | None = None
     _versions: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict, repr=False)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the prefix is of the batch as it is (one chunk: every row, in order)."""
+        return len(self.chunks) == 1 and bool(
+            torch.equal(self.chunks[0].rows, torch.arange(len(self.chunks[0])))
+        )
 
     def check(self, model: LoadedModel, start: int) -> None:
         """Raise ``RuntimeError`` unless a run from ``start`` is valid: ``start`` was captured, for
@@ -380,22 +411,92 @@ def capture_prefix(
     model: LoadedModel,
     batch: Batch,
     starts: Sequence[int],
-    max_tokens: int | None = None,
+    max_tokens: int | None = MAX_CHUNK_TOKENS,
+    fwd_hooks: Sequence[Hook] = (),
 ) -> Prefix:
-    """One unedited forward per chunk of ``batch``: what :func:`run_blocks` needs to run any of the
-    blocks ``starts`` onward (see the module docstring, *The unedited prefix*)."""
+    """One forward per chunk of ``batch`` under ``fwd_hooks`` (none: the unedited model), stopped
+    before the unembedding: what :func:`run_blocks` needs to run any of the blocks ``starts``
+    onward (see the module docstring, *The unedited prefix*).
+
+    The one check: blocks ``min(starts)..`` run from the captured inputs (under ``fwd_hooks``)
+    must give the forward's last block output (rtol 1e-4, atol 1e-5), chunk by chunk. Where they do
+    not (or raise), ``why`` says so, a ``RuntimeWarning`` (under :data:`STRICT_ENV` an error) says
+    that runs from this prefix are full forwards, and :func:`record` runs those.
+
+    Args:
+        max_tokens: as :func:`record`'s (``None``: the batch as it is, one chunk).
+        fwd_hooks: hooks built for the whole batch (then ``max_tokens`` must be ``None``).
+    """
     starts = tuple(sorted({model.check_layer(int(s)) for s in starts}))
     if not starts:
         raise ValueError("capture_prefix needs at least one start block")
-    cs = chunks(batch, max_tokens=MAX_CHUNK_TOKENS if max_tokens is None else max_tokens)
-    stop = stop_hook_name(model)  # after the last block: no unembedding
-    kwargs, resid = [], []
+    if fwd_hooks and max_tokens is not None:
+        raise ValueError("a prefix under fwd_hooks built for the whole batch needs max_tokens=None")
+    cs = [Chunk.whole(batch)] if max_tokens is None else chunks(batch, max_tokens=max_tokens)
+    kwargs, resid, ends = [], [], []
     for c in cs:  # every block runs (each one's kwargs are needed); the unembedding does not
-        kw, res = capture_block_inputs(model, c.batch, [], starts, stop=stop)
+        kw, res = _block_inputs(model, c.batch, fwd_hooks, starts)
         kwargs.append(kw)
+        ends.append(res.pop(-1))
         resid.append(res)
     versions = {s: _fingerprint(_params_before(model, s)) for s in starts}
-    return Prefix(model, starts, cs, kwargs, resid, versions)
+    first, last = starts[0], model.n_layers - 1
+    why, err = None, None
+    try:
+        for c in range(len(cs)):
+            h = run_blocks(model, resid[c][first], first, last, kwargs[c], fwd_hooks)
+            a, b = h.float(), ends[c].float()
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+                gap = float("nan") if a.shape != b.shape else float((a - b).abs().max())
+                why = (
+                    f"running blocks {first}..{last} directly gave the last block's output up to "
+                    f"{gap:.3g} away from the full forward"
+                )
+                break
+    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, IndexError) as e:
+        why, err = f"running blocks {first}..{last} directly failed: {type(e).__name__}: {e}", e
+    if why is not None:
+        give_up(
+            f"runs from this prefix fall back to full forwards (slower, same values): {why}", err
+        )
+    return Prefix(model, starts, cs, kwargs, resid, tuple(fwd_hooks), why, versions)
+
+
+def _from_prefix(model, recorders, fwd_hooks, last_layer, prefix: Prefix, start: int, logits: bool):
+    """:func:`record` from ``prefix``: blocks ``start..`` only, or (``prefix.why``) the whole
+    forward per chunk, under the prefix's hooks and ``fwd_hooks``."""
+    prefix.check(model, start)
+    if (fwd_hooks or logits) and not prefix.whole:
+        raise ValueError(
+            "fwd_hooks or logits need a prefix of the batch as it is (max_tokens=None)"
+        )
+    early = [n for n, _ in fwd_hooks if (block_of(n) is None or block_of(n) < start)]
+    if early:
+        raise ValueError(f"a run from block {start} cannot apply hooks before it: {early}")
+    last = model.n_layers - 1 if last_layer is None else model.check_layer(last_layer)
+    out = None
+    for c, chunk in enumerate(prefix.chunks):
+        hooks = [*prefix.hooks, *fwd_hooks, *(h for rec in recorders for h in rec.hooks(chunk))]
+        if prefix.why is not None:  # the one fallback: the whole forward
+            stop = None if logits else stop_hook_name(model, last)
+            try:
+                out = model.run_with_hooks(
+                    chunk.batch, [*hooks, *([] if stop is None else [(stop, _raise_stop)])]
+                )
+            except _Stop:
+                pass
+            continue
+        h = run_blocks(model, prefix.resid[c][start], start, last, prefix.kwargs[c], hooks)
+        if logits:
+            out = final_logits(model, h)
+    return out if logits else None
+
+
+def block_of(name: str) -> int | None:
+    """The block a hook point is in (``blocks.L.…``), ``None`` outside the blocks (the embedding,
+    the final norm, the unembedding)."""
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit() else None
 
 
 __all__ = [
@@ -404,12 +505,15 @@ __all__ = [
     "Chunk",
     "Prefix",
     "Recorder",
-    "capture_block_inputs",
+    "STRICT_ENV",
+    "block_of",
     "capture_prefix",
     "chunks",
     "final_logits",
+    "give_up",
     "record",
     "run_blocks",
     "save_hook",
     "stop_hook_name",
+    "strict",
 ]
