@@ -454,7 +454,6 @@ def capture_prefix(
         kwargs.append(kw)
         ends.append(res.pop(-1))
         resid.append(res)
-    versions = {s: _fingerprint(_params_before(model, s)) for s in starts}
     first, last = starts[0], model.n_layers - 1
     why, err = None, None
     try:
@@ -474,6 +473,8 @@ def capture_prefix(
         give_up(
             f"runs from this prefix fall back to full forwards (slower, same values): {why}", err
         )
+    # after the check's run (an offloaded block's weights are swapped in as it runs)
+    versions = {s: _fingerprint(_params_before(model, s)) for s in starts}
     return Prefix(model, starts, cs, kwargs, resid, tuple(fwd_hooks), why, versions)
 
 
