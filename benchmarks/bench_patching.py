@@ -55,6 +55,7 @@ from me_interp.patching import (  # noqa: E402
     rank_agreement,
 )
 from me_interp.patching.sweep import _index, site_hook  # noqa: E402
+from me_interp.probes import Activations, record  # noqa: E402
 from me_interp.probes.site import locate  # noqa: E402
 from me_interp.prompts import builtin_prompts  # noqa: E402
 
@@ -281,8 +282,10 @@ def _floor_of_run(model, sw, B, T, last, hooks, clean) -> float:
     metrics: their clean and corrupt activations are equal, or they lie after the last layer read)."""
     ran = set()
     names_ = {layer: site_hook(sw.site, layer) for layer in sw.layers}
-    clean_acts = causal.capture(model, clean, list(names_.values()))
-    corrupt_acts = causal.capture(model, clean, list(names_.values()), hooks)
+    clean_acts = Activations(model, clean, list(names_.values()))
+    record(model, clean, [clean_acts], last_layer=clean_acts.last_layer, max_tokens=None)
+    corrupt_acts = Activations(model, clean, list(names_.values()))
+    record(model, clean, [corrupt_acts], fwd_hooks=hooks, last_layer=corrupt_acts.last_layer)
     ar = torch.arange(B)
     for li, layer in enumerate(sw.layers):
         for pi in range(len(sw.positions or [None])):

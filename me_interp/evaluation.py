@@ -25,7 +25,6 @@ import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from functools import partial
 from importlib import resources
 from typing import Any
 
@@ -35,8 +34,8 @@ from jaxtyping import Bool, Float, Int
 
 from me_interp import claims, names
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.batching import stop_hook_name
-from me_interp.probes.blocks import capture_block_inputs, final_logits, run_blocks
+from me_interp.probes.activations import Activations
+from me_interp.probes.batching import Prefix, capture_prefix, record
 from me_interp.probes.geometry import effective_rank
 
 
@@ -404,39 +403,11 @@ def check_rank_layer(layer: int, n_layers: int) -> int:
     return layer % n_layers
 
 
-def _record_pattern(a: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
-    store[layer] = a.detach().float().cpu()
-    return a
-
-
-def _record_resid(x: torch.Tensor, hook: Any, *, store: dict) -> torch.Tensor:
-    store["resid"] = x.detach().float().cpu()
-    return x
-
-
 def _eff_rank(x: torch.Tensor) -> float:
     try:
         return effective_rank(x)
     except ValueError:  # an all-zero block of states
         return math.nan
-
-
-@dataclass(frozen=True)
-class BlockInputs:
-    """What block ``start`` and the later ones receive in the unmodified model's forward of one batch
-    (``probes.blocks``): their keyword arguments and the residual stream entering ``start``."""
-
-    start: int
-    kwargs: dict[int, dict]
-    resid: torch.Tensor
-
-
-def block_inputs(model: LoadedModel, batch: Batch, start: int) -> BlockInputs:
-    """:class:`BlockInputs` of ``batch`` at block ``start``, from one unmodified forward (stopped
-    before the unembedding)."""
-    stop = stop_hook_name(model)  # after the last block: no unembedding
-    kwargs, resid = capture_block_inputs(model, batch, [], [model.check_layer(start)], stop=stop)
-    return BlockInputs(start, kwargs, resid[start])
 
 
 def text_metrics(
@@ -446,7 +417,8 @@ def text_metrics(
     layers: Sequence[int],
     rank_layer: int,
     ref: Reference | None,
-    suffix: BlockInputs | None = None,
+    prefix: Prefix | None = None,
+    start: int = 0,
 ) -> tuple[dict[str, list[float]], Reference | None]:
     """Per-text statistics (:data:`TEXT_STATS`) of one forward of ``batch`` under ``hooks``.
 
@@ -460,23 +432,15 @@ def text_metrics(
     without it (the baseline) KL is 0, top-1 agreement complete, and the batch's own
     :class:`Reference` is returned for the later runs.
 
-    ``suffix``: the unmodified model's inputs to block ``suffix.start`` for this batch
-    (:func:`block_inputs`), when ``hooks`` change nothing before that block and ``layers`` and
-    ``rank_layer`` are not before it either: only blocks ``start..`` run.
+    ``prefix``: the unmodified model's block inputs for this batch as it is
+    (``probes.batching.capture_prefix(..., max_tokens=None)``), when ``hooks`` change nothing before
+    block ``start`` and ``layers`` and ``rank_layer`` are not before it either: only blocks
+    ``start..`` run (``probes.batching.record(prefix=, start=)``).
     """
-    store: dict[Any, torch.Tensor] = {}
-    rec = [(names.pattern(L), partial(_record_pattern, store=store, layer=L)) for L in layers]
-    rec.append((names.resid_post(rank_layer), partial(_record_resid, store=store)))
-    if suffix is None:
-        logits = model.run_with_hooks(batch, [*hooks, *rec])
-    else:
-        if min([*layers, rank_layer]) < suffix.start:
-            raise ValueError(
-                f"a run from block {suffix.start} records nothing of layers {min(layers)}.."
-            )
-        last = model.n_layers - 1
-        h = run_blocks(model, suffix.resid, suffix.start, last, suffix.kwargs, [*hooks, *rec])
-        logits = final_logits(model, h)
+    acts = Activations(model, batch, [*map(names.pattern, layers), names.resid_post(rank_layer)])
+    if prefix is not None and min([*layers, rank_layer]) < start:
+        raise ValueError(f"a run from block {start} records nothing of layers {min(layers)}..")
+    logits = record(model, batch, [acts], fwd_hooks=hooks, logits=True, prefix=prefix, start=start)
     logp = torch.log_softmax(logits.float(), -1).cpu()
     del logits
     mask = batch.attention_mask.cpu()
@@ -496,12 +460,12 @@ def text_metrics(
     sink = torch.zeros(len(batch), dtype=torch.float64)
     ent = torch.zeros(len(batch), dtype=torch.float64)
     for L in layers:
-        a = store[L]  # [batch head q k]
+        a = acts[names.pattern(L)].float().cpu()  # [batch head q k]
         to0 = a[..., 0]
         h = -(a * a.clamp_min(1e-30).log()).sum(-1)
         sink += ((to0 * qm).sum(-1) / n_q).mean(-1).double()  # per text: mean over queries, heads
         ent += ((h * qm).sum(-1) / n_q).mean(-1).double()
-    resid = store["resid"]
+    resid = acts[names.resid_post(rank_layer)].float().cpu()
     ranks = [_eff_rank(resid[b, 1:n]) if n > 2 else math.nan for b, n in enumerate(batch.lengths)]
     stats = {
         "nll": nll.nll,
@@ -684,7 +648,7 @@ class SweepResult:
 class Sweep:
     """:func:`sweep` with TransformerLens hooks: one forward per spec and length group of texts, the
     KL and top-1 agreement against the unmodified model's distributions (its :class:`Reference`),
-    and, once checked (:meth:`reuse_prefix`), each forward from the first block a spec edits."""
+    and, with :attr:`prefixes`, each forward from the first block a spec edits."""
 
     model: LoadedModel
     layers: list[int]
@@ -694,33 +658,9 @@ class Sweep:
     positions: Any = (0,)
     per_text: bool = False
     items: Sequence[MCItem] = ()
-    suffixes: list[BlockInputs] | None = None
-
-    def reuse_prefix(self, base: dict[str, Any]) -> None:
-        """Keep each text batch's unmasked inputs to the first masked block, so that a condition
-        runs the masked blocks only (the blocks before are the unmasked model's): checked on the
-        unmasked model against the full forward's per-text statistics ``base`` (rtol 1e-5); on a
-        mismatch every condition runs the full forward, with a warning (an error under
-        ``ME_INTERP_STRICT``)."""
-        from me_interp.patching.suffix import give_up
-
-        start = min(self.layers)
-        if start == 0 or self.rank_layer < start:
-            return
-        self.suffixes = [block_inputs(self.model, batch, start) for _, batch in self.chunks]
-        got = self.measure(None, None)[0]
-        bad = [
-            k
-            for k in TEXT_STATS
-            if not np.allclose(got["per_text"][k], base["per_text"][k], rtol=1e-5, equal_nan=True)
-        ]
-        if bad:
-            self.suffixes = None
-            msg = (
-                f"running blocks {start}.. from the unmasked inputs changed {bad[0]}: every "
-                "condition runs the full forward (slower, same values)"
-            )
-            give_up(msg, stacklevel=3)
+    prefixes: list[Prefix | None] | None = None
+    """Per text batch, the unmodified model's block inputs (``probes.batching.capture_prefix``): a
+    spec then runs from the first edited block (the blocks before are the unmodified model's)."""
 
     def _positions(self, idx: list[int]) -> Any:
         return [self.positions[i] for i in idx] if self.per_text else self.positions
@@ -740,9 +680,16 @@ class Sweep:
             if spec_for is not None:
                 hooks = core.tl_hooks(spec_for(self._positions(idx)))
             ref = None if refs is None else refs[c]
-            suffix = None if self.suffixes is None else self.suffixes[c]
+            prefix = None if self.prefixes is None else self.prefixes[c]
             stats, r = text_metrics(
-                self.model, batch, hooks, self.layers, self.rank_layer, ref, suffix
+                self.model,
+                batch,
+                hooks,
+                self.layers,
+                self.rank_layer,
+                ref,
+                prefix,
+                min(self.layers),
             )
             for k, vals in stats.items():
                 for i, v in zip(idx, vals):
@@ -801,7 +748,9 @@ def sweep(
         items=list(items),
     )
     base, refs = s.measure(None, None, score_mc=True)
-    s.reuse_prefix(base)  # the specs change nothing before the first edited layer
+    start = min(s.layers)
+    if 0 < start <= s.rank_layer:  # the specs change nothing before the first edited layer
+        s.prefixes = [capture_prefix(model, b, [start], max_tokens=None) for _, b in s.chunks]
     todo = list(zip(specs, score))
     rows = [s.measure(f, refs, mc)[0] for f, mc in (progress or iter)(todo)]
     return SweepResult(base, rows, len(s.items))

@@ -29,10 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
-
-if TYPE_CHECKING:
-    from me_interp.loading.loaded import LoadedModel
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 PROMPTS_FILE = "prompts.txt"
 GENRES_FILE = "prompts_genres.json"
@@ -182,7 +179,15 @@ class PromptStats:
         return asdict(self)
 
 
-def prompt_stats(model: LoadedModel, prompts: Sequence[str] | None = None) -> PromptStats:
+@runtime_checkable
+class Tokenizes(Protocol):
+    """What :func:`prompt_stats` needs of a model: ``tokenize`` (``LoadedModel.tokenize``; this
+    module sits below ``me_interp.loading``, which imports :class:`Prompt` from it)."""
+
+    def tokenize(self, prompts: Sequence[str]) -> Any: ...
+
+
+def prompt_stats(model: Tokenizes, prompts: Sequence[str] | None = None) -> PromptStats:
     """Token statistics of ``prompts`` (default: the built-in set) under ``model.tokenize``.
 
     The first token is the one the experiments see at position 0: BOS when the model's BOS choice adds

@@ -31,7 +31,6 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,8 @@ from jaxtyping import Float
 
 from me_interp import io, names
 from me_interp.loading.loaded import LoadedModel
+from me_interp.probes.activations import Activations
+from me_interp.probes.batching import record
 
 MARK = "★"
 """Prefix of the massive token's label."""
@@ -138,18 +139,9 @@ def attention_patterns(
     ``fwd_hooks`` added), on the CPU in float32."""
     layers = _check_layers(model, layers)
     batch = _one_prompt(model, prompt)
-    store: dict[int, torch.Tensor] = {}
-
-    def keep(pattern, hook, layer):
-        store[layer] = pattern[0].detach().float().cpu().clone()  # [head q k]
-        return pattern
-
-    hooks = [(names.pattern(layer), partial(keep, layer=layer)) for layer in layers]
-    model.run_with_hooks(batch, fwd_hooks=[*fwd_hooks, *hooks])
-    missing = [layer for layer in layers if layer not in store]
-    if missing:  # pragma: no cover - the bridge always fires hook_pattern with eager attention
-        raise RuntimeError(f"no attention pattern recorded at layers {missing}")
-    return {layer: store[layer] for layer in layers}
+    acts = Activations(model, batch, [names.pattern(layer) for layer in layers])
+    record(model, batch, [acts], fwd_hooks=fwd_hooks, last_layer=max(layers), max_tokens=None)
+    return {layer: acts[names.pattern(layer)][0].float().cpu() for layer in layers}  # [head q k]
 
 
 def mass_on(

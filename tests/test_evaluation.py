@@ -23,6 +23,7 @@ from me_interp.evaluation import (
     text_nll,
 )
 from me_interp.interventions import we_mask
+from me_interp.probes.batching import capture_prefix
 
 
 def _np_kl(p_logits, q_logits):
@@ -243,7 +244,7 @@ def test_bundled_mc_accuracy(bundled):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma2", "gemma3"])
-def test_text_metrics_from_block_inputs_equal_the_full_forward(arch):
+def test_text_metrics_from_a_prefix_equal_the_full_forward(arch):
     """A masked run from the unmasked inputs of its first masked block gives the per-text statistics
     and the reference distributions of the full forward (rotary embeddings, sliding windows, the
     final soft-cap of Gemma 2)."""
@@ -254,15 +255,19 @@ def test_text_metrics_from_block_inputs_equal_the_full_forward(arch):
     last = model.n_layers - 1
     layers = list(range(2, model.n_layers))
     stats, ref = evaluation.text_metrics(model, batch, [], layers, last, None)
-    inputs = evaluation.block_inputs(model, batch, 2)
-    same, ref2 = evaluation.text_metrics(model, batch, [], layers, last, None, inputs)
+    inputs = capture_prefix(model, batch, [2], max_tokens=None)
+    assert inputs.why is None
+    same, ref2 = evaluation.text_metrics(model, batch, [], layers, last, None, inputs, 2)
     torch.testing.assert_close(ref2.probs, ref.probs, rtol=1e-5, atol=1e-6)
     hooks = we_mask(model, 0.5, layers=layers)
     full, _ = evaluation.text_metrics(model, batch, hooks, layers, last, ref)
-    part, _ = evaluation.text_metrics(model, batch, hooks, layers, last, ref, inputs)
+    part, _ = evaluation.text_metrics(model, batch, hooks, layers, last, ref, inputs, 2)
     for k in evaluation.TEXT_STATS:
         np.testing.assert_allclose(same[k], stats[k], rtol=1e-5, atol=1e-7, err_msg=k)
         np.testing.assert_allclose(part[k], full[k], rtol=1e-5, atol=1e-7, err_msg=k)
     assert full["kl"] != stats["kl"]  # the mask moved something: the equality is not vacuous
     with pytest.raises(ValueError, match="records nothing of layers 1"):
-        evaluation.text_metrics(model, batch, hooks, [1, 2], last, ref, inputs)
+        evaluation.text_metrics(model, batch, hooks, [1, 2], last, ref, inputs, 2)
+    early = we_mask(model, 0.5, layers=[1, 2])
+    with pytest.raises(ValueError, match="cannot apply hooks before it"):
+        evaluation.text_metrics(model, batch, early, layers, last, ref, inputs, 2)

@@ -302,17 +302,17 @@ def _fallback_sweep(model, plant, clean):
 def test_fallback_to_full_forwards_is_recorded_and_warned(pair, monkeypatch):
     model, plant, clean, _ = pair
     monkeypatch.delenv(STRICT_ENV, raising=False)
-    with pytest.warns(RuntimeWarning, match="falls back to full forwards.*away from"):
+    with pytest.warns(RuntimeWarning, match="fall back to full forwards.*away from"):
         sw = _fallback_sweep(model, plant, clean)
     assert not sw.prefix_skipped
-    assert "away from the full corrupt forward" in sw.prefix_fallback
+    assert "away from the full forward" in sw.prefix_fallback
     assert sw.to_dict()["prefix_fallback"] == sw.prefix_fallback
     ok = patch_sweep(model, clean, pair[3], "resid_pre", _metrics(plant))
     assert ok.prefix_skipped and ok.prefix_fallback is None
 
 
 def test_fallback_after_an_error_is_recorded(pair, monkeypatch):
-    from me_interp import patching
+    from me_interp.probes import batching
 
     model, plant, clean, corrupt = pair
     monkeypatch.delenv(STRICT_ENV, raising=False)
@@ -320,7 +320,7 @@ def test_fallback_after_an_error_is_recorded(pair, monkeypatch):
     def broken(*args, **kwargs):
         raise TypeError("unexpected keyword argument 'position_embeddings'")
 
-    monkeypatch.setattr(patching.suffix, "_run_blocks", broken)
+    monkeypatch.setattr(batching, "run_blocks", broken)
     with pytest.warns(RuntimeWarning, match="TypeError: unexpected keyword"):
         sw = patch_sweep(model, clean, corrupt, "resid_pre", _metrics(plant))
     assert not sw.prefix_skipped and sw.prefix_fallback.startswith("running blocks")
@@ -333,7 +333,7 @@ def test_fallback_after_an_error_is_recorded(pair, monkeypatch):
 def test_fallback_raises_when_strict(pair, monkeypatch):
     model, plant, clean, _ = pair
     monkeypatch.setenv(STRICT_ENV, "1")
-    with pytest.raises(RuntimeError, match="falls back to full forwards"):
+    with pytest.raises(RuntimeError, match="fall back to full forwards"):
         _fallback_sweep(model, plant, clean)
     monkeypatch.setenv(STRICT_ENV, "0")
     with pytest.warns(RuntimeWarning):

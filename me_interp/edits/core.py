@@ -196,7 +196,7 @@ def _check_value(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 
 EDITED_ATTR = "_me_interp_edited"
 """The attribute :func:`edited_parameters` sets on a parameter while it is edited (how many edits
-hold it); ``me_interp.probes.blocks`` reads the same name to refuse reusing an unedited prefix."""
+hold it); ``me_interp.probes.batching`` reads the same name to refuse reusing an unedited prefix."""
 
 
 @contextlib.contextmanager
@@ -228,7 +228,7 @@ def edited_parameters(edits: Mapping[torch.nn.Parameter, torch.Tensor]) -> Itera
     for (
         param,
         _,
-    ) in items:  # marked while edited: a run from a later block refuses it (probes.blocks)
+    ) in items:  # marked while edited: a run from a later block refuses it (probes.batching)
         setattr(param, EDITED_ATTR, getattr(param, EDITED_ATTR, 0) + 1)
     try:
         with torch.no_grad():

@@ -26,10 +26,8 @@ import torch
 from me_interp.claims import excess_fraction
 from me_interp.edits import PARTS
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.patching.suffix import give_up
 from me_interp.probes.attention import SinkRecorder
-from me_interp.probes.batching import record
-from me_interp.probes.blocks import Prefix, capture_prefix
+from me_interp.probes.batching import Prefix, capture_prefix, give_up, record
 from me_interp.probes.massive import (
     Criterion,
     CriterionKind,
@@ -266,7 +264,7 @@ def _same(a: Measurement, b: Measurement) -> str | None:
 @dataclass(frozen=True)
 class Unedited:
     """The unedited model's forward of a batch, for measuring edits that start at a later block:
-    its block inputs (``probes.blocks``), its norm scan and its per-head sink mass (``None``
+    its block inputs (``probes.batching``), its norm scan and its per-head sink mass (``None``
     without the sink)."""
 
     prefix: Prefix

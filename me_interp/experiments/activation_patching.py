@@ -92,6 +92,8 @@ from me_interp.patching import (
     patch_sweep,
 )
 from me_interp.patching.pairs import read_pairs
+from me_interp.probes.activations import Activations
+from me_interp.probes.batching import record
 from me_interp.probes.ffn import FfnShare, ffn_share
 from me_interp.probes.site import Site, locate
 from me_interp.study import CommonConfig, Experiment, checked, command, model_for
@@ -506,7 +508,9 @@ def median_ratios(
     (SmolLM2 does this when token 0 is doubled) must not count as removing the massive activation.
     """
     name = names.resid_post(layer)
-    n = causal.capture(model, batch, [name], fwd_hooks)[name].float().norm(dim=-1).cpu()
+    acts = Activations(model, batch, [name])
+    record(model, batch, [acts], fwd_hooks=fwd_hooks, last_layer=layer, max_tokens=None)
+    n = acts[name].float().norm(dim=-1).cpu()
     keep = batch.attention_mask.bool().cpu().clone()
     keep[:, position] = False
     others = n.masked_fill(~keep, float("nan")).nanmedian(-1).values
@@ -669,9 +673,10 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pair
     clean = pb.batch
     last = model.n_layers - 1
     metric_layer = last if cfg.metric_layer is None else model.check_layer(cfg.metric_layer)
-    acts = causal.capture(
+    acts = Activations(
         model, clean, [names.ffn_out(L), names.resid_post(L), names.resid_post(metric_layer)]
     )
+    record(model, clean, [acts], last_layer=acts.last_layer, max_tokens=None)
     h_me = acts[names.resid_post(L)][:, p].float().cpu()  # [B d]
     u = h_me.mean(0)
     u = u / u.norm()  # the clean massive direction

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -54,10 +53,12 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, evaluation, names
-from me_interp.evaluation import token_nll
+from me_interp.evaluation import logits_nll
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching import NormRatio, SinkMass
+from me_interp.probes.activations import Activations
+from me_interp.probes.batching import record
 from me_interp.probes.site import Site, locate
 from me_interp.study import Experiment, SiteConfig, checked, command, model_for
 from me_interp.terminal import fmt_table
@@ -281,7 +282,7 @@ class Config(SiteConfig):
 
 
 def condition_hooks(model, batch, site: Site, cond: str, alpha: float, acts=None):
-    """The hooks of one condition (see module docstring); ``acts`` from :func:`causal.capture`."""
+    """The hooks of one condition (see module docstring); ``acts``: an :class:`~me_interp.probes.activations.Activations` of the unedited run."""
     L, p = site.layer, [site.position]
     if cond == "flatten_gain":
         return causal.flatten_ffn_norm_gain(model, batch, L, p, acts=acts)
@@ -308,23 +309,15 @@ def _capture_names(layer: int) -> list[str]:
     ]
 
 
-def _record(x, hook, *, store, key):
-    store[key] = x.detach()
-    return x
-
-
 def measure(
     model: LoadedModel, batch: Batch, metrics: dict[str, Any], fwd_hooks: Sequence = ()
 ) -> dict[str, torch.Tensor]:
     """One forward: every metric per prompt, and the per-prompt NLL sum and token count."""
-    store: dict[str, torch.Tensor] = {}
-    rec = [
-        (n, partial(_record, store=store, key=n))
-        for n in dict.fromkeys(n for m in metrics.values() for n in m.hook_names())
-    ]
-    nll, valid = token_nll(model, batch, [*fwd_hooks, *rec])
+    acts = Activations(model, batch, [n for m in metrics.values() for n in m.hook_names()])
+    logits = record(model, batch, [acts], fwd_hooks=fwd_hooks, logits=True)
+    nll, valid = logits_nll(logits, batch.tokens, batch.attention_mask)
     mask = batch.attention_mask.bool()
-    out = {k: m(store, mask).float().cpu() for k, m in metrics.items()}
+    out = {k: m(acts, mask).float().cpu() for k, m in metrics.items()}
     out["nll_sum"] = (nll.double() * valid).sum(-1)
     out["n_tokens"] = valid.sum(-1).double()
     return out
@@ -401,7 +394,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     metrics: dict[str, Any] = {"me_ratio": NormRatio(L, p), "last_ratio": NormRatio(last, p)}
     if L < last:
         metrics["sink"] = SinkMass(tuple(range(L + 1, model.n_layers)), p)
-    acts = causal.capture(model, batch, _capture_names(L))
+    acts = Activations(model, batch, _capture_names(L))
+    record(model, batch, [acts], last_layer=acts.last_layer, max_tokens=None)
     per_prompt = {"baseline": measure(model, batch, metrics)}
     h = acts[names.resid_post(L)].float().cpu()[:, p]  # [B d]
     dims = list(site.dims)

@@ -60,7 +60,9 @@ from me_interp import claims, names
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching import KLToClean, attribution_sweep
 from me_interp.patching.heads import patch_head_sets
-from me_interp.patching.suffix import _gather_last
+from me_interp.patching.suffix import gather_last
+from me_interp.probes.activations import Activations
+from me_interp.probes.batching import record
 
 SITE = "attn_head_out"
 """The per-head site patched: each head's output before ``W_O`` (``hook_z``)."""
@@ -72,9 +74,8 @@ def attention_to(
 ) -> torch.Tensor:
     """Per prompt, layer of ``layers`` and head: the mean attention to ``position`` over the real
     queries after it, ``[batch, layer, head]``."""
-    from me_interp.interventions import causal
-
-    acts = causal.capture(model, batch, [names.pattern(la) for la in layers])
+    acts = Activations(model, batch, [names.pattern(la) for la in layers])
+    record(model, batch, [acts], last_layer=acts.last_layer, max_tokens=None)
     q = batch.attention_mask.bool().cpu().clone()
     q[:, : position + 1] = False
     if not q.any(-1).all():
@@ -226,14 +227,14 @@ def measure(
     randoms = draw_random(top, H, n_random, seed)
     held = Batch(clean.tokens[test], clean.attention_mask[test], None)
     held_corrupt, held_hooks = corrupt_for(held)
-    clean_logits = _gather_last(model.run_with_hooks(held), held.attention_mask.bool())
+    clean_logits = gather_last(model.run_with_hooks(held), held.attention_mask.bool())
     metrics = {KL: KLToClean(clean_logits)}
     res = patch_head_sets(
         model, held, held_corrupt, SITE, [top, *randoms], metrics, batch_size, held_hooks
     )
     grid, n_fwd = None, res.n_forwards
     if single:
-        clean_logits = _gather_last(model.run_with_hooks(clean), clean.attention_mask.bool())
+        clean_logits = gather_last(model.run_with_hooks(clean), clean.attention_mask.bool())
         sw = attribution_sweep(
             model,
             clean,

@@ -34,7 +34,6 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, names
-from me_interp.interventions import causal
 from me_interp.loading.loaded import LoadedModel
 from me_interp.patching import (
     HEAD_SITES,
@@ -54,6 +53,8 @@ from me_interp.patching.pairs import (
     read_pairs,
     tokenize_pairs,
 )
+from me_interp.probes.activations import Activations
+from me_interp.probes.batching import record
 from me_interp.probes.site import locate
 from me_interp.study import model_for
 from me_interp.terminal import fmt_table
@@ -197,7 +198,9 @@ def _metric(name: str, cfg, model: LoadedModel, pb: PairBatch) -> tuple[PatchMet
                 f"the ME layer {L} is the last layer: no later layer has a sink"
             )
         return SinkMass(tuple(range(L + 1, model.n_layers)), p), note + "; sink of the later layers"
-    h = causal.capture(model, pb.clean, [names.resid_post(L)])[names.resid_post(L)][:, p]
+    acts = Activations(model, pb.clean, [names.resid_post(L)])
+    record(model, pb.clean, [acts], last_layer=L, max_tokens=None)
+    h = acts[names.resid_post(L)][:, p]
     return Projection(last, h.float().mean(0).cpu(), p), note + f"; projection at layer {last}"
 
 

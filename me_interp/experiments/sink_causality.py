@@ -50,7 +50,9 @@ import torch
 from me_interp import claims, names, plotting
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.probes.activations import Activations
 from me_interp.probes.attention import attention_entropy
+from me_interp.probes.batching import record
 from me_interp.probes.ffn import FfnShare, ffn_share
 from me_interp.probes.norms import ratio_to_others
 from me_interp.probes.site import Site, locate
@@ -230,11 +232,6 @@ class Measure:
     last_ratio: torch.Tensor
 
 
-def _record(x, hook, *, store, key):
-    store[key] = x.detach()
-    return x
-
-
 def _record_pattern(pattern, hook, *, store, layer, p, qmask):
     a = pattern.detach().float()  # [batch head q k]
     qm = qmask.to(a.device, a.dtype)[:, None, :]  # [batch 1 q]
@@ -254,19 +251,18 @@ def measure(
     if not q.any(-1).all():
         raise ValueError(f"every prompt needs a token after position {p}")
     pats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    res: dict[str, torch.Tensor] = {}
     last = model.n_layers - 1
     hooks = [
         (names.pattern(x), partial(_record_pattern, store=pats, layer=x, p=p, qmask=q))
         for x in range(model.n_layers)
     ]
-    hooks += [(names.resid_post(x), partial(_record, store=res, key=str(x))) for x in {layer, last}]
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks], stop_at_layer=model.n_layers)
+    res = Activations(model, batch, [names.resid_post(x) for x in {layer, last}])
+    record(model, batch, [res], fwd_hooks=[*fwd_hooks, *hooks], last_layer=last)
     mask = batch.attention_mask.bool().cpu()
     ref = torch.full((len(batch),), p, dtype=torch.long)
 
     def ratio(x: int) -> torch.Tensor:
-        return ratio_to_others(res[str(x)].float().norm(dim=-1).cpu(), mask, ref)
+        return ratio_to_others(res[names.resid_post(x)].float().norm(dim=-1).cpu(), mask, ref)
 
     return Measure(
         attention=torch.stack([pats[x][0] for x in range(model.n_layers)]),
@@ -277,7 +273,7 @@ def measure(
 
 
 def condition_hooks(model, batch, site: Site, cond: str, acts=None) -> list:
-    """The hooks of one condition (see module docstring); ``acts`` from :func:`causal.capture`."""
+    """The hooks of one condition (see module docstring); ``acts``: an :class:`~me_interp.probes.activations.Activations` of the unedited run."""
     L, p = site.layer, [site.position]
     if cond == "remove_ffn":
         return causal.remove_massive(model, batch, L, p, None, site="ffn_out", acts=acts)
@@ -400,7 +396,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     p, L = site.position, site.layer
     pb = pb.at_least(p + 2)  # a query after the massive token
     batch = pb.batch
-    acts = causal.capture(model, batch, [names.ffn_out(L), names.resid_post(L)])
+    acts = Activations(model, batch, [names.ffn_out(L), names.resid_post(L)])
+    record(model, batch, [acts], last_layer=L, max_tokens=None)
     measures = {"baseline": measure(model, batch, L, p)}
     for cond in cfg.conditions:
         if cond == "patch_other" and len(batch) < 2:

@@ -74,7 +74,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -94,6 +93,8 @@ from me_interp.experiments._weights import (
 )
 from me_interp.interventions.causal import set_ffn_own_at
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.probes.activations import Activations
+from me_interp.probes.batching import record
 from me_interp.probes.down_proj import (
     Candidate,
     Eraser,
@@ -175,16 +176,6 @@ def survey_entry(
 # ------------------------------------------------------------------------------------------
 # perplexity per text
 # ------------------------------------------------------------------------------------------
-
-
-def _grab_row(y, hook, *, row: int, store: dict):
-    store["y"] = y.detach()[..., row].float().cpu()  # [batch pos]
-    return y
-
-
-def _grab_norms(h, hook, *, store: dict):
-    store["norm"] = h.detach().float().norm(dim=-1).cpu()  # [batch pos]
-    return h
 
 
 def text_nll(model: LoadedModel, batch: Batch, hooks: Sequence = ()) -> evaluation.TextNLL:
@@ -371,16 +362,15 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     texts = cfg.texts
     source = cfg.load_prompts() if texts is None else read_prompts(texts)
     tb = short_batch(model, source, cfg.max_texts, cfg.text_tokens)
-    store: dict = {}
-    grab = [
-        (names.ffn_own(sw.layer), partial(_grab_row, row=sw.row, store=store)),
-        (names.resid_post(check), partial(_grab_norms, store=store)),
-    ]
-    clean = text_nll(model, tb, grab)
+    acts = Activations(model, tb, [names.ffn_own(sw.layer), names.resid_post(check)])
+    logits = record(model, tb, [acts], logits=True)
+    clean = evaluation.text_nll(logits, tb.tokens, tb.attention_mask)
+    y = acts[names.ffn_own(sw.layer)][..., sw.row].float().cpu()  # [batch pos]
+    norm = acts[names.resid_post(check)].float().norm(dim=-1).cpu()  # [batch pos]
     real = tb.attention_mask.bool().cpu()
-    where = store["norm"].masked_fill(~real, -1.0).argmax(-1)  # each text's massive token
-    yu = store["y"].abs().masked_fill(~real, -1.0).argmax(-1)  # Yu et al.'s: the largest |y_row|
-    values = store["y"][torch.arange(len(tb)), where]
+    where = norm.masked_fill(~real, -1.0).argmax(-1)  # each text's massive token
+    yu = y.abs().masked_fill(~real, -1.0).argmax(-1)  # Yu et al.'s: the largest |y_row|
+    values = y[torch.arange(len(tb)), where]
     pool = control_pool(model, sw.layer, sw.row, sw.col, cfg.pool)
     draws = [draw(pool, cfg.control_weights, cfg.seed + i) for i in range(cfg.n_random)]
     with down_weights_zeroed(model, [sw.coord]):

@@ -37,7 +37,9 @@ import torch
 from me_interp import claims, names, plotting
 from me_interp.interventions import causal
 from me_interp.loading.loaded import LoadedModel
+from me_interp.probes.activations import Activations
 from me_interp.probes.attention import attention_src_dst
+from me_interp.probes.batching import record
 from me_interp.probes.site import Site, locate
 from me_interp.study import Experiment, SiteConfig, checked, command, model_for
 from me_interp.terminal import fmt_table
@@ -252,7 +254,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     pb = pb.at_least(max(p, dst) + 2)  # too short for dst: skipped and counted
     batch = pb.batch
     dims = site.dims if cfg.component == "massive_dims" else None
-    acts = causal.capture(model, batch, [names.resid_post(L)])
+    acts = Activations(model, batch, [names.resid_post(L)])
+    record(model, batch, [acts], last_layer=L, max_tokens=None)
     hooks: dict[str, list] = {"baseline": []}
     norm = torch.zeros(len(batch))
     for cond, remove in (("add", False), ("move", True)):

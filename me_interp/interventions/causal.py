@@ -3,8 +3,9 @@
 Every factory returns TransformerLens hooks ``list[(hook_name, fn)]`` built with ``functools.partial``;
 none mutates the model. Every hook *sets* absolute values (``x[:, p, D] = v``), so it is idempotent
 (some bridge hooks fire twice per forward). Where the value depends on the input, the factory measures
-it first on the unmodified run of the same ``batch`` (:func:`capture`, a forward that stops after the
-last block it reads; pass ``acts=`` from one shared :func:`capture` to skip it), so the hooks are tied
+it first on the unmodified run of the same ``batch`` (an :class:`~me_interp.probes.activations.Activations`
+recorder run by :func:`~me_interp.probes.batching.record`, a forward that stops after the last block
+it reads; pass ``acts=`` from one shared recorder to skip it), so the hooks are tied
 to that batch (``per_prompt=True``): they also accept a batch of ``n·B`` rows laid out as ``n`` copies
 of the ``B`` prompts (row ``c·B + b`` = prompt ``b``, the layout of
 :func:`me_interp.patching.patch_sweep`). With ``per_prompt=False`` the value is averaged over the
@@ -48,7 +49,9 @@ from jaxtyping import Float
 
 from me_interp import claims, names
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.probes.activations import Activations
 from me_interp.probes.alignment import others_mean
+from me_interp.probes.batching import record
 from me_interp.prompts import spread
 
 HookList = list[tuple[str, object]]
@@ -122,50 +125,19 @@ def set_values(
     return [(hook_name, fn)]
 
 
-def _rec(x: torch.Tensor, hook, *, store: dict, key: str):
-    store[key] = x.detach().clone()
-    return x
-
-
-def _block_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit() else None
-
-
-def capture(
-    model: LoadedModel, batch: Batch, hook_names: Sequence[str], fwd_hooks: Sequence = ()
-) -> dict[str, torch.Tensor]:
-    """One forward of ``batch``; the activations at ``hook_names`` (after ``fwd_hooks``).
-
-    When every name is inside a block, the forward stops after the last of those blocks (the later
-    blocks and the unembedding cannot change them).
-    """
-    names_ = list(dict.fromkeys(hook_names))
-    if not names_:
-        raise ValueError("give at least one hook name to capture")
-    store: dict[str, torch.Tensor] = {}
-    hooks = [(n, partial(_rec, store=store, key=n)) for n in names_]
-    blocks = [_block_of(n) for n in names_]
-    kwargs = {}
-    if all(b is not None for b in blocks):
-        kwargs["stop_at_layer"] = max(blocks) + 1
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks], **kwargs)
-    missing = [n for n in names_ if n not in store]
-    if missing:
-        raise ValueError(f"hook(s) {missing} did not fire: not hook points of {model.name}")
-    return store
-
-
 def _read(
     model: LoadedModel, batch: Batch, name: str, acts: Mapping[str, torch.Tensor] | None
 ) -> torch.Tensor:
-    """The unmodified activation ``name`` of ``batch``: from ``acts`` when it has it, else captured."""
+    """The unmodified activation ``name`` of ``batch``: from ``acts`` when it has it, else recorded
+    (one forward of the batch as it is, stopped after the block of ``name``)."""
     if acts is not None and name in acts:
         x = acts[name]
         if x.shape[0] != len(batch):
             raise ValueError(f"acts[{name!r}] has {x.shape[0]} rows for a batch of {len(batch)}")
         return x
-    return capture(model, batch, [name])[name]
+    fresh = Activations(model, batch, [name])
+    record(model, batch, [fresh], last_layer=fresh.last_layer, max_tokens=None)
+    return fresh[name]
 
 
 def _check_positions(batch: Batch, positions: Sequence[int]) -> list[int]:
@@ -228,7 +200,7 @@ def remove_massive(
             ``ffn_out`` = the FFN's contribution, ``resid_pre`` = the layer's input).
         fill: ``others_mean`` (the other tokens' mean) or ``zero``.
         per_prompt: values per prompt (tied to ``batch``) or averaged (any batch).
-        acts: the unmodified run's activations of ``batch`` (:func:`capture`) to reuse instead of
+        acts: the unmodified run's activations of ``batch`` (an :class:`~me_interp.probes.activations.Activations` recorder) to reuse instead of
             a forward; must hold the hook this factory reads.
     """
     model.check_layer(layer)
@@ -571,7 +543,6 @@ __all__ = [
     "Transplant",
     "ablate_dims",
     "cap_ffn_output",
-    "capture",
     "flatten_ffn_norm_gain",
     "normalize_ffn_product",
     "patch_across_prompts",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -28,6 +27,8 @@ from me_interp import names
 from me_interp.interventions import core
 from me_interp.interventions.core import PositionsArg
 from me_interp.interventions.wemask import WeMask
+from me_interp.probes.activations import Activations
+from me_interp.probes.batching import record
 
 
 def dim_projection(
@@ -134,11 +135,6 @@ class DirectionProjection:
         }
 
 
-def _capture(x: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
-    store[layer] = x.detach().float().cpu()
-    return x
-
-
 def estimate_direction(
     model: Any,
     batch: Any,
@@ -156,14 +152,13 @@ def estimate_direction(
     core.check_site(site)
     layers = core.check_layers(layers, model.n_layers)
     pos = core.normalize_positions(positions)
-    store: dict[int, torch.Tensor] = {}
-    hooks = [(names.site(site, L), partial(_capture, store=store, layer=L)) for L in layers]
-    model.run_with_hooks(batch, hooks)
+    acts = Activations(model, batch, [names.site(site, L) for L in layers])
+    record(model, batch, [acts], last_layer=acts.last_layer, max_tokens=None)
     B, T = batch.tokens.shape
     target = core.target_mask(torch.arange(T)[None, :], pos, B) & batch.attention_mask.bool().cpu()
     if not target.any():
         raise ValueError("no target token inside the prompts: check positions")
-    return {L: store[L][target].mean(0) for L in layers}
+    return {L: acts[names.site(site, L)].float().cpu()[target].mean(0) for L in layers}
 
 
 def project_dims(model: Any, alpha: float | int, layers: Sequence[int], **kwargs: Any) -> list:

@@ -202,11 +202,6 @@ def massive_positions(model: Any, batch: Any) -> list[list[int]]:
     return [list(p) for p in site.positions]
 
 
-def _record_first(x: torch.Tensor, hook: Any, *, store: dict, layer: int) -> torch.Tensor:
-    store[layer] = x.detach()[:, 0].float().cpu()  # [batch d_model]: the token at position 0
-    return x
-
-
 def locate_with_directions(model: Any, batch: Any) -> tuple[Any, dict[int, torch.Tensor]]:
     """The ME location on ``batch`` (:func:`me_interp.probes.find_me_layer`) and, from the same
     forward, per layer the massive direction that
@@ -216,21 +211,17 @@ def locate_with_directions(model: Any, batch: Any) -> tuple[Any, dict[int, torch
     A model of another backend (:func:`~me_interp.probes.batching.own_backend`) measures both in
     its own traces (``model.locate_with_directions``).
     """
-    from functools import partial
-
     from me_interp import names
+    from me_interp.probes import Activations
     from me_interp.probes import find_me_layer as _find
-    from me_interp.probes.batching import own_backend
+    from me_interp.probes.batching import Chunk, own_backend
 
     if own_backend(model):
         return model.locate_with_directions(batch)
-    first: dict[int, torch.Tensor] = {}
-    capture = [
-        (names.attn_in(L), partial(_record_first, store=first, layer=L))
-        for L in range(model.n_layers)
-    ]
-    loc = _find(model, batch, fwd_hooks=capture)
-    return loc, {L: x.mean(0) for L, x in first.items()}
+    # the attention input of the token at position 0, in the ME-layer probe's forward
+    first = Activations(model, batch, [names.attn_in(L) for L in range(model.n_layers)], at=0)
+    loc = _find(model, batch, fwd_hooks=first.hooks(Chunk.whole(batch)))
+    return loc, {L: first[names.attn_in(L)].float().cpu().mean(0) for L in range(model.n_layers)}
 
 
 @dataclass(frozen=True)

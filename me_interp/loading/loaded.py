@@ -15,6 +15,7 @@ from jaxtyping import Float, Int
 from me_interp.architecture import Architecture, ArchitectureError, describe
 from me_interp.loading.errors import PlacementError, UnsupportedArchitectureError
 from me_interp.loading.placement import Placement, offloaded_modules
+from me_interp.prompts import MIN_PROMPT_TOKENS, Prompt
 
 BosChoice = Literal["auto", "yes", "no"]
 BOS_CHOICES: tuple[str, ...] = ("auto", "yes", "no")
@@ -223,8 +224,6 @@ class LoadedModel:
                 or experiment prompts that are all too short.
         """
         import warnings
-
-        from me_interp.prompts import MIN_PROMPT_TOKENS, Prompt
 
         if isinstance(prompts, str):
             prompts = [prompts]

@@ -25,7 +25,7 @@ from me_interp.patching.metrics import (
     normalized,
     tile_rows,
 )
-from me_interp.patching.suffix import STRICT_ENV, last_token_logits, strict
+from me_interp.patching.suffix import last_token_logits
 from me_interp.patching.sweep import (
     HEAD_SITES,
     PATCH_SITES,
@@ -35,6 +35,7 @@ from me_interp.patching.sweep import (
     patch_sweep,
     site_hook,
 )
+from me_interp.probes.batching import STRICT_ENV, strict
 
 __all__ = [
     "HEAD_SITES",

@@ -23,17 +23,17 @@ import torch
 
 from me_interp.models import Batch, LoadedModel
 from me_interp.patching.metrics import LOGITS, PatchMetric, metric_hooks
+from me_interp.patching.suffix import gather_last
 from me_interp.patching.sweep import (
     HEAD_SITES,
     SweepResult,
     _Cells,
-    _gather_last,
     _grid,
     _heads,
-    _record,
     evaluate_metrics,
     site_hook,
 )
+from me_interp.probes.batching import save_hook
 
 
 def _grad_forward(model: LoadedModel, batch: Batch, metrics, site_names, hooks):
@@ -61,7 +61,7 @@ def _grad_forward(model: LoadedModel, batch: Batch, metrics, site_names, hooks):
         )
         mask = batch.attention_mask.bool()
         if LOGITS in wanted:
-            store[LOGITS] = _gather_last(logits, mask)
+            store[LOGITS] = gather_last(logits, mask)
         values = {k: m(store, mask) for k, m in metrics.items()}
     return acts, values
 
@@ -94,7 +94,7 @@ def attribution_sweep(
     B = clean.tokens.shape[0]
     hook_of = {layer: site_hook(site, layer) for layer in layers}
     store: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(_record, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
+    rec = [(n, partial(save_hook, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
     clean_vals = evaluate_metrics(model, clean, metrics, rec)
     clean_acts = {layer: store[hook_of[layer]].detach().clone() for layer in layers}
     grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[layers[0]], heads))

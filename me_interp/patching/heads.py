@@ -24,8 +24,8 @@ import torch
 
 from me_interp.models import Batch, LoadedModel
 from me_interp.patching.metrics import PatchMetric
-from me_interp.patching.suffix import _record
 from me_interp.patching.sweep import HEAD_SITES, _check_pair, evaluate_metrics, site_hook
+from me_interp.probes.batching import save_hook
 
 HeadSet = Sequence[tuple[int, int]]
 """A set of heads: ``(layer, head)`` pairs (0-based)."""
@@ -107,7 +107,7 @@ def patch_head_sets(
         model.check_layer(la)
     hook_of = {la: site_hook(site, la) for la in layers}
     store: dict[str, torch.Tensor] = {}
-    rec = [(hook_of[la], partial(_record, store=store, key=hook_of[la])) for la in layers]
+    rec = [(hook_of[la], partial(save_hook, store=store, key=hook_of[la])) for la in layers]
     clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec])
     acts = {la: store[hook_of[la]].clone() for la in layers}
     axis = 1 if site == "attn_head_pattern" else 2

@@ -3,19 +3,18 @@
 A patch at layer ``L`` cannot change blocks before ``L``, and (attention being causal) a patch at
 position ``p`` cannot change positions before ``p``. :func:`me_interp.patching.patch_sweep` therefore
 runs each cell's rows from its own block, starting from the corrupt run's residual stream there
-(:func:`_capture_block_inputs`), and a chunk of per-position cells from its first position, the
-earlier keys and values coming from the corrupt run's cache (:func:`_capture_kv`, passed to the
-bridge's attention as ``layer_past``). Both are checked once per sweep against the full corrupt
-forward (:func:`_check_suffix`, :func:`_check_positions`): on a block whose inputs these functions do
-not reproduce, the sweep falls back to full forwards (or every position) with a warning, or raises
-under :data:`STRICT_ENV`.
+(the corrupt run's :class:`~me_interp.probes.batching.Prefix`, checked once when it is captured:
+:func:`~me_interp.probes.batching.capture_prefix`), and a chunk of per-position cells from its
+first position, the earlier keys and values coming from the corrupt run's cache
+(:func:`_capture_kv`, passed to the bridge's attention as ``layer_past``; checked once per sweep
+against the full corrupt forward: :func:`_check_positions`). Where the prefix or the position suffix
+does not reproduce the full forward, the sweep falls back to full forwards (or every position) with
+a warning, or raises under :data:`STRICT_ENV`.
 """
 
 from __future__ import annotations
 
 import collections
-import os
-import warnings
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -25,12 +24,8 @@ from jaxtyping import Float
 
 from me_interp.models import LoadedModel
 from me_interp.patching.metrics import LOGITS, hook_layer
-from me_interp.probes.blocks import _record, final_logits
-from me_interp.probes.blocks import run_blocks as _run_blocks
-
-#: Environment variable: when set (not ``""``/``"0"``), a ``skip_shared`` sweep that cannot run the
-#: block suffix raises instead of warning and falling back to full forwards (tests set it).
-STRICT_ENV = "ME_INTERP_STRICT"
+from me_interp.probes.batching import final_logits, give_up, save_hook
+from me_interp.probes.batching import run_blocks as _run_blocks
 
 
 def last_token_logits(
@@ -44,7 +39,9 @@ def last_token_logits(
     return final_logits(model, x)[:, 0]
 
 
-def _gather_last(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def gather_last(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's values at its last real token: ``logits[b, last_b]`` with ``last_b`` the number
+    of real tokens of row ``b`` in ``mask`` minus one."""
     idx = mask.to(logits.device).long().sum(-1) - 1
     return logits[torch.arange(logits.shape[0], device=logits.device), idx]
 
@@ -58,53 +55,6 @@ def _tile(v, n: int, B: int):
     return v
 
 
-def strict() -> bool:
-    """Whether a fallback to full forwards raises (:data:`STRICT_ENV` set to anything but ``""`` or
-    ``"0"``; the test suite sets it) instead of warning."""
-    return os.environ.get(STRICT_ENV, "") not in ("", "0")
-
-
-def _check_suffix(
-    model: LoadedModel,
-    resid_in: Mapping[int, torch.Tensor],
-    first: int,
-    last: int,
-    kwargs: Mapping,
-    corrupt_hooks: Sequence,
-    want: Mapping[str, torch.Tensor],
-    mask: torch.Tensor,
-) -> str | None:
-    """Run blocks ``first..last`` from the corrupt run's residual stream and compare the metric
-    inputs (activations, last-token logits) with the full corrupt forward's (``want``). ``None``
-    when they agree, else why not: a warning, or (:func:`strict`) a ``RuntimeError``."""
-    n_layers = model.n_layers
-    got: dict[str, torch.Tensor] = {}
-    rec = [
-        (n, partial(_record, store=got, key=n))
-        for n in want
-        if n != LOGITS and hook_layer(n, n_layers) >= first
-    ]
-    why = None
-    try:
-        h = _run_blocks(model, resid_in[first], first, last, kwargs, [*corrupt_hooks, *rec])
-        if LOGITS in want:
-            got[LOGITS] = last_token_logits(model, h, mask)
-    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError) as e:
-        why = f"running blocks {first}..{last} directly failed: {type(e).__name__}: {e}"
-        err: BaseException | None = e
-    else:
-        err = None
-        bad = _mismatch(got, want)
-        if bad is not None:
-            why = (
-                f"running blocks {first}..{last} directly gave {bad[0]} up to {bad[1]:.3g} away "
-                "from the full corrupt forward"
-            )
-    if why is not None:
-        give_up(f"patch_sweep falls back to full forwards (slower, same values): {why}", err)
-    return why
-
-
 def _mismatch(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]):
     """The first ``(name, largest gap)`` where ``got`` differs from ``want`` (another shape, or
     beyond rtol 1e-4 / atol 1e-5; the gap is NaN for another shape), else ``None``."""
@@ -115,14 +65,6 @@ def _mismatch(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor])
         if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
             return n, float((a - b).abs().max())
     return None
-
-
-def give_up(msg: str, err: BaseException | None = None, stacklevel: int = 4) -> None:
-    """A shortcut (a block or position suffix, a reused prefix) that cannot be used: a
-    ``RuntimeWarning`` that the run falls back to full forwards, or under :func:`strict` an error."""
-    if strict():
-        raise RuntimeError(f"{msg} [{STRICT_ENV} is set]") from err
-    warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel)
 
 
 _QUERY_AXIS_2 = ("hook_pattern", "hook_attn_scores")
@@ -248,7 +190,7 @@ def _check_positions(
     kwargs, resid_in, _ = suffix
     names_ = [n for n in want if n != LOGITS and hook_layer(n, model.n_layers) >= first]
     got: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(_record, store=got, key=n)) for n in names_]
+    rec = [(n, partial(save_hook, store=got, key=n)) for n in names_]
     why = None
     try:
         kv = _capture_kv(

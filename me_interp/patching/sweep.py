@@ -48,14 +48,12 @@ from me_interp.patching.metrics import LOGITS, PatchMetric, hook_layer, metric_h
 from me_interp.patching.suffix import (
     _assemble,
     _check_positions,
-    _check_suffix,
-    _gather_last,
     _order,
-    _record,
     _run_suffix,
+    gather_last,
     last_token_logits,
 )
-from me_interp.probes.blocks import capture_block_inputs as _capture_block_inputs
+from me_interp.probes.batching import capture_prefix, save_hook
 
 HEAD_SITES: dict[str, str] = {
     "attn_head_out": "z",
@@ -104,14 +102,14 @@ def evaluate_metrics(
     """
     store: dict[str, torch.Tensor] = {}
     wanted = metric_hooks(metrics)
-    rec = [(n, partial(_record, store=store, key=n)) for n in wanted if n != LOGITS]
+    rec = [(n, partial(save_hook, store=store, key=n)) for n in wanted if n != LOGITS]
     kwargs = (
         {} if stop_at_layer is None or LOGITS in wanted else {"stop_at_layer": int(stop_at_layer)}
     )
     logits = model.run_with_hooks(batch, [*fwd_hooks, *rec], **kwargs)
     mask = batch.attention_mask.bool()
     if LOGITS in wanted:
-        store[LOGITS] = _gather_last(logits, mask)
+        store[LOGITS] = gather_last(logits, mask)
     return {k: m(store, mask) for k, m in metrics.items()}
 
 
@@ -415,7 +413,7 @@ def patch_sweep(
     stop = None if wants_logits else max(last_needed, *layers) + 1  # no unembedding unless read
     # clean run: the site's activations at every patched layer, and the clean metrics
     store: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(_record, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
+    rec = [(n, partial(save_hook, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
     clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec], stop)
     clean_acts = {layer: store[hook_of[layer]].clone() for layer in layers}  # [B T ...]
     grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[layers[0]], heads))
@@ -423,8 +421,8 @@ def patch_sweep(
     # clean == corrupt)
     cstore: dict[str, torch.Tensor] = {}
     cstore_m: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(_record, store=cstore, key=n)) for n in dict.fromkeys(hook_of.values())]
-    rec += [(n, partial(_record, store=cstore_m, key=n)) for n in mhooks if n != LOGITS]
+    rec = [(n, partial(save_hook, store=cstore, key=n)) for n in dict.fromkeys(hook_of.values())]
+    rec += [(n, partial(save_hook, store=cstore_m, key=n)) for n in mhooks if n != LOGITS]
     corrupt_vals = evaluate_metrics(model, corrupt, metrics, [*corrupt_hooks, *rec], stop)
     mask_b = corrupt.attention_mask.bool()
 
@@ -460,21 +458,16 @@ def patch_sweep(
     pos_ok = False
     pos_fallback: str | None = None
     if skip_shared and cells:
-        # run only blocks first_patched..last_needed, from the corrupt run's residual stream; checked
-        # once against the full corrupt forward, else fall back to full forwards
+        # run only blocks first_patched..last_needed, from the corrupt run's residual stream (its
+        # prefix, checked once when captured), else fall back to full forwards
         first0 = min(layers[c[0]] for c in cells)
         # the first layer a position-suffix run can start at: above every corruption hook
         first_p = max([first0, *(h + 1 for h in hook_layers)])
-        kwargs, resid_in = _capture_block_inputs(
-            model, corrupt, corrupt_hooks, sorted({layers[c[0]] for c in cells} | {first_p})
-        )
-        want = dict(cstore_m)
-        if wants_logits:
-            want[LOGITS] = _gather_last(model.run_with_hooks(corrupt, corrupt_hooks), mask_b)
-        fallback = _check_suffix(
-            model, resid_in, first0, last_needed, kwargs, corrupt_hooks, want, mask_b
-        )
+        starts = sorted({layers[c[0]] for c in cells} | {first_p})
+        prefix = capture_prefix(model, corrupt, starts, max_tokens=None, fwd_hooks=corrupt_hooks)
+        fallback = prefix.why
         if fallback is None:
+            kwargs, resid_in = prefix.kwargs[0], prefix.resid[0]
             suffix = (kwargs, resid_in, None)
             if (
                 grid.positions is not None
@@ -482,6 +475,9 @@ def patch_sweep(
                 and not corrupt.padded
                 and first_p <= last_needed
             ):
+                want = dict(cstore_m)
+                if wants_logits:
+                    want[LOGITS] = gather_last(model.run_with_hooks(corrupt, corrupt_hooks), mask_b)
                 pos_fallback, kv = _check_positions(
                     model, suffix, first_p, last_needed, T // 2, B, want, mask_b
                 )
@@ -513,7 +509,7 @@ def patch_sweep(
             if n_ != LOGITS and hook_layer(n_, n_layers) < first:
                 acts[n_] = cstore_m[n_].repeat(n, *([1] * (cstore_m[n_].dim() - 1)))
         rec = [
-            (n_, partial(_record, store=acts, key=n_))
+            (n_, partial(save_hook, store=acts, key=n_))
             for n_ in mhooks
             if n_ != LOGITS and hook_layer(n_, n_layers) >= first
         ]
@@ -534,7 +530,7 @@ def patch_sweep(
                     fwd_hooks=hooks,
                 )
             if wants_logits:
-                acts[LOGITS] = _gather_last(logits, mask)
+                acts[LOGITS] = gather_last(logits, mask)
         n_fwd += 1
         for k, m in metrics.items():
             v = m(acts, mask).view(n, B)

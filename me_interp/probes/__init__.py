@@ -13,9 +13,12 @@ without the unembedding: ``probes.batching``):
 
 Each probe also has a *recorder* (``NormRecorder``, ``AlignmentRecorder``, ``FFNRecorder``,
 ``InvarianceRecorder``, ``AttentionRecorder``, ``GeometryRecorder``, …): :func:`record` runs several
-of them in one forward pass, so an experiment measures everything it needs at once.
+of them in one forward pass, so an experiment measures everything it needs at once. Where a caller
+needs the tensors themselves, :class:`Activations` keeps the whole activations at the hook points it
+names (and only there).
 """
 
+from me_interp.probes.activations import Activations
 from me_interp.probes.alignment import (
     AlignmentRecorder,
     AlignmentScan,
@@ -62,6 +65,7 @@ from me_interp.probes.norms import (
 )
 
 __all__ = [
+    "Activations",
     "AlignmentRecorder",
     "AlignmentScan",
     "AttentionProbe",

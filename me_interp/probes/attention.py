@@ -44,6 +44,7 @@ from jaxtyping import Bool, Float
 
 from me_interp import names
 from me_interp.models import Batch, LoadedModel
+from me_interp.probes.activations import Activations
 from me_interp.probes.batching import Chunk, record
 from me_interp.probes.norms import ratio_to_others
 
@@ -301,11 +302,6 @@ def _attn_to(pattern, hook, *, store, layer, src, dst, qmask):
     return pattern
 
 
-def _record(x, hook, *, store, key):
-    store[key] = x.detach()
-    return x
-
-
 def attention_src_dst(
     model: LoadedModel,
     batch: Batch,
@@ -327,18 +323,19 @@ def attention_src_dst(
         (names.pattern(lay), partial(_attn_to, store=store, layer=lay, src=src, dst=dst, qmask=q))
         for lay in layers
     ]
-    res: dict[str, torch.Tensor] = {}
-    if ratio_layer is not None:
-        hooks.append((names.resid_post(ratio_layer), partial(_record, store=res, key="h")))
-    stop = max([*layers, ratio_layer if ratio_layer is not None else 0]) + 1
-    model.run_with_hooks(batch, [*fwd_hooks, *hooks], stop_at_layer=stop)
+    res = (
+        None if ratio_layer is None else Activations(model, batch, [names.resid_post(ratio_layer)])
+    )
+    last = max([*layers, ratio_layer if ratio_layer is not None else 0])
+    recs = [] if res is None else [res]
+    record(model, batch, recs, fwd_hooks=[*fwd_hooks, *hooks], last_layer=last, max_tokens=None)
     # no layer: nothing to read attention from (the ME layer is the last layer)
     att = (
         torch.stack([store[lay] for lay in layers]) if layers else torch.zeros(0, 2, len(batch), 0)
     )
     ratios = None
     if ratio_layer is not None:
-        norms = res["h"].float().norm(dim=-1).cpu()
+        norms = res[names.resid_post(ratio_layer)].float().norm(dim=-1).cpu()
         mask = batch.attention_mask.bool().cpu()
         ratios = torch.stack(
             [ratio_to_others(norms, mask, torch.full((len(batch),), t)) for t in (src, dst)]

@@ -44,6 +44,7 @@ from jaxtyping import Bool, Float, Int
 
 from me_interp import claims, names
 from me_interp.models import Batch, LoadedModel
+from me_interp.probes.activations import Activations
 from me_interp.probes.alignment import delta_vs_others, mean_except_reference, reference_positions
 from me_interp.probes.batching import Chunk, record
 
@@ -326,11 +327,6 @@ def top_neurons(model: LoadedModel, scan: FFNScan, layer: int, top: int = 10) ->
     )
 
 
-def _record_act(act: torch.Tensor, hook, *, store: dict) -> torch.Tensor:
-    store["act"] = act.detach().float()
-    return act
-
-
 def neuron_scores(
     model: LoadedModel,
     batch: Batch,
@@ -353,10 +349,11 @@ def neuron_scores(
         raise ValueError(
             f"dims must be a non-empty list of dims in 0..{model.d_model - 1}, got {dims}"
         )
-    store: dict = {}
-    hook = (names.site("ffn_act", layer), partial(_record_act, store=store))
-    model.run_with_hooks(batch, [hook], stop_at_layer=layer + 1)
-    act = store["act"][torch.arange(len(batch)), positions.to(store["act"].device)]  # [batch d_mlp]
+    name = names.site("ffn_act", layer)
+    acts = Activations(model, batch, [name])
+    record(model, batch, [acts], last_layer=layer, max_tokens=None)
+    full = acts[name].float()
+    act = full[torch.arange(len(batch)), positions.to(full.device)]  # [batch d_mlp]
     W = model.ffn_weights(layer).down.detach().float()[dims].to(act.device)  # [D d_mlp]
     writes = act[:, None, :] * W[None]  # [batch D d_mlp]
     per_prompt = writes.norm(dim=1)  # [batch d_mlp]

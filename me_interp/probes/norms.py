@@ -136,7 +136,7 @@ class NormRecorder:
         """The measurements, moved to the CPU (one copy per output, after the forward).
 
         ``below``: the scan of the same batch on the unedited model, whose layers ``< start`` stand
-        for this run's when the forward ran blocks ``start..`` only (``probes.blocks``)."""
+        for this run's when the forward ran blocks ``start..`` only (``probes.batching``)."""
         self._flush()
         buf = {k: v.cpu() for k, v in self._buffers(self.model.device).items()}
         if below is not None and start:

@@ -7,6 +7,7 @@ layout; CLI smoke; bad inputs; and two-sided bounds on the bundled real model.""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import numpy as np
 import pytest
@@ -369,12 +370,23 @@ def _hook_set(x, hook, *, pos, value):
     return x
 
 
+def capture(model, batch, hook_names, hooks=()):
+    """The activations at ``hook_names`` of one plain forward under ``hooks`` (a reference)."""
+    store = {}
+
+    def keep(x, hook, key):
+        store[key] = x.detach().clone()
+        return x
+
+    model.run_with_hooks(batch, [*hooks, *((n, partial(keep, key=n)) for n in hook_names)])
+    return store
+
+
 def test_projection_metric_and_ffn_share_by_hand(planted, prompt_file):
     """The projection of the ffn_writes cell and the FFN share, recomputed with plain hooks."""
     from functools import partial
 
     from me_interp import names
-    from me_interp.interventions.causal import capture
 
     model, plant = planted
     r = activation_patching.run(_cfg(activation_patching, prompt_file), model)
@@ -523,7 +535,6 @@ def test_the_ffn_state_decides_which_spec_applies(planted, prompt_file):
 
 def test_edit_size_of_the_residual_ablations_by_hand(planted, prompt_file):
     from me_interp import names
-    from me_interp.interventions.causal import capture
 
     model, plant = planted
     r = component_ablation.run(_cfg(component_ablation, prompt_file), model)

@@ -31,16 +31,17 @@ def test_sweep_from_the_first_masked_block_equals_full_forwards(arch, tmp_path, 
         batch_tokens=30,
     )
     used = []
-    real = evaluation.Sweep.reuse_prefix
+    real = evaluation.capture_prefix
 
-    def spy(self, base):
-        real(self, base)
-        used.append(self.suffixes is not None and min(self.layers) > 0)
+    def spy(*args, **kwargs):
+        used.append(real(*args, **kwargs))
+        return used[-1]
 
-    monkeypatch.setattr(evaluation.Sweep, "reuse_prefix", spy)
+    monkeypatch.setattr(evaluation, "capture_prefix", spy)
     part = wemask.run(cfg, model)
-    assert used == [True]  # the suffix was used (the ME layer is not layer 0)
-    monkeypatch.setattr(evaluation.Sweep, "reuse_prefix", lambda self, base: None)
+    # the prefix was used (the ME layer is not layer 0), for each length group, and checked
+    assert len(used) > 1 and all(p.why is None and p.starts[0] > 0 for p in used)
+    monkeypatch.setattr(evaluation, "capture_prefix", lambda *args, **kwargs: None)
     full = wemask.run(cfg, model)
     assert [r.condition for r in part.rows] == [r.condition for r in full.rows]
     np.testing.assert_allclose(_numbers(part.rows), _numbers(full.rows), rtol=1e-5, atol=1e-7)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from me_interp import claims, names
 from me_interp.interventions import causal
 from me_interp.models import Batch
+from me_interp.probes import Activations, record
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +23,20 @@ def setup(planted):
     return model, plant, batch
 
 
+def _capture(model, batch, hook_names, hooks=()):
+    """The activations at ``hook_names`` of one plain forward under ``hooks`` (a reference)."""
+    store = {}
+
+    def keep(x, hook, key):
+        store[key] = x.detach().clone()
+        return x
+
+    model.run_with_hooks(batch, [*hooks, *((n, partial(keep, key=n)) for n in hook_names)])
+    return store
+
+
 def _cap(model, batch, name, hooks=()):
-    return causal.capture(model, batch, [name], hooks)[name]
+    return _capture(model, batch, [name], hooks)[name]
 
 
 def _others(x, p):
@@ -69,31 +84,10 @@ def test_set_values_bad_inputs():
         causal.set_values("x", [0], torch.zeros(1, 2), dims=[1, 1])
 
 
-def test_capture_stops_early_and_matches_the_full_forward(setup):
-    model, plant, batch = setup
-    hooks = [names.ffn_out(1), names.resid_post(3), names.pattern(4)]
-    store = {}
-
-    def rec(x, hook, key):
-        store[key] = x.detach().clone()
-        return x
-
-    model.run_with_hooks(batch, [(n, lambda x, hook, n=n: rec(x, hook, n)) for n in hooks])
-    got = causal.capture(model, batch, hooks)
-    for n in hooks:
-        assert torch.equal(got[n], store[n])
-    early = causal.capture(model, batch, [names.ffn_out(1)])  # blocks 0..1 only
-    assert torch.equal(early[names.ffn_out(1)], store[names.ffn_out(1)])
-    with pytest.raises(ValueError, match="at least one hook"):
-        causal.capture(model, batch, [])
-    with pytest.raises(KeyError, match="does not exist"):  # TransformerLens refuses a typo
-        causal.capture(model, batch, ["blocks.1.hook_nothing_here"])
-
-
 def test_acts_reuse_equals_a_fresh_capture(setup):
     model, plant, batch = setup
     L = plant.layer
-    acts = causal.capture(
+    acts = Activations(
         model,
         batch,
         [
@@ -103,6 +97,7 @@ def test_acts_reuse_equals_a_fresh_capture(setup):
             names.site("ffn_normalized", L),
         ],
     )
+    record(model, batch, [acts], last_layer=acts.last_layer, max_tokens=None)
     pairs = [
         (causal.remove_massive, dict(site="ffn_out")),
         (causal.patch_across_prompts, {}),

@@ -1,4 +1,4 @@
-"""Runs from the unedited prefix (probes.blocks): the same measurement as the whole forward under
+"""Runs from the unedited prefix (probes.batching.capture_prefix): the same measurement as the whole forward under
 the same edit, on every architecture; refused when an edit lies before the start block."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import torch
 from me_interp import load_model, synthetic
 from me_interp.edits import neurons_ablated, swapped_layers
 from me_interp.experiments import _weights
-from me_interp.probes.batching import record
-from me_interp.probes.blocks import capture_prefix
+from me_interp.probes.batching import capture_prefix, record
 from me_interp.probes.norms import NormRecorder
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
@@ -101,9 +100,9 @@ def test_norm_scan_from_a_prefix_fills_earlier_layers_from_the_unedited_scan():
 
 def test_the_edit_mark_is_the_one_edits_set():
     from me_interp.edits import core
-    from me_interp.probes import blocks
+    from me_interp.probes import batching
 
-    assert blocks.EDITED_ATTR == core.EDITED_ATTR
+    assert batching.EDITED_ATTR == core.EDITED_ATTR
     model = load_model("synthetic:planted")
     w = model.ffn_weights(0).down
     with core.edited_parameters({w: torch.zeros_like(w)}):
