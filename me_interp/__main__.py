@@ -48,10 +48,10 @@ HELP = (
     """usage: me-interp COMMAND [flags]   (me-interp COMMAND --help for its flags)
 
 commands:
-  run [EXPERIMENT ...]   every experiment (or these) on one model, and OUT/report.html
-  report OUT             rebuild OUT/report.html and report.md from OUT/battery.json
+  run [EXPERIMENT ...]     every experiment (or these) on one model, and OUT/report.html
+  report OUT               rebuild OUT/report.html and report.md from OUT/battery.json
   claims [EXPERIMENT ...]  every claim with its rule and kind (--json: JSON lines)
-  models                 the bundled, packaged and synthetic models, installed or not
+  models                   the bundled, packaged and synthetic models, installed or not
 
 one experiment alone: python -m me_interp.experiments.NAME --help
 """

@@ -139,11 +139,11 @@ class CommonConfig:
     """Fields shared by every experiment.
 
     Attributes:
-        model: None or "bundled" for SmolLM2-135M-Instruct, else an HF name or local directory.
-        prompts: a prompt file (one per line, or a JSON list); None for the built-in set.
+        model: omit (or bundled) for SmolLM2-135M-Instruct; else an HF name or local directory.
+        prompts: a prompt file (one per line, or a JSON list); omit for the built-in set.
         bos: prepend BOS: auto is the tokenizer's own behaviour.
         dtype: auto is float32 on CPU, bfloat16 on GPU.
-        device: cpu, cuda, cuda:1, ... (None: CUDA when available).
+        device: cpu, cuda, cuda:1, ... (omit: CUDA when available).
         seed: seeds Python, NumPy and torch.
         out: results root; a run goes to <out>/<experiment>/<run_id>/.
         threads: torch CPU threads (None: 1 on CPU machines with at most 4 cores for a small model,
