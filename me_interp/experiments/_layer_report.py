@@ -38,7 +38,7 @@ from me_interp.probes.massive import (
 )
 from me_interp.probes.norms import NormScan
 from me_interp.probes.site import Site, Units, locate, subset_scan
-from me_interp.study import CommonConfig, RunHeader, checked, run_header
+from me_interp.study import CommonConfig, Headed, RunHeader, checked, run_header
 from me_interp.terminal import fmt_table
 
 PositionChoice = Literal["detected", "zero"]
@@ -142,7 +142,7 @@ def detect(cfg: DetectConfig, model: LoadedModel, scan: NormScan, batch: Batch) 
 
 
 @dataclass(frozen=True)
-class LayerReport:
+class LayerReport(Headed):
     """What the per-layer reports (mechanism, invariance, attention_sinks) share: the run header
     (with the tested ME layer, ``header.layer``, given by ``--layer`` or detected), the detected ME
     layer, the units of the massive token with the layer the held-out claims test
@@ -154,18 +154,6 @@ class LayerReport:
     detected_me_layer: int | None
     units: Units
     selected_layer: int | None
-
-    @property
-    def model(self) -> str:
-        return self.header.model
-
-    @property
-    def bos(self) -> str:
-        return self.header.bos
-
-    @property
-    def n_prompts(self) -> int:
-        return self.header.n_prompts
 
     @property
     def me_layer(self) -> int | None:

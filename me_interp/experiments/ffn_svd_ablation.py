@@ -72,7 +72,7 @@ from me_interp.experiments._weights import (
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.ffn import neuron_scores
 from me_interp.probes.site import Units, massive_units
-from me_interp.study import Experiment, RunHeader, checked, command, run_header
+from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "ffn_svd_ablation"
@@ -159,7 +159,7 @@ class Spectrum:
 
 
 @dataclass(frozen=True)
-class Result:
+class Result(Headed):
     """The ablations of the ME layer's FFN and what they did (``header.layer``: the ablated layer).
 
     Attributes:
@@ -181,23 +181,6 @@ class Result:
     claim_k: int
     prompt_lengths: list[int]
     units: Units
-
-    @property
-    def model(self) -> str:
-        return self.header.model
-
-    @property
-    def layer(self) -> int:
-        return self.header.layer
-
-    @property
-    def n_prompts(self) -> int:
-        return self.header.n_prompts
-
-    @property
-    def seed(self) -> int:
-        """The run's seed (the claims' bootstrap seed, :func:`me_interp.claims.judge`)."""
-        return self.header.seed
 
     @property
     def massive_at_layer(self) -> bool:

@@ -55,6 +55,7 @@ from me_interp.probes.site import Units, locate, no_massive_why
 from me_interp.study import (
     CommonConfig,
     Experiment,
+    Headed,
     RunHeader,
     checked,
     command,
@@ -138,7 +139,7 @@ class PerPrompt:
 
 
 @dataclass(frozen=True)
-class Result:
+class Result(Headed):
     """What :func:`run` measured: the run header (with the Site: the detected ME layer, its dims and
     position), the ME-layer location (every event, the per-layer ratios of every site in
     ``location.site_ratios``), the Figure-1 norms per site, the heatmap of prompt 0, and the
@@ -154,14 +155,6 @@ class Result:
     prompt_lengths: list[int]
     per_prompt: PerPrompt
     units: Units | None
-
-    @property
-    def model(self) -> str:
-        return self.header.model
-
-    @property
-    def n_prompts(self) -> int:
-        return self.header.n_prompts
 
     @property
     def me_layer(self) -> int | None:

@@ -78,7 +78,7 @@ from me_interp.experiments._weights import (
     where_edited,
 )
 from me_interp.loading.loaded import LoadedModel
-from me_interp.study import Experiment, checked, command
+from me_interp.study import Experiment, Headed, checked, command
 from me_interp.study.result import RunHeader, run_header
 from me_interp.terminal import fmt_table
 
@@ -151,7 +151,7 @@ class GainTop:
 
 
 @dataclass(frozen=True)
-class Result:
+class Result(Headed):
     """The edits of the ME layer's gains and what they did (``header.layer``: the edited layer).
 
     Attributes:
@@ -167,23 +167,6 @@ class Result:
     top_dims: list[GainTop]
     top_k: int
     prompt_lengths: list[int]
-
-    @property
-    def model(self) -> str:
-        return self.header.model
-
-    @property
-    def layer(self) -> int:
-        return self.header.layer
-
-    @property
-    def n_prompts(self) -> int:
-        return self.header.n_prompts
-
-    @property
-    def seed(self) -> int:
-        """The run's seed (the claims' bootstrap seed, :func:`me_interp.claims.judge`)."""
-        return self.header.seed
 
     @property
     def massive_at_layer(self) -> bool:

@@ -114,7 +114,7 @@ from me_interp.probes.down_proj import survey_text as survey_text  # the survey'
 from me_interp.probes.massive import Criterion
 from me_interp.probes.site import Units
 from me_interp.prompts import read_prompts
-from me_interp.study import Experiment, RunHeader, checked, command, run_header
+from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "super_weight"
@@ -215,7 +215,7 @@ class Pool:
 
 
 @dataclass(frozen=True)
-class Result:
+class Result(Headed):
     """What :func:`run` measured (0-based layers; per-layer lists are ``[layer][prompt]``).
 
     Attributes:
@@ -270,10 +270,6 @@ class Result:
     given: Candidate | None = None
 
     @property
-    def model(self) -> str:
-        return self.header.model
-
-    @property
     def me_layer(self) -> int:
         """The ME layer ``m`` (given or detected)."""
         return self.header.layer
@@ -281,14 +277,6 @@ class Result:
     @property
     def massive_dims(self) -> list[int]:
         return list(self.header.dims)
-
-    @property
-    def n_prompts(self) -> int:
-        return self.header.n_prompts
-
-    @property
-    def seed(self) -> int:
-        return self.header.seed
 
     @property
     def super_weight(self) -> Candidate | None:

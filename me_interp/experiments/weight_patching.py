@@ -69,7 +69,7 @@ from me_interp.interventions.core import check_layers
 from me_interp.loading import load_model
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.site import locate
-from me_interp.study import Experiment, RunHeader, checked, command, run_header
+from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "weight_patching"
@@ -143,7 +143,7 @@ class TargetOutcome:
 
 
 @dataclass(frozen=True)
-class Result:
+class Result(Headed):
     """What :func:`run` measured (0-based layers; ``header`` is the patched model's run, its
     ``layer`` the Site's).
 
@@ -170,18 +170,6 @@ class Result:
     rows: list[PatchRow]
     prompt_lengths: list[int]
     part_modules: list[PartModules] = field(default_factory=list)
-
-    @property
-    def model(self) -> str:
-        return self.header.model
-
-    @property
-    def n_prompts(self) -> int:
-        return self.header.n_prompts
-
-    @property
-    def seed(self) -> int:
-        return self.header.seed
 
     def part_rows(self, part: str, eligible_only: bool = False) -> list[PatchRow]:
         """The rows of ``part`` in target order (only eligible targets with ``eligible_only``)."""

@@ -76,7 +76,7 @@ from me_interp.experiments._weights import (
 )
 from me_interp.interventions.core import check_layers
 from me_interp.loading.loaded import LoadedModel
-from me_interp.study import Experiment, RunHeader, checked, command, run_header
+from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "weight_swap"
@@ -152,7 +152,7 @@ class PartnerOutcome:
 
 
 @dataclass(frozen=True)
-class Result:
+class Result(Headed):
     """What :func:`run` measured (0-based layers; ``header.layer`` is the swapped layer ``m``,
     ``header.layer_given`` whether it came from ``--layer``).
 
@@ -174,24 +174,8 @@ class Result:
     part_modules: list[PartModules] = field(default_factory=list)
 
     @property
-    def model(self) -> str:
-        return self.header.model
-
-    @property
-    def layer(self) -> int:
-        return self.header.layer
-
-    @property
     def layer_given(self) -> bool:
         return self.header.layer_given
-
-    @property
-    def n_prompts(self) -> int:
-        return self.header.n_prompts
-
-    @property
-    def seed(self) -> int:
-        return self.header.seed
 
     def part_rows(self, part: str) -> list[SwapRow]:
         """The rows of ``part``, in partner order."""

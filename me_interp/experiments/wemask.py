@@ -66,6 +66,7 @@ from me_interp.prompts import builtin_texts, read_prompts
 from me_interp.study import (
     CommonConfig,
     Experiment,
+    Headed,
     checked,
     command,
     model_for,
@@ -214,7 +215,7 @@ class RandomGaps:
 
 
 @dataclass(frozen=True)
-class Result:
+class Result(Headed):
     """What :func:`run` measured. The header's ``layer`` is the layer the masks start from (given or
     detected: :attr:`me_layer`), its ``me_layer`` and ``dims`` the detected ME layer and massive dims.
     ``baseline`` and each row of ``rows`` hold the pooled metrics, their per-text statistics and, when
@@ -234,10 +235,6 @@ class Result:
     baseline: Metrics
     rows: list[Row]
     not_measured: str | None = None
-
-    @property
-    def model(self) -> str:
-        return self.header.model
 
     @property
     def me_layer(self) -> int:

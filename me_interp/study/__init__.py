@@ -44,7 +44,7 @@ from me_interp.study.experiment import (
     seed_everything,
     write_outcome,
 )
-from me_interp.study.result import RunHeader, roundtrip, run_header
+from me_interp.study.result import Headed, RunHeader, roundtrip, run_header
 
 __all__ = [
     "BAD_INPUT",
@@ -55,6 +55,7 @@ __all__ = [
     "Check",
     "CommonConfig",
     "Experiment",
+    "Headed",
     "Outcome",
     "RunHeader",
     "SiteConfig",

@@ -47,6 +47,33 @@ class RunHeader:
     index_convention: str = INDEX_CONVENTION
 
 
+class Headed:
+    """What a Result with a ``header: RunHeader`` field answers for it: ``model``, ``bos``, ``seed``
+    (the claims' bootstrap seed), ``n_prompts`` and ``layer`` read from the header."""
+
+    header: RunHeader
+
+    @property
+    def model(self) -> str:
+        return self.header.model
+
+    @property
+    def bos(self) -> str:
+        return self.header.bos
+
+    @property
+    def seed(self) -> int:
+        return self.header.seed
+
+    @property
+    def n_prompts(self) -> int:
+        return self.header.n_prompts
+
+    @property
+    def layer(self) -> int | None:
+        return self.header.layer
+
+
 def run_header(cfg: CommonConfig, model: Any, n_prompts: int, site: Any = None) -> RunHeader:
     """The :class:`RunHeader` of a run of ``cfg`` on ``model`` over ``n_prompts`` prompts, with the
     :class:`me_interp.probes.site.Site` it studied (if any)."""
