@@ -73,12 +73,23 @@ class BatteryBar(Progress):
         self.bar = None
         self.done: dict[str, float] = {}
         self.current: str | None = None
+        self.names: list[str] = []
+        self.left: list[str] = []
+        self.previous: dict[str, float] = {}
+        self.predicted: dict[str, float] = {}
+        self.t0 = self.t_current = time.perf_counter()
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
 
-    def begin(self, experiments: Sequence[str], previous: Mapping[str, float]) -> None:
+    def begin(
+        self,
+        experiments: Sequence[str],
+        previous: Mapping[str, float],
+        predicted: Mapping[str, float] | None = None,
+    ) -> None:
         self.names, self.previous = list(experiments), dict(previous)
-        self.t0 = time.perf_counter()
+        self.predicted = dict(predicted or {})
+        self.t0 = self.t_current = time.perf_counter()
         self.left = list(experiments)
         self.bar = terminal.bar(
             total=len(experiments),
@@ -86,32 +97,45 @@ class BatteryBar(Progress):
             leave=True,
             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
         )
-        if not self.bar.disable:  # the elapsed time keeps ticking between experiments
+        if not self.bar.disable:  # the elapsed time and the estimate keep ticking
             self._ticker = threading.Thread(target=self._tick, daemon=True)
             self._ticker.start()
 
     def _tick(self) -> None:
         while not self._stop.wait(self.TICK):
             if self.bar is not None:
-                self.bar.refresh()
+                self.bar.set_postfix_str(self._eta(), refresh=True)
+
+    def _guess(self, name: str) -> float | None:
+        """Seconds ``name`` should take: its duration in an earlier run on this model, device and
+        dtype, else the cost model's prediction (``None``: neither)."""
+        return self.previous.get(name, self.predicted.get(name))
 
     def _eta(self) -> str:
-        """The time left: each experiment's duration in earlier runs on this model, device and
-        dtype; an experiment never run before counts as the mean of those that finished in this
-        run (so a first battery shows an estimate after its first experiment)."""
+        """The time left: each experiment's guess (:meth:`_guess`; an experiment with none counts
+        as the mean of those finished in this run), scaled by the speed observed so far (the
+        finished experiments' real over guessed seconds: a busy machine is noticed after one
+        experiment), less the time the current one has already run."""
         if not self.left:
-            return ""
+            return "nothing left"
         mean_now = sum(self.done.values()) / len(self.done) if self.done else None
-        guesses = [self.previous.get(n, mean_now) for n in self.left]
-        known = [g for g in guesses if g is not None]
-        if not known:
+        guessed = {n: self._guess(n) for n in self.done}
+        base = sum(g for g in guessed.values() if g is not None)
+        speed = (
+            sum(self.done[n] for n, g in guessed.items() if g is not None) / base if base else 1.0
+        )
+        guesses = [self._guess(n) or mean_now for n in self.left]
+        if any(g is None for g in guesses):
             return ""
-        eta = terminal.fmt_seconds(sum(known))
-        exact = len(known) == len(self.left) and all(n in self.previous for n in self.left)
-        return f"about {eta} left" if exact else f"roughly {eta}+ left"
+        left = speed * sum(guesses)  # type: ignore[arg-type]
+        if self.current in self.left:
+            left -= min(
+                time.perf_counter() - self.t_current, speed * guesses[self.left.index(self.current)]
+            )  # type: ignore[operator]
+        return f"about {terminal.fmt_seconds(max(left, 0.0))} left"
 
     def start(self, name: str) -> None:
-        self.current = name
+        self.current, self.t_current = name, time.perf_counter()
         eta = self._eta()
         k = self.names.index(name) + 1
         if self.bar is not None and not self.bar.disable:
@@ -129,6 +153,7 @@ class BatteryBar(Progress):
         if not skipped and entry.get("seconds") is not None:
             self.done[name] = float(entry["seconds"])
         if self.bar is not None:
+            self.bar.set_postfix_str(self._eta(), refresh=False)
             self.bar.update(1)
         out = self.output
         if out.mode != "json" and (not out.quiet or entry.get("status") == "failed"):

@@ -13,6 +13,7 @@ battery goes on.
 
 from __future__ import annotations
 
+import time
 import traceback
 
 try:
@@ -22,6 +23,8 @@ except ImportError:  # pragma: no cover - not POSIX: no lock (one battery per fo
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from me_interp import claims as claims_mod
 from me_interp import io, usage
@@ -46,6 +49,7 @@ from me_interp.report import FINISHED, NOT_APPLICABLE, STATE_FILE, finished_clai
 from me_interp.study import (
     CommonConfig,
     Experiment,
+    apply_threads,
     execute,
     model_for,
     seed_everything,
@@ -146,7 +150,8 @@ def run_battery(
     key = _durations_key(model)
     previous = {**_durations().get(key, {}), **_seconds_of(state)}
     if progress:
-        progress.begin(experiments, previous)
+        unknown = [n for n in experiments if n not in previous]
+        progress.begin(experiments, previous, predicted_seconds(model, common, unknown))
     ran: list[str] = []
     for name in experiments:
         entry = state["experiments"].get(name, {})
@@ -164,6 +169,7 @@ def run_battery(
             try:
                 exp = BY_NAME[name]
                 cfg = exp.config(**common.to_dict(), **overrides.get(name, {}))
+                apply_threads(cfg, model)  # again before each: the machine's load may have changed
                 seed_everything(cfg.seed)
                 outcome = execute(exp, cfg, model, figures=figures)
                 run_dir = write_outcome(name, cfg, model, outcome)
@@ -224,15 +230,52 @@ def _shown(state: Mapping[str, Any], experiments: Sequence[str]) -> list[Experim
 class Progress:
     """What :func:`run_battery` tells about its progress (subclass and override; all no-ops here)."""
 
-    def begin(self, experiments: Sequence[str], previous: Mapping[str, float]) -> None:
+    def begin(
+        self,
+        experiments: Sequence[str],
+        previous: Mapping[str, float],
+        predicted: Mapping[str, float] | None = None,
+    ) -> None:
         """The battery starts ``experiments``; ``previous``: seconds each took in earlier runs on
-        this model, device and dtype (where known)."""
+        this model, device and dtype (where known); ``predicted``: for the others, the cost model's
+        seconds (:func:`predicted_seconds`)."""
 
     def start(self, name: str) -> None:
         """Experiment ``name`` starts."""
 
     def end(self, name: str, entry: Mapping[str, Any], skipped: bool = False) -> None:
         """Experiment ``name`` ended with battery entry ``entry`` (``skipped``: finished earlier)."""
+
+
+FORWARDS: dict[str, float] = {}
+"""The cost model of a first battery: each experiment's wall time in units of one plain forward of
+the prompt batch on the same model and machine (its default settings). Measured on the bundled
+model (docs/performance.md, "The battery's first estimate"); an experiment missing here counts as
+the median of the others."""
+
+
+def forward_seconds(model: Any, common: CommonConfig, repeats: int = 2) -> float:
+    """Seconds of one plain forward (no gradients) of ``common``'s prompt batch on ``model``: the
+    fastest of ``repeats`` (the first pays one-off set-up)."""
+    batch = model.tokenize(common.load_prompts())
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.run_with_hooks(batch)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def predicted_seconds(model: Any, common: CommonConfig, names: Sequence[str]) -> dict[str, float]:
+    """The cost model's seconds for ``names`` (experiments never timed on this model, device and
+    dtype): :data:`FORWARDS` times one forward measured now (:func:`forward_seconds`); ``{}`` when
+    ``names`` is empty or no cost is known."""
+    if not names or not FORWARDS:
+        return {}
+    median = sorted(FORWARDS.values())[len(FORWARDS) // 2]
+    t = forward_seconds(model, common)
+    return {n: FORWARDS.get(n, median) * t for n in names}
 
 
 DURATIONS_FILE = "battery_seconds.json"

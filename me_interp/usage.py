@@ -10,6 +10,7 @@ over the block, ``None`` without CUDA).
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 _STATUS = Path("/proc/self/status")
+_PROC_STAT = Path("/proc/stat")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
@@ -86,3 +88,32 @@ def track() -> Iterator[Usage]:
             u.peak_rss_mib, u.rss_scope = _lifetime_peak_mib(), "process"
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             u.peak_cuda_mib = torch.cuda.max_memory_allocated() / 2**20
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """The machine's summed (idle, total) CPU jiffies from ``/proc/stat`` (``None`` elsewhere)."""
+    try:
+        fields = [int(x) for x in _PROC_STAT.read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return idle, sum(fields[:8])  # guest time is already counted in user
+
+
+def free_cores(sample_s: float = 0.25, cores: int | None = None) -> float:
+    """How many CPU cores are idle now: the idle share of ``/proc/stat``'s jiffies over
+    ``sample_s`` seconds times the core count (where ``/proc/stat`` is missing: the core count minus
+    the one-minute load average). Call it while this process is idle, e.g. between experiments, so
+    it counts only the others' work."""
+    cores = cores or os.cpu_count() or 1
+    before = _cpu_times()
+    if before is None:
+        try:
+            return max(0.0, cores - os.getloadavg()[0])
+        except OSError:
+            return float(cores)
+    time.sleep(sample_s)
+    after = _cpu_times()
+    if after is None or after[1] <= before[1]:
+        return float(cores)
+    return cores * (after[0] - before[0]) / (after[1] - before[1])

@@ -255,14 +255,31 @@ def test_me_interp_help_lists_the_commands_and_experiments(capsys):
     assert all(name in out for name in battery.NAMES)
 
 
-def test_the_battery_bar_estimates_from_its_first_run():
-    """With no earlier durations the time left is unknown until an experiment finishes; then each
-    experiment never run before counts as the mean of those finished in this run."""
+def test_the_battery_bar_estimates_from_its_first_run_and_the_speed_it_sees(monkeypatch):
+    """Without earlier durations or a cost model the time left is unknown until an experiment
+    finishes; then each experiment never run before counts as the mean of those finished. Earlier
+    durations and the cost model's predictions are scaled by the speed observed (real over guessed
+    seconds of the finished experiments), the current experiment's elapsed time is subtracted, and
+    the end says nothing is left."""
+    clock = [100.0]
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock[0])
+    fmt = terminal.fmt_seconds
     bar = cli.BatteryBar(terminal.Output())
-    bar.names, bar.previous, bar.left = ["a", "b", "c"], {}, ["a", "b", "c"]
+    bar.names, bar.previous, bar.predicted, bar.left = ["a", "b", "c"], {}, {}, ["a", "b", "c"]
     assert bar._eta() == ""
     bar.left.remove("a")
     bar.done["a"] = 60.0
-    assert bar._eta() == f"roughly {terminal.fmt_seconds(120.0)}+ left"
+    assert bar._eta() == f"about {fmt(120.0)} left"  # b and c as the mean of a
     bar.previous = {"b": 10.0, "c": 20.0}
-    assert bar._eta() == f"about {terminal.fmt_seconds(30.0)} left"
+    assert bar._eta() == f"about {fmt(30.0)} left"  # a had no guess: speed 1
+    bar.previous["a"] = 30.0
+    assert bar._eta() == f"about {fmt(60.0)} left"  # a took twice its guess: so will b and c
+    bar.previous, bar.predicted = {"a": 30.0}, {"b": 10.0, "c": 20.0}
+    assert bar._eta() == f"about {fmt(60.0)} left"  # the cost model where no earlier run
+    bar.start("b")
+    clock[0] += 15.0
+    assert bar._eta() == f"about {fmt(45.0)} left"  # 15 s of b's 20 s have passed
+    clock[0] += 100.0
+    assert bar._eta() == f"about {fmt(40.0)} left"  # b overran: only c's 40 s remain
+    bar.left.clear()
+    assert bar._eta() == "nothing left"

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from me_interp import claims, io
+from me_interp import claims, io, usage
 from me_interp.loading import load_model
 from me_interp.loading.attention import kernel as attention_kernel
 from me_interp.loading.errors import PlacementError
@@ -83,19 +83,26 @@ def apply_threads(cfg: CommonConfig, model: LoadedModel | None = None) -> None:
     """Set torch's CPU threads: ``cfg.threads`` if given; else, on small CPU machines (≤ 4 cores, no
     ``OMP_NUM_THREADS``), 1 thread for a small model (fewer than :data:`SMALL_MODEL_PARAMS`
     parameters, or before the model is known), where one thread measured several times faster than
-    two, and every core for a larger one (measured on SmolLM2-135M with 2 cores: the WeMask sweep
-    1.8× and the mechanism scan 1.5× faster than on one thread; docs/performance.md)."""
+    two, and for a larger one as many threads as cores are free now (:func:`usage.free_cores`,
+    at least 1): on SmolLM2-135M with 2 idle cores the WeMask sweep is 1.8× and the mechanism scan
+    1.5× faster than on one thread, but beside one CPU-bound process two threads make ``me_layer``
+    1.5× slower than one (docs/performance.md). The battery calls it before every experiment, so a
+    process that starts or stops on the machine in between is noticed."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
         return
+    cores = os.cpu_count() or 1
     if not (
         (cfg.device or "cpu").startswith("cpu")
         and "OMP_NUM_THREADS" not in os.environ
-        and (os.cpu_count() or 1) <= 4
+        and cores <= 4
     ):
         return
     params = 0 if model is None else sum(p.numel() for p in model.hf.parameters())
-    torch.set_num_threads(1 if params < SMALL_MODEL_PARAMS else os.cpu_count() or 1)
+    if params < SMALL_MODEL_PARAMS:
+        torch.set_num_threads(1)
+        return
+    torch.set_num_threads(max(1, min(cores, round(usage.free_cores(cores=cores)))))
 
 
 def seed_everything(seed: int) -> None:
