@@ -175,9 +175,8 @@ def _why_removed(r: Result) -> str | None:
 
 
 def _why_ffn(r: Result, *, state: bool) -> str | None:
-    """``ffn_writes`` (``state=False``) applies when the FFN output is not the state,
-    ``ffn_is_state`` (``state=True``) when it is; neither when the corruption overwrote that cell or
-    the metric is read before the ME layer."""
+    """``ffn_writes`` applies where the FFN output is not the state, ``ffn_is_state`` (``state``)
+    where it is; neither where the corruption overwrote it or the metric is read before it."""
     if why := _why_removed(r):
         return why
     if r.corruption == "remove_ffn":
@@ -457,7 +456,8 @@ def patch_pairs(model: LoadedModel, pairs: PairsLike, **config: Any) -> patching
     """Patch your own ``pairs`` on ``model``: a JSONL path, or a list of ``(clean, corrupt[, answer,
     wrong])`` tuples or of dicts ``{"clean", "corrupt", "answer", "wrong"}``; ``config``: fields of
     :class:`Config` (``metric="logit_diff"``, ``sites``, ``method``, ``seed``, ...)."""
-    return patching_pairs.run(Config(model=model.name, pairs=as_pairs(pairs), **config), model)
+    cfg = Config(model=model.name, pairs=tuple(as_pairs(pairs)), **config)
+    return patching_pairs.run(cfg, model)
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pairs.PairsResult:
@@ -591,7 +591,7 @@ def summary(result: Result | patching_pairs.PairsResult) -> str:
 EXPERIMENT = Experiment(
     NAME, Config, run, SPECS, figures, summary, __doc__, specs_for=specs_for,
     key_figures=("patching_projection", "sink_heads"),
-    result_type=Result | patching_pairs.PairsResult,  # type: ignore[arg-type]
+    result_type=Result,  # a --pairs run: io.read_result(patching_pairs.PairsResult, run_dir)
 )  # fmt: skip
 main = command(EXPERIMENT)
 

@@ -129,8 +129,10 @@ class PairsResult(Headed):
         return next(s.cells for s in self.sites if s.cells.site == site)
 
     def __repr__(self) -> str:
-        best = max(self.top, key=lambda t: abs(t.normalised), default=None)
-        shown = "" if best is None else f", top {best.site} {best.cell}: {best.normalised:.3g}"
+        best = max(self.top, key=lambda t: abs(t.selected), default=None)  # as chosen
+        shown = (
+            "" if best is None else f", top {best.site} {best.cell}: held out {best.normalised:.3g}"
+        )
         return (
             f"PairsResult({self.model}, {len(self.pairs)} pairs, metric {self.metric}: clean "
             f"{self.separation.clean:.4g}, corrupt {self.separation.corrupt:.4g}{shown}; "
