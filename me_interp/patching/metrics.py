@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Bool, Float
@@ -139,8 +139,18 @@ class SinkMass:
         return torch.stack(per_layer).mean(0)
 
 
-def _ids(v: Sequence[int] | torch.Tensor, what: str) -> torch.Tensor:
-    t = torch.as_tensor(v, dtype=torch.long).flatten().cpu()
+TokenIds = int | str | Sequence[int | str] | torch.Tensor
+"""Answer tokens, one per prompt: a token id or a single-token string (or a list of them, or a
+``[prompts]`` tensor of ids); one id or string stands for every prompt."""
+
+
+def _ids(v: TokenIds, what: str, tokenizer: Any = None) -> torch.Tensor:
+    items = [v] if isinstance(v, (int, str)) else v
+    if not isinstance(items, torch.Tensor) and any(isinstance(x, str) for x in items):
+        if tokenizer is None:
+            raise ValueError(f"{what} is given as text: pass tokenizer= (model.tokenizer)")
+        items = [x if isinstance(x, int) else _one_id(tokenizer, x, what) for x in items]
+    t = torch.as_tensor(items, dtype=torch.long).flatten().cpu()
     if t.numel() == 0:
         raise ValueError(f"{what} needs at least one token id")
     return t
@@ -148,13 +158,27 @@ def _ids(v: Sequence[int] | torch.Tensor, what: str) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class LogitDiff:
-    """``logit(answer_b) − logit(wrong_b)`` at the last real token of prompt ``b``."""
+    """``logit(answer_b) − logit(wrong_b)`` at the last real token of prompt ``b``.
 
-    answer: torch.Tensor
-    wrong: torch.Tensor
+    Args:
+        answer, wrong: the two tokens of each prompt (:data:`TokenIds`): token ids or single-token
+            strings (with ``tokenizer``), a ``[prompts]`` long tensor or a list with one per prompt;
+            a single id or string is used for every prompt. Stored as ``[prompts]`` id tensors.
+        tokenizer: the model's tokenizer (``model.tokenizer``), needed only for strings; each
+            string must be one token without special tokens (often with its leading space).
+    """
+
+    answer: TokenIds
+    wrong: TokenIds
+    tokenizer: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        a, w = _ids(self.answer, "LogitDiff answer"), _ids(self.wrong, "LogitDiff wrong")
+        a = _ids(self.answer, "LogitDiff answer", self.tokenizer)
+        w = _ids(self.wrong, "LogitDiff wrong", self.tokenizer)
+        if a.numel() == 1 and w.numel() > 1:
+            a = a.expand(w.numel()).clone()
+        if w.numel() == 1 and a.numel() > 1:
+            w = w.expand(a.numel()).clone()
         if a.shape != w.shape:
             raise ValueError(
                 f"LogitDiff needs one wrong id per answer, got {a.numel()} and {w.numel()}"
@@ -243,6 +267,13 @@ class Custom:
                 f"a Custom metric must return one value per row ({rows}), got {tuple(out.shape)}"
             )
         return out
+
+
+def _one_id(tokenizer: Any, text: str, what: str) -> int:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise ValueError(f"{what} {text!r} is {len(ids)} tokens, not one (try a leading space)")
+    return int(ids[0])
 
 
 def normalized(patched: torch.Tensor, clean: torch.Tensor, corrupt: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ pair's last real token).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,54 @@ class Pair:
     line: int = 0
 
 
+def _pair(obj: object, where: str, line: int) -> Pair:
+    """A :class:`Pair` from a mapping with string ``clean`` and ``corrupt`` (and optional string
+    ``answer``/``wrong``); ``ValueError`` naming ``where`` otherwise."""
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{where}: expected a JSON object with 'clean' and 'corrupt'")
+    for key in ("clean", "corrupt"):
+        if not isinstance(obj.get(key), str) or not obj[key]:
+            raise ValueError(f"{where}: {key!r} must be a non-empty string")
+    for key in ("answer", "wrong"):
+        if obj.get(key) is not None and not isinstance(obj[key], str):
+            raise ValueError(f"{where}: {key!r} must be a string")
+    extra = set(obj) - {"clean", "corrupt", "answer", "wrong"}
+    if extra:
+        raise ValueError(
+            f"{where}: unknown keys {sorted(extra)} (known: clean, corrupt, answer, wrong)"
+        )
+    return Pair(obj["clean"], obj["corrupt"], obj.get("answer"), obj.get("wrong"), line)
+
+
+PairsLike = str | Path | Sequence[Pair | Mapping[str, str] | Sequence[str]]
+"""Pairs as a JSONL path, or a list of :class:`Pair`, of dicts ``{"clean", "corrupt", "answer",
+"wrong"}`` or of tuples ``(clean, corrupt[, answer[, wrong]])``."""
+
+
+def as_pairs(pairs: PairsLike) -> list[Pair]:
+    """The pairs of a JSONL file (:func:`read_pairs`) or of Python objects (:data:`PairsLike`);
+    ``line`` counts the objects from 1.
+
+    Raises:
+        ValueError: a malformed pair (naming it), or no pairs at all.
+    """
+    if isinstance(pairs, (str, Path)):
+        return read_pairs(pairs)
+    out = []
+    for i, obj in enumerate(pairs, 1):
+        if isinstance(obj, Pair):
+            out.append(obj if obj.line else Pair(obj.clean, obj.corrupt, obj.answer, obj.wrong, i))
+            continue
+        if isinstance(obj, (tuple, list)):
+            if not 2 <= len(obj) <= 4:
+                raise ValueError(f"pair {i}: a tuple is (clean, corrupt[, answer[, wrong]])")
+            obj = dict(zip(("clean", "corrupt", "answer", "wrong"), obj))
+        out.append(_pair(obj, f"pair {i}", i))
+    if not out:
+        raise ValueError("give at least one pair")
+    return out
+
+
 def read_pairs(path: str | Path) -> list[Pair]:
     """The pairs of a JSONL file.
 
@@ -61,20 +109,7 @@ def read_pairs(path: str | Path) -> list[Pair]:
             obj = json.loads(raw)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{where}: expected a JSON object with 'clean' and 'corrupt'")
-        for key in ("clean", "corrupt"):
-            if not isinstance(obj.get(key), str) or not obj[key]:
-                raise ValueError(f"{where}: {key!r} must be a non-empty string")
-        for key in ("answer", "wrong"):
-            if obj.get(key) is not None and not isinstance(obj[key], str):
-                raise ValueError(f"{where}: {key!r} must be a string")
-        extra = set(obj) - {"clean", "corrupt", "answer", "wrong"}
-        if extra:
-            raise ValueError(
-                f"{where}: unknown keys {sorted(extra)} (known: clean, corrupt, answer, wrong)"
-            )
-        pairs.append(Pair(obj["clean"], obj["corrupt"], obj.get("answer"), obj.get("wrong"), i))
+        pairs.append(_pair(obj, where, i))
     if not pairs:
         raise ValueError(f"pairs file {path} holds no pairs (one JSON object a line)")
     return pairs
@@ -156,4 +191,13 @@ def logit_metric(name: str, pb: PairBatch, clean_logits: torch.Tensor | None = N
     return KLToClean(clean_logits)
 
 
-__all__ = ["LOGIT_METRICS", "Pair", "PairBatch", "logit_metric", "read_pairs", "tokenize_pairs"]
+__all__ = [
+    "LOGIT_METRICS",
+    "Pair",
+    "PairBatch",
+    "PairsLike",
+    "as_pairs",
+    "logit_metric",
+    "read_pairs",
+    "tokenize_pairs",
+]

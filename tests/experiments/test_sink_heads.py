@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from me_interp import claims, load_model, names, synthetic
+from me_interp import claims, falsifiability, load_model, names, synthetic
 from me_interp.experiments import activation_patching as ap
-from me_interp.experiments import patching_heads as ph
 from me_interp.patching import KLToClean
+from me_interp.patching import sinkheads as ph
+from me_interp.patching.corrupt import corrupt_for, first_token_corrupt
 from me_interp.patching.heads import patch_head_sets
+from me_interp.study.result import roundtrip
 
 CONCENTRATED, SPREAD = "synthetic:planted-needsink", "synthetic:decoy-sinkspread"
 
@@ -31,7 +33,7 @@ def needsink():
 
 def _pair(model, prompts):
     clean = model.tokenize(prompts)
-    return clean, ap.first_token_corrupt(clean)
+    return clean, first_token_corrupt(clean)
 
 
 def _kl(clean_logits: torch.Tensor, logits: torch.Tensor) -> float:
@@ -96,13 +98,17 @@ def test_head_sets_refuse_bad_input(needsink):
         patch_head_sets(needsink, clean, corrupt, "attn_head_out", [[(0, 99)]], m)
 
 
-def test_random_draws_keep_each_layers_count_and_are_seeded():
-    top = [(3, 0), (3, 2), (5, 1)]
-    draws = ph.draw_random(top, 4, 20, seed=3)
-    assert draws == ph.draw_random(top, 4, 20, seed=3)
-    for d in draws:
-        assert [la for la, _ in d] == [3, 3, 5] and len(set(d)) == 3
+def test_random_draws_come_from_the_non_sink_heads_and_are_seeded():
+    """Issue 29 item 6: the control's heads attend to p below sink_attention and are not chosen."""
+    att = np.array([[0.9, 0.1, 0.5, 0.2], [0.8, 0.05, 0.1, 0.31]])  # [layer head]
+    top = [(3, 0), (4, 0)]
+    pool = ph.non_sink_pool(att, [3, 4], top)
+    assert pool == [(3, 1), (3, 3), (4, 1), (4, 2)]  # 0.5 and 0.31 are sink heads: left out
+    draws = ph.draw_random(pool, 2, 20, seed=3)
+    assert draws == ph.draw_random(pool, 2, 20, seed=3)
+    assert all(set(d) <= set(pool) and len(set(d)) == 2 for d in draws)
     assert len({tuple(d) for d in draws}) > 1
+    assert ph.draw_random(pool, 5, 20, seed=3) == []  # too few non-sink heads
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +116,6 @@ def runs():
     """The experiment (resid_pre only, for speed) on the concentrated and the spread model."""
     out = {}
     for name in (CONCENTRATED, SPREAD):
-        from me_interp import falsifiability
-
         prompts = falsifiability.prompts(name)
         model = load_model(name, device="cpu")
         import tempfile
@@ -127,8 +131,8 @@ def runs():
 def test_selection_and_statistics_equal_hand_computations(runs):
     model, r = runs[CONCENTRATED]
     sh = r.sink_heads
-    clean = r.prompts.batch
-    p = r.site.position
+    clean = model.tokenize(falsifiability.prompts(CONCENTRATED))
+    p = r.header.position
     # attention to p by hand, from the cache
     with torch.no_grad():
         _, cache = model.bridge.run_with_cache(clean.tokens, attention_mask=clean.attention_mask)
@@ -141,8 +145,13 @@ def test_selection_and_statistics_equal_hand_computations(runs):
     sel, test = claims.halves(len(clean), r.seed)
     assert sh.select == sel.tolist() and sh.test == test.tolist()
     flat = att[sel].mean(0).flatten()
-    top = sorted((sh.layers[i // sh.n_heads], i % sh.n_heads) for i in np.argsort(-flat)[: sh.k])
+    top = sorted(
+        (sh.layers[i // sh.n_heads], int(i % sh.n_heads)) for i in np.argsort(-flat)[: sh.k]
+    )
     assert sh.top == top and sh.k == len(sh.layers)
+    assert sh.pool == ph.non_sink_pool(att[sel].mean(0), sh.layers, top)
+    assert all(set(d) <= set(sh.pool) for d in sh.random_sets)
+    assert roundtrip(r) == r and roundtrip(sh) == sh
     # the claims' statistics
     c, x, s = (np.asarray(v) for v in (sh.kl_clean, sh.kl_corrupt, sh.kl_top))
     assert len(c) == len(test)  # the head sets are patched on the held-out prompts only
@@ -172,9 +181,12 @@ def test_the_claims_hold_where_one_head_per_layer_carries_the_sink(runs):
 
 
 def test_the_claims_fail_where_every_head_carries_a_part(runs):
+    """Every head after the ME layer is a sink head: the restore fails, and the control has no
+    non-sink head to draw (not applicable, with the one reason)."""
     v = _verdicts(runs[SPREAD][1])
     assert v["sink_heads_restore"].verdict == claims.FAILS
-    assert v["sink_heads_beat_random"].verdict == claims.FAILS
+    assert v["sink_heads_beat_random"].verdict == claims.NOT_APPLICABLE
+    assert v["sink_heads_beat_random"].why.startswith("only 0 non-sink heads")
 
 
 def test_not_applicable_without_enough_draws_and_figure(runs):
@@ -193,7 +205,7 @@ def test_not_applicable_without_enough_draws_and_figure(runs):
     assert _verdicts(few)["sink_heads_beat_random"].verdict == claims.NOT_APPLICABLE
     none = dataclasses.replace(r, sink_heads=None, sink_heads_why="not measured (--n-random 0)")
     assert _verdicts(none)["sink_heads_restore"].why == "not measured (--n-random 0)"
-    assert "sink_heads" in ap.Result.to_dict(r) and r.to_dict()["sink_heads"]["k"] == 2
+    assert "to_dict" not in vars(ap.Result) and roundtrip(r).sink_heads.k == 2
 
 
 def test_held_out_corruption_equals_the_full_batch_rows(needsink):
@@ -203,16 +215,14 @@ def test_held_out_corruption_equals_the_full_batch_rows(needsink):
     import tempfile
     from pathlib import Path
 
-    from me_interp import falsifiability
-
     path = Path(tempfile.mkdtemp()) / "prompts.txt"
     path.write_text("\n".join(falsifiability.prompts(CONCENTRATED)) + "\n", encoding="utf-8")
     cfg = ap.Config(
         model=CONCENTRATED, prompts=str(path), sites=("resid_pre",), corruption="remove_input"
     )
     r = ap.run(cfg, needsink)
-    sh, clean = r.sink_heads, r.prompts.batch
-    _, hooks = ap._corrupt_for(needsink, "remove_input", r.site.layer, r.site.position, clean)
+    sh, clean = r.sink_heads, needsink.tokenize(falsifiability.prompts(CONCENTRATED))
+    _, hooks = corrupt_for(needsink, "remove_input", r.layer, r.header.position, clean)
     mask = clean.attention_mask.bool()
     idx = mask.long().sum(-1) - 1
     rows = torch.arange(len(clean))
