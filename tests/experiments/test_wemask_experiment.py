@@ -374,7 +374,7 @@ def test_cli_smoke(tmp_path, prompt_file, texts_file, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "[holds] wemask.full_mask_removes_sink" in out
     run_dir = next((tmp_path / "wemask").iterdir())
-    run = io.load_run(run_dir)
+    run = io.read_run(run_dir)
     assert run["result"]["header"]["layer"] == 2 and run["result"]["n_texts"] == 12
     assert {c["id"] for c in run["result"]["claims"]} == {s.id for s in exp.SPECS}
     assert (run_dir / "mask_rate.html").is_file()
