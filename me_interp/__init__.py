@@ -13,8 +13,10 @@ list of prompts or a :class:`Batch`)::
     me_interp.load_run("runs/me_layer/<run_id>")            # a finished run's typed Result
 """
 
-from me_interp.battery import load_run
-from me_interp.interventions.wemask import WeMaskEffect, we_mask, we_mask_effect
+from typing import TYPE_CHECKING
+
+from me_interp.evaluation import WeMaskEffect, we_mask_effect
+from me_interp.interventions.wemask import we_mask
 from me_interp.loading import load_model
 from me_interp.loading.errors import ModelLoadError, UnsupportedArchitectureError
 from me_interp.loading.loaded import Batch, LoadedModel, as_batch
@@ -30,7 +32,19 @@ from me_interp.probes import (
 )
 from me_interp.probes.site import Site, locate
 
+if TYPE_CHECKING:
+    from me_interp.battery import load_run
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # load_run needs every experiment's Result type: imported on first use
+    if name == "load_run":
+        from me_interp.battery import load_run
+
+        return load_run
+    raise AttributeError(f"module 'me_interp' has no attribute {name!r}")
+
 
 __all__ = [
     "Batch",

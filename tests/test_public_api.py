@@ -166,6 +166,7 @@ def test_public_api_and_py_typed():
     assert (ROOT / "me_interp" / "py.typed").is_file()
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "py.typed" in data["tool"]["setuptools"]["package-data"]["me_interp"]
-    assert set(me_interp.__all__) <= set(dir(me_interp))
+    assert all(hasattr(me_interp, name) for name in me_interp.__all__)
+    assert me_interp.load_run is me_interp.battery.load_run  # imported on first use
     for name in ("find_me_layer", "locate", "we_mask_effect", "patch_sweep", "load_run"):
         assert name in me_interp.__all__

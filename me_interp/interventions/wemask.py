@@ -158,6 +158,31 @@ def me_layer_index(model: Any, batch: Any = None) -> int:
     return int(locate(model, batch).require(MASK_ANYWAY))
 
 
+def start_layer(model: Any, me_layer: int | None, location: Any, n_prompts: int) -> int:
+    """The layer the masks start from: ``me_layer`` when given (checked against the model), else
+    the ME layer of ``location`` (a :class:`~me_interp.probes.MELocation` on ``n_prompts`` prompts).
+
+    Raises:
+        NotApplicable: no ``me_layer`` given and no ME layer in ``location``.
+    """
+    from me_interp import claims
+    from me_interp.probes.site import no_massive_why
+
+    if me_layer is not None:
+        return model.check_layer(me_layer)
+    if location.me_layer is None:
+        raise claims.NotApplicable(no_massive_why(location, n_prompts, MASK_ANYWAY))
+    return int(location.me_layer)
+
+
+def positions_label(positions: Any) -> str:
+    """The masked positions in words: ``"[0]"``, or ``"detected massive positions [0, 3]"`` for
+    one list per prompt."""
+    if positions and isinstance(positions[0], (list, tuple)):
+        return "detected massive positions " + str(sorted({p for row in positions for p in row}))
+    return str(list(positions))
+
+
 def mask_layers(
     model: Any,
     start: str = "ge",
@@ -368,115 +393,20 @@ def we_mask(
     return core.tl_hooks(spec)
 
 
-@dataclass(frozen=True)
-class WeMaskEffect:
-    """What one WeMask did to some texts (:func:`we_mask_effect`): the unmasked and the masked
-    model's pooled metrics (:class:`me_interp.evaluation.Metrics`, per-text statistics inside).
-
-    Attributes:
-        variant, rate, layers, positions: the mask (``layers`` 0-based, ``positions`` the masked
-            token positions of every text).
-        n_texts, n_tokens: the texts measured and their tokens.
-        baseline: the unmasked model; ``kl`` 0 and ``top1`` 1 by definition.
-        masked: the model under the mask, ``kl`` and ``top1`` against the unmasked model.
-    """
-
-    variant: str
-    rate: float
-    layers: tuple[int, ...]
-    positions: tuple
-    n_texts: int
-    n_tokens: int
-    baseline: Any
-    masked: Any
-
-    def __repr__(self) -> str:
-        b, m = self.baseline, self.masked
-        return (
-            f"WeMaskEffect({self.variant} r={self.rate:g}, layers {self.layers[0]}..{self.layers[-1]}"
-            f", positions {list(self.positions)}; {self.n_texts} text(s), {self.n_tokens} tokens: "
-            f"perplexity {b.perplexity:.4g} -> {m.perplexity:.4g} (x{m.perplexity / b.perplexity:.4g})"
-            f", KL {m.kl:.3g} nats, top-1 agreement {m.top1:.3f}, attention to position 0 "
-            f"{b.sink:.3f} -> {m.sink:.3f})"
-        )
-
-
-def we_mask_effect(
-    model: Any,
-    texts: Any,
-    rate: float | int = 0.1,
-    variant: str = "weight",
-    *,
-    layers: Sequence[int] | None = None,
-    start: str = "ge",
-    me_layer: int | None = None,
-    positions: PositionsArg = (0,),
-    seed: int = 0,
-) -> WeMaskEffect:
-    """Run ``texts`` without and with WeMask and measure what the mask changes (two forwards).
-
-    Args:
-        model: the :class:`~me_interp.models.LoadedModel`.
-        texts: a text ``str``, a list of texts or a :class:`~me_interp.models.Batch`.
-        rate: ``r ∈ [0, 1]``, the fraction of the ``d_model`` dims masked.
-        variant: the dim selection (:data:`ALL_VARIANTS`, module docstring).
-        layers: explicit 0-based layers; default :func:`mask_layers` from the ME layer.
-        start: ``"ge"`` (layers ≥ ME, the paper) or ``"gt"`` (layers > ME).
-        me_layer: the ME layer; measured on ``texts`` when ``None``.
-        positions: the masked token positions (all texts, or one list per text).
-        seed: seed of the ``random`` variant.
-
-    Returns:
-        :class:`WeMaskEffect`: perplexity, KL and top-1 agreement to the unmasked model, attention
-        to position 0 and entropy (mean over heads and the masked layers) and the effective rank of
-        the last layer's token states, pooled over the texts.
-
-    Raises:
-        NotApplicable: neither ``layers`` nor ``me_layer`` given and no massive activation in
-            ``texts``.
-    """
-    from me_interp import evaluation
-    from me_interp.loading.loaded import as_batch
-
-    batch = as_batch(model, texts)
-    if layers is None:
-        layers = mask_layers(model, start=start, me_layer=me_layer, batch=batch)
-    spec = WeMask.build(model, layers, rate, variant, positions, seed)
-    rank_layer = model.n_layers - 1
-    metrics = []
-    ref = None
-    for hooks in ([], core.tl_hooks(spec)):
-        stats, own = evaluation.text_metrics(model, batch, hooks, spec.layers, rank_layer, ref)
-        ref = own if ref is None else ref
-        metrics.append(
-            evaluation.Metrics.of({**evaluation.pooled_metrics(stats), "per_text": stats})
-        )
-    return WeMaskEffect(
-        variant=spec.variant,
-        rate=spec.rate,
-        layers=spec.layers,
-        positions=spec.positions,
-        n_texts=len(batch),
-        n_tokens=int(batch.attention_mask.sum()),
-        baseline=metrics[0],
-        masked=metrics[1],
-    )
-
-
 __all__ = [
     "ALL_VARIANTS",
     "COUNT_RULE",
     "STARTS",
     "VARIANTS",
     "WeMask",
-    "WeMaskEffect",
     "locate_with_directions",
     "mask_layers",
     "massive_positions",
     "me_layer_index",
     "n_dims",
+    "positions_label",
     "MASK_ANYWAY",
     "select_dims",
+    "start_layer",
     "we_mask",
-    "we_mask_effect",
 ]
