@@ -267,7 +267,9 @@ def mask_conditions(
         if a > 0 and not (a == 1.0 and have_weight):
             out.append(MaskCondition("dim_projection", "weight", soft_rate, a, seed))
     out += [
-        MaskCondition("direction_projection", "mean_direction", 0.0, a, seed) for a in alphas if a > 0
+        MaskCondition("direction_projection", "mean_direction", 0.0, a, seed)
+        for a in alphas
+        if a > 0
     ]
     return out
 
