@@ -80,6 +80,32 @@ BY_NAME: dict[str, Experiment] = {e.name: e for e in EXPERIMENTS}
 COMMON_KEYS = ("model", "prompts", "bos", "dtype", "device", "seed", "out", "threads")
 
 
+def load_run(run_dir: str | Path, experiment: str | None = None) -> Any:
+    """The typed Result of a finished run folder ``<out>/<experiment>/<run_id>/``
+    (``me_interp.load_run``): its experiment's Result type (``Experiment.result_type``, else the
+    return type of its ``run``) read back by :func:`me_interp.io.load_run`.
+
+    Args:
+        run_dir: the run folder (``str`` or ``Path``).
+        experiment: the experiment's name (default: the name of the folder above ``run_dir``).
+
+    Raises:
+        ValueError: an unknown experiment, or a run that was not applicable (no Result).
+        FileNotFoundError: an unfinished run (no ``result.json``).
+    """
+    import typing
+
+    name = Path(run_dir).resolve().parent.name if experiment is None else experiment
+    if name not in BY_NAME:
+        raise ValueError(
+            f"{run_dir} is not in a folder named after an experiment ({', '.join(NAMES)}): pass "
+            "experiment="
+        )
+    exp = BY_NAME[name]
+    tp = exp.result_type or typing.get_type_hints(exp.run)["return"]
+    return io.load_run(run_dir, tp)
+
+
 def _fingerprint(common: CommonConfig, model: Any) -> dict[str, Any]:
     """What makes two batteries comparable: the shared settings, the device, dtype and placement
     (device map, offloaded modules) the model was actually loaded with, and the code that ran

@@ -16,7 +16,9 @@ against a :class:`Reference`, attention to position 0 and its entropy, effective
 the KL of each intervened run costs one product (:func:`agreement_to`). :func:`length_batches` splits
 texts into batches of similar length, so that a long text does not pad every other one.
 :func:`sweep` measures the unmodified model and a list of interventions over the same texts (the
-WeMask study), on TransformerLens hooks (:class:`Sweep`) or in another backend's traces.
+WeMask study), on TransformerLens hooks (:class:`Sweep`) or in another backend's traces;
+:class:`MaskRows` reads its rows back by condition, and :func:`we_mask_effect` is one WeMask on a
+string, the unmasked model beside it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from importlib import resources
 from typing import Any
 
@@ -33,7 +35,10 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import claims, names
-from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.interventions.core import PositionsArg, tl_hooks
+from me_interp.interventions.soft import MaskCondition
+from me_interp.interventions.wemask import WeMask, mask_layers
+from me_interp.loading.loaded import Batch, LoadedModel, as_batch
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import Prefix, capture_prefix, record
 from me_interp.probes.geometry import effective_rank
@@ -317,6 +322,16 @@ TEXT_STATS = ("nll", "n_pred", "kl", "top1", "n_pos", "sink", "entropy", "eff_ra
 otherwise)."""
 POOLED_METRICS = ("perplexity", "kl", "top1", "sink", "entropy", "eff_rank")
 """What :func:`pooled_metrics` makes of them."""
+METRIC_TITLES: dict[str, str] = {
+    "perplexity": "perplexity (shipped texts)",
+    "kl": "next-token KL to the unmodified model (nats)",
+    "top1": "top-1 agreement with the unmodified model",
+    "sink": "attention to position 0 (masked layers)",
+    "entropy": "attention entropy (nats, masked layers)",
+    "eff_rank": "effective rank of token states",
+    "mc_accuracy": "MC accuracy (shipped items)",
+}
+"""A title for each pooled metric and the MC accuracy (figure panels)."""
 
 
 @dataclass(frozen=True)
@@ -754,3 +769,181 @@ def sweep(
     todo = list(zip(specs, score))
     rows = [s.measure(f, refs, mc)[0] for f, mc in (progress or iter)(todo)]
     return SweepResult(base, rows, len(s.items))
+
+
+# ------------------------------------------------------------------------------------------
+# the rows of a mask-rate study, and one WeMask on a string
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MaskRow:
+    """One condition's measurements; a row that shares another's forward says which (``same_as``)."""
+
+    condition: MaskCondition
+    metrics: Metrics
+    same_as: str | None = None
+
+
+@dataclass(frozen=True)
+class RandomGaps:
+    """Per text and random seed: ``(ppl_random − ppl_weight) / ppl_unmasked`` of the text's own
+    perplexities (:func:`text_gap`); ``per_text[text][seed]``."""
+
+    seeds: list[int]
+    per_text: list[list[float]]
+
+
+class MaskRows:
+    """Reading the ``rows`` (:class:`MaskRow`) of a mask-rate study back by condition; the class
+    that mixes it in has ``rows``, ``baseline`` (:class:`Metrics`), ``claim_rate`` and a run header
+    with ``seed``."""
+
+    rows: list[MaskRow]
+    baseline: Metrics
+    claim_rate: float
+    header: Any
+
+    def metrics(
+        self, kind: str, variant: str, rate: float, alpha: float = 1.0, seed: int | None = None
+    ) -> Metrics | None:
+        """The metrics of one condition (``seed=None``: the run's own seed), ``None`` when not run."""
+        c = MaskCondition(kind, variant, rate, alpha, self.header.seed if seed is None else seed)  # type: ignore[arg-type]
+        return next((r.metrics for r in self.rows if r.condition == c), None)
+
+    def random_rows(self, rate: float) -> list[MaskRow]:
+        """Every seed's ``random`` row at ``rate``."""
+        return [r for r in self.rows if r.condition.is_wemask("random", rate)]
+
+    def full_row(self) -> Metrics | None:
+        """The ``r = 1`` forward (the one row every selection shares), or ``None`` when not run."""
+        full = (r for r in self.rows if r.condition.is_wemask(rate=1.0) and r.same_as is None)
+        return next((r.metrics for r in full), None)
+
+    def random_gaps(self) -> RandomGaps:
+        """The gaps of every random seed to the ``weight`` selection at ``claim_rate`` (empty when
+        either was not run)."""
+        w, rand = (
+            self.metrics("wemask", "weight", self.claim_rate),
+            self.random_rows(self.claim_rate),
+        )
+        if w is None or not rand:
+            return RandomGaps([], [])
+        gaps = np.column_stack([text_gap(r.metrics, w, self.baseline) for r in rand])  # [text seed]
+        return RandomGaps([r.condition.seed for r in rand], gaps.tolist())
+
+    def table(self) -> str:
+        """The baseline and every row run (not those sharing another's forward), one line each."""
+        from me_interp.terminal import fmt_table
+
+        metrics = [*POOLED_METRICS, "mc_accuracy"]
+        cell = lambda x, m: "-" if getattr(x, m) is None else getattr(x, m)  # noqa: E731
+        rows = [("baseline", "-", "-", "-", "-", *(cell(self.baseline, m) for m in metrics))]
+        rows += [(*astuple(r.condition), *(cell(r.metrics, m) for m in metrics))
+                 for r in self.rows if r.same_as is None]  # fmt: skip
+        return fmt_table(["kind", "variant", "rate", "alpha", "seed", *metrics], rows)
+
+    def rate_curve(self, variant: str, metric: str) -> list[tuple[float, float]]:
+        """``(rate, value)`` of one WeMask selection; several random seeds at a rate averaged."""
+        by: dict[float, list[float]] = {}
+        for r in self.rows:
+            if r.condition.is_wemask(variant) and getattr(r.metrics, metric) is not None:
+                by.setdefault(r.condition.rate, []).append(getattr(r.metrics, metric))
+        return sorted((k, float(np.mean(v))) for k, v in by.items())
+
+    def alpha_curve(self, kind: str, metric: str) -> list[tuple[float, float]]:
+        """``(α, value)`` of one soft alternative, from the unmasked model at ``α = 0``."""
+        pts = [(r.condition.alpha, getattr(r.metrics, metric)) for r in self.rows
+               if r.condition.kind == kind and getattr(r.metrics, metric) is not None]  # fmt: skip
+        return [(0.0, getattr(self.baseline, metric)), *sorted(pts)]
+
+
+@dataclass(frozen=True)
+class WeMaskEffect:
+    """What one WeMask did to some texts (:func:`we_mask_effect`): the unmasked and the masked
+    model's pooled metrics (:class:`Metrics`, per-text statistics inside).
+
+    Attributes:
+        variant, rate, layers, positions: the mask (``layers`` 0-based, ``positions`` the masked
+            token positions of every text).
+        n_texts, n_tokens: the texts measured and their tokens.
+        baseline: the unmasked model; ``kl`` 0 and ``top1`` 1 by definition.
+        masked: the model under the mask, ``kl`` and ``top1`` against the unmasked model.
+    """
+
+    variant: str
+    rate: float
+    layers: tuple[int, ...]
+    positions: tuple
+    n_texts: int
+    n_tokens: int
+    baseline: Metrics
+    masked: Metrics
+
+    def __repr__(self) -> str:
+        b, m = self.baseline, self.masked
+        return (
+            f"WeMaskEffect({self.variant} r={self.rate:g}, layers {self.layers[0]}..{self.layers[-1]}"
+            f", positions {list(self.positions)}; {self.n_texts} text(s), {self.n_tokens} tokens: "
+            f"perplexity {b.perplexity:.4g} -> {m.perplexity:.4g} (x{m.perplexity / b.perplexity:.4g})"
+            f", KL {m.kl:.3g} nats, top-1 agreement {m.top1:.3f}, attention to position 0 "
+            f"{b.sink:.3f} -> {m.sink:.3f})"
+        )
+
+
+def we_mask_effect(
+    model: Any,
+    texts: Any,
+    rate: float | int = 0.1,
+    variant: str = "weight",
+    *,
+    layers: Sequence[int] | None = None,
+    start: str = "ge",
+    me_layer: int | None = None,
+    positions: PositionsArg = (0,),
+    seed: int = 0,
+) -> WeMaskEffect:
+    """Run ``texts`` without and with WeMask and measure what the mask changes (two forwards).
+
+    Args:
+        model: the :class:`~me_interp.models.LoadedModel`.
+        texts: a text ``str``, a list of texts or a :class:`~me_interp.models.Batch`.
+        rate: ``r ∈ [0, 1]``, the fraction of the ``d_model`` dims masked.
+        variant: the dim selection (``interventions.wemask.ALL_VARIANTS``).
+        layers: explicit 0-based layers; default ``interventions.wemask.mask_layers`` from the ME
+            layer.
+        start: ``"ge"`` (layers ≥ ME, the paper) or ``"gt"`` (layers > ME).
+        me_layer: the ME layer; measured on ``texts`` when ``None``.
+        positions: the masked token positions (all texts, or one list per text).
+        seed: seed of the ``random`` variant.
+
+    Returns:
+        :class:`WeMaskEffect`: perplexity, KL and top-1 agreement to the unmasked model, attention
+        to position 0 and entropy (mean over heads and the masked layers) and the effective rank of
+        the last layer's token states, pooled over the texts.
+
+    Raises:
+        NotApplicable: neither ``layers`` nor ``me_layer`` given and no massive activation in
+            ``texts``.
+    """
+    batch = as_batch(model, texts)
+    if layers is None:
+        layers = mask_layers(model, start=start, me_layer=me_layer, batch=batch)
+    spec = WeMask.build(model, layers, rate, variant, positions, seed)
+    rank_layer = model.n_layers - 1
+    metrics = []
+    ref = None
+    for hooks in ([], tl_hooks(spec)):
+        stats, own = text_metrics(model, batch, hooks, spec.layers, rank_layer, ref)
+        ref = own if ref is None else ref
+        metrics.append(Metrics.of({**pooled_metrics(stats), "per_text": stats}))
+    return WeMaskEffect(
+        variant=spec.variant,
+        rate=spec.rate,
+        layers=spec.layers,
+        positions=spec.positions,
+        n_texts=len(batch),
+        n_tokens=int(batch.attention_mask.sum()),
+        baseline=metrics[0],
+        masked=metrics[1],
+    )

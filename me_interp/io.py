@@ -224,19 +224,20 @@ def environment(model_info: Mapping[str, Any] | None = None, **extra: Any) -> di
     import torch
     import transformers
 
-    import me_interp
+    def version(dist: str) -> str | None:  # the installed distribution's, not an import of it
+        from importlib.metadata import version as installed
 
-    try:
-        from importlib.metadata import version
+        try:
+            return installed(dist)
+        except Exception:  # pragma: no cover
+            return None
 
-        tl_version = version("transformer-lens")
-    except Exception:  # pragma: no cover
-        tl_version = None
+    tl_version = version("transformer-lens")
     return {
         "time_utc": datetime.now(timezone.utc).isoformat(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "me_interp": me_interp.__version__,
+        "me_interp": version("me_interp"),
         "git_commit": _git_commit(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -286,8 +287,23 @@ def write_run(
     return run_dir
 
 
-def load_run(run_dir: str | Path) -> dict[str, Any]:
-    """Read a run directory back: ``{"config", "env", "result"}``.
+def load_run(run_dir: str | Path, result_type: type) -> Any:
+    """The typed Result of a finished run: :func:`from_jsonable` of its ``result.json``
+    (``me_interp.load_run(run_dir)`` finds ``result_type`` from the experiment's name).
+
+    Raises:
+        FileNotFoundError: the run is incomplete (no ``result.json``).
+        ValueError: the run was not applicable (it holds no Result; the message says why).
+    """
+    data = read_run(run_dir)["result"]
+    if isinstance(data, dict) and "not_applicable" in data:
+        raise ValueError(f"{run_dir} holds no result: not applicable: {data['not_applicable']}")
+    return from_jsonable(result_type, data)
+
+
+def read_run(run_dir: str | Path) -> dict[str, Any]:
+    """Read a run directory back as JSON values: ``{"config", "env", "result"}`` (the result with
+    its ``claims``, each a dict).
 
     Raises:
         FileNotFoundError: if the run is incomplete (no ``result.json``).

@@ -71,6 +71,7 @@ weight-guided WeMask misses or takes the dim the sink needs; :func:`word_texts` 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass
 
 import torch
@@ -1271,6 +1272,41 @@ restoring the super activation at the massive token cannot bring the sink back (
 tokens' queries stay 0); with ``λ = 0.5`` it brings back nearly all of it."""
 
 _SPREAD_GATE, _SPREAD_UP = 1.0, -0.3  # the planted neuron's gate / up weights on the bias dim
+
+
+def describe_models() -> dict[str, str]:
+    """One line per named constructed model (``synthetic:<name>``, ``me-interp models``), from the
+    registries above; the ``<what>-<arch>`` models and the decoys are described by
+    ``loading.synthetic.catalogue_rows`` from :data:`ARCHS` and :data:`DECOYS`."""
+    layer, n = (inspect.signature(planted).parameters[k].default for k in ("layer", "n_layers"))
+    where = f"planted at layer {layer} of {n}"
+    out = {
+        "planted": f"the mechanism {where}; BOS is the massive token",
+        "twin": "the planted model's twin: its weights without the mechanism, no massive activation",
+        "tiny-llama": "random weights (llama)",
+        "tiny-qwen3": "random weights (qwen3)",
+        "planted-nobos": f"the mechanism {where}, no BOS: a distinct first word is the massive token",
+        "twin-nobos": "the no-BOS planted model's twin: no massive activation",
+    }
+    for name, (at, planted_) in DEEP.items():
+        out[name] = (
+            f"{DEEP_LAYERS} layers, the mechanism planted at layer {at}"
+            if planted_
+            else f"the twin of the {DEEP_LAYERS}-layer planted models: no massive activation"
+        )
+    for name, (gain, value_out) in NEEDSINK.items():
+        side = "above" if gain > 1 else "below"
+        out[name] = (
+            f"planted; its predictions need the sink (x{value_out:g} write off it); the massive "
+            f"dim's pre-attention gain {gain:g}, {side} the others"
+        )
+    for name, keep in SPREAD.items():
+        back = "nearly all" if keep > 0 else "none"
+        out[name] = (
+            f"planted; its super weight acts on every token: restoring the super activation "
+            f"brings back {back} of the sink (query keeps {keep:g} of the bias dim)"
+        )
+    return out
 
 
 def superweight_spread(name: str = "superweight-spread", seed: int = 0):

@@ -46,7 +46,7 @@ def test_load_run_refuses_incomplete(tmp_path):
     d = io.new_run_dir(tmp_path, "x")
     io.write_json(d / io.CONFIG_FILE, {})
     with pytest.raises(FileNotFoundError, match="did not finish"):
-        io.load_run(d)
+        io.read_run(d)
 
 
 def test_prompt_files(tmp_path):

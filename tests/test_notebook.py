@@ -1,15 +1,19 @@
 """The notebooks: each .ipynb matches its jupytext source, and each runs top to bottom on the bundled
 model (attention_sinks: the ME layer, the CircuitsVis views and the widget controls; causal_patching:
-activation patching, a weight swap and the sink after a causal edit)."""
+activation patching, a weight swap and the sink after a causal edit; quickstart: the public API from
+strings, also on the planted model in the quick suite). Each runs in a fresh kernel that imports
+this checkout's me_interp."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-NB_DIR = Path(__file__).resolve().parents[1] / "experiments" / "notebooks"
-NOTEBOOKS = ("attention_sinks", "causal_patching")
+ROOT = Path(__file__).resolve().parents[1]
+NB_DIR = ROOT / "experiments" / "notebooks"
+NOTEBOOKS = ("attention_sinks", "causal_patching", "quickstart")
 
 
 def _cells(nb):
@@ -24,10 +28,21 @@ def test_ipynb_is_generated_from_the_source(name):
     ), f"{name}.ipynb is out of date: run `jupytext --to ipynb experiments/notebooks/{name}.py`"
 
 
-def _execute(name: str):
+def _execute(name: str, needs: tuple[str, ...] = ("circuitsvis",), model: str | None = None):
     jupytext = pytest.importorskip("jupytext")
     nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("circuitsvis")
+    for module in needs:
+        pytest.importorskip(module)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if model is not None:
+        env["ME_INTERP_NOTEBOOK_MODEL"] = model
+    with pytest.MonkeyPatch.context() as mp:  # the kernel inherits the environment
+        for k, v in env.items():
+            mp.setenv(k, v)
+        return _run(jupytext, nbclient, name)
+
+
+def _run(jupytext, nbclient, name: str):
     nb = jupytext.read(NB_DIR / f"{name}.py")
     nb.metadata["kernelspec"] = {
         "name": "python3",
@@ -69,3 +84,32 @@ def test_causal_patching_runs_top_to_bottom(bundled):
     assert len(views) == 1
     plots = [o for o in outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
     assert len(plots) == 2
+
+
+QUICKSTART = [  # what a fresh kernel prints: find, locate, WeMask on a string, patch, load_run
+    "MELocation(me_layer={me} (1-based {me1}) of {n}, made by the ffn",
+    "Site(layer={me} (the detected ME layer; ME layer {me}), position 0",
+    "WeMaskEffect(weight r=0.1, layers {me}..{last}, positions [0]; 1 text(s)",
+    "logit_diff clean [",
+    "me_interp.experiments.me_layer.Result: ME layer {me}\n",
+]
+
+
+def _quickstart_text(model: str | None) -> str:
+    text, _, outputs = _execute("quickstart", needs=(), model=model)
+    plain = "".join(o.get("data", {}).get("text/plain", "") for o in outputs)
+    return text + plain
+
+
+def test_quickstart_runs_headless_on_the_planted_model():
+    text = _quickstart_text("synthetic:planted")
+    for line in QUICKSTART:
+        assert line.format(me=2, me1=3, n=5, last=4) in text, line
+
+
+@pytest.mark.slow
+def test_quickstart_runs_headless_on_the_bundled_model():
+    text = _quickstart_text(None)
+    for line in QUICKSTART:
+        assert line.format(me=11, me1=12, n=30, last=29) in text, line
+    assert "ME layer: 11 (0-based)" in text and "restores " in text

@@ -1,45 +1,23 @@
 """The mask-rate study: WeMask and its alternatives against rate r and strength α, with claims.
 
-For every mask rate ``r ∈ rates`` and dim selection (``weight`` = the paper's text, ``activation`` = the
-released code, ``random`` and ``magnitude`` = the paper's ablations), and for the soft alternatives
-(``h − α P_S h`` on the ``weight`` dims at ``soft_rate``; ``h − α (⟨h,v⟩/‖v‖²) v`` with ``v`` the
-mean massive attention input of the prompts), it masks the massive token's attention input (position
-0) in layers from the measured ME layer (``start="ge"``: ≥ ME, ``"gt"``: > ME) to the last, and
-measures on the shipped texts, in one forward per condition:
+At every mask rate ``r`` (by default the paper's 0.1, 0.3, 0.5, 0.7 and 1.0, with 0 as the
+reference) and dim selection (``weight`` = the paper's text, ``activation`` = the released code,
+``random`` and ``magnitude`` = the paper's ablations), and for the soft alternatives (``h − α P_S h``
+on the ``weight`` dims; ``h − α (⟨h,v⟩/‖v‖²) v``, ``v`` the mean massive attention input), it masks
+the massive token's attention input in the layers from the ME layer on and measures the shipped
+texts, one forward per condition (:func:`me_interp.interventions.soft.mask_conditions`; metrics:
+:func:`me_interp.evaluation.text_metrics`, per text) and, with ``mc``, multiple-choice accuracy.
+``r = 0`` and ``α = 0`` are the identity (the baseline rows); ``r = 1`` is one forward for every
+selection. The claims are :data:`SPECS`.
 
-* perplexity, next-token ``KL(p_ref ‖ p_int)`` and top-1 agreement with the unmodified model, kept
-  per text (NLL and KL sums, counts) and pooled: ``ppl = exp(Σ_b nll_b / Σ_b n_b)``;
-* attention to the sink (position 0) and attention entropy: per text and head the mean over real
-  queries ``q ≥ 1``, then the mean over heads and masked layers (per text), then over texts;
-* effective rank ``exp(−Σ p_i log p_i)``, ``p = σ / Σσ`` (singular values of the token states
-  ``t ≥ 1`` of each text at ``rank_layer``), per text;
-* multiple-choice log-likelihood accuracy on the shipped items, per item (``mc="claim"``: at the
-  baseline and for the claim's WeMask; ``"all"``: every condition; ``"none"``).
-
-The ``random`` selection is drawn with ``n_seeds`` seeds at ``claim_rate`` (one seed at the other
-rates). ``r = 0`` and ``α = 0`` are the identity (tested bit-identical), so those rows are the
-baseline; at ``r = 1`` every selection masks every dim, so that forward is run once and shared.
-
-Claims (:data:`SPECS`, declarations judged by :func:`me_interp.claims.judge`; thresholds from
-:data:`me_interp.claims.THRESHOLDS`): ratios of pooled perplexities are bootstrapped over texts (the
-rows of a text stay paired across conditions) and MC accuracies over items; the two "hurts more than
-the weight dims" comparisons use each text's own perplexity, ``(ppl_x − ppl_weight) / ppl_unmasked``
-per text, and the random-dims one is a two-way (crossed) bootstrap over texts × seeds
-(:class:`me_interp.claims.Nested`; the per-text, per-seed gaps are
-:meth:`Result.random_gaps`). ``full_mask_removes_sink`` is a sanity check (the masked key is computed from
-zeros). The "unchanged" claims are informative only where the full mask hurts: on a model that does not
-use the massive token's attention input (the planted model's random language model) every mask leaves
-perplexity unchanged. On a model without a massive activation (and no ``me_layer`` given) :func:`run`
-raises :class:`me_interp.claims.NotApplicable`.
-
-    python -m me_interp.experiments.wemask                     # bundled model, about a minute on a CPU
+    python -m me_interp.experiments.wemask                     # bundled model, a few minutes on a CPU
     python -m me_interp.experiments.wemask --model synthetic:planted --rates 0 0.5 1
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -51,17 +29,18 @@ from me_interp import claims, evaluation, terminal
 from me_interp.backends import check_backend
 from me_interp.evaluation import Metrics
 from me_interp.experiments._weights import short_batch, spread
+from me_interp.interventions import soft
 from me_interp.interventions.soft import MaskCondition as Condition
 from me_interp.interventions.wemask import (
-    MASK_ANYWAY,
     STARTS,
     VARIANTS,
     locate_with_directions,
     mask_layers,
     massive_positions,
+    positions_label,
+    start_layer,
 )
 from me_interp.loading.loaded import LoadedModel
-from me_interp.probes.site import no_massive_why
 from me_interp.prompts import builtin_texts, read_prompts
 from me_interp.study import (
     CommonConfig,
@@ -73,20 +52,10 @@ from me_interp.study import (
     run_header,
 )
 from me_interp.study.result import RunHeader
-from me_interp.terminal import fmt_table
 
 NAME = "wemask"
 METRICS = evaluation.POOLED_METRICS
 PER_TEXT = evaluation.TEXT_STATS
-METRIC_TITLES = {
-    "perplexity": "perplexity (shipped texts)",
-    "kl": "next-token KL to the unmodified model (nats)",
-    "top1": "top-1 agreement with the unmodified model",
-    "sink": "attention to position 0 (masked layers)",
-    "entropy": "attention entropy (nats, masked layers)",
-    "eff_rank": "effective rank of token states",
-    "mc_accuracy": "MC accuracy (shipped items)",
-}
 
 
 @dataclass(frozen=True)
@@ -99,15 +68,14 @@ class Config(CommonConfig):
         claim_rate: the rate the claims are judged at (the paper's training-free rate), in (0, 1).
         n_seeds: seeds of the ``random`` selection at ``claim_rate`` (``seed, seed+1, …``; the
             random-dims claim needs at least 5).
-        alphas: strengths α ∈ [0, 1] of the soft alternatives (empty: skip them; α = 1 alone costs
-            one forward: the dim projection at α = 1 is the WeMask ``weight`` row).
+        alphas: strengths α ∈ [0, 1] of the soft alternatives (empty: none; at α = 1 the dim
+            projection is the WeMask ``weight`` row).
         soft_rate: rate of the ``weight`` dim set of the soft dim projection.
         start: ``ge`` (layers ≥ ME, the paper) or ``gt`` (layers > ME).
         me_layer: the ME layer (0-based); measured on the prompts when ``None``.
         texts: text file (one text per line) for the metrics; ``None``: the shipped texts.
-        max_texts: use this many texts, spread evenly over the file (``0`` = all). Every condition
-            costs a forward over them, so the default subsamples the shipped set (the result reports
-            ``n_texts``); the claims' intervals are over texts, so keep at least 32.
+        max_texts: use this many texts, spread evenly over the file (``0`` = all; each condition
+            is a forward over them); the claims' intervals are over texts: keep at least 32.
         rank_layer: layer whose token states give the effective rank (negative: from the end).
         mc: multiple-choice scoring: ``claim`` (baseline and the claim's WeMask), ``all`` (every
             condition, one more forward each) or ``none``.
@@ -123,7 +91,7 @@ class Config(CommonConfig):
         remote: with ``nnsight``: run on NDIF (key in ``NDIF_API_KEY``; the model is an HF name).
     """
 
-    rates: tuple[float, ...] = checked((0.0, 0.1, 1.0), ge=0, le=1, nonempty=True)
+    rates: tuple[float, ...] = checked((0.0, 0.1, 0.3, 0.5, 0.7, 1.0), ge=0, le=1, nonempty=True)
     variants: tuple[str, ...] = checked(VARIANTS, choices=VARIANTS, nonempty=True)
     # 0 is the identity, 1 masks every dim for every selection
     claim_rate: float = checked(0.1, gt=0, lt=1)
@@ -160,66 +128,22 @@ class Config(CommonConfig):
         return sorted({float(r) for r in self.rates} | {float(self.claim_rate)})
 
 
-# ------------------------------------------------------------------------------------------
-# the conditions: one forward each over the texts (evaluation.text_metrics)
-# ------------------------------------------------------------------------------------------
-
-
 def conditions(cfg: Config) -> list[Condition]:
-    """Every masked condition of the run, without duplicates: one ``r = 1`` forward for all selections
-    (they coincide), ``n_seeds`` random seeds at ``claim_rate``, and the soft alternatives (the dim
-    projection at α = 1 *is* WeMask ``weight`` at ``soft_rate``, so it is run only when that WeMask is
-    not)."""
-    rates = [r for r in cfg.run_rates() if r > 0]
-    out: list[Condition] = []
-    for r in rates:
-        if r == 1.0:
-            out.append(Condition("wemask", cfg.variants[0], 1.0, 1.0, cfg.seed))
-            continue
-        for v in cfg.variants:
-            n = cfg.n_seeds if (v == "random" and r == cfg.claim_rate) else 1
-            out += [Condition("wemask", v, r, 1.0, cfg.seed + i) for i in range(n)]
-    have_weight = "weight" in cfg.variants and cfg.soft_rate in rates
-    for a in cfg.alphas:
-        if a > 0 and not (a == 1.0 and have_weight):
-            out.append(Condition("dim_projection", "weight", cfg.soft_rate, a, cfg.seed))
-    out += [
-        Condition("direction_projection", "mean_direction", 0.0, a, cfg.seed)
-        for a in cfg.alphas
-        if a > 0
-    ]
-    return out
+    """Every masked condition of the run, one forward each (:func:`soft.mask_conditions`)."""
+    seeds = (cfg.seed, cfg.claim_rate, cfg.n_seeds)  # seed; n_seeds random seeds at claim_rate
+    return soft.mask_conditions(cfg.run_rates(), cfg.variants, cfg.alphas, cfg.soft_rate, *seeds)
 
 
-# ------------------------------------------------------------------------------------------
-# result
-# ------------------------------------------------------------------------------------------
+Row = evaluation.MaskRow
 
 
 @dataclass(frozen=True)
-class Row:
-    """One condition's measurements; a row that shares another's forward says which (``same_as``)."""
-
-    condition: Condition
-    metrics: Metrics
-    same_as: str | None = None
-
-
-@dataclass(frozen=True)
-class RandomGaps:
-    """Per text and random seed at ``claim_rate``: ``(ppl_random − ppl_weight) / ppl_unmasked`` of the
-    text's own perplexities (:func:`me_interp.evaluation.text_gap`); ``per_text[text][seed]``."""
-
-    seeds: list[int]
-    per_text: list[list[float]]
-
-
-@dataclass(frozen=True)
-class Result(Headed):
+class Result(Headed, evaluation.MaskRows):
     """What :func:`run` measured. The header's ``layer`` is the layer the masks start from (given or
     detected: :attr:`me_layer`), its ``me_layer`` and ``dims`` the detected ME layer and massive dims.
     ``baseline`` and each row of ``rows`` hold the pooled metrics, their per-text statistics and, when
-    scored, the MC accuracy with per-item outcomes. ``not_measured``: what the backend left out."""
+    scored, the MC accuracy with per-item outcomes (read back by condition:
+    :class:`~me_interp.evaluation.MaskRows`). ``not_measured``: what the backend left out."""
 
     header: RunHeader
     massive_at_me: bool
@@ -245,54 +169,6 @@ class Result(Headed):
     def me_layer_given(self) -> bool:
         return self.header.layer_given
 
-    def metrics(
-        self, kind: str, variant: str, rate: float, alpha: float = 1.0, seed: int | None = None
-    ) -> Metrics | None:
-        """The metrics of one condition (``seed=None``: the run's own seed), ``None`` when not run."""
-        c = Condition(kind, variant, rate, alpha, self.header.seed if seed is None else seed)
-        return next((r.metrics for r in self.rows if r.condition == c), None)
-
-    def random_rows(self, rate: float) -> list[Row]:
-        """Every seed's ``random`` row at ``rate``."""
-        return [r for r in self.rows if r.condition.is_wemask("random", rate)]
-
-    def full_row(self) -> Metrics | None:
-        """The ``r = 1`` forward (the one row every selection shares), or ``None`` when not run."""
-        return next(
-            (r.metrics for r in self.rows if r.condition.is_wemask(rate=1.0) and r.same_as is None),
-            None,
-        )
-
-    def random_gaps(self) -> RandomGaps:
-        """What ``wemask.beats_random`` is judged on (empty when the weight or random selection was
-        not run)."""
-        w, rand = (
-            self.metrics("wemask", "weight", self.claim_rate),
-            self.random_rows(self.claim_rate),
-        )
-        if w is None or not rand:
-            return RandomGaps([], [])
-        gaps = np.column_stack(
-            [evaluation.text_gap(r.metrics, w, self.baseline) for r in rand]
-        )  # [text seed]
-        return RandomGaps([r.condition.seed for r in rand], gaps.tolist())
-
-
-def _rows(cfg: Config, cond: Condition, m: Metrics) -> list[Row]:
-    """The table rows one forward stands for: ``cond`` itself, every other selection at ``r = 1``, and
-    the dim projection at ``α = 1`` for WeMask ``weight`` at ``soft_rate`` (marked ``same_as``)."""
-    rows = [Row(cond, m)]
-    if cond.kind != "wemask":
-        return rows
-    same = f"wemask {cond.variant}"
-    if cond.rate == 1.0:
-        rows += [Row(Condition("wemask", v, 1.0, 1.0, cfg.seed), m, same) for v in cfg.variants[1:]]
-    is_weight = cond.variant == "weight" or cond.rate == 1.0  # r = 1: every selection
-    if is_weight and cond.rate == cfg.soft_rate and 1.0 in cfg.alphas:
-        alias = Condition("dim_projection", "weight", cfg.soft_rate, 1.0, cfg.seed)
-        rows.append(Row(alias, m, same))
-    return rows
-
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """Run the sweep. No printing (a tqdm bar on stderr), no files.
@@ -304,7 +180,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     model = model_for(cfg, model)
     detect = short_batch(model, cfg.load_prompts(), 0, cfg.detect_tokens)
     loc, first = locate_with_directions(model, detect)
-    me = _me_layer(cfg, model, loc, len(detect))
+    me = start_layer(model, cfg.me_layer, loc, len(detect))
     layers = list(mask_layers(model, cfg.start, me))
     texts = cfg.load_texts()
     positions: Any = (0,)
@@ -326,9 +202,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         progress=partial(terminal.bar, desc="wemask sweep"),
     )  # fmt: skip
     rows: list[Row] = []
-    for cond, m in zip(conds, swept.rows):
+    for c, m in zip(conds, swept.rows):
         if m is not None:  # None: a condition the model's backend does not apply
-            rows += _rows(cfg, cond, Metrics.of(m))
+            mm = Metrics.of(m)
+            shared = soft.same_forward(c, cfg.variants, cfg.alphas, cfg.soft_rate, cfg.seed)
+            rows += [Row(c, mm), *(Row(x, mm, f"wemask {c.variant}") for x in shared)]
     base = Metrics.of(swept.base)
     if 0.0 in cfg.rates:  # the identity rows: the baseline, once per selection, for the figure
         rows += [
@@ -360,25 +238,10 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     )
 
 
-def _me_layer(cfg: Config, model: Any, loc: Any, n_prompts: int) -> int:
-    """The layer the masks start from: ``cfg.me_layer`` when given (checked), else the detected ME
-    layer (``NotApplicable`` when there is none)."""
-    if cfg.me_layer is not None:
-        return model.check_layer(cfg.me_layer)
-    if loc.me_layer is None:
-        raise claims.NotApplicable(no_massive_why(loc, n_prompts, MASK_ANYWAY))
-    return int(loc.me_layer)
-
-
-# ------------------------------------------------------------------------------------------
-# claims: declarations judged by claims.judge (common.execute)
-# ------------------------------------------------------------------------------------------
-
-
 def _where(r: Result) -> str:
     return (
         f"r = {r.claim_rate:g}, layers {r.layers[0]}..{r.layers[-1]} (ME layer {r.me_layer}, "
-        f"1-based {r.me_layer + 1}), positions {_pos_label(r.positions)}"
+        f"1-based {r.me_layer + 1}), positions {positions_label(r.positions)}"
     )
 
 
@@ -412,17 +275,7 @@ def _variant(name: str) -> Callable[[Result], Metrics | None]:
 
 
 def _mc(r: Result) -> Metrics | None:
-    w = _weight(r)
-    return w if (w is not None and w.per_item and r.baseline.per_item) else None
-
-
-def _seeds(r: Result) -> list | None:
-    rand = r.random_rows(r.claim_rate)
-    if _weight(r) is None or not rand:
-        return None
-    if why := claims.too_few_seeds(len(rand), "--n-seeds"):
-        raise claims.NotApplicable(why)
-    return rand
+    return w if ((w := _weight(r)) is not None and w.per_item and r.baseline.per_item) else None
 
 
 _NEED_WEIGHT = (_weight, "the weight variant was not run")
@@ -430,14 +283,16 @@ _NEED_FULL = (lambda r: r.full_row(), "r = 1 was not run (--rates)")
 
 
 def _random_measure(r: Result) -> claims.Nested:
-    _seeds(r)  # raises NotApplicable with fewer than MIN_SEEDS seeds
+    if why := claims.too_few_seeds(len(r.random_rows(r.claim_rate)), "--n-seeds"):
+        raise claims.NotApplicable(why)  # fewer than MIN_SEEDS seeds: not decided
     return claims.Nested(np.asarray(r.random_gaps().per_text, dtype=np.float64), unit="texts")
 
 
 def _random_details(r: Result) -> str:
     rand, w, base = r.random_rows(r.claim_rate), _weight(r), r.baseline
     return (
-        f"{_where(r)}; pooled perplexity random {_fmt_list(x.metrics.perplexity for x in rand)} "
+        f"{_where(r)}; pooled perplexity random "
+        f"[{', '.join(f'{x.metrics.perplexity:.4g}' for x in rand)}] "
         f"(seeds {[x.condition.seed for x in rand]}) vs weight {w.perplexity:.4g}, unmasked "
         f"{base.perplexity:.4g}; a seed's dim set is shared by every text (per-text, per-seed "
         "gaps: Result.random_gaps())"
@@ -614,43 +469,34 @@ SPECS: tuple[claims.Spec, ...] = (
 claims.check_specs(SPECS)
 
 
-def _fmt_list(xs) -> str:
-    return "[" + ", ".join(f"{x:.4g}" for x in xs) + "]"
+STYLES = {  # one colour, dash and marker per selection: no line hides another where they coincide
+    "weight": ("firebrick", "solid", "circle"),
+    "activation": ("darkorange", "dash", "diamond-open"),
+    "random": ("gray", "dot", "square-open"),
+    "magnitude": ("steelblue", "dashdot", "x"),
+}
 
 
-# ------------------------------------------------------------------------------------------
-# figures and summary
-# ------------------------------------------------------------------------------------------
-
-
-def _sweep_points(result: Result, variant: str, metric: str) -> list[tuple[float, float]]:
-    """(rate, value) of one selection; several random seeds at a rate are averaged."""
-    by: dict[float, list[float]] = {}
-    for r in result.rows:
-        if r.condition.is_wemask(variant) and getattr(r.metrics, metric) is not None:
-            by.setdefault(r.condition.rate, []).append(getattr(r.metrics, metric))
-    return sorted((k, float(np.mean(v))) for k, v in by.items())
-
-
-def _soft_points(result: Result, kind: str, metric: str) -> list[tuple[float, float]]:
-    """(α, value) of one soft alternative, from the unmasked model at α = 0."""
-    pts = [(r.condition.alpha, getattr(r.metrics, metric)) for r in result.rows]
-    pts = [p for r, p in zip(result.rows, pts) if r.condition.kind == kind and p[1] is not None]
-    return [(0.0, getattr(result.baseline, metric)), *sorted(pts)]
-
-
-def _grid(metrics: list[str], series: list[str], points, xtitle: str, title: str, colors=None):
+def _grid(metrics: list[str], series: list[str], points, xtitle: str, title: str):
     """One panel per metric, one line per series (``points(series, metric)`` → (x, y) pairs)."""
     cols, nrows = 3, (len(metrics) + 2) // 3
-    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=[METRIC_TITLES[m] for m in metrics])
+    titles = [evaluation.METRIC_TITLES[m] for m in metrics]
+    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=titles)
     for i, m in enumerate(metrics):
-        rr, cc = i // cols + 1, i % cols + 1
+        at = {"row": i // cols + 1, "col": i % cols + 1}
         for v in series:
             x, y = zip(*points(v, m)) if points(v, m) else ((), ())
-            line = {"line_color": colors.get(v)} if colors else {}
-            trace = go.Scatter(x=x, y=y, mode="lines+markers", name=v, legendgroup=v, **line)
-            fig.add_trace(trace.update(showlegend=i == 0), row=rr, col=cc)
-        fig.update_xaxes(title_text=xtitle, row=rr, col=cc)
+            color, dash, symbol = STYLES.get(v, (None, "solid", "circle"))
+            fig.add_trace(
+                go.Scatter(
+                    x=x, y=y, mode="lines+markers", name=v, legendgroup=v, showlegend=i == 0,
+                    line={"color": color, "dash": dash}, marker={"symbol": symbol, "size": 8},
+                ),
+                **at,
+            )  # fmt: skip
+        fig.update_xaxes(title_text=xtitle, **at)
+        if m == "perplexity":
+            fig.update_yaxes(type="log", **at)
     fig.update_layout(title=title, template="plotly_white", height=330 * nrows + 120)
     return fig
 
@@ -658,67 +504,38 @@ def _grid(metrics: list[str], series: list[str], points, xtitle: str, title: str
 def figures(result: Result) -> dict[str, go.Figure]:
     metrics = [m for m in (*METRICS, "mc_accuracy") if getattr(result.baseline, m) is not None]
     variants = [v for v in VARIANTS if any(r.condition.variant == v for r in result.rows)]
-    colors = dict(zip(VARIANTS, ("firebrick", "darkorange", "gray", "steelblue")))
     rate_fig = _grid(
-        metrics, variants, partial(_sweep_points, result), "mask rate r",
+        metrics, variants, result.rate_curve, "mask rate r",
         f"WeMask mask-rate study — {result.model}<br><sup>masked positions: "
-        f"{_pos_label(result.positions)}; layers {result.layers[0]}..{result.layers[-1]} (ME layer "
+        f"{positions_label(result.positions)}; layers {result.layers[0]}..{result.layers[-1]} (ME layer "
         f"{result.me_layer}, start '{result.start}'); {result.n_texts} texts</sup>",
-        colors,
     )  # fmt: skip
     rand = result.random_rows(result.claim_rate)
     for i, m in enumerate(metrics):
-        if m == "perplexity":
-            rate_fig.update_yaxes(type="log", row=i // 3 + 1, col=i % 3 + 1)
         if m in METRICS and len(rand) > 1:
-            rate_fig.add_trace(
-                go.Scatter(
-                    x=[result.claim_rate] * len(rand),
-                    y=[getattr(r.metrics, m) for r in rand],
-                    mode="markers",
-                    marker={"color": "gray", "symbol": "circle-open"},
-                    name="random, each seed",
-                    legendgroup="seeds",
-                    showlegend=i == 0,
-                ),
-                row=i // 3 + 1,
-                col=i % 3 + 1,
-            )
-    kinds = [
-        k
-        for k in ("dim_projection", "direction_projection")
-        if any(r.condition.kind == k for r in result.rows)
-    ]
+            seeds = go.Scatter(
+                x=[result.claim_rate] * len(rand), y=[getattr(r.metrics, m) for r in rand],
+                mode="markers", marker={"color": "gray", "symbol": "circle-open"},
+                name="random, each seed", legendgroup="seeds", showlegend=i == 0,
+            )  # fmt: skip
+            rate_fig.add_trace(seeds, row=i // 3 + 1, col=i % 3 + 1)
+    kinds = [k for k in ("dim_projection", "direction_projection")
+             if any(r.condition.kind == k for r in result.rows)]  # fmt: skip
     soft_fig = _grid(
-        metrics, kinds, partial(_soft_points, result), "α",
+        metrics, kinds, result.alpha_curve, "α",
         f"Soft alternatives: h − α P_S h (weight dims) and h − α proj_v h — {result.model}",
     )  # fmt: skip
     return {"mask_rate": rate_fig, "soft_alpha": soft_fig}
 
 
-def _pos_label(positions: Any) -> str:
-    if positions and isinstance(positions[0], (list, tuple)):
-        return "detected massive positions " + str(sorted({p for row in positions for p in row}))
-    return str(list(positions))
-
-
 def summary(result: Result) -> str:
     head = (
         f"model: {result.model}   ME layer {result.me_layer} (1-based {result.me_layer + 1}); masked "
-        f"layers {result.layers[0]}..{result.layers[-1]} at positions {_pos_label(result.positions)}; "
+        f"layers {result.layers[0]}..{result.layers[-1]} at positions {positions_label(result.positions)}; "
         f"{result.n_texts} texts, {result.n_tokens} tokens; {result.n_items} MC items; claims at "
         f"r = {result.claim_rate:g}"
     )
-    metrics = [*METRICS, "mc_accuracy"]
-    cell = lambda x, m: "-" if getattr(x, m) is None else getattr(x, m)  # noqa: E731
-    rows = [("baseline", "-", "-", "-", "-", *(cell(result.baseline, m) for m in metrics))]
-    rows += [
-        (*astuple(r.condition), *(cell(r.metrics, m) for m in metrics))
-        for r in result.rows
-        if r.same_as is None
-    ]
-    table = fmt_table(["kind", "variant", "rate", "alpha", "seed", *metrics], rows)
-    return "\n".join([head, "", table])
+    return "\n".join([head, "", result.table()])
 
 
 EXPERIMENT = Experiment(

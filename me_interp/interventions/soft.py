@@ -182,10 +182,13 @@ def project_direction(
 
 __all__ = [
     "DirectionProjection",
+    "MaskCondition",
     "dim_projection",
     "estimate_direction",
+    "mask_conditions",
     "project_dims",
     "project_direction",
+    "same_forward",
 ]
 
 
@@ -233,3 +236,60 @@ class MaskCondition:
                 model, self.alpha, layers, variant=self.variant, rate=self.rate, positions=positions
             )
         return DirectionProjection.build(model, self.alpha, directions, layers, positions=positions)
+
+
+def mask_conditions(
+    rates: Sequence[float],
+    variants: Sequence[str],
+    alphas: Sequence[float],
+    soft_rate: float,
+    seed: int = 0,
+    seeds_at: float | None = None,
+    n_seeds: int = 1,
+) -> list[MaskCondition]:
+    """Every masked condition of a mask-rate study, one forward each, without duplicates: the
+    WeMask ``variants`` at each rate ``r > 0`` (one ``r = 1`` forward for all: every selection masks
+    every dim), ``n_seeds`` seeds of ``random`` at ``seeds_at`` (one elsewhere), the dim projection
+    of the ``weight`` dims at ``soft_rate`` for each ``α > 0`` (at ``α = 1`` it *is* WeMask
+    ``weight`` at ``soft_rate``, so it is run only when that WeMask is not) and the direction
+    projection for each ``α > 0``. :func:`same_forward` lists what each one also stands for."""
+    rates = sorted({float(r) for r in rates if r > 0})
+    out: list[MaskCondition] = []
+    for r in rates:
+        if r == 1.0:
+            out.append(MaskCondition("wemask", variants[0], 1.0, 1.0, seed))
+            continue
+        for v in variants:
+            n = n_seeds if (v == "random" and r == seeds_at) else 1
+            out += [MaskCondition("wemask", v, r, 1.0, seed + i) for i in range(n)]
+    have_weight = "weight" in variants and soft_rate in rates
+    for a in alphas:
+        if a > 0 and not (a == 1.0 and have_weight):
+            out.append(MaskCondition("dim_projection", "weight", soft_rate, a, seed))
+    out += [
+        MaskCondition("direction_projection", "mean_direction", 0.0, a, seed)
+        for a in alphas
+        if a > 0
+    ]
+    return out
+
+
+def same_forward(
+    cond: MaskCondition,
+    variants: Sequence[str],
+    alphas: Sequence[float],
+    soft_rate: float,
+    seed: int = 0,
+) -> list[MaskCondition]:
+    """The conditions that the forward of ``cond`` (one of :func:`mask_conditions`) also measures:
+    every other selection at ``r = 1``, and the dim projection at ``α = 1`` for WeMask ``weight``
+    (or ``r = 1``) at ``soft_rate``."""
+    if cond.kind != "wemask":
+        return []
+    out = []
+    if cond.rate == 1.0:
+        out += [MaskCondition("wemask", v, 1.0, 1.0, seed) for v in variants[1:]]
+    is_weight = cond.variant == "weight" or cond.rate == 1.0  # r = 1: every selection
+    if is_weight and cond.rate == soft_rate and 1.0 in alphas:
+        out.append(MaskCondition("dim_projection", "weight", soft_rate, 1.0, seed))
+    return out

@@ -158,6 +158,31 @@ def me_layer_index(model: Any, batch: Any = None) -> int:
     return int(locate(model, batch).require(MASK_ANYWAY))
 
 
+def start_layer(model: Any, me_layer: int | None, location: Any, n_prompts: int) -> int:
+    """The layer the masks start from: ``me_layer`` when given (checked against the model), else
+    the ME layer of ``location`` (a :class:`~me_interp.probes.MELocation` on ``n_prompts`` prompts).
+
+    Raises:
+        NotApplicable: no ``me_layer`` given and no ME layer in ``location``.
+    """
+    from me_interp import claims
+    from me_interp.probes.site import no_massive_why
+
+    if me_layer is not None:
+        return model.check_layer(me_layer)
+    if location.me_layer is None:
+        raise claims.NotApplicable(no_massive_why(location, n_prompts, MASK_ANYWAY))
+    return int(location.me_layer)
+
+
+def positions_label(positions: Any) -> str:
+    """The masked positions in words: ``"[0]"``, or ``"detected massive positions [0, 3]"`` for
+    one list per prompt."""
+    if positions and isinstance(positions[0], (list, tuple)):
+        return "detected massive positions " + str(sorted({p for row in positions for p in row}))
+    return str(list(positions))
+
+
 def mask_layers(
     model: Any,
     start: str = "ge",
@@ -379,7 +404,9 @@ __all__ = [
     "massive_positions",
     "me_layer_index",
     "n_dims",
+    "positions_label",
     "MASK_ANYWAY",
     "select_dims",
+    "start_layer",
     "we_mask",
 ]

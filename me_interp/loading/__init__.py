@@ -159,8 +159,9 @@ def _load(
         hf = hf.to(device=dev, dtype=dt) if where is None else dispatch(hf, where, dt)
         name = boot_name = model
     elif isinstance(model, (str, os.PathLike)):
+        hint = "" if Path(model).exists() else did_you_mean(str(model))
         hf, tok = hf_source.load_dir(
-            str(model), dt, dev, load_tokenizer=tokenizer is None, placement=where
+            str(model), dt, dev, load_tokenizer=tokenizer is None, placement=where, hint=hint
         )
         name = boot_name = str(model)
     elif isinstance(model, torch.nn.Module) and hasattr(model, "config"):
@@ -247,6 +248,29 @@ def local_path(model: Any) -> str | None:
     return None
 
 
+def did_you_mean(name: str) -> str:
+    """What to say about a model name that does not load: ``did you mean gemma-3-270m? see
+    `me-interp models``` when it resembles a name ``me-interp models`` lists (difflib over those
+    names and the bundled and packaged models' own names, e.g. ``SmolLM2-135M-Instruct`` or
+    ``google/gemma-3-270m``; or a part of one, e.g. ``smollm``), else only where the names are."""
+    import difflib
+
+    aliases = {BUNDLED: BUNDLED, BUNDLED_DISPLAY_NAME.split(" (")[0]: BUNDLED}
+    for spec in packaged.PACKAGED.values():
+        aliases.update({spec.name: spec.name, spec.hf_name: spec.name})
+    for source in sources.sources():
+        if source.catalogue is not None:
+            aliases.update({r["name"]: r["name"] for r in source.catalogue()})
+    known = {a.lower(): n for a, n in aliases.items()}
+    q = name.lower()
+    close = difflib.get_close_matches(q, list(known), n=1, cutoff=0.75)
+    part = [n for a, n in known.items() if len(q) >= 4 and q in a]
+    hit = known[close[0]] if close else (part[0] if part else None)
+    if hit is None:
+        return "see `me-interp models` for the names it knows"
+    return f"did you mean {hit}? see `me-interp models`"
+
+
 def catalogue() -> list[dict[str, str]]:
     """Every model me_interp can load by name, as rows ``{"name", "kind", "status", "about"}``: the
     bundled model, the packaged models (installed or not, converted or not) and those of each
@@ -292,6 +316,7 @@ __all__ = [
     "PlacementError",
     "UnsupportedArchitectureError",
     "catalogue",
+    "did_you_mean",
     "load_model",
     "local_path",
     "register_source",

@@ -55,10 +55,12 @@ def load_dir(
     device: torch.device,
     load_tokenizer: bool = True,
     placement: Placement | None = None,
+    hint: str = "",
 ):
     """The HF model (eager attention, ``dtype``, on ``device``, or dispatched by accelerate as
     ``placement`` says) and tokenizer (``None`` when not ``load_tokenizer``) saved at ``path``, a
-    local directory or an HF hub name."""
+    local directory or an HF hub name. ``hint``: what to say when it does not load (e.g. the known
+    name it resembles); the error is one line (the cause's first line)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_dir(path, need_tokenizer=load_tokenizer)
@@ -76,11 +78,17 @@ def load_dir(
             ) from e
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
         where = "as a local directory" if Path(path).exists() else "locally or on the HF hub"
+        cause = (str(e).strip().splitlines() or [""])[0]  # HF adds "Check your internet ..."
         raise ModelLoadError(
             f"could not load model {path!r} {where}"
             + (" (HF_HUB_OFFLINE is set, so the hub was not asked)" if offline else "")
-            + ". Pass the bundled model (no argument), a directory written by save_pretrained, "
-            f"or an HF name where the hub is reachable. Cause: {type(e).__name__}: {e}"
+            + (
+                f"; {hint}"
+                if hint
+                else ". Pass the bundled model (no argument), a directory written by "
+                "save_pretrained, or an HF name where the hub is reachable"
+            )
+            + f". Cause: {type(e).__name__}: {cause}"
         ) from e
     return (hf if placement is not None else hf.to(device)), tok
 

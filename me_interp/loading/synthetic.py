@@ -87,8 +87,13 @@ def build(spec: str):
         *(f"{w}-<arch>" for w in ("planted", "twin", "tiny")),
         "decoy-<kind>",
     ]
+    import difflib
+
+    close = difflib.get_close_matches(spec, [r["name"] for r in catalogue_rows()], n=1, cutoff=0.75)
     raise ModelLoadError(
-        f"unknown synthetic model {spec!r}; choose one of "
+        f"unknown synthetic model {spec!r}; "
+        + (f"did you mean {close[0]}? see `me-interp models`; " if close else "")
+        + "choose one of "
         + ", ".join(SYNTHETIC_PREFIX + k for k in names)
         + f" (<arch>: {', '.join(synthetic.ARCHS)}; <kind>: {', '.join(synthetic.DECOYS)})"
     )
@@ -104,7 +109,7 @@ def catalogue_rows() -> list[dict[str, str]]:
         "twin": "the planted model's twin: no massive activation",
         "tiny": "random weights",
     }
-    about = {k: what[k.partition("-")[0]] for k in SYNTHETIC_MODELS if k.partition("-")[0] in what}
+    about = synthetic.describe_models()
     about.update(
         {
             f"{w}-{a}": f"{what[w]} ({a})"

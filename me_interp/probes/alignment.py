@@ -35,6 +35,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import names
+from me_interp.loading.loaded import Prompts, as_batch
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, record
 from me_interp.selection import n_selected, top_abs_dims
@@ -349,7 +350,7 @@ class AlignmentRecorder:
 
 def alignment_scan(
     model: LoadedModel,
-    batch: Batch,
+    batch: Prompts,
     k: int | float = 0.01,
     positions: Sequence[int] | None = None,
     sites: Sequence[str] = ALIGN_SITES,
@@ -362,7 +363,7 @@ def alignment_scan(
 
     Args:
         model: the loaded model.
-        batch: right-padded prompts.
+        batch: a prompt ``str``, a list of prompts or a :class:`~me_interp.models.Batch`.
         k: ``K`` of ``TopK(|w|, K)``: an int (absolute) or a float in (0, 1] (fraction of ``d``).
         positions: the massive token of each prompt (``None``: position 0).
         sites: any of :data:`ALIGN_SITES`.
@@ -371,6 +372,7 @@ def alignment_scan(
     Raises:
         ValueError: unknown site, bad ``k`` or bad positions.
     """
+    batch = as_batch(model, batch)
     rec = AlignmentRecorder(model, batch, k, sites)
     reference_positions(batch, positions)  # validate before the forward
     record(model, batch, [rec], fwd_hooks=fwd_hooks)

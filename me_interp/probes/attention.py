@@ -43,6 +43,7 @@ import torch
 from jaxtyping import Bool, Float
 
 from me_interp import names
+from me_interp.loading.loaded import Prompts, as_batch
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import Chunk, record
@@ -262,7 +263,7 @@ def _key_mask(batch: Batch, positions: Sequence[Sequence[int]]) -> torch.Tensor:
 
 def attention_stats(
     model: LoadedModel,
-    batch: Batch,
+    batch: Prompts,
     positions: Sequence[Sequence[int]] | Sequence[int] | None = None,
     fwd_hooks: Sequence = (),
 ) -> AttentionStats:
@@ -270,10 +271,16 @@ def attention_stats(
     layer/prompt/head.
 
     Args:
+        model: the :class:`~me_interp.models.LoadedModel`.
+        batch: a prompt ``str``, a list of ``B`` prompts or a :class:`~me_interp.models.Batch`.
         positions: ``None`` for position 0; a list of ints applied to every prompt; or one list
             per prompt; none may be the last token of its prompt.
         fwd_hooks: interventions to run in the same forward.
+
+    Returns:
+        :class:`AttentionStats`: ``to_positions`` and ``entropy`` of shape ``[layer, batch, head]``.
     """
+    batch = as_batch(model, batch)
     B = len(batch)
     if positions is None:
         per = [[0] for _ in range(B)]
@@ -389,7 +396,7 @@ class AttentionProbe:
 
 def attention_probe(
     model: LoadedModel,
-    batch: Batch,
+    batch: Prompts,
     reference: Sequence[int] | None = None,
     massive_positions: Sequence[Sequence[int]] | None = None,
     eps: float = 0.3,
@@ -400,6 +407,8 @@ def attention_probe(
     One forward (in length-sorted chunks unless ``fwd_hooks`` are given).
 
     Args:
+        model: the :class:`~me_interp.models.LoadedModel`.
+        batch: a prompt ``str``, a list of prompts or a :class:`~me_interp.models.Batch`.
         reference: the massive token of each prompt (``None``: position 0); sink rate uses it.
         massive_positions: every massive position of each prompt (``None``: ``[reference]``).
         eps: sink threshold ε.
@@ -409,6 +418,7 @@ def attention_probe(
         ValueError: a position outside its prompt, a reference that is its prompt's last token, a
             one-token prompt, or ``eps`` outside [0, 1).
     """
+    batch = as_batch(model, batch)
     rec = AttentionRecorder(model, batch)
     rec.probe(reference, massive_positions, eps)  # validates the arguments before the forward
     record(model, batch, [rec], fwd_hooks=fwd_hooks)

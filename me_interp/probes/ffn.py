@@ -43,6 +43,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import claims, names
+from me_interp.loading.loaded import Prompts, as_batch
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.alignment import delta_vs_others, mean_except_reference, reference_positions
@@ -188,7 +189,7 @@ class FFNAtRecorder:
 
 def ffn_scan(
     model: LoadedModel,
-    batch: Batch,
+    batch: Prompts,
     positions: Sequence[int] | None = None,
     fwd_hooks: Sequence = (),
 ) -> FFNScan:
@@ -198,9 +199,12 @@ def ffn_scan(
     hooks (no cache).
 
     Args:
+        model: the :class:`~me_interp.models.LoadedModel`.
+        batch: a prompt ``str``, a list of prompts or a :class:`~me_interp.models.Batch`.
         positions: the massive token of each prompt (``None``: position 0).
         fwd_hooks: interventions to run in the same forward.
     """
+    batch = as_batch(model, batch)
     at = FFNAtRecorder(model, batch, positions)
     rec = FFNRecorder(model, batch)
     record(model, batch, [rec, at], fwd_hooks=fwd_hooks)

@@ -22,6 +22,7 @@ import torch
 from jaxtyping import Float, Int
 
 from me_interp import names
+from me_interp.loading.loaded import Prompts, as_batch
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.alignment import reference_positions
 from me_interp.probes.batching import Chunk, record
@@ -168,7 +169,7 @@ class GeometryRecorder:
 
 def geometry_scan(
     model: LoadedModel,
-    batch: Batch,
+    batch: Prompts,
     positions: Sequence[int] | None = None,
     layers: Sequence[int] | None = None,
     fwd_hooks: Sequence = (),
@@ -178,7 +179,15 @@ def geometry_scan(
     Computed in the ``resid_post`` hooks, one forward (in length-sorted chunks unless ``fwd_hooks``
     are given; no cache). ``"others"`` leaves out the massive token (``positions``, default 0).
     Layers not in ``layers`` stay NaN.
+
+    Args:
+        model: the :class:`~me_interp.models.LoadedModel`.
+        batch: a prompt ``str``, a list of prompts or a :class:`~me_interp.models.Batch`.
+        positions: the massive token of each prompt (``None``: position 0).
+        layers: 0-based layers to measure (``None``: every layer).
+        fwd_hooks: interventions to run in the same forward.
     """
+    batch = as_batch(model, batch)
     rec = GeometryRecorder(model, batch, positions, layers)
     last = max(rec.layers) if rec.layers and not fwd_hooks else None
     record(model, batch, [rec], fwd_hooks=fwd_hooks, last_layer=last)

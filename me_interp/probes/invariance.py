@@ -25,6 +25,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import names
+from me_interp.loading.loaded import Prompts, as_batch
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.alignment import reference_positions
 from me_interp.probes.batching import Chunk, record
@@ -207,7 +208,7 @@ class UnitSumRecorder:
 
 def invariance_scan(
     model: LoadedModel,
-    batch: Batch,
+    batch: Prompts,
     positions: Sequence[int] | None = None,
     fwd_hooks: Sequence = (),
     others: bool = False,
@@ -218,6 +219,8 @@ def invariance_scan(
     states at ``m_b`` depend on nothing after it), in length-sorted chunks.
 
     Args:
+        model: the :class:`~me_interp.models.LoadedModel`.
+        batch: a list of at least 2 prompts or a :class:`~me_interp.models.Batch`.
         positions: the massive token of each prompt (``None``: position 0).
         fwd_hooks: interventions to run in the same forward (then the full batch runs at once).
         others: also record the other tokens' mean direction (``InvarianceScan.others``; needs the
@@ -226,6 +229,7 @@ def invariance_scan(
     Raises:
         ValueError: fewer than 2 prompts (nothing to compare), or bad positions.
     """
+    batch = as_batch(model, batch)
     if len(batch) < 2:
         raise ValueError("directional invariance compares inputs: give at least 2 prompts")
     rec = InvarianceRecorder(model, batch, positions)

@@ -36,12 +36,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from jaxtyping import Bool, Float
 
 from me_interp.probes.norms import NormScan, ratio_to_others, top_ratio
+
+if TYPE_CHECKING:
+    from me_interp.loading.loaded import LoadedModel, Prompts
 
 CriterionKind = Literal["sun", "norm", "either", "both"]
 Site = Literal["attention", "ffn", "none", "unknown"]
@@ -167,6 +170,19 @@ class MELocation:
     @property
     def me_event(self) -> Event | None:
         return next((e for e in self.events if e.layer == self.me_layer), None)
+
+    def __repr__(self) -> str:  # the headline numbers, not the per-layer lists
+        n = len(self.layer_has_massive)
+        if self.me_layer is None:
+            return f"MELocation(me_layer=None: no massive activation in {n} layers)"
+        e, pos = self.me_event, sorted({p for row in self.massive_positions for p in row})
+        made = f", made by {site_text(e.site)}, ratio jump x{e.jump:.3g}" if e else ""
+        shown = pos[:8] + (["..."] if len(pos) > 8 else [])  # type: ignore[list-item]
+        return (
+            f"MELocation(me_layer={self.me_layer} (1-based {self.me_layer_1based}) of {n}{made}; "
+            f"{len(self.events)} event(s); dims {self.massive_dims[:8]}; positions "
+            f"{', '.join(map(str, shown))}; top ratio {self.top_ratio[self.me_layer]:.4g})"
+        )
 
 
 def _dims_at(scan: NormScan, crit: Criterion, massive: torch.Tensor, layer: int) -> list[int]:
@@ -351,11 +367,26 @@ def locate_me_layer(scan: NormScan, crit: Criterion | None = None) -> MELocation
     )
 
 
-def find_me_layer(model, batch, criterion: Criterion | None = None, fwd_hooks=()) -> MELocation:
-    """Scan ``batch`` (with optional intervention hooks) and localise the ME layer in one call."""
+def find_me_layer(
+    model: LoadedModel, batch: Prompts, criterion: Criterion | None = None, fwd_hooks=()
+) -> MELocation:
+    """Scan ``batch`` (with optional intervention hooks) and localise the ME layer in one call.
+
+    Args:
+        model: the :class:`~me_interp.models.LoadedModel`.
+        batch: a prompt ``str``, a list of prompts or a :class:`~me_interp.models.Batch`.
+        criterion: the massive-activation criterion (default: :class:`Criterion`'s).
+        fwd_hooks: ``[(hook_name, fn), ...]`` interventions to run in the same forward.
+
+    Returns:
+        :class:`MELocation`: ``me_layer`` (0-based, ``None`` when none), every :class:`Event`,
+        per-layer statistics (lists of length ``n_layers``), the massive positions and dims.
+    """
     from me_interp import names
+    from me_interp.loading.loaded import as_batch
     from me_interp.probes.norms import scan_norms
 
+    batch = as_batch(model, batch)
     return locate_me_layer(
         scan_norms(model, batch, names.SITES, extra_hooks=list(fwd_hooks)), criterion
     )

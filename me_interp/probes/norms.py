@@ -32,6 +32,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import names
+from me_interp.loading.loaded import Prompts, as_batch
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, own_backend, record
 
@@ -300,7 +301,7 @@ def _kth_smallest(bits: np.ndarray, kth: int) -> np.ndarray:
 
 def scan_norms(
     model: LoadedModel,
-    batch: Batch,
+    batch: Prompts,
     sites: tuple[str, ...] = names.SITES,
     top_k: int = 16,
     keep_prompt: int = 0,
@@ -316,12 +317,14 @@ def scan_norms(
 
     Args:
         model: the loaded model.
-        batch: right-padded prompts (``model.tokenize``).
+        batch: a prompt ``str``, a list of prompts or a right-padded
+            :class:`~me_interp.models.Batch` (``model.tokenize``).
         sites: any of :data:`me_interp.names.SITES`; ``resid_post`` is always included.
         top_k: how many of the largest ``|a|`` per token of the layer output to keep.
         keep_prompt: which prompt's full layer outputs to keep.
         extra_hooks: more ``(name, fn)`` hooks to run in the same forward (e.g. an intervention).
     """
+    batch = as_batch(model, batch)
     if own_backend(model):
         return model.scan_norms(batch, sites, top_k, keep_prompt, extra_hooks)
     rec = NormRecorder(model, batch, sites, top_k, keep_prompt)

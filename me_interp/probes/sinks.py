@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from me_interp import names
-from me_interp.models import Batch, LoadedModel
+from me_interp.loading.loaded import Prompts, as_batch
+from me_interp.models import LoadedModel
 from me_interp.probes.attention import AttentionRecorder
 from me_interp.probes.batching import own_backend, record
 from me_interp.probes.geometry import GeometryRecorder, GeometryScan
@@ -43,8 +44,10 @@ class SinkScan:
         return self.without(reference)
 
 
-def sink_scan(model: LoadedModel, batch: Batch) -> SinkScan:
-    """Norms, attention statistics and geometry of ``batch`` in one forward (see module docstring)."""
+def sink_scan(model: LoadedModel, batch: Prompts) -> SinkScan:
+    """Norms, attention statistics and geometry of ``batch`` (a prompt ``str``, a list of prompts or a :class:`~me_interp.models.Batch`) in one
+    forward (see module docstring)."""
+    batch = as_batch(model, batch)
     if own_backend(model):
         return model.sink_scan(batch)
     norms = NormRecorder(model, batch, names.SITES)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from me_interp import claims
-from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.loading.loaded import LoadedModel, Prompts, as_batch
 from me_interp.probes.massive import (
     Criterion,
     MELocation,
@@ -234,6 +234,16 @@ class Site:
             )
         return None
 
+    def __repr__(self) -> str:  # the headline numbers, not the location's per-layer lists
+        where = "given" if self.given else "the detected ME layer"
+        head = f"Site(layer={self.layer} ({where}; ME layer {self.me_layer})"
+        if self.why_not is not None:
+            return f"{head}, not applicable: {self.why_not})"
+        return (
+            f"{head}, position {self.position}, dims {list(self.dims[:8])}; {self.n_prompts} "
+            f"prompt(s) in {self.units.n} unit(s))"
+        )
+
     def require(self, hint: str = "pass --layer to study a chosen layer anyway") -> int:
         """The layer to study; raises :class:`claims.NotApplicable` when there is none (no
         massive activation and no layer given)."""
@@ -262,7 +272,7 @@ layer output (the event's jump and its site need all three)."""
 
 def locate(
     model: LoadedModel,
-    batch: Batch,
+    batch: Prompts,
     *,
     scan: NormScan | None = None,
     criterion: Criterion | None = None,
@@ -273,6 +283,8 @@ def locate(
     """Locate the massive activation on ``batch`` (see the module docstring).
 
     Args:
+        model: the :class:`~me_interp.models.LoadedModel`.
+        batch: a prompt ``str``, a list of prompts or a :class:`~me_interp.models.Batch`.
         scan: the batch's norm scan, when the caller already ran one (else :data:`SCAN_SITES` are
             scanned here, one forward pass).
         criterion: the massive-activation criterion (default: :class:`Criterion`'s).
@@ -284,6 +296,7 @@ def locate(
     Raises:
         ValueError: ``layer`` out of range, or ``position`` past a prompt's end.
     """
+    batch = as_batch(model, batch)
     if layer is not None:
         model.check_layer(layer)
     if scan is None:

@@ -622,7 +622,7 @@ def test_cli_smoke(module, prompt_file, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "results:" in out and f"{module.NAME}." in out
     (run_dir,) = (tmp_path / module.NAME).iterdir()
-    loaded = io.load_run(run_dir)
+    loaded = io.read_run(run_dir)
     ids = [c["id"] for c in loaded["result"]["claims"]]
     assert ids == [s.id for s in module.SPECS]
     assert loaded["config"]["model"] == "synthetic:planted"

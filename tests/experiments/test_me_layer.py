@@ -149,7 +149,7 @@ def test_cli_writes_a_complete_run(tmp_path, word_prompts, capsys):
     assert (out / io.PLOTLY_JS).is_file()
     html = (run_dir / "norms_by_site.html").read_text()
     assert "../../plotly.min.js" in html and len(html) < 500_000  # plotly.js shared, not embedded
-    run = io.load_run(run_dir)
+    run = io.read_run(run_dir)
     assert run["result"]["location"]["me_layer"] == run["result"]["header"]["me_layer"] == 2
     assert io.read_result(me_layer.Result, run_dir).me_layer == 2
     assert run["config"]["prompts"] == word_prompts and run["config"]["bos"] == "auto"

@@ -143,7 +143,7 @@ def test_cli_writes_table_json_figure_and_exit_codes(tmp_path, word_prompts, cap
     (run_dir,) = (out / "survey").iterdir()
     for f in ("config.json", "env.json", "result.json", "survey.md", "ratios_by_model.html"):
         assert (run_dir / f).is_file(), f
-    result = io.load_run(run_dir)["result"]
+    result = io.read_run(run_dir)["result"]
     assert [r["me_layer"] for r in result["rows"]] == [2, None]
     assert result["rows"][0]["claims"][0]["id"] == "me_layer.sudden_birth"
     env = json.loads((run_dir / "env.json").read_text())

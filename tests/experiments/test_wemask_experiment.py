@@ -374,7 +374,7 @@ def test_cli_smoke(tmp_path, prompt_file, texts_file, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "[holds] wemask.full_mask_removes_sink" in out
     run_dir = next((tmp_path / "wemask").iterdir())
-    run = io.load_run(run_dir)
+    run = io.read_run(run_dir)
     assert run["result"]["header"]["layer"] == 2 and run["result"]["n_texts"] == 12
     assert {c["id"] for c in run["result"]["claims"]} == {s.id for s in exp.SPECS}
     assert (run_dir / "mask_rate.html").is_file()
@@ -420,3 +420,21 @@ def test_bundled_small_sweep(bundled):
     assert v["wemask.full_mask_removes_sink"] == HOLDS
     assert v["wemask.full_mask_collapses"] == FAILS
     assert v["wemask.beats_random"] == NOT_APPLICABLE  # not run here
+
+
+def test_default_rates_are_the_papers_and_every_selection_has_its_own_line(planted_result):
+    cfg = exp.Config()
+    assert cfg.rates == (0.0, 0.1, 0.3, 0.5, 0.7, 1.0)  # paper.md §2.5, with 0 as the reference
+    rates = {c.rate for c in exp.conditions(cfg) if c.kind == "wemask"}
+    assert rates == {0.1, 0.3, 0.5, 0.7, 1.0}
+    fig = exp.figures(planted_result)["mask_rate"]
+    styles = {
+        t.name: (t.line.dash, t.marker.symbol)
+        for t in fig.data
+        if t.name in exp.VARIANTS and t.showlegend
+    }
+    assert sorted(styles) == sorted(exp.VARIANTS)
+    # the activation line is not hidden under another: its own dash and marker
+    assert len(set(styles.values())) == len(styles)
+    xs = {t.name: list(t.x) for t in fig.data if t.name == "activation"}
+    assert xs["activation"] == [0.0, 0.1, 0.5, 1.0]  # the planted run's rates, the claim rate added
