@@ -559,6 +559,7 @@ DECOYS: dict[str, str] = {
 }
 """The kinds :func:`decoy` builds (loadable as ``synthetic:decoy-<kind>``): kind: what it is."""
 
+
 def secondary_decoy(kind: str, layer: int = 2, seed: int = 0):
     """``secondary``: :func:`planted_nobos` with the marker also on the delimiter word, so that
     position 2 of every :func:`distinct_first_prompts` prompt is massive too, made by the same neuron
@@ -571,7 +572,11 @@ def secondary_decoy(kind: str, layer: int = 2, seed: int = 0):
     hf, tok, p = planted("llama", layer, 5, True, seed, add_bos=False, marked=marked)
     dim = p.massive_dim
     if kind == "secondary-apart":
-        dim = next(d for d in range(hf.config.hidden_size) if d not in (p.massive_dim, *p.gain_dims, p.bias_dim))
+        dim = next(
+            d
+            for d in range(hf.config.hidden_size)
+            if d not in (p.massive_dim, *p.gain_dims, p.bias_dim)
+        )
         emb = hf.get_input_embeddings()
         with torch.no_grad():
             emb.weight[DELIMITER_ID, dim] = MASSIVE_VALUE / measure_embed_scale(emb)

@@ -210,7 +210,9 @@ def index_positions(positions: PositionsArg, batch: Any) -> tuple[tuple[int, ...
     norm = core.normalize_positions(positions)
     per_row = norm if norm and isinstance(norm[0], tuple) else (norm,) * len(batch)
     if len(per_row) != len(batch):
-        raise ValueError(f"positions has {len(per_row)} rows but the batch has {len(batch)} prompts")
+        raise ValueError(
+            f"positions has {len(per_row)} rows but the batch has {len(batch)} prompts"
+        )
     return tuple(tuple(int(p) + s for p in row) for row, s in zip(per_row, batch.starts))
 
 

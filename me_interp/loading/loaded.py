@@ -61,7 +61,9 @@ class Batch:
         index ``j`` of row ``b`` is its ``j``-th real token."""
         if not self.left_padded:
             return self
-        return Batch(align(self.tokens, self.starts), align(self.attention_mask, self.starts), self.prompts)
+        return Batch(
+            align(self.tokens, self.starts), align(self.attention_mask, self.starts), self.prompts
+        )
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(self.tokens.to(device), self.attention_mask.to(device), self.prompts)
@@ -76,7 +78,10 @@ def align(x: torch.Tensor, starts: Sequence[int], dims: Sequence[int] = (1,)) ->
     its pads to the end. For a ``[batch, pos, ...]`` activation ``dims=(1,)``; for an attention
     pattern ``[batch, head, q, k]`` ``dims=(2, 3)``."""
     T = x.shape[dims[0]]
-    idx = (torch.arange(T, device=x.device)[None, :] + torch.as_tensor(list(starts), device=x.device)[:, None]) % T
+    idx = (
+        torch.arange(T, device=x.device)[None, :]
+        + torch.as_tensor(list(starts), device=x.device)[:, None]
+    ) % T
     for d in dims:
         shape = [x.shape[0]] + [1] * (x.dim() - 1)
         shape[d] = T

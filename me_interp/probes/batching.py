@@ -243,10 +243,19 @@ def record(
         if rows is not None or upto is not None:
             raise ValueError("rows/upto need a right-padded batch (Batch.right_aligned)")
         whole = Chunk.whole(batch.right_aligned())
-        hooks = [*fwd_hooks, *(_aligned(h, batch.starts) for rec in recorders for h in rec.hooks(whole))]
-        stop = None if logits or (fwd_hooks and last_layer is None) else stop_hook_name(model, last_layer)
+        hooks = [
+            *fwd_hooks,
+            *(_aligned(h, batch.starts) for rec in recorders for h in rec.hooks(whole)),
+        ]
+        stop = (
+            None
+            if logits or (fwd_hooks and last_layer is None)
+            else stop_hook_name(model, last_layer)
+        )
         try:
-            out = model.run_with_hooks(batch, hooks if stop is None else [*hooks, (stop, _raise_stop)])
+            out = model.run_with_hooks(
+                batch, hooks if stop is None else [*hooks, (stop, _raise_stop)]
+            )
         except _Stop:
             return None
         return out if logits else None
