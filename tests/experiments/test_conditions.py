@@ -57,7 +57,7 @@ def test_claims_on_constructed_models(name, prompt_file):
         assert {t.birth for t in sec} == ({2} if name.endswith("secondary") else {0})
     chat = r.condition("chat")
     assert chat.n_rows == 0 and "no chat template" in chat.note
-    assert r.condition("left_pad").pads > 0 and max(r.padding_diffs) < 1e-4
+    assert len(r.padding_diffs) == r.condition("left_pad").n_rows and max(r.padding_diffs) < 1e-4
     assert r.condition("long_64").n_rows == 1 and r.condition("packed").n_rows == 8
     assert set(conditions.figures(r)) == {"ratios", "secondary_tokens"}
 
