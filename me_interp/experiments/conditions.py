@@ -3,13 +3,14 @@
 The paper studies the first token of short prompts and warns against generalising "the massive token
 is always the first token". This experiment scans **every position** of the prompts under each
 condition (``probes.positions.scan_positions``, the Site's one detection rule): as they are; with and
-without BOS; in the tokenizer's chat template (a system and a user turn); left-padded in one
-mixed-length batch (with the attention mask); long (the prompts concatenated to each of
-``long_tokens``, at most the model's window); packed (two prompts joined by EOS, and BOS where the
-model adds one). For every massive token: position, token, birth layer, lifetime and eraser, dims
-and their overlap with the first token's, cosine to the first token's state, sink share.
+without BOS; in the chat template (a system and a user turn); left-padded in one mixed-length batch
+(with the mask); long (the prompts concatenated to each of ``long_tokens``, at most the model's
+window); packed (two prompts joined by EOS, and BOS where the model adds one), built by
+``loading.layouts``; a condition with the rows of ``as_is`` reuses its forward. For every massive
+token: position, token, birth layer, lifetime and eraser, dims and their overlap with the first
+token's, cosine to the first token's state, sink share.
 
-    python -m me_interp.experiments.conditions
+    python -m me_interp.experiments.conditions --long-tokens 1024 2048
     python -m me_interp.experiments.conditions --model synthetic:decoy-secondary
 """
 
@@ -21,19 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import plotly.graph_objects as go
 
-from me_interp import claims
+from me_interp import claims, study
 from me_interp.loading import layouts
-from me_interp.probes.positions import MassiveToken, scan_positions
+from me_interp.plotting import counts_bar, heatmap_menu
+from me_interp.probes.positions import MassiveToken, PositionScan, scan_positions, state_differences
 from me_interp.prompts import spread
-from me_interp.study import (
-    CommonConfig,
-    Experiment,
-    RunHeader,
-    checked,
-    command,
-    model_for,
-    run_header,
-)
+from me_interp.study import CommonConfig, Experiment, RunHeader, checked
 from me_interp.study.result import Headed
 from me_interp.terminal import fmt_table
 
@@ -48,14 +42,15 @@ class Config(CommonConfig):
     Attributes:
         conditions: the conditions to run (as_is always runs: the others are compared with it).
         max_prompts: prompts per condition, spread over the prompt set (0: all).
-        long_tokens: the lengths of the long inputs (each cut to the model's window).
+        long_tokens: the lengths of the long inputs, each cut to the model's window (2048 too:
+            about four times the default run's cost).
     """
 
     conditions: tuple[str, ...] = checked(
         CONDITIONS, choices=CONDITIONS, nonempty=True, unique=True
     )
     max_prompts: int = checked(8, ge=2, also=(0,))
-    long_tokens: tuple[int, ...] = checked((1024, 2048), ge=2, nonempty=True, unique=True)
+    long_tokens: tuple[int, ...] = checked((1024,), ge=2, nonempty=True, unique=True)
 
 
 @dataclass(frozen=True)
@@ -66,9 +61,8 @@ class Condition:
         name: the condition (``long`` is ``long_<n>``); note: why it was skipped, or a remark.
         n_rows: its rows; layer: the Site's layer on them (``None``: no massive activation).
         positions: per row, the massive positions at that layer; units: the distinct prefixes.
-        tokens: every massive token at any layer (:class:`MassiveToken`).
-        ratios: row 0's norm over the median norm, per layer and position (for the figure);
-        pads: row 0's pads (left padding).
+        tokens: every massive token at any layer (:class:`MassiveToken`); ratios: row 0's norm
+            over the median norm, per layer and position (the figure), after its ``pads``.
     """
 
     name: str
@@ -80,6 +74,13 @@ class Condition:
     tokens: list[MassiveToken]
     ratios: list[list[float]]
     pads: int = 0
+
+    @classmethod
+    def of(cls, name: str, note: str, scan: PositionScan, rows: list[list[int]], left: bool):
+        pads, site = max(map(len, rows)) - len(rows[0]) if left else 0, scan.site
+        positions, units = [list(p) for p in site.positions], [list(g) for g in site.units.groups]
+        ratios = scan.ratios(0).tolist()
+        return cls(name, note, len(rows), site.layer, positions, units, scan.tokens, ratios, pads)
 
 
 @dataclass(frozen=True)
@@ -100,28 +101,22 @@ class Result(Headed):
         c = self.condition("as_is")
         at = {(t.row, t.position) for t in c.tokens}
         yes = [all({p for r, p in at if r == b} <= {0} for b in u) for u in c.units]
-        return claims.Outcomes(
-            yes, [f"prompt {u[0]}" for u in c.units], unit="massive-token prefixes"
-        )
+        labels = [f"prompt {u[0]}" for u in c.units]
+        return claims.Outcomes(yes, labels, unit="massive-token prefixes")
 
-    def secondaries(self) -> list[MassiveToken]:
-        found = [t for t in self.condition("as_is").tokens if t.position > 0]
-        if not found:
-            raise claims.NotApplicable(
-                "no secondary massive token (only the first token is massive)"
-            )
-        return found
+    def _secondaries(self, ok) -> claims.Outcomes:
+        """``ok(t)`` for every secondary massive token ``t`` (after the first token, as it is)."""
+        s = [t for t in self.condition("as_is").tokens if t.position > 0]
+        if not s:
+            raise claims.NotApplicable("no secondary massive token (only the first is massive)")
+        return claims.Outcomes([ok(t) for t in s], [f"prompt {t.row} pos {t.position}" for t in s])
 
     def shares(self) -> claims.Outcomes:
         first = {t.row: t.birth for t in self.condition("as_is").tokens if t.position == 0}
-        s = self.secondaries()
-        yes = [t.overlap >= 0.5 and first.get(t.row) == t.birth for t in s]
-        return claims.Outcomes(yes, [f"prompt {t.row} pos {t.position}" for t in s])
+        return self._secondaries(lambda t: t.overlap >= 0.5 and first.get(t.row) == t.birth)
 
     def sinks(self) -> claims.Outcomes:
-        s = self.secondaries()
-        yes = [t.sink >= claims.threshold("sink_attention") for t in s]
-        return claims.Outcomes(yes, [f"prompt {t.row} pos {t.position}" for t in s])
+        return self._secondaries(lambda t: t.sink >= claims.threshold("sink_attention"))
 
     def padding(self) -> claims.Sample:
         if not self.padding_diffs:
@@ -129,71 +124,44 @@ class Result(Headed):
         return claims.Sample(np.array(self.padding_diffs), statistic=lambda a: float(np.max(a)))
 
 
-def _rows(model, name: str, prompts, n_long: int) -> tuple[list[list[int]], str]:
-    """The token rows of one condition and a note (rows ``[]``: skipped, the note says why)."""
-    batch = model.tokenize(prompts)
-    base = [batch.tokens[i, :n].tolist() for i, n in enumerate(batch.lengths)]
-    try:
-        if name in ("as_is", "left_pad"):
-            return base, ""
-        if name in ("bos", "no_bos"):
-            return layouts.bos_rows(model, base, name == "bos"), ""
-        if name == "chat":
-            return layouts.chat_rows(model, prompts), ""
-        if name == "packed":
-            return layouts.packed_rows(model, prompts), ""
-        window = getattr(model.hf.config, "sliding_window", None)
-        note = (
-            f"beyond the sliding window ({window}) of the local layers"
-            if window and n_long > window
-            else ""
-        )
-        return [layouts.long_row(model, prompts, n_long)], note
-    except ValueError as e:
-        return [], f"skipped: {e}"
+def _jobs(cfg: Config, model, prompts) -> list[tuple[str, list[list[int]], str]]:
+    """``(name, rows, note)`` per condition, before any forward; rows ``[]``: skipped, the note says
+    why. A condition asked for by ``--conditions`` that cannot run is refused (``ValueError``)."""
+    explicit = set(cfg.conditions) != set(CONDITIONS)
+    limit = model.context_length or max(cfg.long_tokens)
+    jobs = []
+    for name in dict.fromkeys(("as_is", *cfg.conditions)):
+        for n in sorted({min(k, limit) for k in cfg.long_tokens}) if name == "long" else [0]:
+            label = f"long_{n}" if n else name
+            try:
+                rows = layouts.layout_rows(model, name.replace("left_pad", "as_is"), prompts, n)
+            except ValueError as e:
+                if explicit:
+                    raise ValueError(f"--conditions {name}: {e}") from e
+                jobs.append((label, [], f"skipped: {e}"))
+                continue
+            same = name not in ("as_is", "left_pad") and rows == jobs[0][1]
+            note = "the rows of as_is" if same else layouts.window_note(model, n)
+            jobs.append((label, rows, note))
+    return jobs
 
 
 def run(cfg: Config, model=None) -> Result:
     """Scan every position under each condition (see the module docstring)."""
-    model = model_for(cfg, model)
+    model = study.model_for(cfg, model)
     prompts = spread(cfg.load_prompts(), cfg.max_prompts)
-    limit = model.context_length or max(cfg.long_tokens)
-    longs = sorted({min(n, limit) for n in cfg.long_tokens})
-    names = [n for n in dict.fromkeys(("as_is", *cfg.conditions)) if n != "long"]
-    jobs = [(n, 0) for n in names] + [(f"long_{k}", k) for k in longs if "long" in cfg.conditions]
     out, scans = [], {}
-    for name, k in jobs:
-        rows, note = _rows(model, name.split("_")[0] if k else name, prompts, k)
+    for name, rows, note in _jobs(cfg, model, prompts):
+        left = name == "left_pad"
         if not rows:
             out.append(Condition(name, note, 0, None, [], [], [], []))
             continue
-        batch = model.batch_from_ids(rows, side="left" if name == "left_pad" else "right")
-        scans[name] = s = scan_positions(model, batch)
-        out.append(
-            Condition(
-                name,
-                note,
-                len(rows),
-                s.site.layer,
-                [list(p) for p in s.site.positions],
-                [list(g) for g in s.site.units.groups],
-                s.tokens,
-                s.ratios(0).tolist(),
-                batch.starts[0],
-            )
-        )
-    site = scans["as_is"].site
-    diffs = []
-    if "left_pad" in scans and site.layer is not None:
-        pad = scans["left_pad"]
-        for b, r in enumerate(site.reference):
-            h, hp = (
-                scans["as_is"].states.state(site.layer, b, r),
-                pad.states.state(site.layer, b, r),
-            )
-            if h is not None and hp is not None:
-                diffs.append(float((hp - h).norm() / h.norm()))
-    return Result(run_header(cfg, model, len(prompts), site), out, diffs)
+        if note != "the rows of as_is":  # else as_is's forward, not run twice
+            batch = model.batch_from_ids(rows, side="left" if left else "right")
+            scans[name] = scan_positions(model, batch)
+        out.append(Condition.of(name, note, scans.get(name, scans["as_is"]), rows, left))
+    diffs = state_differences(scans["as_is"], scans["left_pad"]) if "left_pad" in scans else []
+    return Result(study.run_header(cfg, model, len(prompts), scans["as_is"].site), out, diffs)
 
 
 SPECS = (
@@ -251,71 +219,32 @@ claims.check_specs(SPECS)
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    shown = [c for c in result.conditions if c.ratios]
-    figs = {}
-    heat = go.Figure()
-    for i, c in enumerate(shown):
-        z = np.log10(np.array(c.ratios))
-        if c.pads:  # the pads, greyed: NaN columns before the real tokens
-            z = np.concatenate([np.full((z.shape[0], c.pads), np.nan), z], axis=1)
-        heat.add_trace(go.Heatmap(z=z, visible=i == 0, colorbar={"title": "log10 ratio"}))
-    heat.update_layout(
-        title=f"Norm over median norm, positions × layers, first row — {result.model}",
-        xaxis_title="index (pads greyed)",
-        yaxis_title="layer",
-        template="plotly_white",
-        plot_bgcolor="lightgrey",
-        updatemenus=[
-            {
-                "buttons": [
-                    {
-                        "label": c.name,
-                        "method": "update",
-                        "args": [{"visible": [j == i for j in range(len(shown))]}],
-                    }
-                    for i, c in enumerate(shown)
-                ]
-            }
-        ],
-    )
-    figs["ratios"] = heat
+    panels = {}  # log10 ratio [layer pos]; the pads greyed: NaN columns before the real tokens
+    for c in (c for c in result.conditions if c.ratios):
+        panels[c.name] = np.hstack([np.full((len(c.ratios), c.pads), np.nan), np.log10(c.ratios)])
     counts = Counter(repr(t.text) for c in result.conditions for t in c.tokens if t.position > 0)
-    top = counts.most_common(20)
-    bar = go.Figure(go.Bar(x=[t for t, _ in top], y=[n for _, n in top]))
-    bar.update_layout(
-        title=f"Secondary massive tokens by token, all conditions — {result.model}",
-        xaxis_title="token",
-        yaxis_title="massive occurrences",
-        template="plotly_white",
-    )
-    figs["secondary_tokens"] = bar
-    return figs
+    title = f"Norm over median norm, positions × layers, first row — {result.model}"
+    ratios = heatmap_menu(panels, title, "index (pads greyed)", "layer", "log10 ratio")
+    title = f"Secondary massive tokens by token, all conditions — {result.model}"
+    tokens = counts_bar(dict(counts.most_common(20)), title, "token", "massive occurrences")
+    return {"ratios": ratios, "secondary_tokens": tokens}
 
 
 def summary(result: Result) -> str:
     rows = []
     for c in result.conditions:
         sec = [t for t in c.tokens if t.position > 0]
-        toks = Counter(repr(t.text) for t in sec).most_common(3)
-        rows.append(
-            [
-                c.name,
-                c.n_rows,
-                "-" if c.layer is None else c.layer,
-                sum(t.position == 0 for t in c.tokens),
-                len(sec),
-                ", ".join(f"{k}×{n}" for k, n in toks) or "-",
-                c.note or "",
-            ]
-        )
+        top = ", ".join(f"{k}×{n}" for k, n in Counter(repr(t.text) for t in sec).most_common(3))
+        at0 = sum(t.position == 0 for t in c.tokens)
+        rows.append([c.name, c.n_rows, c.layer, at0, len(sec), top or "-", c.note])
     head = ["condition", "rows", "layer", "massive at 0", "secondary", "commonest", "note"]
-    return fmt_table(head, rows)
+    return fmt_table(head, [["-" if v is None else v for v in r] for r in rows])
 
 
 EXPERIMENT = Experiment(
     NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("ratios",), result_type=Result
 )
-main = command(EXPERIMENT)
+main = study.command(EXPERIMENT)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -9,7 +9,9 @@ pads them, on the right or, as batched inference does, on the left):
 * :func:`long_row`: the prompts concatenated (blank lines between) to ``n_tokens``, one row, the
   model's BOS rule at its start (refused beyond the model's ``max_position_embeddings``);
 * :func:`packed_rows`: pairs of prompts joined as pre-training packs them: the first document, the
-  tokenizer's EOS, BOS when the model's rule adds one, the second document.
+  tokenizer's EOS, BOS when the model's rule adds one, the second document;
+* :func:`layout_rows`: one of :data:`LAYOUTS` by name (the conditions experiment's inputs), and
+  :func:`window_note`: what a long input means for sliding-window layers.
 """
 
 from __future__ import annotations
@@ -110,4 +112,48 @@ def packed_rows(model: Any, prompts: Sequence[str]) -> list[list[int]]:
     return out
 
 
-__all__ = ["SYSTEM", "bos_rows", "chat_rows", "has_chat_template", "long_row", "packed_rows"]
+LAYOUTS = ("as_is", "bos", "no_bos", "chat", "long", "packed")
+"""The layouts :func:`layout_rows` builds."""
+
+
+def layout_rows(
+    model: Any, layout: str, prompts: Sequence[str], n_tokens: int = 0
+) -> list[list[int]]:
+    """The token rows of ``prompts`` in ``layout`` (:data:`LAYOUTS`; ``long``: one row of
+    ``n_tokens``), as the model's rule tokenises them (``as_is``) or rearranged as above.
+
+    Raises:
+        ValueError: an unknown layout, or one this model's tokenizer cannot build (the reason).
+    """
+    if layout == "chat":
+        return chat_rows(model, prompts)
+    if layout == "packed":
+        return packed_rows(model, prompts)
+    if layout == "long":
+        return [long_row(model, prompts, n_tokens)]
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    batch = model.tokenize(prompts)
+    rows = [batch.tokens[i, :n].tolist() for i, n in enumerate(batch.lengths)]
+    return rows if layout == "as_is" else bos_rows(model, rows, layout == "bos")
+
+
+def window_note(model: Any, n_tokens: int) -> str:
+    """A note where ``n_tokens`` is beyond the sliding window of the model's local layers."""
+    window = getattr(model.hf.config, "sliding_window", None)
+    if window and n_tokens > window:
+        return f"beyond the sliding window ({window}) of the local layers"
+    return ""
+
+
+__all__ = [
+    "LAYOUTS",
+    "SYSTEM",
+    "bos_rows",
+    "chat_rows",
+    "has_chat_template",
+    "layout_rows",
+    "long_row",
+    "packed_rows",
+    "window_note",
+]

@@ -28,11 +28,10 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 
 from me_interp import names
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.attention import mean_to_keys
 from me_interp.probes.batching import Chunk, record
 from me_interp.probes.massive import Criterion, massive_tokens, value_passes
 from me_interp.probes.norms import NormRecorder, NormScan
@@ -76,7 +75,12 @@ class StateRecorder:
 
 class KeyAttentionRecorder:
     """``out[l, b, h, k] = mean_{q>k, q real} A_{l,b,h}[q, k]`` for every key (NaN where no real
-    query follows it)."""
+    query follows it): ``[layer batch head key]``, never a whole pattern.
+
+    Causal attention is zero above the diagonal, so the sum over the real queries after ``k`` is one
+    matrix-vector product over the pattern less its diagonal, ``Σ_q m_q A[q, k] − m_k A[k, k]``
+    (``m``: the real-query mask), divided by ``Σ_{q>k} m_q`` (one pass over the pattern, where
+    :func:`~me_interp.probes.attention.mean_to_keys` reads it through a ``[batch q k]`` mask)."""
 
     def __init__(self, model: LoadedModel, batch: Batch) -> None:
         B, T = batch.tokens.shape
@@ -88,9 +92,22 @@ class KeyAttentionRecorder:
         return [(names.pattern(L), partial(rec, layer=L)) for L in range(len(self.out))]
 
     def _record(self, pattern, hook, *, layer, rows, qmask):
-        per_key = mean_to_keys(pattern.detach().float(), qmask)  # [n head k]
-        self.out[layer, rows, :, : per_key.shape[-1]] = per_key.cpu()
+        self.out[layer, rows, :, : pattern.shape[-1]] = key_means(pattern.detach(), qmask).cpu()
         return pattern
+
+
+def key_means(
+    pattern: Float[torch.Tensor, "batch head query_pos key_pos"],
+    query_mask: Bool[torch.Tensor, "batch query_pos"],
+) -> Float[torch.Tensor, "batch head key_pos"]:
+    """``mean_{q>k, q real} A[q, k]`` of a causal pattern (zero above the diagonal), for every key
+    (NaN where no real query follows ``k``), in fp32 (see :class:`KeyAttentionRecorder`)."""
+    m = query_mask.to(pattern.device, torch.float32)  # [batch q]
+    a = pattern.float()
+    total = (m[:, None, None, :] @ a).squeeze(-2)  # [batch head k]: Σ_q m_q A[q, k]
+    total = total - a.diagonal(dim1=-2, dim2=-1) * m[:, None, :]
+    after = (m.flip(-1).cumsum(-1).flip(-1) - m)[:, None, :]  # Σ_{q>k} m_q
+    return torch.where(after > 0, total / after.clamp_min(1.0), float("nan"))
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,21 @@ class PositionScan:
         n = int(self.scan.mask[row].sum())
         norms = self.scan.site_norms("resid_post")[:, row, :n]
         return norms / norms.median(-1, keepdim=True).values
+
+
+def state_differences(scan: PositionScan, other: PositionScan) -> list[float]:
+    """Per row, ``‖h' − h‖ / ‖h‖`` of its massive token's state at ``scan``'s Site layer, ``h`` in
+    ``scan`` and ``h'`` in ``other`` (the same rows, e.g. left-padded); rows whose state was not kept
+    are left out, and no Site layer gives ``[]``."""
+    site = scan.site
+    if site.layer is None:
+        return []
+    out = []
+    for b, r in enumerate(site.reference):
+        h, h2 = scan.states.state(site.layer, b, r), other.states.state(site.layer, b, r)
+        if h is not None and h2 is not None:
+            out.append(float((h2 - h).norm() / h.norm()))
+    return out
 
 
 def _eraser(scan: NormScan, layer: int, b: int, t: int) -> str:
@@ -189,5 +221,7 @@ __all__ = [
     "MassiveToken",
     "PositionScan",
     "StateRecorder",
+    "key_means",
     "scan_positions",
+    "state_differences",
 ]

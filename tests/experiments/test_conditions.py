@@ -80,6 +80,12 @@ def test_cli_and_bad_input(tmp_path, prompt_file, capsys):
     assert "--max-prompts" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         conditions.main([*argv, "--conditions", "sideways"])
+    capsys.readouterr()
+    # asked for explicitly, a condition the tokenizer cannot build is refused in one line
+    assert conditions.main([*argv, "--conditions", "as_is", "chat"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --conditions chat: ") and "no chat template" in err
+    assert err.count("\n") == 1
     with pytest.raises(ValueError, match="at least one"):
         conditions.Config(conditions=())
     model = load_model("synthetic:planted-nobos", device="cpu")
@@ -89,3 +95,11 @@ def test_cli_and_bad_input(tmp_path, prompt_file, capsys):
         layouts.chat_rows(model, ["w0 w1"])
     with pytest.raises(ValueError, match="beyond the 1024 positions"):
         layouts.long_row(model, ["w0 w1"], 4096)
+
+
+def test_a_condition_with_the_rows_of_as_is_reuses_its_forward(prompt_file):
+    out = _run("synthetic:planted-nobos", prompt_file, conditions=("no_bos", "left_pad"))
+    r = out.result
+    as_is, no_bos = r.condition("as_is"), r.condition("no_bos")
+    assert no_bos.note == "the rows of as_is" and no_bos.tokens == as_is.tokens
+    assert r.condition("left_pad").note == ""  # its own (left-padded) forward

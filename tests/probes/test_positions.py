@@ -8,7 +8,8 @@ import torch
 from me_interp import load_model, names, synthetic
 from me_interp.interventions.wemask import index_positions, we_mask
 from me_interp.loading.loaded import align
-from me_interp.probes.positions import scan_positions
+from me_interp.probes.attention import mean_to_keys
+from me_interp.probes.positions import key_means, scan_positions
 from me_interp.probes.site import locate
 
 
@@ -89,3 +90,20 @@ def test_erased_token_lifetime_and_eraser():
     first = [t for t in found.tokens if t.position == 0]
     assert first and all(t.birth == 2 and t.last == plant.erased_at - 1 for t in first)
     assert all(t.eraser == "ffn" for t in first)
+
+
+def test_key_means_is_mean_to_keys_on_causal_patterns():
+    gen = torch.Generator().manual_seed(0)
+    T = 7
+    scores = torch.randn(3, 2, T, T, generator=gen)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    pattern = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    qmask = torch.ones(3, T, dtype=torch.bool)
+    qmask[1, 5:] = False  # a right-padded row: its pads are no queries
+    qmask[2, :] = False
+    qmask[2, 2] = True  # one real query: only the keys before it have one after them
+    got, ref = key_means(pattern, qmask), mean_to_keys(pattern, qmask)
+    assert torch.equal(got.isnan(), ref.isnan())
+    torch.testing.assert_close(got.nan_to_num(-1), ref.nan_to_num(-1), rtol=1e-5, atol=1e-6)
+    assert got[:, :, -1].isnan().all() and not got[0, :, :-1].isnan().any()
+    assert got[1, :, 4:].isnan().all() and got[2, :, 2:].isnan().all()
