@@ -4,6 +4,7 @@ CLI, bad input."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -95,6 +96,16 @@ def test_cli_and_bad_input(tmp_path, prompt_file, capsys):
         layouts.chat_rows(model, ["w0 w1"])
     with pytest.raises(ValueError, match="beyond the 1024 positions"):
         layouts.long_row(model, ["w0 w1"], 4096)
+    with pytest.raises(ValueError, match="unknown layout"):
+        layouts.layout_rows(model, "sideways", ["w0 w1"])
+    assert layouts.layout_rows(model, "long", ["w0 w1 w2"], 5) == [
+        layouts.long_row(model, ["w0 w1 w2"], 5)
+    ]
+    windowed = SimpleNamespace(hf=SimpleNamespace(config=SimpleNamespace(sliding_window=512)))
+    assert (
+        layouts.window_note(windowed, 1024) == "beyond the sliding window (512) of the local layers"
+    )
+    assert layouts.window_note(windowed, 512) == layouts.window_note(model, 4096) == ""
 
 
 def test_a_condition_with_the_rows_of_as_is_reuses_its_forward(prompt_file):
