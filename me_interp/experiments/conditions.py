@@ -43,7 +43,7 @@ class Config(CommonConfig):
         conditions: the conditions to run (as_is always runs: the others are compared with it).
         max_prompts: prompts per condition, spread over the prompt set (0: all).
         long_tokens: the lengths of the long inputs, each cut to the model's window (2048 too:
-            about four times the default run's cost).
+            about twice the default run's cost).
     """
 
     conditions: tuple[str, ...] = checked(
