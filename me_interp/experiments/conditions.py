@@ -41,7 +41,7 @@ class Config(CommonConfig):
 
     Attributes:
         conditions: the conditions to run (as_is always runs: the others are compared with it).
-        max_prompts: prompts per condition, spread over the prompt set (0: all).
+        max_prompts: prompts per condition, spread over the prompt set (``None``: all).
         long_tokens: the lengths of the long inputs, each cut to the model's window (2048 too:
             about twice the default run's cost).
     """
@@ -49,7 +49,7 @@ class Config(CommonConfig):
     conditions: tuple[str, ...] = checked(
         CONDITIONS, choices=CONDITIONS, nonempty=True, unique=True
     )
-    max_prompts: int = checked(8, ge=2, also=(0,))
+    max_prompts: int | None = checked(8, ge=2)
     long_tokens: tuple[int, ...] = checked((1024,), ge=2, nonempty=True, unique=True)
 
 
@@ -149,7 +149,7 @@ def _jobs(cfg: Config, model, prompts) -> list[tuple[str, list[list[int]], str]]
 def run(cfg: Config, model=None) -> Result:
     """Scan every position under each condition (see the module docstring)."""
     model = study.model_for(cfg, model)
-    prompts = spread(cfg.load_prompts(), cfg.max_prompts)
+    prompts = spread(cfg.load_prompts(), cfg.max_prompts or 0)
     out, scans = [], {}
     for name, rows, note in _jobs(cfg, model, prompts):
         left = name == "left_pad"

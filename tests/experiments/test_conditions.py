@@ -35,7 +35,9 @@ def prompt_file(tmp_path_factory):
 
 
 def _run(name, prompt_file, **kw):
-    cfg = conditions.Config(model=name, prompts=prompt_file, max_prompts=0, long_tokens=(64,), **kw)
+    cfg = conditions.Config(
+        model=name, prompts=prompt_file, max_prompts=None, long_tokens=(64,), **kw
+    )
     model = load_model(name, device="cpu")
     return study.execute(conditions.EXPERIMENT, cfg, model)
 
