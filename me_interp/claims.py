@@ -213,6 +213,17 @@ THRESHOLDS: dict[str, Threshold] = {
         "this fraction of the distinct massive-token prefixes lies in the ME layer "
         "(Clopper-Pearson interval; under exchangeable layers the chance is 1 / n_layers)",
     ),
+    "padding_equivalence": Threshold(
+        1e-3,
+        "left padding leaves a state 'unchanged' when its relative difference to the unpadded "
+        "state, ‖h_pad − h‖ / ‖h‖, stays at most this (float32 rounding is about 1e-6)",
+    ),
+    "secondary_share": Threshold(
+        0.5,
+        "secondary massive tokens (after the first token) 'share' a property of the first token "
+        "(its dims and birth layer, a sink) when at least this fraction of them has it "
+        "(Clopper-Pearson interval)",
+    ),
     "first_token": Threshold(
         0.75,
         "'the massive token is the first token' when at least this fraction of the distinct "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -237,5 +238,44 @@ def sorted_gains(
         yaxis_title="|w| (gain, log scale)",
         yaxis_type="log",
         template="plotly_white",
+    )
+    return fig
+
+
+def heatmap_menu(
+    panels: Mapping[str, Any],
+    title: str,
+    xaxis_title: str,
+    yaxis_title: str,
+    colorbar_title: str = "",
+) -> go.Figure:
+    """One heatmap per panel (label: ``z``, an array or nested lists ``[row col]``), the first
+    shown, a drop-down menu to switch; NaN cells are left empty on a light grey background (e.g.
+    the pads of a left-padded row)."""
+    fig = go.Figure()
+    for i, z in enumerate(panels.values()):
+        fig.add_trace(go.Heatmap(z=z, visible=i == 0, colorbar={"title": colorbar_title}))
+    show = [[j == i for j in range(len(panels))] for i in range(len(panels))]
+    buttons = [
+        {"label": k, "method": "update", "args": [{"visible": v}]} for k, v in zip(panels, show)
+    ]
+    fig.update_layout(
+        title=title,
+        xaxis_title=xaxis_title,
+        yaxis_title=yaxis_title,
+        template="plotly_white",
+        plot_bgcolor="lightgrey",
+        updatemenus=[{"buttons": buttons}],
+    )
+    return fig
+
+
+def counts_bar(
+    counts: Mapping[str, int], title: str, xaxis_title: str, yaxis_title: str
+) -> go.Figure:
+    """A bar per key of ``counts``, in the mapping's order."""
+    fig = go.Figure(go.Bar(x=list(counts), y=list(counts.values())))
+    fig.update_layout(
+        title=title, xaxis_title=xaxis_title, yaxis_title=yaxis_title, template="plotly_white"
     )
     return fig

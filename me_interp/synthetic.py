@@ -552,8 +552,49 @@ DECOYS: dict[str, str] = {
     "primedapart": "primed, with the sink heads' key on the marker, not the massive dim",
     "sinkspread": "planted, and after the ME layer every head is a sink head: the sink's effect is "
     "spread over all heads",
+    # decoys for the conditions experiment (beyond the first token)
+    "secondary": "planted at token 0 and again at the delimiter (position 2): a secondary massive "
+    "token, born at the same layer on the same dims",
+    "secondary-apart": "planted at token 0; the delimiter (position 2) carries another large dim "
+    "from its embedding: a secondary massive token born elsewhere, on other dims",
 }
 """The kinds :func:`decoy` builds (loadable as ``synthetic:decoy-<kind>``): kind: what it is."""
+
+
+def secondary_decoy(kind: str, layer: int = 2, seed: int = 0):
+    """``secondary``: :func:`planted_nobos` with the marker also on the delimiter word, so that
+    position 2 of every :func:`distinct_first_prompts` prompt is massive too, made by the same neuron
+    at ``layer`` on the same dim; ``secondary-apart``: :func:`planted_nobos`, and the delimiter's
+    embedding carries :data:`MASSIVE_VALUE` on another dim (massive from layer 0, not on the
+    planted dim, so the sink head's key does not read it)."""
+    from me_interp.architecture import measure_embed_scale
+
+    marked = STARTER_IDS + ((DELIMITER_ID,) if kind == "secondary" else ())
+    hf, tok, p = planted("llama", layer, 5, True, seed, add_bos=False, marked=marked)
+    dim = p.massive_dim
+    if kind == "secondary-apart":
+        dim = next(
+            d
+            for d in range(hf.config.hidden_size)
+            if d not in (p.massive_dim, *p.gain_dims, p.bias_dim)
+        )
+        emb = hf.get_input_embeddings()
+        with torch.no_grad():
+            emb.weight[DELIMITER_ID, dim] = MASSIVE_VALUE / measure_embed_scale(emb)
+    rec = Decoy(
+        kind=kind,
+        made_by="ffn" if kind == "secondary" else "embedding",
+        layers=(layer,) if kind == "secondary" else (),
+        massive_dim=dim,
+        position=DELIMITER_POSITION,
+        reads=p.gain_dims,
+        gain_dims=p.gain_dims,
+        neuron=p.neuron,
+        head=None,
+        marked_tokens=marked,
+    )
+    return hf, tok, rec
+
 
 #: The magnitude of the decoys' massive value (about the planted one's, 2.3e3).
 MASSIVE_VALUE = 2500.0
@@ -685,6 +726,8 @@ def decoy(kind: str, layer: int = 2, seed: int = 0):
         return decoy_deep(kind, seed)
     if kind in CAUSAL_DECOYS:
         return causal_decoy(kind, layer, seed)
+    if kind in ("secondary", "secondary-apart"):
+        return secondary_decoy(kind, layer, seed)
     if kind == "later":
         hf, tok, p = planted("llama", layer, 5, True, seed, add_bos=False, marked=(DELIMITER_ID,))
         rec = Decoy(

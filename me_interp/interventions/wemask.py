@@ -227,6 +227,20 @@ def massive_positions(model: Any, batch: Any) -> list[list[int]]:
     return [list(p) for p in site.positions]
 
 
+def index_positions(positions: PositionsArg, batch: Any) -> tuple[tuple[int, ...], ...]:
+    """``positions`` counted from each row's first real token (the Site's, the HF hooks'
+    ``positions_from="mask"``), as the indices of ``batch``'s tensors, one list per row: the same
+    under right padding, shifted by each row's :attr:`~me_interp.loading.loaded.Batch.starts` under
+    left padding (a TransformerLens forward has no cache: its index is the position it edits)."""
+    norm = core.normalize_positions(positions)
+    per_row = norm if norm and isinstance(norm[0], tuple) else (norm,) * len(batch)
+    if len(per_row) != len(batch):
+        raise ValueError(
+            f"positions has {len(per_row)} rows but the batch has {len(batch)} prompts"
+        )
+    return tuple(tuple(int(p) + s for p in row) for row, s in zip(per_row, batch.starts))
+
+
 def locate_with_directions(model: Any, batch: Any) -> tuple[Any, dict[int, torch.Tensor]]:
     """The ME location on ``batch`` (:func:`me_interp.probes.find_me_layer`) and, from the same
     forward, per layer the massive direction that
@@ -368,8 +382,10 @@ def we_mask(
         layers: explicit 0-based layers; default :func:`mask_layers` (``start`` from ``me_layer``).
         start: ``"ge"`` (layers ≥ ME, the paper) or ``"gt"`` (layers > ME).
         me_layer: the ME layer; measured on ``batch`` (default built-in prompts) when ``None``.
-        positions: absolute positions of the massive token(s): all prompts, or one list per prompt;
-            ``"massive"``: the massive positions detected in ``batch`` (required then) at the ME layer.
+        positions: positions of the massive token(s), counted from each row's first real token: all
+            prompts, or one list per prompt; ``"massive"``: the massive positions detected in
+            ``batch`` (required then) at the ME layer. With a left-padded ``batch`` they follow its
+            real tokens (:func:`index_positions`).
         seed: seed of the ``random`` variant.
         batch: prompts for detecting the ME layer (default: built-in prompts) and, with
             ``positions="massive"``, the massive positions — use the batch you will run.
@@ -387,6 +403,8 @@ def we_mask(
         if batch is None:
             raise ValueError("positions='massive' detects them in the batch you run: pass batch=")
         positions = massive_positions(model, batch)
+    if batch is not None and batch.left_padded:  # follow each row's first real token
+        positions = index_positions(positions, batch)
     if layers is None:
         layers = mask_layers(model, start=start, me_layer=me_layer, batch=batch)
     spec = WeMask.build(model, layers, rate, variant, positions, seed)
@@ -408,5 +426,6 @@ __all__ = [
     "MASK_ANYWAY",
     "select_dims",
     "start_layer",
+    "index_positions",
     "we_mask",
 ]

@@ -23,7 +23,10 @@ BOS_CHOICES: tuple[str, ...] = ("auto", "yes", "no")
 
 @dataclass(frozen=True)
 class Batch:
-    """Tokenised prompts, right-padded so that position t is the t-th token of every row.
+    """Tokenised prompts, right-padded so that position t is the t-th token of every row, or
+    left-padded (``batch_from_ids(..., side="left")``, as batched inference pads): then a row's
+    tokens start at :attr:`starts`, and positions are counted from each row's first real token
+    (:meth:`right_aligned` is the same rows right-padded; the probes record through it).
 
     Attributes:
         tokens: ``[batch, pos]`` token ids (pad id where ``attention_mask`` is 0).
@@ -42,6 +45,25 @@ class Batch:
     @property
     def padded(self) -> bool:
         return bool((self.attention_mask == 0).any())
+
+    @property
+    def starts(self) -> list[int]:
+        """Per row, the index of its first real token (0 for every row of a right-padded batch)."""
+        return [int(i) for i in (self.attention_mask != 0).long().argmax(-1)]
+
+    @property
+    def left_padded(self) -> bool:
+        """Whether some row's first real token is not at index 0."""
+        return any(self.starts)
+
+    def right_aligned(self) -> Batch:
+        """The same rows with every row's real tokens moved to index 0 (``self`` when already so):
+        index ``j`` of row ``b`` is its ``j``-th real token."""
+        if not self.left_padded:
+            return self
+        return Batch(
+            align(self.tokens, self.starts), align(self.attention_mask, self.starts), self.prompts
+        )
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(self.tokens.to(device), self.attention_mask.to(device), self.prompts)
@@ -78,6 +100,24 @@ def as_batch(model: Any, prompts: object) -> Batch:  # anything: a clear TypeErr
         f"expected a str, a list of str or a Batch, got {type(prompts).__name__}"
         + (" (token ids: use model.batch_from_ids)" if isinstance(prompts, torch.Tensor) else "")
     )
+
+
+def align(x: torch.Tensor, starts: Sequence[int], dims: Sequence[int] = (1,)) -> torch.Tensor:
+    """``x`` with each row ``b`` (dim 0) rolled left by ``starts[b]`` along each of ``dims`` (the
+    position axes, all of length ``T``): a left-padded row's first real token moves to index 0 and
+    its pads to the end. For a ``[batch, pos, ...]`` activation ``dims=(1,)``; for an attention
+    pattern ``[batch, head, q, k]`` ``dims=(2, 3)``."""
+    T = x.shape[dims[0]]
+    idx = (
+        torch.arange(T, device=x.device)[None, :]
+        + torch.as_tensor(list(starts), device=x.device)[:, None]
+    ) % T
+    for d in dims:
+        shape = [x.shape[0]] + [1] * (x.dim() - 1)
+        shape[d] = T
+        view = idx.view(shape).expand(*x.shape[:d], T, *x.shape[d + 1 :])
+        x = torch.gather(x, d, view)
+    return x
 
 
 @dataclass(frozen=True)
@@ -317,9 +357,15 @@ class LoadedModel:
         return self.batch_from_ids(rows, prompts=tuple(prompts))
 
     def batch_from_ids(
-        self, rows: Sequence[Sequence[int]], prompts: tuple[str, ...] | None = None
+        self,
+        rows: Sequence[Sequence[int]],
+        prompts: tuple[str, ...] | None = None,
+        side: str = "right",
     ) -> Batch:
-        """Right-pad token-id rows into a :class:`Batch` on the model's device."""
+        """Pad token-id rows into a :class:`Batch` on the model's device (``side``: ``"right"``, or
+        ``"left"`` as batched inference pads)."""
+        if side not in ("right", "left"):
+            raise ValueError(f"side must be 'right' or 'left', got {side!r}")
         if not rows:
             raise ValueError("the prompt list is empty: give at least one prompt")
         width = max(len(r) for r in rows)
@@ -330,8 +376,9 @@ class LoadedModel:
         for i, r in enumerate(rows):
             if len(r) == 0:
                 raise ValueError(f"row {i} has no tokens")
-            tokens[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-            mask[i, : len(r)] = 1
+            at = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+            tokens[i, at] = torch.as_tensor(list(r), dtype=torch.long)
+            mask[i, at] = 1
         return Batch(tokens.to(self.device), mask.to(self.device), prompts)
 
     def bos_prepended(self, batch: Batch) -> bool:
@@ -417,4 +464,13 @@ def _check_architecture(model: LoadedModel) -> Architecture:
         ) from e
 
 
-__all__ = ["BOS_CHOICES", "Batch", "BosChoice", "FFNWeights", "LoadedModel", "Prompts", "as_batch"]
+__all__ = [
+    "BOS_CHOICES",
+    "Batch",
+    "BosChoice",
+    "FFNWeights",
+    "LoadedModel",
+    "Prompts",
+    "align",
+    "as_batch",
+]

@@ -60,7 +60,7 @@ import torch
 from jaxtyping import Int
 
 from me_interp import names
-from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel, align
 
 MAX_CHUNK_TOKENS = 1024
 """Padded tokens per chunk (rows × longest row). Measured on SmolLM2-135M with one CPU thread, the 82
@@ -239,6 +239,26 @@ def record(
         if rows is not None or upto is not None:
             raise ValueError("a prefix run takes the whole batch, with no rows or upto")
         return _from_prefix(model, recorders, fwd_hooks, last_layer, prefix, start, logits)
+    if batch.left_padded:  # one forward as padded; the recorders read it right-aligned
+        if rows is not None or upto is not None:
+            raise ValueError("rows/upto need a right-padded batch (Batch.right_aligned)")
+        whole = Chunk.whole(batch.right_aligned())
+        hooks = [
+            *fwd_hooks,
+            *(_aligned(h, batch.starts) for rec in recorders for h in rec.hooks(whole)),
+        ]
+        stop = (
+            None
+            if logits or (fwd_hooks and last_layer is None)
+            else stop_hook_name(model, last_layer)
+        )
+        try:
+            out = model.run_with_hooks(
+                batch, hooks if stop is None else [*hooks, (stop, _raise_stop)]
+            )
+        except _Stop:
+            return None
+        return out if logits else None
     if fwd_hooks or logits or max_tokens is None:  # the batch as it is, in one forward
         if rows is not None or upto is not None:
             raise ValueError(
@@ -266,6 +286,20 @@ def record(
         except _Stop:
             pass
     return None
+
+
+def _read_aligned(x: torch.Tensor, hook: Any, *, fn: Any, starts: Sequence[int]) -> torch.Tensor:
+    """Run the recorder hook ``fn`` on ``x`` with every row's real tokens moved to index 0 (an
+    attention pattern along its query and key axes); ``x`` goes on unchanged (recorders read)."""
+    pattern = hook.name.endswith(("hook_pattern", "hook_attn_scores"))  # [batch head q k]
+    fn(align(x, starts, (2, 3) if pattern else (1,)), hook)
+    return x
+
+
+def _aligned(hook: Hook, starts: Sequence[int]) -> Hook:
+    """A recorder's ``(name, fn)`` for a left-padded forward: ``fn`` reads it right-aligned."""
+    name, fn = hook
+    return name, partial(_read_aligned, fn=fn, starts=list(starts))
 
 
 # ------------------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ class NormRecorder:
                 raise ValueError(f"unknown site {s!r}; choose from {names.NORM_SITES}")
         if not 0 <= keep_prompt < len(batch):
             raise ValueError(f"keep_prompt={keep_prompt} out of range for {len(batch)} prompts")
+        batch = batch.right_aligned()  # a left-padded batch is recorded right-aligned (record)
         n_layers, (B, T), d = model.n_layers, batch.tokens.shape, model.d_model
         self.model, self.batch, self.sites = model, batch, sites
         self.k = min(top_k, d)

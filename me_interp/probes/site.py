@@ -15,6 +15,10 @@ scan, the experiment's own or a fresh one) and answers, for one batch of prompts
 * ``why_not`` — the one "not applicable" reason (no massive activation and no layer given; or none
   at the given layer), worded in one place (:func:`no_massive_why`).
 
+Positions are counted from each row's first real token: on a left-padded batch (as batched inference
+pads, read from its attention mask) position 0 is the first real token, never a pad
+(``probes.batching.record`` hands the probes every row right-aligned).
+
 Experiments, WeMask, the viewer and the survey use it; nothing else locates the massive activation.
 """
 
@@ -335,7 +339,7 @@ def locate(
         reference=tuple(int(r) for r in reference),
         positions=tuple(tuple(int(t) for t in p) for p in positions),
         dims=tuple(int(d) for d in dims),
-        units=massive_units(batch.tokens, reference, seed),
+        units=massive_units(batch.right_aligned().tokens, reference, seed),
         n_prompts=n,
     )
 
