@@ -551,6 +551,9 @@ DECOYS: dict[str, str] = {
     "primedapart": "primed, with the sink heads' key on the marker, not the massive dim",
     "sinkspread": "planted, and after the ME layer every head is a sink head: the sink's effect is "
     "spread over all heads",
+    # two-layer births (twostep_decoy)
+    "twostep": "born over two layers: the norm ratio jumps ×16 at layer 2, then ×60 at layer 3",
+    "twostep-even": "born over two nearly balanced layers: ×20 at layer 2, then ×25 at layer 3",
 }
 """The kinds :func:`decoy` builds (loadable as ``synthetic:decoy-<kind>``): kind: what it is."""
 
@@ -671,7 +674,9 @@ def decoy(kind: str, layer: int = 2, seed: int = 0):
       massive dim (cosine −1 with the massive direction; calibrated by a forward pass, see
       :func:`_plant_eraser`), so token 0 is massive at layers ``layer … layer + 1`` only;
     * ``<kind>-deep`` (:data:`DEEP_DECOYS`): :func:`decoy_deep` (8 layers, made at layer 6;
-      ``layer`` does not apply).
+      ``layer`` does not apply);
+    * ``twostep``, ``twostep-even`` (:data:`TWOSTEP`): :func:`twostep_decoy` (born over layers 2
+      and 3; ``layer`` does not apply).
 
     Returns:
         ``(hf_model, tokenizer, Decoy)``.
@@ -684,6 +689,8 @@ def decoy(kind: str, layer: int = 2, seed: int = 0):
         return decoy_deep(kind, seed)
     if kind in CAUSAL_DECOYS:
         return causal_decoy(kind, layer, seed)
+    if kind in TWOSTEP:
+        return twostep_decoy(kind, seed)
     if kind == "later":
         hf, tok, p = planted("llama", layer, 5, True, seed, add_bos=False, marked=(DELIMITER_ID,))
         rec = Decoy(
@@ -1333,3 +1340,69 @@ def superweight_spread(name: str = "superweight-spread", seed: int = 0):
             lay.q[row, b] = lam * q0
             lay.q[row, D] = -(1.0 - lam) * kappa
     return hf, tok, plant
+
+
+# --- two-layer births: one_layer must fail ---------------------------------------------------
+
+TWOSTEP: dict[str, tuple[float, float]] = {"twostep": (16.0, 60.0), "twostep-even": (20.0, 25.0)}
+"""The two-layer-birth decoys: kind: the norm-ratio jumps ``R_l / R_{l-1}`` targeted at layers
+:data:`TWOSTEP_LAYERS` (median over :func:`distinct_first_prompts`), each above ``jump`` (10)."""
+TWOSTEP_LAYERS = (2, 3)
+
+
+def _median_ratio(hf, tok, layer: int) -> tuple[float, float]:
+    """Median over :func:`distinct_first_prompts` of token 0's norm over the mean of the other
+    tokens' norms at the input and at the output of ``layer`` (one HF forward; not the last
+    layer, whose HF hidden state is after the final norm)."""
+    batch = tok(distinct_first_prompts(), return_tensors="pt", padding=True)
+    with torch.no_grad():
+        hs = hf(**batch, output_hidden_states=True).hidden_states
+    mask = batch["attention_mask"].bool()
+    out = []
+    for h in (hs[layer], hs[layer + 1]):
+        n = h.norm(dim=-1)  # batch pos
+        others = mask.clone()
+        others[:, 0] = False
+        r = n[:, 0] / ((n * others).sum(-1) / others.sum(-1))
+        out.append(float(r.median()))
+    return out[0], out[1]
+
+
+def twostep_decoy(kind: str, seed: int = 0):
+    """A tiny Llama (no BOS; prompts: :func:`distinct_first_prompts`) on the unplanted twin of
+    :func:`planted_nobos` whose massive activation is born over two layers: the starter words carry
+    1 on the massive dim, and one neuron of each of :data:`TWOSTEP_LAYERS` reads that dim and
+    writes it larger, its down weight bisected (on the log scale, by forward passes) so that the
+    median norm ratio jumps by the factors of :data:`TWOSTEP` (``kind``): ``(hf, tokenizer, Decoy)``.
+    """
+    from me_interp.architecture import measure_embed_scale
+
+    factors = TWOSTEP[kind]
+    hf, tok, p = planted("llama", 2, 5, False, seed, add_bos=False, marked=STARTER_IDS)
+    D, n = p.massive_dim, p.neuron
+    lays = [_Layer(b, hf.config) for b in hf.model.layers]
+    with torch.no_grad():
+        emb = hf.get_input_embeddings()
+        emb.weight[list(STARTER_IDS), D] = 1.0 / measure_embed_scale(emb)
+        for layer, factor in zip(TWOSTEP_LAYERS, factors, strict=True):
+            _set_neuron(lays[layer], n, [D], D, 1.0, 0.0)
+            lo, hi = -6.0, 8.0  # log10 of the down weight
+            for _ in range(40):
+                mid = (lo + hi) / 2
+                lays[layer].down[D, n] = 10.0**mid
+                r_in, r_out = _median_ratio(hf, tok, layer)
+                lo, hi = (mid, hi) if r_out / r_in < factor else (lo, mid)
+    rec = Decoy(
+        kind=kind,
+        made_by="ffn-gradual",
+        layers=TWOSTEP_LAYERS,
+        massive_dim=D,
+        position=0,
+        reads=(D,),
+        gain_dims=(),
+        neuron=n,
+        head=None,
+        marked_tokens=STARTER_IDS,
+        factor=factors[1],
+    )
+    return hf, tok, rec

@@ -209,10 +209,20 @@ def _geometry_applies(r: Result) -> str | None:
     return None
 
 
-def _sink(r: Result) -> claims.Sample:
-    me = r.me_layer
+def _sink(r: Result, me: int | None = None) -> claims.Sample:
+    me = r.me_layer if me is None else me
     return claims.Sample(
         as_array(r.per_prompt.attn_to_massive), claims.of_means(lambda m: _shift(m, me))
+    )
+
+
+def _placebo(
+    stat: Callable[[Result, int], claims.Measure], first: int, stop: int
+) -> Callable[[Result], claims.Placebo]:
+    """The placebo layers of a split statistic ``stat(r, l)``: every split ``first ≤ l <
+    n_layers − stop`` in the ME layer's place."""
+    return lambda r: claims.placebo(
+        lambda la: stat(r, la), r.me_layer, range(first, len(r.layers) - stop)
     )
 
 
@@ -232,9 +242,13 @@ def _sink_details(r: Result) -> str:
     return f"ME layer {r.me_text()}; " + "; ".join(parts)
 
 
-def _entropy_rows(r: Result) -> np.ndarray:
-    ent, me = as_array(r.per_prompt.attn_entropy), r.me_layer
+def _entropy_rows(r: Result, me: int | None = None) -> np.ndarray:
+    ent, me = as_array(r.per_prompt.attn_entropy), r.me_layer if me is None else me
     return paired(ent[:, : me + 1].mean(1), ent[:, me + 1 :].mean(1))
+
+
+def _entropy(r: Result, me: int | None = None) -> claims.Sample:
+    return claims.Sample(_entropy_rows(r, me), relative_drop)
 
 
 def _entropy_details(r: Result) -> str:
@@ -248,12 +262,16 @@ def _entropy_details(r: Result) -> str:
 _Values = Callable[["PerPrompt"], list[list[float]]]
 
 
-def _rank_rows(values: _Values) -> Callable[[Result], np.ndarray]:
-    def rows(r: Result) -> np.ndarray:
-        er, me = as_array(values(r.per_prompt)), r.me_layer
+def _rank_rows(values: _Values) -> Callable[..., np.ndarray]:
+    def rows(r: Result, me: int | None = None) -> np.ndarray:
+        er, me = as_array(values(r.per_prompt)), r.me_layer if me is None else me
         return paired(er[:, :me].mean(1), er[:, me:].mean(1))
 
     return rows
+
+
+def _rank_others(r: Result, me: int | None = None) -> claims.Sample:
+    return claims.Sample(_rank_rows(_ranks_others)(r, me), relative_drop)
 
 
 def _rank_details(values: _Values) -> Callable[[Result], str]:
@@ -292,6 +310,7 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_sink,
         applies=_attention_applies,
         details=_sink_details,
+        placebo=_placebo(_sink, 0, 1),
     ),
     claims.Spec(
         "attention_sinks.entropy_drop",
@@ -301,10 +320,12 @@ SPECS: tuple[claims.Spec, ...] = (
         "mean over heads and queries)",
         op=">=",
         threshold="relative_drop",
-        control="the same prompts' attention at the layers up to the ME layer",
-        stat=lambda r: claims.Sample(_entropy_rows(r), relative_drop),
+        control="the same prompts' attention at the layers up to the ME layer; placebo: the "
+        "split at every other layer",
+        stat=_entropy,
         applies=_attention_applies,
         details=_entropy_details,
+        placebo=_placebo(_entropy, 0, 1),
     ),
     claims.Spec(
         "attention_sinks.rank_drop_all",
@@ -330,10 +351,12 @@ SPECS: tuple[claims.Spec, ...] = (
         "of each prompt except the massive one)",
         op=">=",
         threshold="relative_drop",
-        control="the same prompts' layer outputs before the ME layer",
-        stat=lambda r: claims.Sample(_rank_rows(_ranks_others)(r), relative_drop),
+        control="the same prompts' layer outputs before the ME layer; placebo: the split at "
+        "every other layer",
+        stat=_rank_others,
         applies=_geometry_applies,
         details=_rank_details(_ranks_others),
+        placebo=_placebo(_rank_others, 1, 0),
     ),
 )
 
