@@ -89,8 +89,9 @@ THRESHOLDS: dict[str, Threshold] = {
     ),
     "carried_fraction": Threshold(
         0.5,
-        "after the ME layer the norm ratio must stay at least this fraction of its ME-layer value "
-        "(the residual stream carries it)",
+        "after the ME layer the massive token's norm must stay at least this fraction of its "
+        "ME-layer value over the middle layers (the residual stream carries it); a single layer "
+        "that multiplies it by less than this is an eraser, and ends the layers judged",
     ),
     "peak_fraction": Threshold(
         0.5,

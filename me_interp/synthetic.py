@@ -551,6 +551,8 @@ DECOYS: dict[str, str] = {
     "primedapart": "primed, with the sink heads' key on the marker, not the massive dim",
     "sinkspread": "planted, and after the ME layer every head is a sink head: the sink's effect is "
     "spread over all heads",
+    "fading": "made at layer 2 as planted, then shrunk ×0.6 by each of layers 3–6's FFNs: no "
+    "single-layer eraser, not carried",
     # two-layer births (twostep_decoy)
     "twostep": "born over two layers: the norm ratio jumps ×16 at layer 2, then ×60 at layer 3",
     "twostep-even": "born over two nearly balanced layers: ×20 at layer 2, then ×25 at layer 3",
@@ -608,9 +610,12 @@ def _token0_ffn_io(hf, tok, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return got["x"][:, 0].double(), got["y"][:, 0].double()
 
 
-def _plant_eraser(hf, tok, plant: Plant, layer: int, sharpness: float = 3.0) -> tuple[int, ...]:
-    """Make FFN neurons of ``layer`` write minus token 0's massive value ``h_D`` into the massive
-    dim ``D`` (and nothing else), for every starter word; returns the neurons.
+def _plant_eraser(
+    hf, tok, plant: Plant, layer: int, sharpness: float = 3.0, fraction: float = 1.0
+) -> tuple[int, ...]:
+    """Make FFN neurons of ``layer`` write minus token 0's massive value ``h_D`` (times
+    ``fraction``) into the massive dim ``D`` (and nothing else), for every starter word; returns
+    the neurons.
 
     The FFN sees only the normalised state ``ĥ = g ⊙ h / rms(h)``, so it cannot write something
     proportional to ``h_D`` directly; but the bias dim ``b`` is 1 in every state, so
@@ -645,7 +650,7 @@ def _plant_eraser(hf, tok, plant: Plant, layer: int, sharpness: float = 3.0) -> 
         act = (torch.nn.functional.silu(yf @ lay.gate[rows].T) * (yf @ lay.up[rows].T)).double()
         scale = act.abs().amax(0).clamp(min=1e-12)  # every neuron's activation of order 1
         lay.up[rows] /= scale[:, None].to(lay.up.dtype)
-        sol = torch.linalg.lstsq(act / scale, -x[:, D : D + 1]).solution[:, 0]
+        sol = torch.linalg.lstsq(act / scale, -fraction * x[:, D : D + 1]).solution[:, 0]
         lay.down[D, rows] = sol.to(lay.down.dtype)
     return neurons
 
@@ -675,6 +680,7 @@ def decoy(kind: str, layer: int = 2, seed: int = 0):
       :func:`_plant_eraser`), so token 0 is massive at layers ``layer … layer + 1`` only;
     * ``<kind>-deep`` (:data:`DEEP_DECOYS`): :func:`decoy_deep` (8 layers, made at layer 6;
       ``layer`` does not apply);
+    * ``fading``: :func:`fading_decoy`;
     * ``twostep``, ``twostep-even`` (:data:`TWOSTEP`): :func:`twostep_decoy` (born over layers 2
       and 3; ``layer`` does not apply).
 
@@ -691,6 +697,8 @@ def decoy(kind: str, layer: int = 2, seed: int = 0):
         return causal_decoy(kind, layer, seed)
     if kind in TWOSTEP:
         return twostep_decoy(kind, seed)
+    if kind == "fading":
+        return fading_decoy(layer, seed)
     if kind == "later":
         hf, tok, p = planted("llama", layer, 5, True, seed, add_bos=False, marked=(DELIMITER_ID,))
         rec = Decoy(
@@ -1404,5 +1412,37 @@ def twostep_decoy(kind: str, seed: int = 0):
         head=None,
         marked_tokens=STARTER_IDS,
         factor=factors[1],
+    )
+    return hf, tok, rec
+
+
+FADING_LAYERS, FADING_FACTOR = 7, 0.6
+"""``decoy-fading``: its layers, and the factor each FFN after the planted layer puts on the
+massive value (above ``carried_fraction``, 0.5: no single layer erases it)."""
+
+
+def fading_decoy(layer: int = 2, seed: int = 0):
+    """:func:`planted_nobos`'s mechanism at ``layer`` of :data:`FADING_LAYERS`, and in each later
+    layer an eraser (:func:`_plant_eraser`) that writes ``(FADING_FACTOR − 1)`` times token 0's
+    massive value into the massive dim, for every starter word: the massive activation fades by
+    :data:`FADING_FACTOR` per layer, ``(hf, tokenizer, Decoy)``."""
+    hf, tok, p = planted(
+        "llama", layer, FADING_LAYERS, True, seed, add_bos=False, marked=STARTER_IDS
+    )
+    D, n = p.massive_dim, p.neuron
+    for L in range(layer + 1, FADING_LAYERS):
+        _plant_eraser(hf, tok, p, L, fraction=1.0 - FADING_FACTOR)
+    rec = Decoy(
+        kind="fading",
+        made_by="ffn",
+        layers=(layer,),
+        massive_dim=D,
+        position=0,
+        reads=p.gain_dims,
+        gain_dims=p.gain_dims,
+        neuron=n,
+        head=None,
+        marked_tokens=STARTER_IDS,
+        factor=FADING_FACTOR,
     )
     return hf, tok, rec

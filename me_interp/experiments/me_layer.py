@@ -27,7 +27,7 @@ without ``resid_pre``/``resid_mid``; ``carried`` also when the ME layer is the l
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -125,13 +125,15 @@ class PerPrompt:
     """The ``[prompt][layer]`` arrays behind the claims: ``r_pre``, ``r_mid``, ``r_post`` (the
     position-agnostic norm ratio ``R`` at the block input, after attention and at the layer output),
     ``ref_ratio`` (the reference token's layer-output norm over the mean of the others') and
-    ``massive`` (1 where the prompt has a massive token at that layer's output)."""
+    ``massive`` (1 where the prompt has a massive token at that layer's output) and ``ref_norm``
+    (the reference token's layer-output norm)."""
 
     r_pre: list[list[float]]
     r_mid: list[list[float]]
     r_post: list[list[float]]
     ref_ratio: list[list[float]]
     massive: list[list[float]]
+    ref_norm: list[list[float]] = field(default_factory=list)  # empty in older results
 
     def array(self, key: str) -> np.ndarray:
         """One of the arrays as a ``[prompt, layer]`` float array."""
@@ -231,6 +233,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         r_post=r["post"],
         ref_ratio=ratio_to_others(scan.site_norms("resid_post"), scan.mask, ref).T.tolist(),
         massive=massive_tokens(scan, crit).any(-1).T.float().tolist(),
+        ref_norm=scan.site_norms("resid_post")[:, torch.arange(len(ref)), ref].T.tolist(),
     )
     layer = loc.me_layer if loc.me_layer is not None else int(torch.tensor(loc.top_ratio).argmax())
     n0 = batch.lengths[0]
@@ -444,55 +447,57 @@ def _ffn_details(result: Result) -> str:
     )
 
 
-def _eraser(result: Result, rho: np.ndarray) -> int | None:
-    """The first layer after the ME layer whose signed log change of the median ρ alone falls
-    below ``log(carried_fraction)`` (one layer removes more than the allowed share: an eraser),
-    else ``None``. A gradual decay finds none, so it is judged, and fails."""
+def _eraser(result: Result, norm: np.ndarray) -> int | None:
+    """The first layer after the ME layer whose signed log change of the massive token's median
+    norm alone falls below ``log(carried_fraction)`` (one layer removes more than the allowed
+    share: an eraser), else ``None``. A gradual decay finds none, so it is judged, and fails."""
     me = result.me_layer
-    step = np.diff(np.log(np.median(rho, axis=0)))[me:]  # step[i]: layer me + 1 + i
+    step = np.diff(np.log(np.median(norm, axis=0)))[me:]  # step[i]: layer me + 1 + i
     hit = np.flatnonzero(step < np.log(claims.threshold("carried_fraction")))
     return None if len(hit) == 0 else me + 1 + int(hit[0])
 
 
 def _carried_rows(result: Result) -> tuple[np.ndarray, np.ndarray, int]:
-    """The massive token's ρ per prompt (with a massive token at the ME layer), its per-prompt
-    ``min_{ME ≤ l < E} ρ_l / ρ_ME`` over the middle layers (E: the eraser, else past the last
-    layer), and E."""
+    """The massive token's layer-output norm per prompt (with a massive token at the ME layer),
+    its per-prompt ``min_{ME < l < E} ‖h_l‖ / ‖h_ME‖`` over the middle layers (E: the eraser,
+    else past the last layer), and E."""
     me = result.me_layer
-    rho = result.array("ref_ratio")[result.array("massive")[:, me] > 0]  # massive token at ME
-    end = _eraser(result, rho) or rho.shape[1]
-    return rho, (rho[:, me:end] / rho[:, me : me + 1]).min(axis=1), end
+    norm = result.array("ref_norm")[result.array("massive")[:, me] > 0]  # massive token at ME
+    # an eraser right after the ME layer leaves no middle layers: that layer is judged (not carried)
+    end = max(_eraser(result, norm) or norm.shape[1], me + 2)
+    return norm, (norm[:, me + 1 : end] / norm[:, me : me + 1]).min(axis=1), end
 
 
 def _carried_applies(result: Result) -> str | None:
     why = _needs_me_layer(result)
     if why is None and result.me_layer == len(result.location.top_ratio) - 1:
         return "the ME layer is the last layer: nothing carries it on"
-    if why is None and _carried_rows(result)[2] == result.me_layer + 1:
-        return "the layer right after the ME layer erases it: no middle layers carry it"
     return why
 
 
 def _carried(result: Result) -> claims.Sample:
-    return claims.Sample(_carried_rows(result)[1])
+    me = result.me_layer
+    rows = np.flatnonzero(result.array("massive")[:, me] > 0)
+    return claims.Sample(_carried_rows(result)[1], prompts=rows.tolist())
 
 
 def _carried_details(result: Result) -> str:
-    rho, _, end = _carried_rows(result)
+    norm, _, end = _carried_rows(result)
     ev, me = result.location.me_event, result.me_layer
-    med = np.median(rho, axis=0)
+    med = np.median(norm, axis=0)
+    rho = np.median(result.array("ref_ratio")[result.array("massive")[:, me] > 0], axis=0)
     erased = (
-        f"erasure (descriptive, not judged): layer {end} multiplies the median ratio by "
-        f"{med[end] / med[end - 1]:.3g} ({med[end - 1]:.3g} → {med[end]:.3g}), "
-        f"{med[-1]:.3g} at the last layer"
-        if end < rho.shape[1]
-        else "no layer erases it (no single-layer drop below 'carried_fraction')"
+        f"erasure (descriptive, not judged): layer {end} multiplies the median norm by "
+        f"{med[end] / med[end - 1]:.3g} ({med[end - 1]:.4g} → {med[end]:.4g}), "
+        f"{med[-1]:.4g} at the last layer"
+        if end < norm.shape[1] and med[end] < med[end - 1] * claims.threshold("carried_fraction")
+        else "no later layer erases it (no single-layer drop below 'carried_fraction')"
     )
     return (
-        f"{_where(result)}; judged over layers {me}–{end - 1}; the event lasts to layer "
+        f"{_where(result)}; judged over layers {me + 1}–{end - 1}; the event lasts to layer "
         f"{ev.last_layer} ({'to the end' if ev.persists_to_end else 'ends before the last layer'}); "
-        f"median ratio at the ME layer {med[me]:.3g}, at layer {end - 1} {med[end - 1]:.3g}; "
-        + erased
+        f"median norm at the ME layer {med[me]:.4g}, at layer {end - 1} {med[end - 1]:.4g} (its "
+        f"ratio to the other tokens' mean {rho[me]:.3g} → {rho[end - 1]:.3g}); " + erased
     )
 
 
@@ -553,9 +558,9 @@ SPECS: tuple[claims.Spec, ...] = (
         "The residual stream then carries the massive activation through the middle layers, from "
         "the ME layer to the layer that erases it (or to the last layer)",
         statistic="mean over the prompts with a massive token at the ME layer L of "
-        "min_{L ≤ l < E} ρ_l / ρ_L, with ρ = the massive token's layer-output norm over the mean of "
-        "the others' and E the first layer after L whose signed log change of the median ρ falls "
-        "below log('carried_fraction') (an eraser; none: E = the number of layers)",
+        "min_{L < l < E} ‖h_l‖ / ‖h_L‖, with h the massive token's layer output and E the first "
+        "layer after L whose signed log change of the median ‖h‖ falls below "
+        "log('carried_fraction') (an eraser; none: E = the number of layers)",
         op=">=",
         threshold="carried_fraction",
         control="a gradual decay over the middle layers (no single-layer eraser) pulls the minimum "
@@ -564,6 +569,7 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_carried,
         applies=_carried_applies,
         details=_carried_details,
+        massive_state=True,  # its norm depends on its prefix only
     ),
 )
 
