@@ -271,16 +271,19 @@ def _rank_rows(values: _Values) -> Callable[..., np.ndarray]:
 
 
 def _rank_others(r: Result, me: int | None = None) -> claims.Sample:
-    return claims.Sample(_rank_rows(_ranks_others)(r, me), relative_drop)
+    """Layers ≤ ME against layers > ME: the other tokens meet the massive token only through the
+    attention of the layers after it (the ME layer's own attention reads its input)."""
+    me = r.me_layer if me is None else me
+    return claims.Sample(_rank_rows(_ranks_others)(r, me + 1), relative_drop)
 
 
-def _rank_details(values: _Values) -> Callable[[Result], str]:
+def _rank_details(values: _Values, shift: int = 0) -> Callable[[Result], str]:
     def details(r: Result) -> str:
-        er, me = as_array(values(r.per_prompt)), r.me_layer
+        er, me = as_array(values(r.per_prompt)), r.me_layer + shift
         rb, ra = er[:, :me].mean(1).mean(), er[:, me:].mean(1).mean()
         return (
-            f"ME layer {r.me_text()}; mean effective rank over layers < ME {rb:.3g}, over layers "
-            f"≥ ME {ra:.3g}; at layer {me - 1} {er[:, me - 1].mean():.3g}, at ME "
+            f"ME layer {r.me_text()}; mean effective rank over layers < {me} {rb:.3g}, over layers "
+            f"≥ {me} {ra:.3g}; at layer {me - 1} {er[:, me - 1].mean():.3g}, at layer {me} "
             f"{er[:, me].mean():.3g}"
         )
 
@@ -345,18 +348,19 @@ SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
         "attention_sinks.rank_drop_others",
         "§2.4",
-        "The other tokens' representations collapse from the ME layer on (effective rank of the "
-        "token states without the massive token drops)",
-        statistic="1 − mean effective rank over layers ≥ ME / mean over layers < ME (real tokens "
-        "of each prompt except the massive one)",
+        "The other tokens' representations collapse after the ME layer (effective rank of the "
+        "token states without the massive token drops once later layers' attention reads it)",
+        statistic="1 − mean effective rank over layers > ME / mean over layers ≤ ME (real tokens "
+        "of each prompt except the massive one; the ME layer's own attention reads its input, "
+        "before the massive activation)",
         op=">=",
         threshold="relative_drop",
-        control="the same prompts' layer outputs before the ME layer; placebo: the split at "
+        control="the same prompts' layer outputs up to the ME layer; placebo: the split at "
         "every other layer",
         stat=_rank_others,
-        applies=_geometry_applies,
-        details=_rank_details(_ranks_others),
-        placebo=_placebo(_rank_others, 1, 0),
+        applies=_attention_applies,
+        details=_rank_details(_ranks_others, 1),
+        placebo=_placebo(_rank_others, 0, 1),
     ),
 )
 
