@@ -438,6 +438,16 @@ def placebo(at: Callable[[int], Measure], layer: int, layers: Iterable[int]) -> 
     return Placebo(int(layer), ls, tuple(vals))
 
 
+def placebo_of(
+    at: Callable[[Any, int], Measure],
+    layer: Callable[[Any], int],
+    layers: Callable[[Any], Iterable[int]],
+) -> Callable[[Any], Placebo]:
+    """A :class:`Spec`'s ``placebo``: :func:`placebo` of ``at(result, l)`` over ``layers(result)``
+    with ``layer(result)`` the ME layer."""
+    return lambda r: placebo(lambda la: at(r, la), layer(r), layers(r))
+
+
 @dataclass(frozen=True)
 class Claim:
     """One stated claim and its verdict on one model (see the module docstring)."""

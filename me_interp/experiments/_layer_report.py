@@ -194,15 +194,9 @@ class LayerReport(Headed):
         return peak_measure(values, self.selected_layer, self.units, self.given)
 
     def peak_placebo(self, values: np.ndarray) -> claims.Placebo:
-        """The peak claim with every layer in the selected layer's place: per layer, the share
-        of the tested units whose curve peaks there (``claims.placebo``)."""
-        self.peak(values)  # NotApplicable without a selected layer
-        v = np.asarray(values, dtype=np.float64)
-        return claims.placebo(
-            lambda la: peak_measure(v, la, self.units, self.given),
-            self.selected_layer,
-            range(v.shape[1]),
-        )
+        """Every layer in the selected layer's place: the share of the tested units peaking there."""
+        at = lambda la: peak_measure(values, la, self.units, self.given)  # noqa: E731
+        return claims.placebo(at, self.peak(values) and self.selected_layer, range(len(values[0])))
 
     def peak_details(self, values: np.ndarray) -> str:
         """Where the selected layer is, how the prompts were split, and where the curve peaks."""

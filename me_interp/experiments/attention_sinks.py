@@ -216,14 +216,9 @@ def _sink(r: Result, me: int | None = None) -> claims.Sample:
     )
 
 
-def _placebo(
-    stat: Callable[[Result, int], claims.Measure], first: int, stop: int
-) -> Callable[[Result], claims.Placebo]:
-    """The placebo layers of a split statistic ``stat(r, l)``: every split ``first ≤ l <
-    n_layers − stop`` in the ME layer's place."""
-    return lambda r: claims.placebo(
-        lambda la: stat(r, la), r.me_layer, range(first, len(r.layers) - stop)
-    )
+def _placebo(stat: Callable[[Result, int], claims.Measure]) -> Callable[[Result], claims.Placebo]:
+    """Every other split (layers ≤ l against > l, l < the last layer) in the ME layer's place."""
+    return claims.placebo_of(stat, lambda r: r.me_layer, lambda r: range(len(r.layers) - 1))
 
 
 def _sink_details(r: Result) -> str:
@@ -313,7 +308,7 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_sink,
         applies=_attention_applies,
         details=_sink_details,
-        placebo=_placebo(_sink, 0, 1),
+        placebo=_placebo(_sink),
     ),
     claims.Spec(
         "attention_sinks.entropy_drop",
@@ -328,7 +323,7 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_entropy,
         applies=_attention_applies,
         details=_entropy_details,
-        placebo=_placebo(_entropy, 0, 1),
+        placebo=_placebo(_entropy),
     ),
     claims.Spec(
         "attention_sinks.rank_drop_all",
@@ -360,7 +355,7 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_rank_others,
         applies=_attention_applies,
         details=_rank_details(_ranks_others, 1),
-        placebo=_placebo(_rank_others, 0, 1),
+        placebo=_placebo(_rank_others),
     ),
 )
 

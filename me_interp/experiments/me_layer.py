@@ -368,10 +368,6 @@ def _layers(result: Result) -> range:
     return range(len(result.location.top_ratio))
 
 
-def _birth_placebo(result: Result) -> claims.Placebo:
-    return claims.placebo(lambda la: _birth(result, la), result.judged_layer(), _layers(result))
-
-
 def _birth_details(result: Result) -> str:
     L = result.judged_layer()
     n = int((result.array("massive")[:, L] > 0).sum())
@@ -381,15 +377,10 @@ def _birth_details(result: Result) -> str:
 def _one_layer(result: Result) -> claims.Outcomes:
     """Per held-out unit: its largest jump is at the selected layer *and* no other layer's jump
     reaches ``jump`` (a birth split over two layers is not one layer)."""
-    logj, layer = result.log_jumps(), result.selected_jump_layer()
-    peak = peak_measure(logj, layer, result.units, False)
-    curves = unit_curves(logj, result.units)
-    second = np.log(claims.threshold("jump"))
-    labels = [result.units.label(u) for u in range(result.units.n)]
-    alone = [
-        bool(np.nanmax(np.delete(curves[labels.index(lab)], layer), initial=-np.inf) < second)
-        for lab in peak.labels
-    ]
+    logj, layer, units = result.log_jumps(), result.selected_jump_layer(), result.units
+    peak = peak_measure(logj, layer, units, False)
+    others = {units.label(u): np.delete(c, layer) for u, c in enumerate(unit_curves(logj, units))}
+    alone = [bool(np.nanmax(others[k]) < np.log(claims.threshold("jump"))) for k in peak.labels]
     out = [bool(a and b) for a, b in zip(peak.outcomes, alone, strict=True)]
     return claims.Outcomes(out, peak.labels, unit=peak.unit)
 
@@ -434,10 +425,6 @@ def _ffn_creates(result: Result, layer: int | None = None) -> claims.Sample:
     return claims.Sample(ffn / np.maximum(attn, 1.0), np.median)
 
 
-def _ffn_placebo(result: Result) -> claims.Placebo:
-    return claims.placebo(lambda la: _ffn_creates(result, la), result.me_layer, _layers(result))
-
-
 def _ffn_details(result: Result) -> str:
     ffn, attn = _factors(result)
     return (
@@ -449,8 +436,7 @@ def _ffn_details(result: Result) -> str:
 
 def _eraser(result: Result, norm: np.ndarray) -> int | None:
     """The first layer after the ME layer whose signed log change of the massive token's median
-    norm alone falls below ``log(carried_fraction)`` (one layer removes more than the allowed
-    share: an eraser), else ``None``. A gradual decay finds none, so it is judged, and fails."""
+    norm is below ``log(carried_fraction)`` (an eraser), else ``None`` (a gradual decay is judged)."""
     me = result.me_layer
     step = np.diff(np.log(np.median(norm, axis=0)))[me:]  # step[i]: layer me + 1 + i
     hit = np.flatnonzero(step < np.log(claims.threshold("carried_fraction")))
@@ -515,7 +501,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "layer makes one token's norm jump, the statistic is about 1 and the claim fails",
         stat=_birth,
         details=_birth_details,
-        placebo=_birth_placebo,
+        placebo=claims.placebo_of(_birth, Result.judged_layer, _layers),
     ),
     claims.Spec(
         "me_layer.one_layer",
@@ -550,7 +536,7 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_ffn_creates,
         applies=_ffn_applies,
         details=_ffn_details,
-        placebo=_ffn_placebo,
+        placebo=claims.placebo_of(_ffn_creates, lambda r: r.me_layer, _layers),
     ),
     claims.Spec(
         "me_layer.carried",

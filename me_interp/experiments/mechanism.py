@@ -159,8 +159,7 @@ def _kl(r: Result, layer: int | None = None) -> claims.Sample:
 
 
 def _at_layers(stat: Callable[[Result, int], claims.Measure]) -> Callable[[Result], claims.Placebo]:
-    """The placebo layers of ``stat(r, layer)``: every layer in the ME layer's place."""
-    return lambda r: claims.placebo(lambda la: stat(r, la), r.me_layer, range(len(r.layers)))
+    return claims.placebo_of(stat, lambda r: r.me_layer, lambda r: range(len(r.layers)))
 
 
 def _frac_details(r: Result) -> str:
