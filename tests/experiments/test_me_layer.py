@@ -452,15 +452,19 @@ def test_cli_on_bundled_model(tmp_path, capsys, bundled):
     by_id = {c.id: c for c in _claims(res)}
     # measured with the built-in prompts (82): birth jump 127 [124, 130]; the largest-jump layer of
     # 41 prompts (11) is the largest jump of each of the other 41; FFN factor over the attention's
-    # 124 (attention 1.01); carried 0.041 (the model removes the activation in its last layers)
-    assert [by_id[i].verdict for i in PLANTED] == [H, H, H, F]
+    # 124 (attention 1.01); carried over layers 12-27 (the massive token's norm 0.985 of the ME
+    # layer's; layer 28 erases it, reported apart)
+    assert [by_id[i].verdict for i in PLANTED] == [H, H, H, H]
     birth = by_id["me_layer.sudden_birth"].estimate
     assert birth.n == res.n_prompts >= 64 and 80 < birth.lo <= birth.hi < 200
     one = by_id["me_layer.one_layer"]
     assert one.estimate.n == res.n_prompts // 2 and all(one.outcomes.values())
     assert 80 < by_id["me_layer.ffn_creates"].estimate.value < 200
-    carried = by_id["me_layer.carried"].estimate
-    assert 0.01 < carried.lo <= carried.hi < 0.1
+    carried = by_id["me_layer.carried"]
+    assert 0.97 < carried.estimate.lo <= carried.estimate.hi < 1.0
+    assert "layers 12–27" in carried.details and "erasure (descriptive, not judged): layer 28" in (
+        carried.details
+    )
 
 
 @pytest.fixture(scope="module")
