@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -75,6 +75,8 @@ class Threshold:
 
     value: float
     doc: str
+    ratio: bool = False
+    """A threshold on a ratio (a factor): the p-values' tail is taken on the log scale."""
 
 
 THRESHOLDS: dict[str, Threshold] = {
@@ -83,11 +85,13 @@ THRESHOLDS: dict[str, Threshold] = {
         "ME layer: the norm ratio (the largest token norm over the mean of the other tokens' "
         "norms) of the layer output must grow at least this many times across one layer for the "
         "birth to count as sudden; also the FFN's factor on that ratio at the ME layer",
+        ratio=True,
     ),
     "carried_fraction": Threshold(
         0.5,
-        "after the ME layer the norm ratio must stay at least this fraction of its ME-layer value "
-        "(the residual stream carries it)",
+        "after the ME layer the massive token's norm must stay at least this fraction of its "
+        "ME-layer value over the middle layers (the residual stream carries it); a single layer "
+        "that multiplies it by less than this is an eraser, and ends the layers judged",
     ),
     "peak_fraction": Threshold(
         0.5,
@@ -153,6 +157,7 @@ THRESHOLDS: dict[str, Threshold] = {
         "weights x input cross: a cell C[X, Y] (the massive token's FFN output of layer X's pre-FFN "
         "norm + FFN on layer Y's input, over the other tokens' median FFN output at X) is large when "
         "it is at least this many times an ordinary FFN output (and at least 'cross_keep' x C[m, m])",
+        ratio=True,
     ),
     "cross_keep": Threshold(
         0.1,
@@ -181,6 +186,7 @@ THRESHOLDS: dict[str, Threshold] = {
     "ppl_damage": Threshold(
         2.0,
         "an edit 'hurts' the model when it multiplies perplexity by at least this",
+        ratio=True,
     ),
     "sink_attention": Threshold(
         0.3,
@@ -229,6 +235,18 @@ THRESHOLDS: dict[str, Threshold] = {
         "'the massive token is the first token' when at least this fraction of the distinct "
         "massive-token prefixes has its massive positions exactly at the first token "
         "(Clopper-Pearson interval)",
+    ),
+    "min_units": Threshold(
+        4.0,
+        "the fewest distinct units (for a statistic of the massive token's state: distinct "
+        "massive-token prefixes) a bootstrap claim is decided on; below it the percentile interval "
+        "says little about variation and the claim is inconclusive",
+    ),
+    "placebo_quantile": Threshold(
+        0.9,
+        "placebo layers: a claim that singles out the ME layer holds only when its statistic at "
+        "the ME layer lies beyond this quantile (on the claimed side) of the same statistic with "
+        "each other layer in the ME layer's place; else it fails (the effect is not the ME layer's)",
     ),
 }
 
@@ -348,6 +366,100 @@ def decide(estimate: Estimate, op: str, thr: float) -> str:
 
 
 @dataclass(frozen=True)
+class Placebo:
+    """A claim's statistic with every other layer in the ME layer's place (placebo layers).
+
+    Attributes:
+        layer: the ME layer (the claim's own layer).
+        layers: the layers the statistic was computed at (the ME layer among them).
+        values: the statistic's point value at each of ``layers`` (NaN where undefined).
+        quantile: the quantile of the other layers' values the ME layer must beat
+            (``THRESHOLDS['placebo_quantile']``).
+        bound: that quantile of the other layers' values (on the claim's side: the upper quantile
+            for ``>=``/``>``, the lower for ``<=``/``<``).
+        beaten: whether the ME layer's value lies beyond ``bound``.
+    """
+
+    layer: int
+    layers: tuple[int, ...]
+    values: tuple[float, ...]
+    quantile: float = float("nan")
+    bound: float = float("nan")
+    beaten: bool = False
+
+    def others(self) -> np.ndarray:
+        """The finite values of the other layers."""
+        v = np.array(
+            [x for la, x in zip(self.layers, self.values, strict=True) if la != self.layer]
+        )
+        return v[np.isfinite(v)] if len(v) else v
+
+    @property
+    def value(self) -> float:
+        """The ME layer's value."""
+        return float(dict(zip(self.layers, self.values, strict=True)).get(self.layer, math.nan))
+
+    def judged(self, op: str) -> Placebo:
+        """This placebo with its ``bound`` and ``beaten`` for a claim ``statistic op threshold``."""
+        q = threshold("placebo_quantile")
+        o = self.others()
+        if op not in (">=", ">", "<=", "<"):
+            raise ValueError(f"a placebo needs a one-sided op, not {op!r}")
+        up = op in (">=", ">")
+        if len(o) == 0 or self.value != self.value:
+            return replace(self, quantile=q, bound=math.nan, beaten=False)
+        bound = float(np.quantile(o, q if up else 1 - q))
+        beaten = self.value > bound if up else self.value < bound
+        return replace(self, quantile=q, bound=bound, beaten=bool(beaten))
+
+    def text(self) -> str:
+        """``"ME 0.273 (layer 9); other layers 0.21–0.37 (0.9 quantile 0.35): ..."``."""
+        o = self.others()
+        rng = f"{fmt_num(o.min())}–{fmt_num(o.max())}" if len(o) else "none"
+        rank = int((o >= self.value).sum()) + 1 if len(o) else 1
+        return (
+            f"placebo layers: ME {fmt_num(self.value)} (layer {self.layer}); other layers {rng} "
+            f"({len(o)} layers; {self.quantile:g} quantile {fmt_num(self.bound)}); the ME layer "
+            f"ranks {rank} of {len(o) + 1} from the top"
+        )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Placebo:
+        return cls(
+            int(d["layer"]),
+            tuple(int(x) for x in d["layers"]),
+            tuple(float(_float(x)) for x in d["values"]),
+            float(_float(d.get("quantile", "nan"))),
+            float(_float(d.get("bound", "nan"))),
+            bool(d.get("beaten", False)),
+        )
+
+
+def placebo(at: Callable[[int], Measure], layer: int, layers: Iterable[int]) -> Placebo:
+    """The :class:`Placebo` of a statistic ``at(l)`` (the claim's measurement with layer ``l`` in
+    the ME layer's place) over ``layers``: each layer's point value (:func:`point`); a layer
+    where ``at`` raises :class:`NotApplicable` is NaN."""
+    ls = tuple(int(x) for x in layers)
+    vals = []
+    for la in ls:
+        try:
+            vals.append(point(at(la)))
+        except NotApplicable:
+            vals.append(math.nan)
+    return Placebo(int(layer), ls, tuple(vals))
+
+
+def placebo_of(
+    at: Callable[[Any, int], Measure],
+    layer: Callable[[Any], int],
+    layers: Callable[[Any], Iterable[int]],
+) -> Callable[[Any], Placebo]:
+    """A :class:`Spec`'s ``placebo``: :func:`placebo` of ``at(result, l)`` over ``layers(result)``
+    with ``layer(result)`` the ME layer."""
+    return lambda r: placebo(lambda la: at(r, la), layer(r), layers(r))
+
+
+@dataclass(frozen=True)
 class Claim:
     """One stated claim and its verdict on one model (see the module docstring)."""
 
@@ -365,6 +477,13 @@ class Claim:
     details: str = ""
     p: float | None = None
     outcomes: dict[str, bool] | None = None
+    placebo: Placebo | None = None
+    implied_by: str | None = None
+
+    @property
+    def counted(self) -> bool:
+        """Evidence that tallies and Holm count: a claim of kind ``claim``, not a corollary."""
+        return self.kind == "claim" and not self.implied_by
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -385,11 +504,15 @@ class Claim:
         est = kw.get("estimate")
         if isinstance(est, Mapping):
             kw["estimate"] = Estimate.from_dict(est)
+        if isinstance(kw.get("placebo"), Mapping):
+            kw["placebo"] = Placebo.from_dict(kw["placebo"])
         return cls(**kw)
 
     def line(self) -> str:
         """One citable line: verdict, claim, statistic with interval and n, rule, control."""
         head = f"[{self.verdict}] {self.id} ({self.section}): {self.statement}"
+        if self.implied_by:
+            head += f" (corollary of {self.implied_by}: shown, never counted)"
         if self.verdict == NOT_APPLICABLE:
             return f"{head} — {self.why}"
         parts = [head, f"{self.statistic} = {self.estimate.text() if self.estimate else 'n/a'}"]
@@ -401,6 +524,8 @@ class Claim:
             )
         if self.control:
             parts.append(f"control: {self.control}")
+        if self.placebo is not None:
+            parts.append(self.placebo.text())
         if self.details:
             parts.append(self.details)
         if self.why:
@@ -433,6 +558,17 @@ class Spec:
         applies: ``result -> None`` when the claim applies, else the reason it does not.
         details: ``result -> str``, context printed with the verdict (where, what else was seen).
         thr: ``result -> float`` for a threshold relative to a measured reference (else the table's).
+        placebo: ``result -> Placebo`` for a claim that singles out the ME layer: the statistic
+            with every other layer in its place (:func:`placebo`); the claim holds only when the
+            ME layer also beats them (``THRESHOLDS['placebo_quantile']``), else it fails.
+        implied_by: the id of the claim this one restates (a corollary): shown beside it, never
+            counted in tallies or in Holm's family.
+        massive_state: the statistic is of the massive token's state (a function of its prefix):
+            a :class:`Sample` without ``keys`` is resampled by the run header's units (distinct
+            massive-token prefixes, ``result.header.unit_keys``; rows are prompts, or
+            ``Sample.prompts``).
+        log: the p-values' tail on the log scale (``None``: when the threshold is a ratio,
+            ``Threshold.ratio``).
     """
 
     id: str
@@ -448,8 +584,14 @@ class Spec:
     applies: Callable[[Any], str | None] | None = None
     details: Callable[[Any], str] | None = None
     thr: Callable[[Any], float] | None = None
+    placebo: Callable[[Any], Placebo] | None = None
+    implied_by: str | None = None
+    massive_state: bool = False
+    log: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.placebo is not None and self.op == "|x|<":
+            raise ValueError(f"{self.id}: an equivalence claim takes no placebo")
         if self.op not in OPS:
             raise ValueError(f"{self.id}: op must be one of {OPS}, got {self.op!r}")
         threshold(self.threshold)  # must exist
@@ -483,13 +625,18 @@ class Spec:
         try:
             m = self.stat(result)
             t = self.value if self.thr is None else float(self.thr(result))
+            if self.massive_state:
+                m = with_units(m, result)
+            pl = None if self.placebo is None else self.placebo(result).judged(self.op)
         except NotApplicable as e:
             return self.not_applicable(str(e))
-        est, p_hold, p_fail, outcomes = measure_estimate(m, self.unit, self.op, t, seed)
+        log = THRESHOLDS[self.threshold].ratio if self.log is None else self.log
+        est, p_hold, p_fail, outcomes = measure_estimate(m, self.unit, self.op, t, seed, log)
         verdict = decide(est, self.op, t)
         notes = []
         if est.value != est.value:
             notes.append("the statistic is undefined")
+        least = int(threshold("min_units"))
         if verdict in (HOLDS, FAILS) and self.kind != "sanity":  # a sanity check may be exact
             if est.n_eff is not None and est.n_eff < 2:
                 notes.append(
@@ -497,10 +644,26 @@ class Spec:
                     f"(one measurement repeated), so the interval says nothing about variation"
                 )
                 verdict = INCONCLUSIVE
+            elif est.method != "clopper-pearson" and est.n_eff is not None and est.n_eff < least:
+                notes.append(
+                    f"not decided: {est.n_eff} distinct units, fewer than the {least} a bootstrap "
+                    "interval is decided on (threshold 'min_units')"
+                )
+                verdict = INCONCLUSIVE
             elif est.method != "clopper-pearson" and est.lo == est.hi:
                 notes.append("not decided: the bootstrap interval has zero width")
                 verdict = INCONCLUSIVE
         p = p_hold if verdict == HOLDS else p_fail if verdict == FAILS else min(p_hold, p_fail)
+        if pl is not None and verdict == HOLDS and not pl.beaten:
+            verdict, p = (
+                FAILS,
+                math.nan,
+            )  # decided by the placebo rank, not a test: not in Holm's family
+            notes.append(
+                "fails on the placebo layers: the ME layer's statistic does not lie beyond the "
+                f"{pl.quantile:g} quantile of the other layers' ({fmt_num(pl.value)} vs "
+                f"{fmt_num(pl.bound)}), so the effect is not the ME layer's"
+            )
         details = self.details(result) if self.details is not None else ""
         return Claim(
             self.id,
@@ -517,6 +680,8 @@ class Spec:
             details,
             None if p != p else float(p),
             outcomes,
+            pl,
+            self.implied_by,
         )
 
     def not_applicable(self, why: str) -> Claim:
@@ -533,6 +698,7 @@ class Spec:
             None,
             self.value,
             self.kind,
+            implied_by=self.implied_by,
         )
 
 
@@ -557,13 +723,32 @@ class Sample:
             mean (1-D values only).
         unit: what a row is (``None``: the spec's ``unit``).
         keys: what makes two units *distinct measurements* (e.g. the first token id when the
-            statistic depends on token 0 only); ``None`` = distinct rows of ``values``.
+            statistic depends on token 0 only); ``None`` = distinct rows of ``values``. With keys
+            the bootstrap resamples the distinct keys (all rows of a drawn key together).
+        prompts: for a spec with ``massive_state``: the prompt of each row (``None``: row ``i`` is
+            prompt ``i``), whose unit key the engine reads from the run header.
     """
 
     values: Any
     statistic: Callable[[np.ndarray], float] | None = None
     unit: str | None = None
     keys: Sequence[Any] | None = None
+    prompts: Sequence[int] | None = None
+
+
+def with_units(m: Measure, result: Any) -> Measure:
+    """``m`` with the run header's unit keys (distinct massive-token prefixes) where a
+    :class:`Sample` has none: the one effective-n rule for statistics of the massive token's state.
+    Other measurements, and samples with their own keys, are returned as they are."""
+    if not isinstance(m, Sample) or m.keys is not None:
+        return m
+    keys = tuple(getattr(getattr(result, "header", None), "unit_keys", ()) or ())
+    if not keys:
+        return m
+    rows = range(len(keys)) if m.prompts is None else [int(b) for b in m.prompts]
+    if len(rows) != len(np.asarray(m.values)):
+        raise ValueError(f"{len(np.asarray(m.values))} rows but {len(rows)} prompts with unit keys")
+    return replace(m, keys=[keys[b] for b in rows])
 
 
 def of_means(f: Callable[[np.ndarray], Any]) -> Callable[[np.ndarray], float]:
@@ -613,6 +798,10 @@ class Nested:
             the model, a random dim set applied to every text): one resample of the seeds per
             replicate, for all units. ``False`` when each unit draws its own seeds (nested): the seeds
             are resampled within each unit.
+        den: per unit, the denominator of a ratio (e.g. the unedited excess ``R − 1``): the
+            statistic is then (the mean, or ``statistic``, of the cells) / the mean of ``den`` over
+            the same resampled units, so the denominator is resampled with its numerators instead
+            of held fixed.
     """
 
     values: Any
@@ -620,6 +809,7 @@ class Nested:
     unit: str | None = None
     inner: str = "seeds"
     crossed: bool = True
+    den: Any = None
 
 
 @dataclass(frozen=True)
@@ -698,6 +888,36 @@ def clopper_pearson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]
     return lower, upper
 
 
+def point(m: Measure) -> float:
+    """The point value of a measurement on all its units (no resampling): ``k / n`` of outcomes,
+    else the statistic of the finite rows (for :func:`placebo`)."""
+    if isinstance(m, Outcomes):
+        return sum(map(bool, m.outcomes)) / len(m.outcomes) if len(m.outcomes) else math.nan
+    arr = np.asarray(m.values, dtype=np.float64)
+    ok = np.isfinite(arr).reshape(len(arr), -1).all(axis=1)
+    if isinstance(m, Nested):
+        den = None if m.den is None else np.asarray(m.den, dtype=np.float64)
+        if den is not None:
+            ok &= np.isfinite(den)
+        a = arr[ok]
+        if len(a) == 0:
+            return math.nan
+        v = float(m.statistic(a)) if m.statistic is not None else float(a.mean())
+        return v if den is None else float(divide(v, den[ok].mean()))
+    a = arr[ok]
+    if len(a) == 0:
+        return math.nan
+    return float(m.statistic(a)) if m.statistic is not None else float(a.mean())
+
+
+def _cluster_counts(codes: np.ndarray, n_units: int, seed_rng: Any) -> np.ndarray:
+    """``[boot, rows]``: how often each row is drawn when the ``n_units`` units (``codes``: each
+    row's unit) are resampled with replacement, all rows of a drawn unit together."""
+    draws = seed_rng.integers(0, n_units, size=(N_BOOTSTRAP, n_units))
+    per_unit = np.stack([np.bincount(d, minlength=n_units) for d in draws])  # [boot unit]
+    return per_unit[:, codes]
+
+
 def _boot_stats(m: Sample | Nested, seed: int) -> tuple[float, np.ndarray, int, int]:
     """(point value, bootstrap statistics, n units, effective n) of a sample or nested measure."""
     arr = np.asarray(m.values, dtype=np.float64)
@@ -707,7 +927,12 @@ def _boot_stats(m: Sample | Nested, seed: int) -> tuple[float, np.ndarray, int, 
     if isinstance(m, Nested):
         if arr.ndim != 2:
             raise ValueError(f"Nested values must be (units, seeds), got shape {arr.shape}")
-        arr = arr[np.isfinite(arr).all(axis=1)]
+        ok = np.isfinite(arr).all(axis=1)
+        den = None if m.den is None else np.asarray(m.den, dtype=np.float64)
+        if den is not None:
+            ok &= np.isfinite(den)
+            den = den[ok]
+        arr = arr[ok]
         n, s = arr.shape
         if n == 0 or s == 0:
             return float("nan"), np.array([]), 0, 0
@@ -724,17 +949,37 @@ def _boot_stats(m: Sample | Nested, seed: int) -> tuple[float, np.ndarray, int, 
             stats = res.mean(axis=(1, 2))
         else:
             stats = np.array([stat(r) for r in res])
-        return float(stat(arr)), stats, n, _distinct(arr.mean(1))
+        value = float(stat(arr))
+        if den is not None:  # the denominator resampled with its units
+            stats = divide(stats, den[iu].mean(axis=1))
+            value = float(divide(value, den.mean()))
+        return value, stats, n, _distinct(arr.mean(1))
     finite = np.isfinite(arr).reshape(len(arr), -1).all(axis=1)
     keys = None if m.keys is None else [k for k, f in zip(m.keys, finite, strict=True) if f]
     arr = arr[finite]
     n = len(arr)
     if n == 0:
         return float("nan"), np.array([]), 0, 0
+    if m.statistic is None and arr.ndim != 1:
+        raise ValueError("the default statistic (mean) needs 1-D values")
+    if keys is not None and len(set(keys)) < n:  # resample the distinct units, not the rows
+        order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        codes = np.array([order[k] for k in keys])
+        counts = _cluster_counts(codes, len(order), rng)  # [boot row]
+        if m.statistic is None or getattr(m.statistic, "of_means", None) is not None:
+            f = getattr(m.statistic, "of_means", None) or (lambda x: x)
+            total = counts.sum(1, keepdims=True)
+            means = (counts @ arr.reshape(n, -1) / total).reshape(N_BOOTSTRAP, *arr.shape[1:])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                stats = np.asarray(f(means), dtype=np.float64)
+        else:
+            stats = np.array(
+                [m.statistic(np.repeat(arr, c, axis=0)) for c in counts], dtype=np.float64
+            )
+        value = float(arr.mean()) if m.statistic is None else float(m.statistic(arr))
+        return value, stats, n, len(order)
     idx = rng.integers(0, n, size=(N_BOOTSTRAP, n))
     if m.statistic is None:
-        if arr.ndim != 1:
-            raise ValueError("the default statistic (mean) needs 1-D values")
         value, stats = float(arr.mean()), arr[idx].mean(axis=1)
     else:
         value = float(m.statistic(arr))
@@ -748,22 +993,44 @@ def _boot_stats(m: Sample | Nested, seed: int) -> tuple[float, np.ndarray, int, 
     return value, stats, n, n_eff
 
 
-def _p_values(value: float, se: float, op: str, thr: float) -> tuple[float, float]:
-    """One-sided p-values (normal approximation with the bootstrap standard error) of "holds" and
-    of "fails": the chance of a statistic this far on the claimed (failed) side if the truth were at
-    the threshold. Holm adjusts these; the verdicts themselves come from the intervals."""
-    if not (math.isfinite(value) and math.isfinite(se)):
+P_TAIL_MIN = 10
+"""Below this many resamples on the other side of the threshold the share cannot resolve the
+tail: the p-value is then the normal tail of the resamples on the p-value scale (log for ratios),
+capped by the share's ``(k + 1) / (B + 1)``."""
+
+
+def _share_p(stats: np.ndarray, thr: float, up: bool, log: bool) -> float:
+    """One-sided p-value of "the statistic lies above ``thr``" (``up``; else below) from bootstrap
+    statistics: ``(1 + #resamples on the other side) / (B + 1)``; when fewer than
+    :data:`P_TAIL_MIN` are there, the normal tail of the resamples (on the log scale when ``log``
+    and everything is positive), never above the share."""
+    b = len(stats)
+    k = int((stats <= thr).sum() if up else (stats >= thr).sum())
+    share = (k + 1) / (b + 1)
+    if k >= P_TAIL_MIN:
+        return share
+    x, t = stats, thr
+    if log and thr > 0 and bool((stats > 0).all()):
+        x, t = np.log(stats), math.log(thr)
+    sd = float(x.std(ddof=1)) if b > 1 else 0.0
+    z = (float(x.mean()) - t) * (1 if up else -1)
+    tail = (0.0 if z > 0 else 1.0) if sd == 0 else _norm_sf(z / sd)
+    return min(share, tail)
+
+
+def _p_values(stats: np.ndarray, op: str, thr: float, log: bool = False) -> tuple[float, float]:
+    """One-sided p-values of "holds" and of "fails" from the bootstrap statistics (the share on
+    the other side of the threshold, :func:`_share_p`). For ``|x|<`` (equivalence) "holds" is the
+    larger of the two one-sided tests for "inside", "fails" the nearer "outside" side. Holm adjusts
+    these; the verdicts themselves come from the intervals."""
+    if len(stats) == 0:
         return float("nan"), float("nan")
-    if se == 0:
-        sat = decide(Estimate(value, value, value, 1), op, thr)
-        return (0.0, 1.0) if sat == HOLDS else (1.0, 0.0)
     if op == "|x|<":  # two one-sided tests for "inside", the nearer side for "outside"
-        p_hold = max(_norm_sf((value + thr) / se), _norm_sf((thr - value) / se))
-        p_fail = min(_norm_sf((value - thr) / se), _norm_sf((-thr - value) / se))
+        p_hold = max(_share_p(stats, -thr, True, False), _share_p(stats, thr, False, False))
+        p_fail = min(_share_p(stats, thr, True, False), _share_p(stats, -thr, False, False))
         return p_hold, p_fail
     up = op in (">=", ">")
-    z = (value - thr) / se if up else (thr - value) / se
-    return _norm_sf(z), _norm_sf(-z)
+    return _share_p(stats, thr, up, log), _share_p(stats, thr, not up, log)
 
 
 def _binom_p(k: int, n: int, op: str, thr: float) -> tuple[float, float]:
@@ -778,10 +1045,10 @@ def _binom_p(k: int, n: int, op: str, thr: float) -> tuple[float, float]:
 
 
 def measure_estimate(
-    m: Measure, unit: str, op: str, thr: float, seed: int = 0
+    m: Measure, unit: str, op: str, thr: float, seed: int = 0, log: bool = False
 ) -> tuple[Estimate, float, float, dict[str, bool] | None]:
-    """The estimate of a measurement, its one-sided p-values (holds, fails) and, for k-of-n
-    outcomes, each unit's outcome."""
+    """The estimate of a measurement, its one-sided p-values (holds, fails; from the resamples,
+    their tail on the log scale when ``log``) and, for k-of-n outcomes, each unit's outcome."""
     unit = m.unit or unit
     if isinstance(m, Outcomes):
         o = [bool(x) for x in m.outcomes]
@@ -806,7 +1073,7 @@ def measure_estimate(
     a = (1 - LEVEL) / 2
     lo, hi = (float(x) for x in np.quantile(stats, [a, 1 - a]))
     est = Estimate(value, lo, hi, n, unit, method, LEVEL, N_BOOTSTRAP, n_eff)
-    p_hold, p_fail = _p_values(value, float(stats.std(ddof=1)) if len(stats) > 1 else 0.0, op, thr)
+    p_hold, p_fail = _p_values(stats, op, thr, log)
     return est, p_hold, p_fail, None
 
 
@@ -894,9 +1161,9 @@ def holm(claims: Sequence[Claim | Mapping[str, Any]], alpha: float = ALPHA) -> l
     in the family."""
 
     rows = [
-        (c.verdict, c.kind, c.p)
+        (c.verdict, _kind(c), c.p)
         if isinstance(c, Claim)
-        else (c.get("verdict"), c.get("kind"), c.get("p"))
+        else (c.get("verdict"), _kind(c), c.get("p"))
         for c in claims
     ]
     out = [verdict for verdict, _, _ in rows]
@@ -925,11 +1192,17 @@ def counts(claims: Iterable[Claim | Mapping[str, Any]], kind: str = "claim") -> 
     applicable."""
     out = dict.fromkeys(VERDICTS, 0)
     for c in claims:
-        k = c.kind if isinstance(c, Claim) else c.get("kind", "claim")
-        verdict = c.verdict if isinstance(c, Claim) else c["verdict"]
-        if k == kind:
-            out[verdict] += 1
+        if _kind(c) == kind:
+            out[c.verdict if isinstance(c, Claim) else c["verdict"]] += 1
     return out
+
+
+def _kind(c: Claim | Mapping[str, Any]) -> str:
+    """A claim's kind for counting: ``"corollary"`` for a claim with ``implied_by`` (shown, never
+    counted as evidence), else its kind."""
+    kind = c.kind if isinstance(c, Claim) else c.get("kind", "claim")
+    implied = c.implied_by if isinstance(c, Claim) else c.get("implied_by")
+    return "corollary" if implied and kind == "claim" else kind
 
 
 def tally(claims: Iterable[Claim | Mapping[str, Any]]) -> dict[str, dict[str, int]]:
@@ -937,7 +1210,7 @@ def tally(claims: Iterable[Claim | Mapping[str, Any]]) -> dict[str, dict[str, in
     claims of kind ``claim``, and the controls and sanity checks apart (never counted as evidence)."""
     cs = list(claims)
     adjusted = holm(cs)
-    kinds = [c.kind if isinstance(c, Claim) else c.get("kind", "claim") for c in cs]
+    kinds = [_kind(c) for c in cs]
     holm_counts = dict.fromkeys(VERDICTS, 0)
     for k, v in zip(kinds, adjusted, strict=True):
         if k == "claim":
@@ -947,6 +1220,7 @@ def tally(claims: Iterable[Claim | Mapping[str, Any]]) -> dict[str, dict[str, in
         "holm": holm_counts,
         "control": counts(cs, "control"),
         "sanity": counts(cs, "sanity"),
+        "corollary": counts(cs, "corollary"),
     }
 
 
@@ -961,6 +1235,11 @@ def tally_text(t: Mapping[str, Mapping[str, int]]) -> str:
         f"{n} claims: {fmt(t['raw'])}; Holm-adjusted: {fmt(t['holm'])} | "
         f"{sum(t['control'].values())} controls: {fmt(t['control'])} | "
         f"{sum(t['sanity'].values())} sanity checks: {fmt(t['sanity'])}"
+        + (
+            f" | {sum(t['corollary'].values())} corollaries (never counted): {fmt(t['corollary'])}"
+            if sum(t.get("corollary", {}).values())
+            else ""
+        )
     )
 
 

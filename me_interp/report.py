@@ -52,10 +52,46 @@ KIND_LABEL = claims_mod.KIND_LABEL
 def _verdict_badge(c: claims_mod.Claim, adjusted: dict[str, str] | None = None) -> str:
     label = KIND_LABEL[c.kind]
     extra = f" <small>({label})</small>" if label else ""
+    if c.implied_by:  # a corollary: shown beside the claim it restates, never counted
+        extra += (
+            f" <small>(corollary of <code>{html.escape(c.implied_by)}</code>; not counted)</small>"
+        )
     holm = (adjusted or {}).get(c.id, c.verdict)
     if holm != c.verdict:
         extra += f" <small>(Holm-adjusted: {holm})</small>"
     return f"<span class=verdict style='color:{_COLOR[c.verdict]}'>{c.verdict}</span>{extra}"
+
+
+def _placebo_html(c: claims_mod.Claim) -> str:
+    """The placebo layers of a claim, beside it: a one-line summary and a small inline curve (the
+    statistic per layer, the ME layer's point red, the bound the rule asks it to beat dashed)."""
+    pl = c.placebo
+    if pl is None:
+        return ""
+    pts = [(la, v) for la, v in zip(pl.layers, pl.values, strict=True) if v == v]
+    if len(pts) < 2:
+        return f"<br><small>{html.escape(pl.text())}</small>"
+    w, h = 160, 36
+    xs = [la for la, _ in pts]
+    vs = [v for _, v in pts] + ([pl.bound] if pl.bound == pl.bound else [])
+    lo, hi = min(vs), max(vs)
+
+    def xy(la: int, v: float) -> tuple[float, float]:
+        x = (la - xs[0]) / max(xs[-1] - xs[0], 1) * (w - 4) + 2
+        return x, h - 2 - (v - lo) / ((hi - lo) or 1.0) * (h - 4)
+
+    line = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(la, v) for la, v in pts))
+    mx, my = xy(pl.layer, pl.value) if pl.value == pl.value else (0.0, 0.0)
+    bound = ""
+    if pl.bound == pl.bound:
+        _, by = xy(xs[0], pl.bound)
+        bound = f"<line x1=0 x2={w} y1={by:.1f} y2={by:.1f} stroke='#999' stroke-dasharray='3,2'/>"
+    svg = (
+        f"<svg width={w} height={h} style='vertical-align:middle'>{bound}"
+        f"<polyline points='{line}' fill=none stroke='#57606a'/>"
+        f"<circle cx={mx:.1f} cy={my:.1f} r=3 fill='#cf222e'/></svg>"
+    )
+    return f"<br>{svg} <small>{html.escape(pl.text())}</small>"
 
 
 def _claim_rows(cs: Sequence[dict[str, Any]], adjusted: dict[str, str] | None = None) -> list[str]:
@@ -63,9 +99,10 @@ def _claim_rows(cs: Sequence[dict[str, Any]], adjusted: dict[str, str] | None = 
     for d in cs:
         c = claims_mod.Claim.from_dict(d)
         measured = html.escape(c.estimate.text()) if c.estimate else "&mdash;"
-        apart = c.kind != "claim"
+        apart = not c.counted
         why = f"<br><i>{html.escape(c.why)}</i>" if c.why else ""
         details = f"<br><small>{html.escape(c.details)}</small>" if c.details else ""
+        details += _placebo_html(c)
         rows.append(
             f"<tr{' class=sanity' if apart else ''}>"
             f"<td>{_verdict_badge(c, adjusted)}</td>"
@@ -83,11 +120,12 @@ def _claim_lines(cs: Sequence[dict[str, Any]], adjusted: dict[str, str] | None =
     items = []
     for d in cs:
         c = claims_mod.Claim.from_dict(d)
-        apart = c.kind != "claim"
+        apart = not c.counted
         if c.estimate is not None:
             measured = f"{html.escape(c.statistic)}: <b>{html.escape(c.estimate.text())}</b>"
         else:
             measured = f"<i>{html.escape(c.why)}</i>"
+        measured += _placebo_html(c)
         items.append(
             f"<li{' class=sanity' if apart else ''} style='border-left-color:{_COLOR[c.verdict]}'>"
             f"{_verdict_badge(c, adjusted)} "
@@ -459,7 +497,7 @@ def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str]) -> str:
                     f" ({e.n_eff} distinct)" if e.n_eff is not None and e.n_eff != e.n else ""
                 )
             rows.append(
-                f"| {name} | `{c.id}` | {c.kind} | {verdict} | {adjusted.get(c.id, c.verdict)} | "
+                f"| {name} | `{c.id}` | {'corollary' if c.implied_by else c.kind} | {verdict} | {adjusted.get(c.id, c.verdict)} | "
                 f"{est} | {n} |"
             )
     head = claims_mod.tally_text(claims_mod.tally(all_claims))

@@ -557,6 +557,11 @@ DECOYS: dict[str, str] = {
     "token, born at the same layer on the same dims",
     "secondary-apart": "planted at token 0; the delimiter (position 2) carries another large dim "
     "from its embedding: a secondary massive token born elsewhere, on other dims",
+    "fading": "made at layer 2 as planted, then shrunk ×0.6 by each of layers 3–6's FFNs: no "
+    "single-layer eraser, not carried",
+    # two-layer births (twostep_decoy)
+    "twostep": "born over two layers: the norm ratio jumps ×16 at layer 2, then ×60 at layer 3",
+    "twostep-even": "born over two nearly balanced layers: ×20 at layer 2, then ×25 at layer 3",
 }
 """The kinds :func:`decoy` builds (loadable as ``synthetic:decoy-<kind>``): kind: what it is."""
 
@@ -647,9 +652,12 @@ def _token0_ffn_io(hf, tok, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return got["x"][:, 0].double(), got["y"][:, 0].double()
 
 
-def _plant_eraser(hf, tok, plant: Plant, layer: int, sharpness: float = 3.0) -> tuple[int, ...]:
-    """Make FFN neurons of ``layer`` write minus token 0's massive value ``h_D`` into the massive
-    dim ``D`` (and nothing else), for every starter word; returns the neurons.
+def _plant_eraser(
+    hf, tok, plant: Plant, layer: int, sharpness: float = 3.0, fraction: float = 1.0
+) -> tuple[int, ...]:
+    """Make FFN neurons of ``layer`` write minus token 0's massive value ``h_D`` (times
+    ``fraction``) into the massive dim ``D`` (and nothing else), for every starter word; returns
+    the neurons.
 
     The FFN sees only the normalised state ``ĥ = g ⊙ h / rms(h)``, so it cannot write something
     proportional to ``h_D`` directly; but the bias dim ``b`` is 1 in every state, so
@@ -684,7 +692,7 @@ def _plant_eraser(hf, tok, plant: Plant, layer: int, sharpness: float = 3.0) -> 
         act = (torch.nn.functional.silu(yf @ lay.gate[rows].T) * (yf @ lay.up[rows].T)).double()
         scale = act.abs().amax(0).clamp(min=1e-12)  # every neuron's activation of order 1
         lay.up[rows] /= scale[:, None].to(lay.up.dtype)
-        sol = torch.linalg.lstsq(act / scale, -x[:, D : D + 1]).solution[:, 0]
+        sol = torch.linalg.lstsq(act / scale, -fraction * x[:, D : D + 1]).solution[:, 0]
         lay.down[D, rows] = sol.to(lay.down.dtype)
     return neurons
 
@@ -713,7 +721,10 @@ def decoy(kind: str, layer: int = 2, seed: int = 0):
       massive dim (cosine −1 with the massive direction; calibrated by a forward pass, see
       :func:`_plant_eraser`), so token 0 is massive at layers ``layer … layer + 1`` only;
     * ``<kind>-deep`` (:data:`DEEP_DECOYS`): :func:`decoy_deep` (8 layers, made at layer 6;
-      ``layer`` does not apply).
+      ``layer`` does not apply);
+    * ``fading``: :func:`fading_decoy`;
+    * ``twostep``, ``twostep-even`` (:data:`TWOSTEP`): :func:`twostep_decoy` (born over layers 2
+      and 3; ``layer`` does not apply).
 
     Returns:
         ``(hf_model, tokenizer, Decoy)``.
@@ -728,6 +739,10 @@ def decoy(kind: str, layer: int = 2, seed: int = 0):
         return causal_decoy(kind, layer, seed)
     if kind in ("secondary", "secondary-apart"):
         return secondary_decoy(kind, layer, seed)
+    if kind in TWOSTEP:
+        return twostep_decoy(kind, seed)
+    if kind == "fading":
+        return fading_decoy(layer, seed)
     if kind == "later":
         hf, tok, p = planted("llama", layer, 5, True, seed, add_bos=False, marked=(DELIMITER_ID,))
         rec = Decoy(
@@ -1412,3 +1427,101 @@ def superweight_spread(name: str = "superweight-spread", seed: int = 0):
             lay.q[row, b] = lam * q0
             lay.q[row, D] = -(1.0 - lam) * kappa
     return hf, tok, plant
+
+
+# --- two-layer births: one_layer must fail ---------------------------------------------------
+
+TWOSTEP: dict[str, tuple[float, float]] = {"twostep": (16.0, 60.0), "twostep-even": (20.0, 25.0)}
+"""The two-layer-birth decoys: kind: the norm-ratio jumps ``R_l / R_{l-1}`` targeted at layers
+:data:`TWOSTEP_LAYERS` (median over :func:`distinct_first_prompts`), each above ``jump`` (10)."""
+TWOSTEP_LAYERS = (2, 3)
+
+
+def _median_ratio(hf, tok, layer: int) -> tuple[float, float]:
+    """Median over :func:`distinct_first_prompts` of token 0's norm over the mean of the other
+    tokens' norms at the input and at the output of ``layer`` (one HF forward; not the last
+    layer, whose HF hidden state is after the final norm)."""
+    batch = tok(distinct_first_prompts(), return_tensors="pt", padding=True)
+    with torch.no_grad():
+        hs = hf(**batch, output_hidden_states=True).hidden_states
+    mask = batch["attention_mask"].bool()
+    out = []
+    for h in (hs[layer], hs[layer + 1]):
+        n = h.norm(dim=-1)  # batch pos
+        others = mask.clone()
+        others[:, 0] = False
+        r = n[:, 0] / ((n * others).sum(-1) / others.sum(-1))
+        out.append(float(r.median()))
+    return out[0], out[1]
+
+
+def twostep_decoy(kind: str, seed: int = 0):
+    """A tiny Llama (no BOS; prompts: :func:`distinct_first_prompts`) on the unplanted twin of
+    :func:`planted_nobos` whose massive activation is born over two layers: the starter words carry
+    1 on the massive dim, and one neuron of each of :data:`TWOSTEP_LAYERS` reads that dim and
+    writes it larger, its down weight bisected (on the log scale, by forward passes) so that the
+    median norm ratio jumps by the factors of :data:`TWOSTEP` (``kind``): ``(hf, tokenizer, Decoy)``.
+    """
+    from me_interp.architecture import measure_embed_scale
+
+    factors = TWOSTEP[kind]
+    hf, tok, p = planted("llama", 2, 5, False, seed, add_bos=False, marked=STARTER_IDS)
+    D, n = p.massive_dim, p.neuron
+    lays = [_Layer(b, hf.config) for b in hf.model.layers]
+    with torch.no_grad():
+        emb = hf.get_input_embeddings()
+        emb.weight[list(STARTER_IDS), D] = 1.0 / measure_embed_scale(emb)
+        for layer, factor in zip(TWOSTEP_LAYERS, factors, strict=True):
+            _set_neuron(lays[layer], n, [D], D, 1.0, 0.0)
+            lo, hi = -6.0, 8.0  # log10 of the down weight
+            for _ in range(40):
+                mid = (lo + hi) / 2
+                lays[layer].down[D, n] = 10.0**mid
+                r_in, r_out = _median_ratio(hf, tok, layer)
+                lo, hi = (mid, hi) if r_out / r_in < factor else (lo, mid)
+    rec = Decoy(
+        kind=kind,
+        made_by="ffn-gradual",
+        layers=TWOSTEP_LAYERS,
+        massive_dim=D,
+        position=0,
+        reads=(D,),
+        gain_dims=(),
+        neuron=n,
+        head=None,
+        marked_tokens=STARTER_IDS,
+        factor=factors[1],
+    )
+    return hf, tok, rec
+
+
+FADING_LAYERS, FADING_FACTOR = 7, 0.6
+"""``decoy-fading``: its layers, and the factor each FFN after the planted layer puts on the
+massive value (above ``carried_fraction``, 0.5: no single layer erases it)."""
+
+
+def fading_decoy(layer: int = 2, seed: int = 0):
+    """:func:`planted_nobos`'s mechanism at ``layer`` of :data:`FADING_LAYERS`, and in each later
+    layer an eraser (:func:`_plant_eraser`) that writes ``(FADING_FACTOR − 1)`` times token 0's
+    massive value into the massive dim, for every starter word: the massive activation fades by
+    :data:`FADING_FACTOR` per layer, ``(hf, tokenizer, Decoy)``."""
+    hf, tok, p = planted(
+        "llama", layer, FADING_LAYERS, True, seed, add_bos=False, marked=STARTER_IDS
+    )
+    D, n = p.massive_dim, p.neuron
+    for L in range(layer + 1, FADING_LAYERS):
+        _plant_eraser(hf, tok, p, L, fraction=1.0 - FADING_FACTOR)
+    rec = Decoy(
+        kind="fading",
+        made_by="ffn",
+        layers=(layer,),
+        massive_dim=D,
+        position=0,
+        reads=p.gain_dims,
+        gain_dims=p.gain_dims,
+        neuron=n,
+        head=None,
+        marked_tokens=STARTER_IDS,
+        factor=FADING_FACTOR,
+    )
+    return hf, tok, rec

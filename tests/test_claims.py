@@ -312,12 +312,106 @@ def test_one_repeated_measurement_is_not_decided():
     assert c.estimate.n_eff == 40 and c.verdict == claims.HOLDS
 
 
-def test_sample_p_value_is_the_normal_tail_of_the_bootstrap():
-    x = np.random.default_rng(2).normal(0.6, 0.3, 200)
-    (c,) = claims.judge([_spec(lambda r: claims.Sample(x))], _Result())
-    se = x.std(ddof=1) / math.sqrt(len(x))  # independent: the CLT standard error
-    z = (x.mean() - 0.5) / se
-    assert c.p == pytest.approx(0.5 * math.erfc(z / math.sqrt(2)), rel=0.3)
+def test_sample_p_value_is_the_share_of_resamples_past_the_threshold():
+    x = np.random.default_rng(2).normal(0.6, 0.3, 30)
+    (c,) = claims.judge([_spec(lambda r: claims.Sample(x))], _Result(5))
+    # independent: the same seeded resamples drawn by hand, and the share on the other side
+    idx = np.random.default_rng(5).integers(0, len(x), size=(claims.N_BOOTSTRAP, len(x)))
+    k = int((x[idx].mean(1) <= 0.5).sum())
+    assert k >= claims.P_TAIL_MIN  # the share resolves this tail
+    assert c.p == pytest.approx((k + 1) / (claims.N_BOOTSTRAP + 1))
+
+
+def test_a_skewed_ratio_far_past_its_threshold_keeps_its_verdict_after_holm():
+    # component_ablation.zero_dims_hurts: perplexity x7.93e5 [3.76e5, 1.6e6] against 2 got p = 0.0078
+    # from a normal z on the raw ratio scale and became inconclusive after Holm
+    rng = np.random.default_rng(0)
+    d = rng.normal(math.log(7.93e5), 2.1, 32)  # per-text log perplexity ratios
+    ratio = claims.of_means(np.exp)
+    spec = _spec(lambda r: claims.Sample(d, ratio), thr="ppl_damage")
+    (c,) = claims.judge([spec], _Result())
+    assert c.verdict == claims.HOLDS and 1e5 < c.estimate.lo < c.estimate.value < c.estimate.hi
+    boot = np.exp(d[np.random.default_rng(0).integers(0, 32, (2000, 32))].mean(1))
+    raw_z = (c.estimate.value - 2.0) / boot.std(ddof=1)  # the old rule, by hand
+    assert 0.5 * math.erfc(raw_z / math.sqrt(2)) > claims.ALPHA / 2 / 101  # Holm's first step
+    logs = np.log(boot)  # the log-scale normal tail, by hand
+    z = (logs.mean() - math.log(2.0)) / logs.std(ddof=1)
+    assert c.p == pytest.approx(0.5 * math.erfc(z / math.sqrt(2)), rel=1e-6) and c.p < 1e-10
+    others = [claims.Claim(f"o.{i}", "", "", "", "", "", claims.HOLDS, p=1e-6) for i in range(100)]
+    assert claims.holm([c, *others])[0] == claims.HOLDS
+
+
+def test_placebo_layers_fail_a_claim_the_other_layers_match():
+    curve = np.array([0.37, 0.21, 0.30, 0.273, 0.33, 0.35])  # the ME layer (3) inside the others
+    rows = np.random.default_rng(1).normal(0.0, 0.01, (40, 1))
+
+    def at(layer):
+        return claims.Sample(rows[:, 0] + curve[layer])
+
+    spec = _spec(
+        lambda r: at(3),
+        thr="relative_drop",
+        placebo=lambda r: claims.placebo(at, 3, range(len(curve))),
+    )
+    (c,) = claims.judge([spec], _Result())
+    assert c.verdict == claims.FAILS and c.p is None and "placebo" in c.why
+    pl = c.placebo
+    assert pl.layer == 3 and pl.values == pytest.approx(tuple(curve + rows.mean()))
+    assert pl.bound == pytest.approx(np.quantile(np.delete(curve, 3), 0.9) + rows.mean())
+    assert "other layers 0.21" in c.line() and not pl.beaten
+    assert claims.Claim.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert claims.Claim.from_dict(json.loads(json.dumps(io.to_jsonable(c)))) == c
+    curve[3] = 0.9  # now the ME layer stands out
+    (c,) = claims.judge([spec], _Result())
+    assert c.verdict == claims.HOLDS and c.placebo.beaten and c.p is not None
+
+
+def test_a_corollary_is_shown_and_never_counted():
+    x = np.random.default_rng(0).normal(0.9, 0.05, 40)
+    base = _spec(lambda r: claims.Sample(x))
+    cor = claims.Spec(
+        "demo.y", "§0", "y", "y", ">=", "moved_fraction", stat=base.stat, implied_by="demo.x"
+    )
+    cs = claims.judge([base, cor], _Result())
+    assert [c.verdict for c in cs] == [claims.HOLDS, claims.HOLDS]
+    assert "corollary of demo.x" in cs[1].line() and cs[1].implied_by == "demo.x"
+    t = claims.tally(cs)
+    assert t["raw"][claims.HOLDS] == 1 and t["holm"][claims.HOLDS] == 1
+    assert t["corollary"][claims.HOLDS] == 1 and "corollaries" in claims.tally_text(t)
+    assert claims.tally([c.to_dict() for c in cs]) == t
+
+
+def test_units_are_resampled_together_and_too_few_are_not_decided():
+    x = np.random.default_rng(0).normal(0.9, 0.05, 12)
+    keys = [b % 3 for b in range(12)]  # 3 distinct measurements
+    (c,) = claims.judge([_spec(lambda r: claims.Sample(x, keys=keys))], _Result())
+    assert c.estimate.n == 12 and c.estimate.n_eff == 3
+    assert c.verdict == claims.INCONCLUSIVE and "min_units" in c.why
+    # the engine reads the run header's unit keys for a statistic of the massive token's state
+    header = _Result(unit_keys=tuple(f"k{b % 6}" for b in range(12)), seed=0)
+    spec = _spec(lambda r: claims.Sample(x[:6], prompts=range(6)), massive_state=True)
+    (c,) = claims.judge([spec], _Result(header=header))
+    assert c.estimate.n_eff == 6 and c.verdict == claims.HOLDS
+    # a cluster bootstrap, by hand: every resample draws whole units
+    m = claims.with_units(claims.Sample(x), _Result(header=header))
+    _, stats, _, n_eff = claims._boot_stats(m, 0)
+    unit_means = np.array([x[[b for b in range(12) if b % 6 == u]].mean() for u in range(6)])
+    draws = np.random.default_rng(0).integers(0, 6, size=(claims.N_BOOTSTRAP, 6))
+    assert n_eff == 6 and stats == pytest.approx(unit_means[draws].mean(1))
+
+
+def test_a_denominator_is_resampled_with_its_units():
+    rng = np.random.default_rng(4)
+    num, den = rng.normal(1.0, 0.3, (30, 5)), rng.normal(4.0, 1.0, 30)
+    m = claims.Nested(num, den=den)
+    value, stats, n, _ = claims._boot_stats(m, 0)
+    assert value == pytest.approx(num.mean() / den.mean()) and n == 30
+    r = np.random.default_rng(0)  # by hand: the same draws as the engine's
+    iu = r.integers(0, 30, size=(claims.N_BOOTSTRAP, 30))
+    iseed = r.integers(0, 5, size=(claims.N_BOOTSTRAP, 1, 5))
+    cells = num[iu[..., None], np.broadcast_to(iseed, (claims.N_BOOTSTRAP, 30, 5))]
+    assert stats == pytest.approx(cells.mean((1, 2)) / den[iu].mean(1))
+    assert claims.point(m) == pytest.approx(value)
 
 
 def test_two_way_bootstrap_carries_unit_and_seed_variance():

@@ -493,3 +493,24 @@ def test_needsink_models_load_by_name(name, needsink):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="unknown needsink"):
         synthetic.planted_needsink("planted-needsink-nope")
+
+
+@pytest.mark.parametrize("kind", list(synthetic.TWOSTEP))
+def test_decoy_twostep_is_born_over_two_layers_by_the_factors_it_says(kind, built):
+    _, _, rec, run = built[kind]
+    r = _ratio(run["post"], run["mask"], 0).median(dim=1).values  # [layer], median over prompts
+    r_in = float(_ratio(run["pre"][:1], run["mask"], 0).median())
+    jumps = torch.cat([r[:1] / r_in, r[1:] / r[:-1]])
+    want = synthetic.TWOSTEP[kind]
+    assert rec.layers == synthetic.TWOSTEP_LAYERS == (2, 3)
+    assert [float(jumps[i]) for i in rec.layers] == pytest.approx(list(want), rel=0.02)
+    assert float(jumps[[0, 1, 4]].max()) < 2  # no other layer jumps
+    assert min(want) > 10  # each above the 'jump' threshold
+
+
+def test_decoy_fading_shrinks_by_its_factor_in_every_later_layer(built):
+    _, _, rec, run = built["fading"]
+    h = run["post"][:, :, 0, rec.massive_dim].abs().median(dim=1).values  # [layer]
+    steps = h[3:] / h[2:-1]
+    assert steps.tolist() == pytest.approx([synthetic.FADING_FACTOR] * 4, rel=0.02)
+    assert float(h[2]) > 1000 and float(h[-1] / h[2]) < 0.2

@@ -242,3 +242,14 @@ def test_battery_starts_over_when_the_placement_changes(args):
     assert len(list((out / "me_layer").iterdir())) == 2
     state = json.loads((out / report.STATE_FILE).read_text())
     assert state["settings"]["placement"] is not None
+
+
+def test_a_placebo_curve_and_a_corollary_are_shown_beside_their_claims():
+    pl = claims.Placebo(3, (0, 1, 2, 3, 4), (0.37, 0.21, 0.3, 0.273, 0.33)).judged(">=")
+    c = claims.Claim("x.a", "§0", "s", "t", "r", "", claims.FAILS, placebo=pl)
+    d = claims.Claim("x.b", "§0", "s", "t", "r", "", claims.HOLDS, implied_by="x.a")
+    html_lines = report._claim_lines([c.to_dict(), d.to_dict()])
+    rows = "".join(report._claim_rows([c.to_dict(), d.to_dict()]))
+    for out in (html_lines, rows):
+        assert out.count("<svg") == 1 and "placebo layers: ME 0.273 (layer 3)" in out
+        assert "other layers 0.21–0.37" in out and "corollary of <code>x.a</code>" in out

@@ -19,7 +19,7 @@ PLANTED = {
     "me_layer.sudden_birth": HOLDS,
     "me_layer.one_layer": INC,
     "me_layer.ffn_creates": HOLDS,
-    "me_layer.carried": HOLDS,
+    "me_layer.carried": INC,  # the massive token's norm: a function of its prefix, <s>
     "mechanism.frac_aligned": INC,
     "mechanism.frac_peak": INC,
     "mechanism.kl_aligned": HOLDS,

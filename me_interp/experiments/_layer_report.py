@@ -193,6 +193,11 @@ class LayerReport(Headed):
             )
         return peak_measure(values, self.selected_layer, self.units, self.given)
 
+    def peak_placebo(self, values: np.ndarray) -> claims.Placebo:
+        """Every layer in the selected layer's place: the share of the tested units peaking there."""
+        at = lambda la: peak_measure(values, la, self.units, self.given)  # noqa: E731
+        return claims.placebo(at, self.peak(values) and self.selected_layer, range(len(values[0])))
+
     def peak_details(self, values: np.ndarray) -> str:
         """Where the selected layer is, how the prompts were split, and where the curve peaks."""
         return peak_details(values, self.selected_layer, self.units, self.given, self.me_text())

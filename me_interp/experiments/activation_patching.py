@@ -360,9 +360,9 @@ SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
         "activation_patching.not_rewritten",
         "§2.1",
-        "After the ME layer the massive activation is carried by the residual stream, not rewritten "
-        "by later sub-layers: no single later attention or FFN output at the massive token, patched "
-        "into the run where it never formed, brings back half of the clean massive direction (a "
+        "No later sub-layer rewrites the massive activation: no single attention or FFN output "
+        "at the massive token after the ME layer, patched into the run where it never formed, "
+        "brings back half of the clean massive direction (what carries it is not tested here; a "
         "sub-layer that erases it reads negative)",
         "largest "
         + RESTORE.format(metric=_PROJ)

@@ -209,11 +209,16 @@ def _geometry_applies(r: Result) -> str | None:
     return None
 
 
-def _sink(r: Result) -> claims.Sample:
-    me = r.me_layer
+def _sink(r: Result, me: int | None = None) -> claims.Sample:
+    me = r.me_layer if me is None else me
     return claims.Sample(
         as_array(r.per_prompt.attn_to_massive), claims.of_means(lambda m: _shift(m, me))
     )
+
+
+def _placebo(stat: Callable[[Result, int], claims.Measure]) -> Callable[[Result], claims.Placebo]:
+    """Every other split (layers ≤ l against > l, l < the last layer) in the ME layer's place."""
+    return claims.placebo_of(stat, lambda r: r.me_layer, lambda r: range(len(r.layers) - 1))
 
 
 def _sink_details(r: Result) -> str:
@@ -232,9 +237,13 @@ def _sink_details(r: Result) -> str:
     return f"ME layer {r.me_text()}; " + "; ".join(parts)
 
 
-def _entropy_rows(r: Result) -> np.ndarray:
-    ent, me = as_array(r.per_prompt.attn_entropy), r.me_layer
+def _entropy_rows(r: Result, me: int | None = None) -> np.ndarray:
+    ent, me = as_array(r.per_prompt.attn_entropy), r.me_layer if me is None else me
     return paired(ent[:, : me + 1].mean(1), ent[:, me + 1 :].mean(1))
+
+
+def _entropy(r: Result, me: int | None = None) -> claims.Sample:
+    return claims.Sample(_entropy_rows(r, me), relative_drop)
 
 
 def _entropy_details(r: Result) -> str:
@@ -248,21 +257,28 @@ def _entropy_details(r: Result) -> str:
 _Values = Callable[["PerPrompt"], list[list[float]]]
 
 
-def _rank_rows(values: _Values) -> Callable[[Result], np.ndarray]:
-    def rows(r: Result) -> np.ndarray:
-        er, me = as_array(values(r.per_prompt)), r.me_layer
+def _rank_rows(values: _Values) -> Callable[..., np.ndarray]:
+    def rows(r: Result, me: int | None = None) -> np.ndarray:
+        er, me = as_array(values(r.per_prompt)), r.me_layer if me is None else me
         return paired(er[:, :me].mean(1), er[:, me:].mean(1))
 
     return rows
 
 
-def _rank_details(values: _Values) -> Callable[[Result], str]:
+def _rank_others(r: Result, me: int | None = None) -> claims.Sample:
+    """Layers ≤ ME against layers > ME: the other tokens meet the massive token only through the
+    attention of the layers after it (the ME layer's own attention reads its input)."""
+    me = r.me_layer if me is None else me
+    return claims.Sample(_rank_rows(_ranks_others)(r, me + 1), relative_drop)
+
+
+def _rank_details(values: _Values, shift: int = 0) -> Callable[[Result], str]:
     def details(r: Result) -> str:
-        er, me = as_array(values(r.per_prompt)), r.me_layer
+        er, me = as_array(values(r.per_prompt)), r.me_layer + shift
         rb, ra = er[:, :me].mean(1).mean(), er[:, me:].mean(1).mean()
         return (
-            f"ME layer {r.me_text()}; mean effective rank over layers < ME {rb:.3g}, over layers "
-            f"≥ ME {ra:.3g}; at layer {me - 1} {er[:, me - 1].mean():.3g}, at ME "
+            f"ME layer {r.me_text()}; mean effective rank over layers < {me} {rb:.3g}, over layers "
+            f"≥ {me} {ra:.3g}; at layer {me - 1} {er[:, me - 1].mean():.3g}, at layer {me} "
             f"{er[:, me].mean():.3g}"
         )
 
@@ -292,6 +308,7 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_sink,
         applies=_attention_applies,
         details=_sink_details,
+        placebo=_placebo(_sink),
     ),
     claims.Spec(
         "attention_sinks.entropy_drop",
@@ -301,10 +318,12 @@ SPECS: tuple[claims.Spec, ...] = (
         "mean over heads and queries)",
         op=">=",
         threshold="relative_drop",
-        control="the same prompts' attention at the layers up to the ME layer",
-        stat=lambda r: claims.Sample(_entropy_rows(r), relative_drop),
+        control="the same prompts' attention at the layers up to the ME layer; placebo: the "
+        "split at every other layer",
+        stat=_entropy,
         applies=_attention_applies,
         details=_entropy_details,
+        placebo=_placebo(_entropy),
     ),
     claims.Spec(
         "attention_sinks.rank_drop_all",
@@ -324,16 +343,19 @@ SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
         "attention_sinks.rank_drop_others",
         "§2.4",
-        "The other tokens' representations collapse from the ME layer on (effective rank of the "
-        "token states without the massive token drops)",
-        statistic="1 − mean effective rank over layers ≥ ME / mean over layers < ME (real tokens "
-        "of each prompt except the massive one)",
+        "The other tokens' representations collapse after the ME layer (effective rank of the "
+        "token states without the massive token drops once later layers' attention reads it)",
+        statistic="1 − mean effective rank over layers > ME / mean over layers ≤ ME (real tokens "
+        "of each prompt except the massive one; the ME layer's own attention reads its input, "
+        "before the massive activation)",
         op=">=",
         threshold="relative_drop",
-        control="the same prompts' layer outputs before the ME layer",
-        stat=lambda r: claims.Sample(_rank_rows(_ranks_others)(r), relative_drop),
-        applies=_geometry_applies,
-        details=_rank_details(_ranks_others),
+        control="the same prompts' layer outputs up to the ME layer; placebo: the split at "
+        "every other layer",
+        stat=_rank_others,
+        applies=_attention_applies,
+        details=_rank_details(_ranks_others, 1),
+        placebo=_placebo(_rank_others),
     ),
 )
 

@@ -27,7 +27,7 @@ without ``resid_pre``/``resid_mid``; ``carried`` also when the ME layer is the l
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -41,7 +41,7 @@ from me_interp.architecture import (
     FFN_RESIDUAL_SITE,
 )
 from me_interp.backends import check_backend
-from me_interp.experiments._layer_report import peak_details, peak_measure
+from me_interp.experiments._layer_report import peak_details, peak_measure, unit_curves
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import (
     Criterion,
@@ -125,13 +125,15 @@ class PerPrompt:
     """The ``[prompt][layer]`` arrays behind the claims: ``r_pre``, ``r_mid``, ``r_post`` (the
     position-agnostic norm ratio ``R`` at the block input, after attention and at the layer output),
     ``ref_ratio`` (the reference token's layer-output norm over the mean of the others') and
-    ``massive`` (1 where the prompt has a massive token at that layer's output)."""
+    ``massive`` (1 where the prompt has a massive token at that layer's output) and ``ref_norm``
+    (the reference token's layer-output norm)."""
 
     r_pre: list[list[float]]
     r_mid: list[list[float]]
     r_post: list[list[float]]
     ref_ratio: list[list[float]]
     massive: list[list[float]]
+    ref_norm: list[list[float]] = field(default_factory=list)  # empty in older results
 
     def array(self, key: str) -> np.ndarray:
         """One of the arrays as a ``[prompt, layer]`` float array."""
@@ -231,6 +233,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         r_post=r["post"],
         ref_ratio=ratio_to_others(scan.site_norms("resid_post"), scan.mask, ref).T.tolist(),
         massive=massive_tokens(scan, crit).any(-1).T.float().tolist(),
+        ref_norm=scan.site_norms("resid_post")[:, torch.arange(len(ref)), ref].T.tolist(),
     )
     layer = loc.me_layer if loc.me_layer is not None else int(torch.tensor(loc.top_ratio).argmax())
     n0 = batch.lengths[0]
@@ -356,8 +359,13 @@ def _needs_me_layer(result: Result) -> str | None:
     return None
 
 
-def _birth(result: Result) -> claims.Sample:
-    return claims.Sample(np.exp(result.log_jumps()[:, result.judged_layer()]), np.median)
+def _birth(result: Result, layer: int | None = None) -> claims.Sample:
+    layer = result.judged_layer() if layer is None else layer
+    return claims.Sample(np.exp(result.log_jumps()[:, layer]), np.median)
+
+
+def _layers(result: Result) -> range:
+    return range(len(result.location.top_ratio))
 
 
 def _birth_details(result: Result) -> str:
@@ -367,7 +375,14 @@ def _birth_details(result: Result) -> str:
 
 
 def _one_layer(result: Result) -> claims.Outcomes:
-    return peak_measure(result.log_jumps(), result.selected_jump_layer(), result.units, False)
+    """Per held-out unit: its largest jump is at the selected layer *and* no other layer's jump
+    reaches ``jump`` (a birth split over two layers is not one layer)."""
+    logj, layer, units = result.log_jumps(), result.selected_jump_layer(), result.units
+    peak = peak_measure(logj, layer, units, False)
+    others = {units.label(u): np.delete(c, layer) for u, c in enumerate(unit_curves(logj, units))}
+    alone = [bool(np.nanmax(others[k]) < np.log(claims.threshold("jump"))) for k in peak.labels]
+    out = [bool(a and b) for a, b in zip(peak.outcomes, alone, strict=True)]
+    return claims.Outcomes(out, peak.labels, unit=peak.unit)
 
 
 def _one_layer_details(result: Result) -> str:
@@ -375,11 +390,15 @@ def _one_layer_details(result: Result) -> str:
     means = logj.mean(0)
     me = result.me_layer
     others = np.delete(means, me)
+    second = int(np.argmax(np.where(np.arange(len(means)) == me, -np.inf, means)))
+    growth = np.clip(means, 0, None)
     return (
         f"{_where(result)}; "
         + peak_details(logj, result.selected_jump_layer(), result.units, False, str(me))
         + f"; mean log jump at the ME layer {means[me]:.3g}, other layers {others.mean():.3g} "
-        f"± {others.std(ddof=1):.3g}"
+        f"± {others.std(ddof=1):.3g}; the largest other jump is at layer {second} "
+        f"(×{np.exp(means[second]):.3g}, 'jump' = {claims.threshold('jump'):g}); the ME layer's "
+        f"share of the total log growth {means[me] / growth.sum():.3g}"
     )
 
 
@@ -393,17 +412,16 @@ def _ffn_applies(result: Result) -> str | None:
     return why
 
 
-def _factors(result: Result) -> tuple[np.ndarray, np.ndarray]:
+def _factors(result: Result, layer: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per prompt, the FFN's factor ``R_post / R_mid`` and the attention's ``R_mid / R_pre`` at the
-    ME layer."""
-    r_pre, r_mid, r_post = (
-        result.array(k)[:, result.me_layer] for k in ("r_pre", "r_mid", "r_post")
-    )
+    ME layer (or ``layer``)."""
+    layer = result.me_layer if layer is None else layer
+    r_pre, r_mid, r_post = (result.array(k)[:, layer] for k in ("r_pre", "r_mid", "r_post"))
     return r_post / r_mid, r_mid / r_pre
 
 
-def _ffn_creates(result: Result) -> claims.Sample:
-    ffn, attn = _factors(result)
+def _ffn_creates(result: Result, layer: int | None = None) -> claims.Sample:
+    ffn, attn = _factors(result, layer)
     return claims.Sample(ffn / np.maximum(attn, 1.0), np.median)
 
 
@@ -416,6 +434,26 @@ def _ffn_details(result: Result) -> str:
     )
 
 
+def _eraser(result: Result, norm: np.ndarray) -> int | None:
+    """The first layer after the ME layer whose signed log change of the massive token's median
+    norm is below ``log(carried_fraction)`` (an eraser), else ``None`` (a gradual decay is judged)."""
+    me = result.me_layer
+    step = np.diff(np.log(np.median(norm, axis=0)))[me:]  # step[i]: layer me + 1 + i
+    hit = np.flatnonzero(step < np.log(claims.threshold("carried_fraction")))
+    return None if len(hit) == 0 else me + 1 + int(hit[0])
+
+
+def _carried_rows(result: Result) -> tuple[np.ndarray, np.ndarray, int]:
+    """The massive token's layer-output norm per prompt (with a massive token at the ME layer),
+    its per-prompt ``min_{ME < l < E} ‖h_l‖ / ‖h_ME‖`` over the middle layers (E: the eraser,
+    else past the last layer), and E."""
+    me = result.me_layer
+    norm = result.array("ref_norm")[result.array("massive")[:, me] > 0]  # massive token at ME
+    # an eraser right after the ME layer leaves no middle layers: that layer is judged (not carried)
+    end = max(_eraser(result, norm) or norm.shape[1], me + 2)
+    return norm, (norm[:, me + 1 : end] / norm[:, me : me + 1]).min(axis=1), end
+
+
 def _carried_applies(result: Result) -> str | None:
     why = _needs_me_layer(result)
     if why is None and result.me_layer == len(result.location.top_ratio) - 1:
@@ -423,24 +461,29 @@ def _carried_applies(result: Result) -> str | None:
     return why
 
 
-def _carried_rows(result: Result) -> tuple[np.ndarray, np.ndarray]:
-    me = result.me_layer
-    rho = result.array("ref_ratio")[result.array("massive")[:, me] > 0]  # massive token at ME
-    return rho, (rho[:, me:] / rho[:, me : me + 1]).min(axis=1)
-
-
 def _carried(result: Result) -> claims.Sample:
-    _, frac = _carried_rows(result)
-    return claims.Sample(frac)
+    me = result.me_layer
+    rows = np.flatnonzero(result.array("massive")[:, me] > 0)
+    return claims.Sample(_carried_rows(result)[1], prompts=rows.tolist())
 
 
 def _carried_details(result: Result) -> str:
-    rho, _ = _carried_rows(result)
+    norm, _, end = _carried_rows(result)
     ev, me = result.location.me_event, result.me_layer
+    med = np.median(norm, axis=0)
+    rho = np.median(result.array("ref_ratio")[result.array("massive")[:, me] > 0], axis=0)
+    erased = (
+        f"erasure (descriptive, not judged): layer {end} multiplies the median norm by "
+        f"{med[end] / med[end - 1]:.3g} ({med[end - 1]:.4g} → {med[end]:.4g}), "
+        f"{med[-1]:.4g} at the last layer"
+        if end < norm.shape[1] and med[end] < med[end - 1] * claims.threshold("carried_fraction")
+        else "no later layer erases it (no single-layer drop below 'carried_fraction')"
+    )
     return (
-        f"{_where(result)}; the event lasts to layer {ev.last_layer} "
-        f"({'to the end' if ev.persists_to_end else 'ends before the last layer'}); median ratio "
-        f"at the ME layer {np.median(rho[:, me]):.3g}, at the last layer {np.median(rho[:, -1]):.3g}"
+        f"{_where(result)}; judged over layers {me + 1}–{end - 1}; the event lasts to layer "
+        f"{ev.last_layer} ({'to the end' if ev.persists_to_end else 'ends before the last layer'}); "
+        f"median norm at the ME layer {med[me]:.4g}, at layer {end - 1} {med[end - 1]:.4g} (its "
+        f"ratio to the other tokens' mean {rho[me]:.3g} → {rho[end - 1]:.3g}); " + erased
     )
 
 
@@ -458,19 +501,21 @@ SPECS: tuple[claims.Spec, ...] = (
         "layer makes one token's norm jump, the statistic is about 1 and the claim fails",
         stat=_birth,
         details=_birth_details,
+        placebo=claims.placebo_of(_birth, Result.judged_layer, _layers),
     ),
     claims.Spec(
         "me_layer.one_layer",
         "§2.1",
         "The birth is confined to one layer: the layer of the largest jump, chosen on other "
-        "prompts, is the largest jump of each held-out prompt",
+        "prompts, is the largest jump of each held-out prompt, and no other layer's jump reaches "
+        "the 'jump' threshold",
         statistic="fraction of the held-out prompts (one per distinct massive-token prefix) whose "
         "largest log jump log(R_l / R_{l-1}) is at the layer of the largest mean log jump of the "
-        "selection half",
+        "selection half while every other layer's jump stays below 'jump'",
         op=">=",
         threshold="peak_fraction",
-        control="the jumps of every other layer, including precursor events (chance 1 / L under "
-        "exchangeable layers)",
+        control="the jumps of every other layer, including precursor events and a second birth "
+        "layer (chance 1 / L under exchangeable layers)",
         unit="held-out prompts",
         stat=_one_layer,
         applies=_needs_me_layer,
@@ -491,22 +536,26 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_ffn_creates,
         applies=_ffn_applies,
         details=_ffn_details,
+        placebo=claims.placebo_of(_ffn_creates, lambda r: r.me_layer, _layers),
     ),
     claims.Spec(
         "me_layer.carried",
         "§2.1",
-        "The residual stream then carries the massive activation to the last layer",
+        "The residual stream then carries the massive activation through the middle layers, from "
+        "the ME layer to the layer that erases it (or to the last layer)",
         statistic="mean over the prompts with a massive token at the ME layer L of "
-        "min_{l ≥ L} ρ_l / ρ_L, with ρ = the massive token's layer-output norm over the mean of the "
-        "others'",
+        "min_{L < l < E} ‖h_l‖ / ‖h_L‖, with h the massive token's layer output and E the first "
+        "layer after L whose signed log change of the median ‖h‖ falls below "
+        "log('carried_fraction') (an eraser; none: E = the number of layers)",
         op=">=",
         threshold="carried_fraction",
-        control="layers where the model removes the massive activation (the event ends) pull the "
-        "minimum down",
+        control="a gradual decay over the middle layers (no single-layer eraser) pulls the minimum "
+        "down; the erasure itself is reported in the details, not judged",
         unit="prompts with a massive token at the ME layer",
         stat=_carried,
         applies=_carried_applies,
         details=_carried_details,
+        massive_state=True,  # its norm depends on its prefix only
     ),
 )
 

@@ -105,7 +105,9 @@ _PEAK_VALUES: dict[str, Callable[[Result], np.ndarray]] = {
 }
 
 
-def _peak_spec(short: str, section: str, what: str, statistic: str) -> claims.Spec:
+def _peak_spec(
+    short: str, section: str, what: str, statistic: str, implied_by: str | None = None
+) -> claims.Spec:
     values = _PEAK_VALUES[short]
     return claims.Spec(
         f"mechanism.{short}",
@@ -121,6 +123,8 @@ def _peak_spec(short: str, section: str, what: str, statistic: str) -> claims.Sp
         unit="held-out prompts",
         stat=lambda r: r.peak(values(r)),
         details=lambda r: r.peak_details(values(r)),
+        placebo=lambda r: r.peak_placebo(values(r)),
+        implied_by=implied_by,
     )
 
 
@@ -138,10 +142,24 @@ def _gain_alignment(m: np.ndarray) -> np.ndarray | float:
     return np.minimum(excess, widened)
 
 
-def _frac_rows(r: Result) -> np.ndarray:
-    p = r.per_prompt
+def _frac_rows(r: Result, layer: int | None = None) -> np.ndarray:
+    p, layer = r.per_prompt, r.me_layer if layer is None else layer
     cols = (p.frac_massive, p.frac_others, p.frac_massive_pregain, p.frac_others_pregain)
-    return np.stack([as_array(c)[:, r.me_layer] for c in cols], axis=1)
+    return np.stack([as_array(c)[:, layer] for c in cols], axis=1)
+
+
+def _frac(r: Result, layer: int | None = None) -> claims.Sample:
+    return claims.Sample(_frac_rows(r, layer), _gain_alignment)
+
+
+def _kl(r: Result, layer: int | None = None) -> claims.Sample:
+    layer = r.me_layer if layer is None else layer
+    kl = (as_array(r.per_prompt.kl_others)[:, layer], as_array(r.per_prompt.kl_massive)[:, layer])
+    return claims.Sample(paired(*kl), relative_drop)
+
+
+def _at_layers(stat: Callable[[Result, int], claims.Measure]) -> Callable[[Result], claims.Placebo]:
+    return claims.placebo_of(stat, lambda r: r.me_layer, lambda r: range(len(r.layers)))
 
 
 def _frac_details(r: Result) -> str:
@@ -167,7 +185,7 @@ def _neuron_measure(r: Result) -> claims.Sample:
     null = as_array(r.per_prompt.random_neuron_share)
     rows = r.units.prompts(r.units.heldout)
     unit = "held-out prompts" if r.units.held_out else "prompts (nothing held out)"
-    return claims.Sample(share[rows] - null[rows], unit=unit, keys=[r.units.keys[b] for b in rows])
+    return claims.Sample(share[rows] - null[rows], unit=unit, prompts=rows)  # units: the header's
 
 
 def _neuron_details(r: Result) -> str:
@@ -197,8 +215,9 @@ SPECS: tuple[claims.Spec, ...] = (
         threshold="relative_drop",
         control="(a) the other tokens of the same prompts at the same layer; (b) the same tokens "
         "before the gain",
-        stat=lambda r: claims.Sample(_frac_rows(r), _gain_alignment),
+        stat=_frac,
         details=_frac_details,
+        placebo=_at_layers(_frac),
     ),
     _peak_spec("frac_peak", "§2.2", "ΔFrac", "ΔFrac"),
     claims.Spec(
@@ -210,24 +229,26 @@ SPECS: tuple[claims.Spec, ...] = (
         op=">=",
         threshold="relative_drop",
         control="the other tokens of the same prompts at the same layer",
-        stat=lambda r: claims.Sample(
-            paired(
-                as_array(r.per_prompt.kl_others)[:, r.me_layer],
-                as_array(r.per_prompt.kl_massive)[:, r.me_layer],
-            ),
-            relative_drop,
-        ),
+        stat=_kl,
         details=_kl_details,
+        placebo=_at_layers(_kl),
     ),
     _peak_spec("kl_peak", "§2.2", "−ΔKL (the alignment to the gains)", "−ΔKL"),
     _peak_spec("dc_gate_peak", "§2.3", "ΔC after W_gate", "ΔC after W_gate"),
     _peak_spec("dc_up_peak", "§2.3", "ΔC after W_up", "ΔC after W_up"),
-    _peak_spec("dc_down_peak", "§2.3", "ΔC after W_down (the FFN output)", "ΔC after W_down"),
+    _peak_spec(
+        "dc_down_peak",
+        "§2.3",
+        "ΔC after W_down (the FFN output)",
+        "ΔC after W_down",
+        "me_layer.ffn_creates",
+    ),
     _peak_spec(
         "magnification_peak",
         "§2.3",
         "The FFN magnification ‖FFN(ĥ)‖ / ‖ĥ‖ of the massive token",
         "log10 FFN magnification of the massive token",
+        "me_layer.ffn_creates",
     ),
     claims.Spec(
         "mechanism.few_neurons",
@@ -245,6 +266,7 @@ SPECS: tuple[claims.Spec, ...] = (
         unit="held-out prompts",
         stat=_neuron_measure,
         details=_neuron_details,
+        massive_state=True,
     ),
 )
 

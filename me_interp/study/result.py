@@ -28,7 +28,9 @@ class RunHeader:
             without one), ``layer_1based`` the same layer counted from 1, ``layer_given`` whether it
             was given; ``me_layer`` the detected ME layer.
         position: the massive position (commonest over prompts); ``dims`` the massive dims at
-            ``layer``; ``n_units`` the distinct massive-token prefixes (the effective n).
+            ``layer``; ``n_units`` the distinct massive-token prefixes (the effective n);
+            ``unit_keys`` per prompt, its massive-token prefix (what the claims engine resamples a
+            statistic of the massive token's state by, ``claims.Spec.massive_state``).
         index_convention: how layers are counted.
     """
 
@@ -45,6 +47,7 @@ class RunHeader:
     dims: tuple[int, ...] = ()
     n_units: int | None = None
     index_convention: str = INDEX_CONVENTION
+    unit_keys: tuple[str, ...] = ()
 
 
 class Headed:
@@ -96,6 +99,7 @@ def run_header(cfg: CommonConfig, model: Any, n_prompts: int, site: Any = None) 
         position=site.position,
         dims=tuple(site.dims),
         n_units=site.units.n,
+        unit_keys=tuple(site.units.keys),
     )
 
 

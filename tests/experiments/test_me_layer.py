@@ -22,11 +22,13 @@ PLANTED = {
     # be held out (one outcome, not decided)
     "me_layer.one_layer": INC,
     "me_layer.ffn_creates": H,  # the planted neuron (the FFN) makes the whole jump, attention x1
-    "me_layer.carried": H,  # no later component writes the massive dim
+    # no later component writes the massive dim, but its norm (a function of its prefix, <s>) is one
+    # distinct measurement: not decided
+    "me_layer.carried": INC,
 }
 # Without BOS and with <s> second after different first tokens, the massive token (position 1) has
 # 16 distinct prefixes: the largest-jump layer of 8 prompts is the largest jump of the other 8.
-PLANTED_SECOND = {**PLANTED, "me_layer.one_layer": H}
+PLANTED_SECOND = {**PLANTED, "me_layer.one_layer": H, "me_layer.carried": H}
 # On models without a massive activation the existence claim fails and the rest is not applicable.
 NULL = {
     "me_layer.sudden_birth": F,
@@ -257,7 +259,10 @@ def test_planted_claims_are_what_the_construction_implies(planted, many_prompts)
     birth = by_id["me_layer.sudden_birth"].estimate
     assert birth.n == 16 and birth.method == "bootstrap" and birth.lo <= birth.value <= birth.hi
     assert 100 < birth.lo and birth.hi < 1000
-    assert by_id["me_layer.carried"].estimate.lo > 0.99
+    assert (
+        by_id["me_layer.carried"].estimate.lo > 0.99
+        and by_id["me_layer.carried"].estimate.n_eff == 1
+    )
     one = by_id["me_layer.one_layer"]
     assert one.estimate.n == one.estimate.n_eff == 1 and one.outcomes == {
         "prompts 0…15 (16, one massive-token prefix)": True
@@ -429,9 +434,12 @@ def test_carried_fails_when_a_later_layer_removes_the_activation(planted, many_p
                 t.copy_(v)
     assert res.me_layer == plant.layer
     verdicts = _verdicts(res)
-    assert verdicts["me_layer.sudden_birth"] == H and verdicts["me_layer.carried"] == F
-    carried = {c.id: c for c in _claims(res)}["me_layer.carried"].estimate
-    assert carried.hi < 0.05
+    # the eraser right after the ME layer is judged (no middle layers); every prompt's massive
+    # token is <s>, one distinct measurement, so the verdict waits for more units (decoy-fading and
+    # the falsifiability table decide it on distinct prefixes)
+    assert verdicts["me_layer.sudden_birth"] == H and verdicts["me_layer.carried"] == INC
+    carried = {c.id: c for c in _claims(res)}["me_layer.carried"]
+    assert carried.estimate.hi < 0.05 and "1 distinct measurement" in carried.why
 
 
 @pytest.mark.slow
@@ -444,12 +452,47 @@ def test_cli_on_bundled_model(tmp_path, capsys, bundled):
     by_id = {c.id: c for c in _claims(res)}
     # measured with the built-in prompts (82): birth jump 127 [124, 130]; the largest-jump layer of
     # 41 prompts (11) is the largest jump of each of the other 41; FFN factor over the attention's
-    # 124 (attention 1.01); carried 0.041 (the model removes the activation in its last layers)
-    assert [by_id[i].verdict for i in PLANTED] == [H, H, H, F]
+    # 124 (attention 1.01); carried over layers 12-27 (the massive token's norm 0.985 of the ME
+    # layer's; layer 28 erases it, reported apart)
+    assert [by_id[i].verdict for i in PLANTED] == [H, H, H, H]
     birth = by_id["me_layer.sudden_birth"].estimate
     assert birth.n == res.n_prompts >= 64 and 80 < birth.lo <= birth.hi < 200
     one = by_id["me_layer.one_layer"]
     assert one.estimate.n == res.n_prompts // 2 and all(one.outcomes.values())
     assert 80 < by_id["me_layer.ffn_creates"].estimate.value < 200
-    carried = by_id["me_layer.carried"].estimate
-    assert 0.01 < carried.lo <= carried.hi < 0.1
+    carried = by_id["me_layer.carried"]
+    assert 0.97 < carried.estimate.lo <= carried.estimate.hi < 1.0
+    assert "layers 12–27" in carried.details and "erasure (descriptive, not judged): layer 28" in (
+        carried.details
+    )
+
+
+@pytest.fixture(scope="module")
+def distinct_prompts(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prompts") / "distinct.txt"
+    p.write_text("\n".join(synthetic.distinct_first_prompts(16, 10)) + "\n")
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    "name, one_layer, carried",
+    [
+        ("planted-nobos", H, H),  # one birth layer, carried to the last layer
+        ("decoy-twostep", F, None),  # x16 then x60: a second jump over 'jump'
+        ("decoy-twostep-even", F, None),  # x20 then x25 (carried: the last layer alone, exactly 1)
+        ("decoy-erased", H, H),  # carried over layer 3, erased by layer 4 (reported, not judged)
+        ("decoy-fading", H, F),  # x0.6 per layer after the ME layer: no eraser, not carried
+    ],
+)
+def test_one_layer_and_carried_on_constructed_models(name, one_layer, carried, distinct_prompts):
+    from me_interp import load_model
+
+    res = me_layer.run(
+        me_layer.Config(prompts=distinct_prompts), load_model(f"synthetic:{name}", device="cpu")
+    )
+    by_id = {c.id: c for c in _claims(res)}
+    assert by_id["me_layer.one_layer"].verdict == one_layer
+    assert carried is None or by_id["me_layer.carried"].verdict == carried
+    assert by_id["me_layer.sudden_birth"].verdict == H and by_id["me_layer.sudden_birth"].placebo
+    if name == "decoy-erased":
+        assert "erasure (descriptive, not judged): layer 4" in by_id["me_layer.carried"].details
