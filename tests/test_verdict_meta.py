@@ -94,7 +94,7 @@ PLANTED = {
     "activation_patching.ffn_writes": NA,
     "activation_patching.ffn_is_state": HOLDS,
     "activation_patching.state_causes_sink": HOLDS,
-    "activation_patching.not_rewritten": HOLDS,
+    "activation_patching.not_rewritten": INC,  # one shared-<s> state: fewer units than min_units
     "activation_patching.sink_heads_restore": HOLDS,
     "activation_patching.sink_heads_beat_random": HOLDS,
     "transplant.sink_follows": HOLDS,

@@ -40,7 +40,9 @@ PLANTED = {
     "activation_patching.ffn_writes": NA,
     "activation_patching.ffn_is_state": H,
     "activation_patching.state_causes_sink": H,  # sanity: head 0 of layers 3-4 reads dim 7
-    "activation_patching.not_rewritten": H,  # no later component writes dim 7
+    # no later component writes dim 7 (every value ~1e-9), but the prompts share <s>: one state
+    # repeated, fewer distinct units than the engine decides a bootstrap claim on ('min_units')
+    "activation_patching.not_rewritten": INC,
     # head 0 of layers 3-4, the one sink head per layer, carries the massive token's effect
     "activation_patching.sink_heads_restore": H,
     "activation_patching.sink_heads_beat_random": H,
