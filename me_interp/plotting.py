@@ -239,3 +239,18 @@ def sorted_gains(
         template="plotly_white",
     )
     return fig
+
+
+def grouped_bars(
+    x: Sequence[str], series: Mapping[str, Sequence[float]], title: str, yaxis_title: str
+) -> go.Figure:
+    """One bar per ``x`` for each named series (grouped), on a log y axis (ratios, perplexities)."""
+    fig = go.Figure([go.Bar(x=list(x), y=list(ys), name=name) for name, ys in series.items()])
+    fig.update_layout(
+        title=title,
+        yaxis_type="log",
+        yaxis_title=yaxis_title,
+        barmode="group",
+        template="plotly_white",
+    )
+    return fig

@@ -21,7 +21,7 @@ from me_interp.experiments import (
     transplant,
 )
 from me_interp.probes.ffn import FfnShare
-from me_interp.study import execute
+from me_interp.study import execute, roundtrip
 
 MODULES = [activation_patching, transplant, component_ablation, sink_causality]
 H, F, INC, NA = claims.HOLDS, claims.FAILS, claims.INCONCLUSIVE, claims.NOT_APPLICABLE
@@ -49,6 +49,7 @@ PLANTED = {
     "sink_causality.patch_other": NA,  # control; every prompt starts with BOS: the swap is the identity
     "transplant.sink_follows": H,
     "transplant.second_sink": H,  # two equal keys: the sink splits 0.5 / 0.5
+    "transplant.state_follows": H,  # sanity: the whole state moved
     "component_ablation.cap_site": H,  # sanity
     "component_ablation.cap_removes": H,  # control (was the claim cap_ffn)
     "component_ablation.flatten_gain": H,  # the neuron reads the boosted gain dims
@@ -72,6 +73,7 @@ KINDS = {
     "sink_causality.patch_other": "control",
     "transplant.sink_follows": "claim",
     "transplant.second_sink": "claim",
+    "transplant.state_follows": "sanity",
     "component_ablation.cap_site": "sanity",
     "component_ablation.cap_removes": "control",
     "component_ablation.flatten_gain": "claim",
@@ -96,10 +98,32 @@ def _by_id(cs):
     return {c.id: c for c in cs}
 
 
+def _where(r):
+    """(layer, position, dims, detected, massive at the layer) of a result: the Site of
+    activation_patching, the run header (and why_not) of the typed Results."""
+    if module_typed(r):
+        h = r.header
+        at = r.why_not is None or "no massive activation at the output" not in r.why_not
+        return h.layer, h.position, h.dims, h.me_layer is not None, at
+    s = r.site
+    return s.layer, s.position, s.dims, s.detected, s.at_layer
+
+
+def module_typed(r) -> bool:
+    return hasattr(r, "header")
+
+
 def _check_result(module, result):
-    d = result.to_dict()
+    if module_typed(result):  # a typed Result: the generic JSON round trip, the same claims
+        d = io.to_jsonable(result)
+        back = roundtrip(result)
+        assert io.to_jsonable(back) == d
+        assert claims.judge(module.SPECS, back) == claims.judge(module.SPECS, result)
+    else:
+        d = result.to_dict()
+        assert "per_prompt" in d
     json.dumps(io.to_jsonable(d), allow_nan=False)
-    assert "per_prompt" in d and "claim" not in d and "verdict" not in d
+    assert "claim" not in d and "verdict" not in d
     assert not hasattr(module, "verdicts")  # issue 17: the engine judges the declarative specs
     cs = claims.judge(module.SPECS, result)
     assert [c.id for c in cs] == [s.id for s in module.SPECS]  # every spec, once, in order
@@ -115,7 +139,7 @@ def _check_result(module, result):
 def test_planted_verdicts_are_what_was_planted(module, planted, prompt_file):
     model, plant = planted
     r = module.run(_cfg(module, prompt_file), model)
-    assert (r.site.layer, r.site.position, r.site.dims) == (plant.layer, 0, (plant.massive_dim,))
+    assert _where(r)[:3] == (plant.layer, 0, (plant.massive_dim,))
     cs = _check_result(module, r)
     expect = {k: v for k, v in PLANTED.items() if k.startswith(module.NAME + ".")}
     assert {k: c.verdict for k, c in cs.items()} == expect
@@ -143,7 +167,7 @@ def test_forced_layer_on_the_twin_never_holds(module, twin, prompt_file):
     (which presuppose one) are not applicable."""
     model, plant = twin
     r = module.run(module.Config(prompts=prompt_file, layer=plant.layer), model)
-    assert r.site.detected is False
+    assert _where(r)[3] is False
     cs = _check_result(module, r)
     assert {c.verdict for c in cs.values()} == {NA}
     assert all("no massive activation" in c.why for c in cs.values())
@@ -237,7 +261,7 @@ def test_activation_patching_without_removal_claims_nothing(planted, tmp_path):
 def test_forced_layer_before_the_emergence_claims_nothing(module, planted, prompt_file):
     model, plant = planted
     r = module.run(_cfg(module, prompt_file, layer=plant.layer - 1), model)
-    assert r.site.detected and not r.site.at_layer
+    assert _where(r)[3] and not _where(r)[4]
     cs = _check_result(module, r)
     assert {c.verdict for c in cs.values()} == {NA}
     assert all(
@@ -282,21 +306,21 @@ def test_sink_causality_planted_measures(planted, prompt_file):
     model, plant = planted
     r = sink_causality.run(_cfg(sink_causality, prompt_file), model)
     assert r.same_prefix is True
-    heads = r.sink_heads()
+    heads = r.sink_heads
     assert (plant.layer + 1, plant.sink_head) in heads
     assert all(layer > plant.layer for layer, _ in heads)
-    base = r.measures["baseline"]
+    base = r.of("baseline")
     for c in ("remove_ffn", "remove_dims", "remove_all"):
-        m = r.measures[c]
+        m = r.of(c)
         # layers up to the ME layer see nothing of the edit (its output feeds only later layers)
         np.testing.assert_allclose(
-            m.attention[: plant.layer + 1], base.attention[: plant.layer + 1], atol=1e-6
+            m.head_attention[: plant.layer + 1], base.head_attention[: plant.layer + 1], atol=1e-6
         )
         assert r.drop(c) > 0.5
-        assert float(r.entropy_after_me(c).mean()) > float(r.entropy_after_me("baseline").mean())
-    assert r.measures["patch_other"].attention.equal(base.attention)
-    d = r.to_dict()
-    assert len(d["per_prompt"]["remove_ffn"]["sink_heads_attention"]) == 16
+        assert np.mean(m.entropy_after_me) > np.mean(base.entropy_after_me)
+        assert np.mean(m.me_ratio) < claims.threshold("ordinary_ratio")  # a removal
+    assert r.of("patch_other").head_attention == base.head_attention
+    assert len(r.of("remove_ffn").sink) == 16
 
 
 def test_sink_causality_condition_not_run(planted, prompt_file):
@@ -315,7 +339,7 @@ def test_transplant_moves_the_sink(planted, prompt_file):
     assert new > 0.9 and old < 0.05
     b_old, b_new = r.sink_to("baseline")
     assert b_old > 0.9 and b_new < 0.05
-    assert r.ratios["move"][1].mean() > 100 and r.ratios["move"][0].mean() < 1
+    assert np.mean(r.of("move").ratio_new) > 100 and np.mean(r.of("move").ratio_old) < 1
     assert {c.verdict for c in _check_result(transplant, r).values()} == {H}
     rd = transplant.run(
         _cfg(transplant, prompt_file, dst=2, mode="direction", component="full"), model
@@ -329,7 +353,7 @@ def test_transplant_skips_prompts_too_short_for_dst(planted, tmp_path):
     path.write_text("\n".join([*synthetic.planted_prompts(6, 12), "w5", "w1 w2 w3"]) + "\n")
     r = transplant.run(transplant.Config(prompts=str(path), dst=8), model)
     assert len(r.prompts.indices) == 6 and r.prompts.n_short == 2
-    assert r.to_dict()["prompts"]["n_skipped_short"] == 2
+    assert io.to_jsonable(r)["prompts"]["n_short"] == 2
     cs = _check_result(transplant, r)
     assert "2 skipped as too short" in cs["transplant.sink_follows"].details
 
@@ -337,16 +361,15 @@ def test_transplant_skips_prompts_too_short_for_dst(planted, tmp_path):
 def test_component_ablation_planted_measures(planted, prompt_file):
     model, plant = planted
     r = component_ablation.run(_cfg(component_ablation, prompt_file), model)
-    ex = {c: r.excess(c, "last_ratio") for c in component_ablation.CONDITIONS}
+    ex = {c: r.excess(c) for c in component_ablation.CONDITIONS}
     assert ex["cap_ffn"] < 0.01 and ex["normalize_product"] < 0.01 and ex["zero_dims"] < 0.01
     assert ex["flatten_gain"] < 0.1
     assert ex["mean_dims"] == pytest.approx(1.0, abs=1e-6)
     # scale_product x0.1 leaves a tenth of the excess at the ME layer (a dose, no claim)
-    assert r.excess("scale_product", "me_ratio") == pytest.approx(0.1, abs=0.01)
+    assert r.excess("scale_product", last=False) == pytest.approx(0.1, abs=0.01)
     assert r.ppl_ratio("mean_dims") == pytest.approx(1.0, abs=1e-6)
     assert 0.9 < r.ppl_ratio("zero_dims") < 1.1  # the random LM does not use the sink
-    d = r.to_dict()
-    assert len(d["per_prompt"]["cap_ffn"]["nll_sum"]) == 16
+    assert len(r.of("cap_ffn").nll_sum) == 16
     assert set(component_ablation.figures(r)) == {"norm_ratios", "perplexity"}
 
 
@@ -356,12 +379,24 @@ def test_component_ablation_perplexity_matches_evaluation(planted, prompt_file):
     model, plant = planted
     cfg = _cfg(component_ablation, prompt_file, conditions=("zero_dims",))
     r = component_ablation.run(cfg, model)
-    assert r.perplexity("baseline") == pytest.approx(perplexity(model, r.prompts.batch), rel=1e-6)
+    batch = _batch(model, prompt_file, r.prompts)
+    assert r.of("baseline").perplexity == pytest.approx(perplexity(model, batch), rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------
 # issue 17: signed projections, the FFN output that is the state, the ME layer at the last layer
 # ------------------------------------------------------------------------------------------
+
+
+def _batch(model, prompt_file, used):
+    """The batch a causal experiment ran on, rebuilt as its ``run`` builds it (the Result records
+    which prompts, ``used``)."""
+    from me_interp.interventions.causal import prompt_batch
+
+    cfg = _cfg(component_ablation, prompt_file)
+    pb = prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts).at_least(2)
+    assert pb.indices == used.indices
+    return pb.batch
 
 
 def _hook_set(x, hook, *, pos, value):
@@ -529,7 +564,8 @@ def test_the_ffn_state_decides_which_spec_applies(planted, prompt_file):
     rs = sink_causality.run(_cfg(sink_causality, prompt_file), model)
     cs = _by_id(claims.judge(sink_causality.SPECS, rs))
     assert "the sanity check remove_all" in cs["sink_causality.remove_ffn"].why
-    cs = _by_id(claims.judge(sink_causality.SPECS, dataclasses.replace(rs, ffn=part)))
+    part_rs = dataclasses.replace(rs, ffn_cos=part.cos, ffn_norm_ratio=part.norm_ratio)
+    cs = _by_id(claims.judge(sink_causality.SPECS, part_rs))
     assert cs["sink_causality.remove_ffn"].verdict == H
 
 
@@ -538,14 +574,14 @@ def test_edit_size_of_the_residual_ablations_by_hand(planted, prompt_file):
 
     model, plant = planted
     r = component_ablation.run(_cfg(component_ablation, prompt_file), model)
-    h = capture(model, r.prompts.batch, [names.resid_post(plant.layer)])
+    h = capture(model, _batch(model, prompt_file, r.prompts), [names.resid_post(plant.layer)])
     h = h[names.resid_post(plant.layer)][:, 0].double()
     d = plant.massive_dim
     np.testing.assert_allclose(
-        r.edit_size["zero_dims"], (h[:, d].abs() / h.norm(dim=-1)).numpy(), rtol=1e-5
+        r.of("zero_dims").edit_size, (h[:, d].abs() / h.norm(dim=-1)).numpy(), rtol=1e-5
     )
     # every prompt starts with <s>: the mean over prompts is each prompt's own value
-    assert max(r.edit_size["mean_dims"]) < 1e-6
+    assert max(r.of("mean_dims").edit_size) < 1e-6
     details = component_ablation.SPEC["mean_dims_harmless"].details(r)
     assert "edit size ‖Δ‖ / ‖h_p‖" in details and "near-identity" in details
 
@@ -568,7 +604,7 @@ def test_me_layer_at_the_last_layer_is_not_applicable_where_a_later_layer_is_nee
     model, plant = planted_last
     kw = {"dst": 3} if module is transplant else {}
     out = execute(module.EXPERIMENT, module.Config(prompts=prompt_file, **kw), model)
-    assert out.result is not None and out.result.site.layer == plant.layer == model.n_layers - 1
+    assert out.result is not None and _where(out.result)[0] == plant.layer == model.n_layers - 1
     cs = _by_id(out.claims)
     needs_later = {
         "activation_patching.state_causes_sink",
@@ -579,6 +615,7 @@ def test_me_layer_at_the_last_layer_is_not_applicable_where_a_later_layer_is_nee
         "sink_causality.patch_other",
         "transplant.sink_follows",
         "transplant.second_sink",
+        "transplant.state_follows",
         "component_ablation.cap_removes",
     }
     for k, c in cs.items():
