@@ -254,3 +254,50 @@ def grouped_bars(
         template="plotly_white",
     )
     return fig
+
+
+def log_heatmap(
+    z: Sequence[Sequence[float]], title: str, xaxis_title: str, yaxis_title: str, hover: str
+) -> go.Figure:
+    """A heatmap of ``log10 z`` (rows on y, columns on x, both 0-based indices) whose hover shows
+    ``z`` itself (``hover``: the hovertemplate, reading ``%{customdata}``)."""
+    logz = [[math.log10(max(v, 1e-12)) for v in row] for row in z]
+    fig = go.Figure(
+        go.Heatmap(
+            z=logz,
+            customdata=[list(row) for row in z],
+            colorscale="Magma",
+            colorbar_title="log10",
+            hovertemplate=hover + "<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=title, xaxis_title=xaxis_title, yaxis_title=yaxis_title, template="plotly_white"
+    )
+    return fig
+
+
+def quartile_lines(
+    xs: Sequence[int], series: Mapping[str, Sequence[Sequence[float]]], title: str,
+    xaxis_title: str, yaxis_title: str,
+) -> go.Figure:  # fmt: skip
+    """Per named ``[sample][x]`` series, its median over samples with the interquartile range as
+    error bars, on a log y axis."""
+    import numpy as np
+
+    fig = go.Figure()
+    for name, vals in series.items():
+        q1, q2, q3 = np.quantile(np.asarray(vals, dtype=float), [0.25, 0.5, 0.75], axis=0)
+        fig.add_trace(
+            go.Scatter(
+                x=list(xs), y=q2.tolist(), mode="lines+markers", name=name,
+                error_y={"type": "data", "symmetric": False, "array": (q3 - q2).tolist(),
+                         "arrayminus": (q2 - q1).tolist()},
+                hovertemplate="%{x}: %{y:.4g}<extra>" + name + "</extra>",
+            )
+        )  # fmt: skip
+    fig.update_yaxes(type="log")
+    fig.update_layout(
+        title=title, xaxis_title=xaxis_title, yaxis_title=yaxis_title, template="plotly_white"
+    )
+    return fig

@@ -31,22 +31,22 @@ product is the cap again, with another factor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from me_interp import claims, evaluation, names, plotting
-from me_interp.evaluation import logits_nll
 from me_interp.interventions import causal
 from me_interp.interventions.causal import PromptsUsed
-from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.interventions.conditions import COMPONENTS, condition_hooks, unedited_names
+from me_interp.loading.loaded import LoadedModel
 from me_interp.patching import NormRatio, SinkMass
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
 from me_interp.probes.removal import not_ordinary
-from me_interp.probes.site import Site, locate
+from me_interp.probes.site import locate
+from me_interp.probes.to_position import read_metrics
 from me_interp.study import (
     Experiment,
     Headed,
@@ -60,14 +60,7 @@ from me_interp.study import (
 from me_interp.terminal import fmt_table
 
 NAME = "component_ablation"
-CONDITIONS: tuple[str, ...] = (
-    "flatten_gain",
-    "cap_ffn",
-    "scale_product",
-    "normalize_product",
-    "zero_dims",
-    "mean_dims",
-)
+CONDITIONS = COMPONENTS
 _LAST = (
     "(R − 1) of the massive token at the last layer, edited over unedited "
     "(R = ‖h_p‖ / mean_{t≠p}‖h_t‖; ratio of prompt means; 0 = as ordinary as the other tokens)"
@@ -323,57 +316,11 @@ class Config(SiteConfig):
     max_prompts: int | None = checked(32, ge=1)
 
 
-def condition_hooks(model, batch, site: Site, cond: str, alpha: float, acts=None):
-    """The hooks of one condition (see module docstring); ``acts``: an :class:`~me_interp.probes.activations.Activations` of the unedited run."""
-    L, p = site.layer, [site.position]
-    if cond == "flatten_gain":
-        return causal.flatten_ffn_norm_gain(model, batch, L, p, acts=acts)
-    if cond == "cap_ffn":
-        return causal.cap_ffn_output(model, batch, L, p, acts=acts)
-    if cond == "scale_product":
-        return causal.scale_ffn_product(model, batch, L, p, alpha, acts=acts)
-    if cond == "normalize_product":
-        return causal.normalize_ffn_product(model, batch, L, p, acts=acts)
-    if cond == "zero_dims":
-        return causal.ablate_dims(model, batch, L, p, site.dims, "zero")
-    if cond == "mean_dims":
-        return causal.ablate_dims(model, batch, L, p, site.dims, "mean", acts=acts)
-    raise ValueError(f"unknown condition {cond!r}; choose from {', '.join(CONDITIONS)}")
-
-
-def _capture_names(layer: int) -> list[str]:
-    """The unedited activations every condition's factory reads (one shared capture)."""
-    return [
-        names.site("ffn_normalized", layer),
-        names.ffn_out(layer),
-        names.site("ffn_act", layer),
-        names.resid_post(layer),
-    ]
-
-
-def measure(
-    name: str,
-    model: LoadedModel,
-    batch: Batch,
-    metrics: dict[str, Any],
-    fwd_hooks: Sequence = (),
-    edit_size: Sequence[float] = (),
-) -> Condition:
-    """One forward: every metric per prompt, and the per-prompt NLL sum and token count."""
-    acts = Activations(model, batch, [n for m in metrics.values() for n in m.hook_names()])
-    logits = record(model, batch, [acts], fwd_hooks=fwd_hooks, logits=True)
-    nll, valid = logits_nll(logits, batch.tokens, batch.attention_mask)
-    mask = batch.attention_mask.bool()
-    got = {k: m(acts, mask).float().cpu().tolist() for k, m in metrics.items()}
-    return Condition(
-        name,
-        got["me_ratio"],
-        got["last_ratio"],
-        got.get("sink", []),
-        (nll.double() * valid).sum(-1).tolist(),
-        valid.sum(-1).double().tolist(),
-        list(edit_size),
-    )
+def measure(name: str, model, batch, metrics, hooks=(), edit_size=()) -> Condition:
+    """One forward under ``hooks``: condition ``name``'s per-prompt measurements."""
+    got, nll_sum, n_tokens = read_metrics(model, batch, metrics, hooks)
+    return Condition(name, got["me_ratio"], got["last_ratio"], got.get("sink", []), nll_sum,
+                     n_tokens, list(edit_size))  # fmt: skip
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -392,7 +339,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     metrics: dict[str, Any] = {"me_ratio": NormRatio(L, p), "last_ratio": NormRatio(last, p)}
     if L < last:
         metrics["sink"] = SinkMass(tuple(range(L + 1, model.n_layers)), p)
-    acts = Activations(model, batch, _capture_names(L))
+    acts = Activations(model, batch, unedited_names(L))
     record(model, batch, [acts], last_layer=acts.last_layer, max_tokens=None)
     conds = [measure("baseline", model, batch, metrics)]
     h = acts[names.resid_post(L)].float().cpu()[:, p]  # [B d]
@@ -407,7 +354,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         if c in cfg.conditions
     }
     for cond in cfg.conditions:
-        hooks = condition_hooks(model, batch, site, cond, cfg.alpha, acts)
+        hooks = condition_hooks(model, batch, cond, L, p, site.dims, cfg.alpha, acts)
         conds.append(measure(cond, model, batch, metrics, hooks, edit_size.get(cond, [])))
     return Result(
         header=run_header(cfg, model, len(batch), site),

@@ -30,12 +30,13 @@ import torch
 from me_interp import claims, names, plotting
 from me_interp.interventions import causal
 from me_interp.interventions.causal import PromptsUsed
+from me_interp.interventions.conditions import REMOVALS, condition_hooks
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
 from me_interp.probes.ffn import FfnShare, ffn_share
 from me_interp.probes.removal import not_ordinary
-from me_interp.probes.site import Site, locate, no_sink_why
+from me_interp.probes.site import locate, no_sink_why
 from me_interp.probes.to_position import ToPosition, read_position
 from me_interp.study import (
     Experiment,
@@ -50,7 +51,7 @@ from me_interp.study import (
 from me_interp.terminal import fmt_table
 
 NAME = "sink_causality"
-CONDITIONS: tuple[str, ...] = ("remove_ffn", "remove_dims", "remove_all", "patch_other")
+CONDITIONS = REMOVALS
 CONTROLS: tuple[str, ...] = ("patch_other",)
 _SINK = (
     "the sink heads' mean attention to p after the condition over before (ratio of prompt means)"
@@ -277,20 +278,6 @@ class Config(SiteConfig):
     max_prompts: int | None = checked(48, ge=1)
 
 
-def condition_hooks(model, batch, site: Site, cond: str, acts=None) -> list:
-    """The hooks of one condition (see module docstring); ``acts``: an :class:`~me_interp.probes.activations.Activations` of the unedited run."""
-    L, p = site.layer, [site.position]
-    if cond == "remove_ffn":
-        return causal.remove_massive(model, batch, L, p, None, site="ffn_out", acts=acts)
-    if cond == "remove_dims":
-        return causal.remove_massive(model, batch, L, p, site.dims, site="resid_post", acts=acts)
-    if cond == "remove_all":
-        return causal.remove_massive(model, batch, L, p, None, site="resid_post", acts=acts)
-    if cond == "patch_other":
-        return causal.patch_across_prompts(model, batch, L, p, acts=acts)
-    raise ValueError(f"unknown condition {cond!r}; choose from {', '.join(CONDITIONS)}")
-
-
 def _condition(name: str, m: ToPosition, heads: list[tuple[int, int]], layer: int) -> Condition:
     a = m.attention  # [layer batch head]
     sink = (
@@ -337,7 +324,8 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     for cond in cfg.conditions:
         if cond == "patch_other" and len(batch) < 2:
             continue  # needs another prompt to swap in
-        m = read_position(model, batch, L, p, condition_hooks(model, batch, site, cond, acts))
+        hooks = condition_hooks(model, batch, cond, L, p, site.dims, acts=acts)
+        m = read_position(model, batch, L, p, hooks)
         conds.append(_condition(cond, m, heads, L))
     share = ffn_share(model, batch, L, p, acts=acts)
     return Result(

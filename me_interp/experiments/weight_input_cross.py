@@ -31,7 +31,7 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from me_interp import claims
+from me_interp import claims, plotting
 from me_interp.architecture import FFN_RESIDUAL_SITE
 from me_interp.edits.core import moved_modules
 from me_interp.experiments._weights import SCAN_SITES, depth_label, short_batch
@@ -217,11 +217,6 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
                      moved_modules(model, "ffn_path"))  # fmt: skip
 
 
-# ------------------------------------------------------------------------------------------
-# claims
-# ------------------------------------------------------------------------------------------
-
-
 def _details(result: Result) -> str:
     m = result.layer
     med = result.matrix()
@@ -285,39 +280,25 @@ SPECS: tuple[claims.Spec, ...] = (
 SPEC = claims.index(SPECS)
 
 
-# ------------------------------------------------------------------------------------------
-# figures and summary
-# ------------------------------------------------------------------------------------------
-
-
 def _path_text(result: Result) -> str:
     return " → ".join(result.path_modules) if result.path_modules else "FFN path"
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    L, m = result.n_layers, result.layer
-    med = result.matrix()
-    layers = list(range(L))
-    fig = go.Figure(
-        go.Heatmap(
-            z=np.log10(np.clip(med, 1e-12, None)).tolist(),
-            x=layers,
-            y=layers,
-            customdata=med.tolist(),
-            colorscale="Magma",
-            colorbar_title="log10 C",
-            hovertemplate="weights of layer %{y}, input of layer %{x}<br>C = %{customdata:.4g}"
-            "<extra></extra>",
-        )
+    L, m, path, n = result.n_layers, result.layer, _path_text(result), result.n_prompts
+    k, r = result.large_factor, result.large_fraction
+    fig = plotting.log_heatmap(
+        result.matrix().tolist(),
+        f"Weights × input cross: ‖F_X(resid_mid_Y)‖ of the massive token over the other tokens' "
+        f"median FFN contribution (ffn_out) at X — {result.model}<br><sup>F_X = layer X's {path}; "
+        f"median over {n} prompts; row X = {m} boxed; large = C ≥ max({k:g}, {r:g} × C[{m}, {m}])"
+        "</sup>",
+        "input: resid_mid of layer Y (0-based)",
+        "weights: FFN path of layer X (0-based)",
+        "weights of layer %{y}, input of layer %{x}<br>C = %{customdata:.4g}",
     )
-    fig.add_shape(
-        type="rect",
-        x0=-0.5,
-        x1=L - 0.5,
-        y0=m - 0.5,
-        y1=m + 0.5,
-        line={"color": "deepskyblue", "width": 2},
-    )
+    box = {"color": "deepskyblue", "width": 2}
+    fig.add_shape(type="rect", x0=-0.5, x1=L - 0.5, y0=m - 0.5, y1=m + 0.5, line=box)
     fig.add_vline(
         x=m + 0.5,
         line_dash="dash",
@@ -325,54 +306,24 @@ def figures(result: Result) -> dict[str, go.Figure]:
         annotation_text=f"ME layer {m} (1-based {m + 1}): inputs ≤ {m} are judged",
         annotation_position="top left",
     )
-    fig.update_layout(
-        title=f"Weights × input cross: ‖F_X(resid_mid_Y)‖ of the massive token over the other tokens' "
-        f"median FFN contribution (ffn_out) at X — {result.model}<br><sup>F_X = layer X's "
-        f"{_path_text(result)}; median over "
-        f"{result.n_prompts} prompts; row X = {m} boxed; large = C ≥ max({result.large_factor:g}, "
-        f"{result.large_fraction:g} × C[{m}, {m}])</sup>",
-        xaxis_title="input: resid_mid of layer Y (0-based)",
-        yaxis_title="weights: FFN path of layer X (0-based)",
-        template="plotly_white",
-    )
     cross = np.asarray(result.cross)
-    row = cross[:, m, :]  # [prompt Y]
-    others = np.delete(cross, m, axis=1).max(axis=1)  # [prompt Y]: the largest other row
-    fig_row = go.Figure()
-    for name, vals in (
-        (f"row X = {m} (ME layer)", row),
-        ("largest other row", others),
-    ):
-        q1, q2, q3 = np.quantile(vals, [0.25, 0.5, 0.75], axis=0)
-        fig_row.add_trace(
-            go.Scatter(
-                x=layers,
-                y=q2.tolist(),
-                mode="lines+markers",
-                name=name,
-                error_y={
-                    "type": "data",
-                    "symmetric": False,
-                    "array": (q3 - q2).tolist(),
-                    "arrayminus": (q2 - q1).tolist(),
-                },
-                hovertemplate="input layer %{x}: C = %{y:.4g}<extra>" + name + "</extra>",
-            )
-        )
     thr = float(np.median(result.stats.threshold))
+    fig_row = plotting.quartile_lines(
+        range(L),
+        {
+            f"row X = {m} (ME layer)": cross[:, m, :],  # [prompt Y]
+            "largest other row": np.delete(cross, m, axis=1).max(axis=1),
+        },
+        f"The ME layer's FFN path fed the massive token's state of every layer — {result.model}"
+        f"<br><sup>{path}; median and interquartile range over {n} prompts; dotted: large "
+        f"(median threshold {thr:.3g})</sup>",
+        "input: resid_mid of layer Y (0-based)",
+        "C (massive-token FFN contribution / others' median)",
+    )
     # no annotation on the line: on a log axis plotly reads an annotation's y as log10(y)
     fig_row.add_hline(y=thr, line_dash="dot")
     fig_row.add_vline(
         x=m, line_dash="dash", line_color="firebrick", annotation_text=f"ME layer {m}"
-    )
-    fig_row.update_yaxes(type="log")
-    fig_row.update_layout(
-        title=f"The ME layer's FFN path fed the massive token's state of every layer — "
-        f"{result.model}<br><sup>{_path_text(result)}; median and interquartile range over "
-        f"{result.n_prompts} prompts; dotted: large (median threshold {thr:.3g})</sup>",
-        xaxis_title="input: resid_mid of layer Y (0-based)",
-        yaxis_title="C (massive-token FFN contribution / others' median)",
-        template="plotly_white",
     )
     return {"cross_matrix": fig, "me_row": fig_row}
 

@@ -3,19 +3,22 @@
 For the queries ``q > p`` of each prompt: the mean attention ``A[q, p]`` per layer and head, and the
 attention entropy (nats) per layer (mean over heads and those queries); and the norm ratio
 ``R = ‖h_p‖ / mean_{t≠p}‖h_t‖`` of token ``p`` at the output of a given layer and of the last layer.
-The sink-causality experiment reads it once per condition (its edits passed as ``fwd_hooks``).
+The sink-causality experiment reads it once per condition (its edits passed as ``fwd_hooks``);
+:func:`read_metrics` reads given metrics and the next-token NLL of one forward (component ablation).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from jaxtyping import Float
 
 from me_interp import names
+from me_interp.evaluation import logits_nll
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.attention import attention_entropy
@@ -79,3 +82,17 @@ def read_position(
         ratio=ratio(layer),
         last_ratio=ratio(last),
     )
+
+
+def read_metrics(
+    model: LoadedModel, batch: Batch, metrics: Mapping[str, Any], fwd_hooks: Sequence = ()
+) -> tuple[dict[str, list[float]], list[float], list[float]]:
+    """One forward with logits under ``fwd_hooks``: every metric (a ``me_interp.patching`` metric:
+    ``m(acts, mask) -> [batch]``, reading ``m.hook_names()``) per prompt, and per prompt the
+    next-token NLL sum and the number of predicted tokens."""
+    acts = Activations(model, batch, [n for m in metrics.values() for n in m.hook_names()])
+    logits = record(model, batch, [acts], fwd_hooks=fwd_hooks, logits=True)
+    nll, valid = logits_nll(logits, batch.tokens, batch.attention_mask)
+    mask = batch.attention_mask.bool()
+    got = {k: m(acts, mask).float().cpu().tolist() for k, m in metrics.items()}
+    return got, (nll.double() * valid).sum(-1).tolist(), valid.sum(-1).double().tolist()

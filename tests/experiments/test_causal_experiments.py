@@ -813,3 +813,73 @@ def test_bundled_component_ablation(bundled):
         "mean_dims_harmless": H,
         "zero_dims_hurts": H,
     }
+
+
+# ------------------------------------------------------------------------------------------
+# issue 29, item 3: a removal is a removal; the sink carried outside the massive dims
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_sink_carried_outside_the_massive_dims(planted, prompt_file):
+    """synthetic:planted-sinkresid: the sink heads read <s>'s marker, not the massive dim. Resetting
+    the massive dims leaves <s> ordinary (the removal gate passes) and keeps the sink, so
+    remove_dims fails; moving the massive dims moves no sink (sink_follows fails); moving the whole
+    state moves it (state_follows holds). On synthetic:planted the same claims hold."""
+    from me_interp import load_model
+
+    resid = load_model(f"synthetic:{synthetic.SINKRESID}", device="cpu")
+    for module, key in ((sink_causality, "remove_dims"), (transplant, "sink_follows")):
+        on = {}
+        for name, model in (("resid", resid), ("planted", planted[0])):
+            r = module.run(_cfg(module, prompt_file), model)
+            on[name] = _check_result(module, r)
+        assert on["resid"][f"{module.NAME}.{key}"].verdict == F
+        assert on["planted"][f"{module.NAME}.{key}"].verdict == H
+        assert on["resid"][f"{module.NAME}.{key}"].why == ""  # judged: the token is ordinary
+    assert on["resid"]["transplant.state_follows"].verdict == H
+    assert on["planted"]["transplant.state_follows"].verdict == H
+
+
+def _inflated(r, name: str, factor: float):
+    """``r`` with condition ``name``'s norm ratios of p multiplied by ``factor`` (a removal that
+    left the token ``factor`` times more than it measured)."""
+    import dataclasses
+
+    def scale(c):
+        if c.name != name:
+            return c
+        kw = {
+            f: [v * factor for v in getattr(c, f)]
+            for f in ("me_ratio", "last_ratio", "ratio_old")
+            if hasattr(c, f)
+        }
+        return dataclasses.replace(c, **kw)
+
+    return dataclasses.replace(r, conditions=[scale(c) for c in r.conditions])
+
+
+@pytest.mark.parametrize(
+    ("module", "cond", "claim"),
+    [
+        (sink_causality, "remove_dims", "sink_causality.remove_dims"),
+        (component_ablation, "zero_dims", "component_ablation.zero_dims_hurts"),
+        (component_ablation, "cap_ffn", "component_ablation.cap_ffn_hurts"),
+        (transplant, "move", "transplant.sink_follows"),
+    ],
+)
+def test_a_removal_that_leaves_the_token_massive_is_not_judged(
+    module, cond, claim, planted, prompt_file
+):
+    """The removal gate reads the edited token's norm ratio R against 'ordinary_ratio' (not a
+    fraction of the excess): the same result with R made 15.5 (the bundled model's remove_dims)
+    leaves the claim not applicable, saying R; at R just under the threshold it is judged."""
+    r = module.run(_cfg(module, prompt_file), planted[0])
+    before = _by_id(claims.judge(module.SPECS, r))[claim]
+    assert before.verdict != NA
+    ratio = np.mean(r.of(cond).me_ratio if module is not transplant else r.of(cond).ratio_old)
+    t = claims.threshold("ordinary_ratio")
+    after = _by_id(claims.judge(module.SPECS, _inflated(r, cond, 15.5 / ratio)))[claim]
+    assert after.verdict == NA and "did not make the massive token ordinary" in after.why
+    assert "15.5× at the ME layer" in after.why and "'ordinary_ratio'" in after.why
+    ok = _by_id(claims.judge(module.SPECS, _inflated(r, cond, 0.9 * t / ratio)))[claim]
+    assert ok.verdict == before.verdict
