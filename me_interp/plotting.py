@@ -301,3 +301,32 @@ def quartile_lines(
         title=title, xaxis_title=xaxis_title, yaxis_title=yaxis_title, template="plotly_white"
     )
     return fig
+
+
+def layer_grid(
+    series: Mapping[str, tuple[Sequence[float], int | None]], title: str, yaxis_title: str
+) -> go.Figure:
+    """One subplot per named series (its own layer axis, up to 4 side by side, log y): the values
+    per layer, and its ME layer (``None``: none) as a dashed line."""
+    cols = min(len(series), 4)
+    n_rows = (len(series) + cols - 1) // cols
+    titles = [f"{n}<br><sup>ME layer {'none' if m is None else m}</sup>" for n, (_, m) in series.items()]
+    fig = make_subplots(n_rows, cols, subplot_titles=titles, horizontal_spacing=0.06,
+                        vertical_spacing=0.18)  # fmt: skip
+    for i, (name, (ys, me)) in enumerate(series.items()):
+        at = {"row": i // cols + 1, "col": i % cols + 1}
+        xs = list(range(len(ys)))
+        hover = "layer %{x} (1-based %{customdata}): %{y:.4g}<extra>" + name + "</extra>"
+        fig.add_trace(
+            go.Scatter(x=xs, y=list(ys), mode="lines+markers", marker_size=4, name=name,
+                       line_color="firebrick", showlegend=False, customdata=[x + 1 for x in xs],
+                       hovertemplate=hover),
+            **at,
+        )  # fmt: skip
+        fig.update_yaxes(type="log", title_text=yaxis_title if at["col"] == 1 else None, **at)
+        fig.update_xaxes(title_text="layer (0-based)", **at)
+        if me is not None:
+            fig.add_vline(x=me, line_dash="dash", line_color="gray", **at)
+    fig.update_layout(title=title, template="plotly_white", height=340 * n_rows + 120,
+                      width=max(900, 330 * cols))  # fmt: skip
+    return fig

@@ -149,8 +149,10 @@ def _why(key: str):
                     "swapped-in state is the prompt's own (use prompts with different first tokens)"
                 )
             return None
-        ratios = {"the ME layer": c.me_ratio, "the last layer": c.last_ratio}
-        gate = not_ordinary(ratios, key)
+        if key == "remove_ffn":  # see _removed_by_ffn
+            gate = _removed_by_ffn(r)
+        else:
+            gate = not_ordinary({"the ME layer": c.me_ratio, "the last layer": c.last_ratio}, key)
         if gate is not None:
             return gate
         if key == "remove_ffn" and r.ffn.is_state():
@@ -161,6 +163,24 @@ def _why(key: str):
         return None
 
     return why
+
+
+def _removed_by_ffn(r: Result) -> str | None:
+    """The gate of ``remove_ffn``: the FFN's write gone, ``(R − 1)`` at the ME layer at most the
+    ``removed`` fraction of the excess. Not the ordinary-token rule: where the FFN output is not the
+    state (the only case this claim is judged), at least 5 % of the massive state was there before
+    the FFN (``ffn_state_norm``), which leaves the token far above ``ordinary_ratio`` (32× on
+    ``decoy-primed``), so the claim could never be decided; it is about the FFN's write, not about
+    a model without the massive activation."""
+    frac = claims.excess_fraction(
+        np.mean(r.of("remove_ffn").me_ratio), np.mean(r.of("baseline").me_ratio)
+    )
+    if frac <= claims.threshold("removed"):
+        return None
+    return (
+        f"the condition did not remove the massive activation: ME-layer (R − 1) after / before = "
+        f"{frac:.3g} > {claims.threshold('removed'):g} (threshold 'removed')"
+    )
 
 
 @claims.of_means

@@ -7,18 +7,11 @@ loading the next, so a GPU holds one model at a time. Writes ``<out>/survey/<run
 ``me_layer`` claims), ``config.json``, ``env.json`` (versions, and each model's loading choices) and
 one figure, ``ratios_by_model`` (per model, the massive token's norm over the others' mean per layer).
 
-Columns: model, architecture, n_layers, ME layer 0- and 1-based (``none`` where no layer output meets
-the massive criterion), the sub-layer whose jump made it (``ffn`` / ``attention``), the jump, the
-massive dims, the positions massive in at least ``min_prompt_fraction`` of the prompts (and how many
-other positions are massive in fewer), the layer where the event ends and whether it persists to the
-last layer, the BOS rule (the choice and whether BOS was prepended), the ratio's peak, the verdict of
-``me_layer.sudden_birth``, and the super weight
-(:func:`me_interp.experiments.super_weight.survey_entry`: detection only, on 16 of the prompts cut to
-16 tokens: the ``W_down`` weight that writes most into the massive token's residual stream, its
-layer, row and column, whether it is in the ME layer, and on how many prompts it is the top one;
-``none`` when no weight writes ``super_weight_spike``). A model that cannot be loaded (no hub, a
-missing package, an unsupported architecture) or whose scan crashes gives a row with the error, and
-the survey goes on.
+The table's columns (:func:`table`) come from each model's scan (:class:`Row`), with the verdict of
+``me_layer.sudden_birth`` and the super weight (:func:`me_interp.experiments.super_weight.survey_entry`:
+detection only, on 16 prompts cut to 16 tokens). A model that cannot be loaded (no hub, a missing
+package, an unsupported architecture) or whose scan crashes gives a row with the error, and the
+survey goes on.
 
 Exit status: 0 when every model was scanned (also when some have no massive activation), 1 when a
 model could not be loaded or scanned (its row says why), 2 on bad input (a bad flag or prompt file).
@@ -47,9 +40,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 import torch
-from plotly.subplots import make_subplots
 
-from me_interp import claims, io, terminal
+from me_interp import claims, io, plotting, terminal
 from me_interp.experiments import me_layer, super_weight
 from me_interp.experiments.me_layer import Result as Scan
 from me_interp.loading import load_model
@@ -224,6 +216,12 @@ def _row(spec: str, model: LoadedModel, res: Scan, min_fraction: float) -> Row:
     )
 
 
+def _failed(spec: str, status: str, e: Exception, model: LoadedModel | None = None) -> Row:
+    """The row of a model whose load or scan raised ``e`` (inside its ``except``)."""
+    name, arch = (None, None) if model is None else (model.name, type(model.hf).__name__)
+    return Row(spec, status, f"{type(e).__name__}: {e}", traceback.format_exc(), name, arch)
+
+
 def free_memory() -> None:
     """Collect garbage and return cached CUDA memory (after a model was dropped)."""
     gc.collect()
@@ -277,14 +275,7 @@ def run(
             rows.append(Row(spec, LOAD_FAILED, error=f"{type(e).__name__}: {e}"))
             continue
         except Exception as e:  # e.g. out of memory while loading: the other models still run
-            rows.append(
-                Row(
-                    spec,
-                    LOAD_FAILED,
-                    error=f"{type(e).__name__}: {e}",
-                    traceback=traceback.format_exc(),
-                )
-            )
+            rows.append(_failed(spec, LOAD_FAILED, e))
             free_memory()
             continue
         try:
@@ -299,16 +290,7 @@ def run(
                 cell = SuperWeightCell(error=f"{type(e).__name__}: {e}")
             rows[-1] = dataclasses.replace(rows[-1], super_weight=cell)
         except Exception as e:  # one model's crash (e.g. out of memory) must not lose the others
-            rows.append(
-                Row(
-                    spec,
-                    FAILED,
-                    error=f"{type(e).__name__}: {e}",
-                    traceback=traceback.format_exc(),
-                    name=model.name,
-                    architecture=type(model.hf).__name__,
-                )
-            )
+            rows.append(_failed(spec, FAILED, e, model))
         finally:
             res = None
             if owned:
@@ -325,23 +307,9 @@ def _fmt(v: float | None) -> str:
 
 def table(result: Result) -> str:
     """The survey as a markdown table (one row per model)."""
-    header = [
-        "model",
-        "architecture",
-        "layers",
-        "ME layer (0-based)",
-        "ME layer (1-based)",
-        "site",
-        "jump",
-        "dims",
-        "positions",
-        "event ends at",
-        "persists to last layer",
-        "BOS rule",
-        "peak ratio (layer)",
-        "sudden_birth",
-        "super weight (layer [row, col])",
-    ]
+    header = ["model", "architecture", "layers", "ME layer (0-based)", "ME layer (1-based)", "site",
+              "jump", "dims", "positions", "event ends at", "persists to last layer", "BOS rule",
+              "peak ratio (layer)", "sudden_birth", "super weight (layer [row, col])"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in result.rows:
         if not r.ok:
@@ -349,23 +317,17 @@ def table(result: Result) -> str:
             err = err if len(err) <= ERROR_CHARS else err[: ERROR_CHARS - 1] + "…"
             cells = [r.model, r.architecture or "", "", f"{r.status}: {err}"] + [""] * 11
         else:
-            has = r.me_layer is not None
+            ev, peak = r.event, r.peak_layer
             pos = ", ".join(map(str, r.positions)) + (
                 f" (+{r.other_positions} others in fewer prompts)" if r.other_positions else ""
             )
-            ev, peak = r.event, r.peak_layer
-            cells = [
-                r.model,
-                r.architecture or "",
-                str(r.n_layers),
-                str(ev.layer) if has else "none",
-                str(ev.layer_1based) if has else "none",
-                ev.site if has else "",
-                f"×{ev.jump:.3g}" if has else "",
-                ", ".join(map(str, r.dims[:4])) if has else "",
-                pos if has else "",
-                str(ev.last_layer) if has else "",
-                ("yes" if ev.persists_to_end else "no") if has else "",
+            cells = [r.model, r.architecture or "", str(r.n_layers)]
+            cells += ["none", "none", *[""] * 6] if ev is None else [
+                str(ev.layer), str(ev.layer_1based), ev.site, f"×{ev.jump:.3g}",
+                ", ".join(map(str, r.dims[:4])), pos, str(ev.last_layer),
+                "yes" if ev.persists_to_end else "no",
+            ]  # fmt: skip
+            cells += [
                 r.bos_rule(),
                 f"{_fmt(None if peak is None else r.ratio[peak])} ({peak})",
                 r.verdict("me_layer.sudden_birth") or "",
@@ -376,57 +338,18 @@ def table(result: Result) -> str:
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    """``ratios_by_model``: one subplot per scanned model, side by side (its own layer axis): the
-    massive token's layer-output norm over the others' mean (median over prompts), ME layer dashed."""
+    """``ratios_by_model``: one subplot per scanned model (:func:`me_interp.plotting.layer_grid`):
+    the massive token's layer-output norm over the others' mean (median over prompts), ME layer
+    dashed."""
     rows = [r for r in result.rows if r.ok]
     if not rows:
         return {}
-    cols = min(len(rows), 4)
-    n_rows = (len(rows) + cols - 1) // cols
-    fig = make_subplots(
-        rows=n_rows,
-        cols=cols,
-        subplot_titles=[
-            f"{r.model}<br><sup>ME layer {r.me_layer if r.me_layer is not None else 'none'}</sup>"
-            for r in rows
-        ],
-        horizontal_spacing=0.06,
-        vertical_spacing=0.18,
+    title = (
+        "Massive token's norm over the mean of the other tokens, per layer (median over "
+        f"{result.header.n_prompts} prompts)<br><sup>layer output; dashed line: ME layer</sup>"
     )
-    for i, r in enumerate(rows):
-        row, col = i // cols + 1, i % cols + 1
-        xs = list(range(len(r.ratio)))
-        fig.add_trace(
-            go.Scatter(
-                x=xs,
-                y=r.ratio,
-                mode="lines+markers",
-                marker_size=4,
-                line_color="firebrick",
-                name=r.model,
-                showlegend=False,
-                customdata=[x + 1 for x in xs],
-                hovertemplate="layer %{x} (1-based %{customdata}): ratio %{y:.4g}<extra>"
-                + r.model
-                + "</extra>",
-            ),
-            row=row,
-            col=col,
-        )
-        fig.update_yaxes(
-            type="log", title_text="massive / others" if col == 1 else None, row=row, col=col
-        )
-        fig.update_xaxes(title_text="layer (0-based)", row=row, col=col)
-        if r.me_layer is not None:
-            fig.add_vline(x=r.me_layer, line_dash="dash", line_color="gray", row=row, col=col)
-    fig.update_layout(
-        title="Massive token's norm over the mean of the other tokens, per layer (median over "
-        f"{result.header.n_prompts} prompts)<br><sup>layer output; dashed line: ME layer</sup>",
-        template="plotly_white",
-        height=340 * n_rows + 120,
-        width=max(900, 330 * cols),
-    )
-    return {"ratios_by_model": fig}
+    series = {r.model: (r.ratio, r.me_layer) for r in rows}
+    return {"ratios_by_model": plotting.layer_grid(series, title, "massive / others")}
 
 
 def summary(result: Result) -> str:
