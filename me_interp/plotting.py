@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -278,10 +279,9 @@ def log_heatmap(
 
 
 def quartile_lines(
-    xs: Sequence[int], series: Mapping[str, Sequence[Sequence[float]]], title: str,
-    xaxis_title: str, yaxis_title: str,
-) -> go.Figure:  # fmt: skip
-    """Per named ``[sample][x]`` series, its median over samples with the interquartile range as
+    xs: Sequence[int], series: Mapping[str, Any], title: str, xaxis_title: str, yaxis_title: str
+) -> go.Figure:
+    """Per named ``[sample][x]`` series (array-like), its median over samples with the interquartile range as
     error bars, on a log y axis."""
     import numpy as np
 
@@ -310,7 +310,9 @@ def layer_grid(
     per layer, and its ME layer (``None``: none) as a dashed line."""
     cols = min(len(series), 4)
     n_rows = (len(series) + cols - 1) // cols
-    titles = [f"{n}<br><sup>ME layer {'none' if m is None else m}</sup>" for n, (_, m) in series.items()]
+    titles = [
+        f"{n}<br><sup>ME layer {'none' if m is None else m}</sup>" for n, (_, m) in series.items()
+    ]
     fig = make_subplots(n_rows, cols, subplot_titles=titles, horizontal_spacing=0.06,
                         vertical_spacing=0.18)  # fmt: skip
     for i, (name, (ys, me)) in enumerate(series.items()):

@@ -6,15 +6,10 @@ forward per condition measures, per prompt, the norm ratio ``R = ‖h_p‖ / mea
 ME-layer output and at the last layer, the attention of the layers after the ME layer to ``p`` (mean
 over heads and queries ``q > p``) and the next-token NLL of every real token (perplexity):
 
-* ``flatten_gain``      — RMSNorm-only: the pre-FFN norm output of ``p`` is ``ĥ_p ⊙ mean(w)``;
-* ``cap_ffn``           — FFN-only: ``‖FFN_p‖`` capped at the median FFN-output norm of the others;
-* ``scale_product``     — FFN-only: the intermediate product ``act(W_gate x) ⊙ W_up x`` of ``p`` × α
-  (a dose, measured and shown; no claim);
-* ``normalize_product`` — FFN-only: that product rescaled to the other tokens' mean norm;
-* ``zero_dims``         — residual: the massive dims of ``p`` at the ME-layer output set to 0
-  (Owen et al.: ruins some models, not others);
-* ``mean_dims``         — residual: those dims set to their mean over the prompts (Sun et al.:
-  perplexity unchanged).
+``flatten_gain`` (RMSNorm-only), ``cap_ffn``, ``scale_product`` (a dose, no claim),
+``normalize_product`` (FFN-only), ``zero_dims`` (Owen et al.: ruins some models, not others) and
+``mean_dims`` (Sun et al.: perplexity unchanged), each defined in
+:mod:`me_interp.interventions.conditions`.
 
 The specs (:data:`SPECS`) are judged where the edit did not write: on the **last layer's** norm
 ratio (``R − 1`` of the massive token falls to at most the ``removed`` fraction of the unedited
@@ -39,7 +34,12 @@ import numpy as np
 from me_interp import claims, evaluation, names, plotting
 from me_interp.interventions import causal
 from me_interp.interventions.causal import PromptsUsed
-from me_interp.interventions.conditions import COMPONENTS, condition_hooks, unedited_names
+from me_interp.interventions.conditions import (
+    COMPONENTS,
+    condition_hooks,
+    edit_sizes,
+    unedited_names,
+)
 from me_interp.loading.loaded import LoadedModel
 from me_interp.patching import NormRatio, SinkMass
 from me_interp.probes.activations import Activations
@@ -47,16 +47,10 @@ from me_interp.probes.batching import record
 from me_interp.probes.removal import not_ordinary
 from me_interp.probes.site import locate
 from me_interp.probes.to_position import read_metrics
-from me_interp.study import (
-    Experiment,
-    Headed,
-    RunHeader,
-    SiteConfig,
-    checked,
-    command,
-    model_for,
-    run_header,
-)
+from me_interp.study.cli import command
+from me_interp.study.config import SiteConfig, checked
+from me_interp.study.experiment import Experiment, model_for
+from me_interp.study.result import Headed, RunHeader, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "component_ablation"
@@ -67,14 +61,9 @@ _LAST = (
 )
 _PPL = "perplexity of the prompts, edited over unedited (token-weighted over the resampled prompts)"
 #: condition each spec is about
-CLAIM_CONDITION = {
-    "cap_site": "cap_ffn",
-    "cap_removes": "cap_ffn",
-    "flatten_gain": "flatten_gain",
-    "cap_ffn_hurts": "cap_ffn",
-    "mean_dims_harmless": "mean_dims",
-    "zero_dims_hurts": "zero_dims",
-}
+CLAIM_CONDITION = {"cap_site": "cap_ffn", "cap_removes": "cap_ffn", "flatten_gain": "flatten_gain",
+                   "cap_ffn_hurts": "cap_ffn", "mean_dims_harmless": "mean_dims",
+                   "zero_dims_hurts": "zero_dims"}  # fmt: skip
 _REMOVALS = {"cap_ffn_hurts": "the cap", "zero_dims_hurts": "zeroing the massive dims"}
 
 
@@ -212,86 +201,44 @@ def _details(key: str):
 
 def _spec(key: str, section: str, statement: str, statistic: str, op: str, thr: str, **kw):
     stat = _ratio_stat(key) if thr == "removed" else _ppl_stat_of(key, signed=op == "|x|<")
-    return claims.Spec(
-        f"component_ablation.{key}",
-        section,
-        statement,
-        statistic,
-        op,
-        thr,
-        stat=stat,
-        applies=_why(key),
-        details=_details(key),
-        **kw,
-    )
+    return claims.Spec(f"component_ablation.{key}", section, statement, statistic, op, thr,
+                       stat=stat, applies=_why(key), details=_details(key), **kw)  # fmt: skip
 
 
+# fmt: off
 SPECS: tuple[claims.Spec, ...] = (
-    _spec(
-        "cap_site",
-        "§2.1",
-        "Capping the massive token's FFN output at the ME layer removes its norm ratio at that "
-        "layer (true by construction: the capped site itself)",
-        _LAST.replace("at the last layer", "at the ME-layer output"),
-        "<=",
-        "removed",
-        control="the unedited run",
-        kind="sanity",
-    ),
-    _spec(
-        "cap_removes",
-        "§2.1, §3 (FFN-only intervention)",
-        "Control for cap_ffn_hurts: capping the massive token's FFN output at the ME layer at the "
-        "other tokens' median norm leaves no massive token at the last layer, so the perplexity "
-        "after the cap is that of the model without its massive activation",
-        _LAST,
-        "<=",
-        "removed",
-        control="mean_dims (the same token edited without removing the activation)",
-        kind="control",
-    ),
-    _spec(
-        "flatten_gain",
-        "§2.2, §3 (RMSNorm-only intervention)",
-        "RMSNorm alignment is necessary: flattening the pre-FFN RMSNorm gain for the massive token "
-        "(ĥ_p ⊙ mean(w)) leaves no massive token at the last layer",
-        _LAST,
-        "<=",
-        "removed",
-        control="cap_removes (the FFN-only removal)",
-    ),
-    _spec(
-        "cap_ffn_hurts",
-        "§2.1; Owen et al. 2025",
-        "The model needs the massive activation: capping the ME layer's FFN output at the massive "
-        "token (which removes it, cap_removes) raises perplexity by the 'ppl_damage' factor or more",
-        _PPL,
-        ">=",
-        "ppl_damage",
-        control="mean_dims (an edit of the same token that keeps the activation)",
-    ),
-    _spec(
-        "mean_dims_harmless",
-        "§4; Sun et al. 2024",
-        "Control: setting the massive activations to their mean over the prompts (a near-identity "
-        "edit, its size in the details) leaves perplexity unchanged",
-        _PPL + " − 1 (signed; judged by its size)",
-        "|x|<",
-        "ppl_unchanged",
-        control="zero_dims (the same dims set to 0)",
-        kind="control",
-    ),
-    _spec(
-        "zero_dims_hurts",
-        "§4; Owen et al. 2025 (true for some models only)",
-        "Zeroing the massive activations hurts the model: perplexity rises by the 'ppl_damage' "
-        "factor or more",
-        _PPL,
-        ">=",
-        "ppl_damage",
-        control="mean_dims",
-    ),
+    _spec("cap_site", "§2.1",
+          "Capping the massive token's FFN output at the ME layer removes its norm ratio at that "
+          "layer (true by construction: the capped site itself)",
+          _LAST.replace("at the last layer", "at the ME-layer output"), "<=", "removed",
+          control="the unedited run", kind="sanity"),
+    _spec("cap_removes", "§2.1, §3 (FFN-only intervention)",
+          "Control for cap_ffn_hurts: capping the massive token's FFN output at the ME layer at the "
+          "other tokens' median norm leaves no massive token at the last layer, so the perplexity "
+          "after the cap is that of the model without its massive activation",
+          _LAST, "<=", "removed", kind="control",
+          control="mean_dims (the same token edited without removing the activation)"),
+    _spec("flatten_gain", "§2.2, §3 (RMSNorm-only intervention)",
+          "RMSNorm alignment is necessary: flattening the pre-FFN RMSNorm gain for the massive token "
+          "(ĥ_p ⊙ mean(w)) leaves no massive token at the last layer",
+          _LAST, "<=", "removed", control="cap_removes (the FFN-only removal)"),
+    _spec("cap_ffn_hurts", "§2.1; Owen et al. 2025",
+          "The model needs the massive activation: capping the ME layer's FFN output at the massive "
+          "token (which leaves it an ordinary token) raises perplexity by the 'ppl_damage' factor "
+          "or more",
+          _PPL, ">=", "ppl_damage",
+          control="mean_dims (an edit of the same token that keeps the activation)"),
+    _spec("mean_dims_harmless", "§4; Sun et al. 2024",
+          "Control: setting the massive activations to their mean over the prompts (a near-identity "
+          "edit, its size in the details) leaves perplexity unchanged",
+          _PPL + " − 1 (signed; judged by its size)", "|x|<", "ppl_unchanged",
+          control="zero_dims (the same dims set to 0)", kind="control"),
+    _spec("zero_dims_hurts", "§4; Owen et al. 2025 (true for some models only)",
+          "Zeroing the massive activations (which leaves the token ordinary) hurts the model: "
+          "perplexity rises by the 'ppl_damage' factor or more",
+          _PPL, ">=", "ppl_damage", control="mean_dims"),
 )
+# fmt: on
 SPEC = claims.index(SPECS)
 
 
@@ -343,28 +290,13 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     record(model, batch, [acts], last_layer=acts.last_layer, max_tokens=None)
     conds = [measure("baseline", model, batch, metrics)]
     h = acts[names.resid_post(L)].float().cpu()[:, p]  # [B d]
-    dims = list(site.dims)
-    delta = {  # what each residual edit changes in h_p (the edit size is its control)
-        "zero_dims": h[:, dims],
-        "mean_dims": h[:, dims] - h[:, dims].mean(0, keepdim=True),
-    }
-    edit_size = {
-        c: (d.norm(dim=-1) / h.norm(dim=-1)).tolist()
-        for c, d in delta.items()
-        if c in cfg.conditions
-    }
+    edit_size = edit_sizes(h, site.dims, cfg.conditions)  # the residual edits' size: their control
     for cond in cfg.conditions:
         hooks = condition_hooks(model, batch, cond, L, p, site.dims, cfg.alpha, acts)
         conds.append(measure(cond, model, batch, metrics, hooks, edit_size.get(cond, [])))
-    return Result(
-        header=run_header(cfg, model, len(batch), site),
-        prompts=pb.used(),
-        why_not=site.why_not,
-        n_layers=model.n_layers,
-        alpha=cfg.alpha,
-        conditions=conds,
-        same_prefix=pb.same_prefix(p),
-    )
+    header = run_header(cfg, model, len(batch), site)
+    return Result(header, pb.used(), site.why_not, model.n_layers, cfg.alpha, conds,
+                  pb.same_prefix(p))  # fmt: skip
 
 
 def figures(result: Result) -> dict[str, Any]:
@@ -408,17 +340,8 @@ def summary(result: Result) -> str:
     )
 
 
-EXPERIMENT = Experiment(
-    NAME,
-    Config,
-    run,
-    SPECS,
-    figures,
-    summary,
-    __doc__,
-    key_figures=("norm_ratios",),
-    result_type=Result,
-)
+EXPERIMENT = Experiment(NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("norm_ratios",),
+                        result_type=Result)  # fmt: skip
 main = command(EXPERIMENT)
 
 

@@ -6,10 +6,8 @@ and compares, at every layer and head, the attention of the real queries ``q > p
 attention entropy with the unmodified run (:mod:`me_interp.probes.to_position`, one forward per
 condition):
 
-* ``remove_ffn``  — the ME layer's FFN output of ``p`` set to the other tokens' mean;
-* ``remove_dims`` — ``p``'s massive dims of the ME-layer output set to the other tokens' mean;
-* ``remove_all``  — ``p``'s whole ME-layer output set to the other tokens' mean;
-* ``patch_other`` — control: ``p``'s ME-layer output replaced by that of the next prompt.
+``remove_ffn``, ``remove_dims``, ``remove_all`` and the control ``patch_other``
+(:mod:`me_interp.interventions.conditions`).
 
 *Sink heads* are the heads after the ME layer whose unmodified mean attention to ``p`` reaches the
 ``sink_attention`` threshold. A removal is judged only where it *is* a removal: the edited token
@@ -25,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from me_interp import claims, names, plotting
 from me_interp.interventions import causal
@@ -36,18 +33,18 @@ from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
 from me_interp.probes.ffn import FfnShare, ffn_share
 from me_interp.probes.removal import not_ordinary
-from me_interp.probes.site import locate, no_sink_why
-from me_interp.probes.to_position import ToPosition, read_position
-from me_interp.study import (
-    Experiment,
-    Headed,
-    RunHeader,
-    SiteConfig,
-    checked,
-    command,
-    model_for,
-    run_header,
+from me_interp.probes.site import locate
+from me_interp.probes.to_position import (
+    ToPosition,
+    heads_mean,
+    read_position,
+    sink_claims_why,
+    sink_heads,
 )
+from me_interp.study.cli import command
+from me_interp.study.config import SiteConfig, checked
+from me_interp.study.experiment import Experiment, model_for
+from me_interp.study.result import Headed, RunHeader, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "sink_causality"
@@ -134,12 +131,9 @@ def _why(key: str):
 
     def why(r: Result) -> str | None:
         h, c = r.header, r.of(key)
-        if r.why_not is not None:
-            return r.why_not
-        if h.layer + 1 >= r.n_layers:
-            return f"the ME layer {h.layer} is the last layer: no later layer, no downstream sink"
-        if not r.sink_heads:
-            return no_sink_why(h.layer, h.position)
+        why = sink_claims_why(r.why_not, h.layer, r.n_layers, h.position, r.sink_heads)
+        if why is not None:
+            return why
         if c is None:
             return f"the condition {key} was not run (--conditions)"
         if key in CONTROLS:
@@ -166,12 +160,10 @@ def _why(key: str):
 
 
 def _removed_by_ffn(r: Result) -> str | None:
-    """The gate of ``remove_ffn``: the FFN's write gone, ``(R − 1)`` at the ME layer at most the
-    ``removed`` fraction of the excess. Not the ordinary-token rule: where the FFN output is not the
-    state (the only case this claim is judged), at least 5 % of the massive state was there before
-    the FFN (``ffn_state_norm``), which leaves the token far above ``ordinary_ratio`` (32× on
-    ``decoy-primed``), so the claim could never be decided; it is about the FFN's write, not about
-    a model without the massive activation."""
+    """``remove_ffn``'s gate, ``(R − 1)`` at the ME layer at most the ``removed`` fraction of the
+    excess, not the ordinary-token rule: it is judged only where the FFN output is not the state,
+    i.e. where ≥ 5 % of the massive state predates the FFN and stays (32× on ``decoy-primed``), so
+    that rule would never let it be decided; it is about the FFN's write."""
     frac = claims.excess_fraction(
         np.mean(r.of("remove_ffn").me_ratio), np.mean(r.of("baseline").me_ratio)
     )
@@ -222,60 +214,38 @@ def _details(key: str):
 
 
 def _spec(key: str, section: str, statement: str, kind: str = "claim", **kw) -> claims.Spec:
-    return claims.Spec(
-        f"sink_causality.{key}",
-        section,
-        statement,
-        kw.pop("statistic", "1 − " + _SINK),
-        kw.pop("op", ">="),
-        "relative_drop",
-        kind=kind,
-        stat=_stat(key),
-        applies=_why(key),
-        details=_details(key),
-        **kw,
-    )
+    statistic, op = kw.pop("statistic", "1 − " + _SINK), kw.pop("op", ">=")
+    return claims.Spec(f"sink_causality.{key}", section, statement, statistic, op, "relative_drop",
+                       kind=kind, stat=_stat(key), applies=_why(key), details=_details(key),
+                       **kw)  # fmt: skip
 
 
+# fmt: off
 SPECS: tuple[claims.Spec, ...] = (
-    _spec(
-        "remove_ffn",
-        "§2.6",
-        "Setting the ME layer's FFN output at the massive token to the other tokens' mean (so the "
-        "massive activation is never written) makes the later sink heads drop their attention to "
-        "that token (applies only where the FFN output is not the token's whole state; there the "
-        "edit is remove_all)",
-        control="the unmodified run; the patch_other control; remove_dims (in the details)",
-    ),
-    _spec(
-        "remove_all",
-        "§2.6",
-        "Replacing the massive token's whole ME-layer output by the other tokens' mean makes the "
-        "later sink heads drop their attention to it (nearly true by construction: every later "
-        "state of p is then an ordinary token's; a sanity check, mirroring "
-        "activation_patching.state_causes_sink)",
-        kind="sanity",
-        control="the unmodified run; the patch_other control",
-    ),
-    _spec(
-        "remove_dims",
-        "§2.6, §4 (massive dims)",
-        "Resetting only the massive dims of the massive token's ME-layer output (to the other "
-        "tokens' mean), which leaves it an ordinary token, makes the later sink heads drop their "
-        "attention to it: the massive dims carry the sink",
-        control="remove_all (the whole state, in the details)",
-    ),
-    _spec(
-        "patch_other",
-        "§2.4 (directional invariance)",
-        "Control: the sink does not depend on which input's massive token it sees — the massive "
-        "token's ME-layer output swapped for another prompt's (still massive) keeps the sink",
-        kind="control",
-        statistic="1 − " + _SINK + " (signed; judged by its size)",
-        op="|x|<",
-        control="the removal conditions",
-    ),
+    _spec("remove_ffn", "§2.6",
+          "Setting the ME layer's FFN output at the massive token to the other tokens' mean (so the "
+          "massive activation is never written) makes the later sink heads drop their attention to "
+          "that token (applies only where the FFN output is not the token's whole state; there the "
+          "edit is remove_all)",
+          control="the unmodified run; the patch_other control; remove_dims (in the details)"),
+    _spec("remove_all", "§2.6",
+          "Replacing the massive token's whole ME-layer output by the other tokens' mean makes the "
+          "later sink heads drop their attention to it (nearly true by construction: every later "
+          "state of p is then an ordinary token's; a sanity check, mirroring "
+          "activation_patching.state_causes_sink)",
+          kind="sanity", control="the unmodified run; the patch_other control"),
+    _spec("remove_dims", "§2.6, §4 (massive dims)",
+          "Resetting only the massive dims of the massive token's ME-layer output (to the other "
+          "tokens' mean), which leaves it an ordinary token, makes the later sink heads drop their "
+          "attention to it: the massive dims carry the sink",
+          control="remove_all (the whole state, in the details); transplant.state_follows"),
+    _spec("patch_other", "§2.4 (directional invariance)",
+          "Control: the sink does not depend on which input's massive token it sees — the massive "
+          "token's ME-layer output swapped for another prompt's (still massive) keeps the sink",
+          kind="control", statistic="1 − " + _SINK + " (signed; judged by its size)", op="|x|<",
+          control="the removal conditions"),
 )
+# fmt: on
 SPEC = claims.index(SPECS)
 
 
@@ -299,21 +269,9 @@ class Config(SiteConfig):
 
 
 def _condition(name: str, m: ToPosition, heads: list[tuple[int, int]], layer: int) -> Condition:
-    a = m.attention  # [layer batch head]
-    sink = (
-        torch.stack([a[x, :, h] for x, h in heads]).mean(0)
-        if heads
-        else torch.full((a.shape[1],), float("nan"))
-    )
-    return Condition(
-        name,
-        sink.tolist(),
-        a.mean(1).tolist(),
-        m.entropy.mean(1).tolist(),
-        m.entropy[layer + 1 :].mean(0).tolist(),
-        m.ratio.tolist(),
-        m.last_ratio.tolist(),
-    )
+    return Condition(name, heads_mean(m.attention, heads), m.attention.mean(1).tolist(),
+                     m.entropy.mean(1).tolist(), m.entropy[layer + 1 :].mean(0).tolist(),
+                     m.ratio.tolist(), m.last_ratio.tolist())  # fmt: skip
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -332,14 +290,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     acts = Activations(model, batch, [names.ffn_out(L), names.resid_post(L)])
     record(model, batch, [acts], last_layer=L, max_tokens=None)
     base = read_position(model, batch, L, p)
-    mean = base.attention.mean(1)  # [layer head]
-    t = claims.threshold("sink_attention")
-    heads = [
-        (x, h)
-        for x in range(L + 1, model.n_layers)
-        for h in range(mean.shape[1])
-        if mean[x, h] >= t
-    ]
+    heads = sink_heads(base.attention.mean(1), L + 1)  # [layer head]: mean over prompts
     conds = [_condition("baseline", base, heads, L)]
     for cond in cfg.conditions:
         if cond == "patch_other" and len(batch) < 2:
@@ -348,17 +299,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         m = read_position(model, batch, L, p, hooks)
         conds.append(_condition(cond, m, heads, L))
     share = ffn_share(model, batch, L, p, acts=acts)
-    return Result(
-        header=run_header(cfg, model, len(batch), site),
-        prompts=pb.used(),
-        why_not=site.why_not,
-        n_layers=model.n_layers,
-        sink_heads=heads,
-        conditions=conds,
-        same_prefix=pb.same_prefix(p),
-        ffn_cos=share.cos,
-        ffn_norm_ratio=share.norm_ratio,
-    )
+    header = run_header(cfg, model, len(batch), site)
+    return Result(header, pb.used(), site.why_not, model.n_layers, heads, conds,
+                  pb.same_prefix(p), share.cos, share.norm_ratio)  # fmt: skip
 
 
 def figures(result: Result) -> dict[str, object]:
@@ -397,17 +340,8 @@ def summary(result: Result) -> str:
     )
 
 
-EXPERIMENT = Experiment(
-    NAME,
-    Config,
-    run,
-    SPECS,
-    figures,
-    summary,
-    __doc__,
-    key_figures=("attention_to_massive",),
-    result_type=Result,
-)
+EXPERIMENT = Experiment(NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("attention_to_massive",),
+                        result_type=Result)  # fmt: skip
 main = command(EXPERIMENT)
 
 

@@ -49,17 +49,10 @@ from me_interp.loading.devices import resolve_device
 from me_interp.loading.errors import ModelLoadError
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import Criterion, Event
-from me_interp.study import (
-    BAD_INPUT,
-    RunHeader,
-    apply_threads,
-    build_parser,
-    checked,
-    config_from_args,
-    is_bad_input,
-    placement_kwargs,
-    seed_everything,
-)
+from me_interp.study.cli import BAD_INPUT, build_parser, config_from_args, is_bad_input
+from me_interp.study.config import checked, placement_kwargs
+from me_interp.study.experiment import apply_threads, seed_everything
+from me_interp.study.result import RunHeader
 
 NAME = "survey"
 TABLE_FILE = "survey.md"
@@ -238,17 +231,10 @@ def run(
 ) -> Result:
     """Scan every model of ``cfg.models`` in turn. No printing, no files.
 
-    Args:
-        cfg: the survey settings.
-        models: already loaded models by their entry in ``cfg.models`` (used as they are and not
-            freed: the caller owns them); the others are loaded with ``load`` and freed after their
-            scan, before the next model is loaded.
-        load: the loader (``load_model``; tests pass a recording one).
-        progress: called with one line per model.
-
-    A model that cannot be loaded (:class:`ModelLoadError`, e.g. no hub, a missing package, an
-    unsupported architecture) or whose scan raises gives a row with the error instead of stopping
-    the survey.
+    ``models``: already loaded models by their entry in ``cfg.models`` (used as they are, not freed:
+    the caller owns them); the others are loaded with ``load`` (tests pass a recording one) and
+    freed after their scan. ``progress``: called with one line per model. A model that cannot be
+    loaded or whose scan raises gives a row with the error instead of stopping the survey.
     """
     given = dict(models or {})
     resolve_device(cfg.device)  # a device this machine lacks is bad input, not a row per model
@@ -360,16 +346,9 @@ def write(cfg: Config, result: Result) -> Path:
     """Write ``<cfg.out>/survey/<run_id>/`` (the table, figures, config, env; ``result.json`` last)."""
     run_dir = io.new_run_dir(cfg.out, NAME)
     io.write_json(run_dir / io.CONFIG_FILE, cfg)
-    env = io.environment(
-        None,
-        models=[
-            {k: getattr(r, k) for k in ("model", "name", "architecture", "arch", "status")}
-            for r in result.rows
-        ],
-        dtype=cfg.dtype,
-        device=cfg.device,
-        bos=cfg.bos,
-    )
+    keys = ("model", "name", "architecture", "arch", "status")
+    models = [{k: getattr(r, k) for k in keys} for r in result.rows]
+    env = io.environment(None, models=models, dtype=cfg.dtype, device=cfg.device, bos=cfg.bos)
     io.write_json(run_dir / io.ENV_FILE, env)
     io.write_figures(run_dir, figures(result), out_root=Path(cfg.out))
     io.atomic_write_text(run_dir / TABLE_FILE, table(result) + "\n")

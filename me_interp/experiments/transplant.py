@@ -15,15 +15,9 @@ unmodified attention to ``p`` reaches the ``sink_attention`` threshold of
 :data:`me_interp.claims.THRESHOLDS`. Prompts too short for ``dst`` (no query after it) are skipped and
 counted (``prompts.n_skipped_short``), never an error.
 
-Claims (:data:`SPECS`), bootstrapped over prompts: under ``move`` the sink *follows* the component
-(``sink_follows``: the sink heads' attention to ``dst`` reaches the ``restore`` fraction of their
-unmodified attention to ``p``; judged only where the move leaves ``p`` ordinary,
-:mod:`me_interp.probes.removal`); under ``add`` ``dst`` becomes a *second sink* (``second_sink``);
-and the sink follows the *whole state* (``state_follows``, the full-state move ``full``: every dim of
-``h_p − h̄`` moved, so ``p`` is left an ordinary token and ``dst`` carries ``p``'s deviation; a
-sanity check: it fails only for a sink that is not carried by the token's state at all). Each is
-not applicable without a massive activation, without a sink head, or when the ME layer is the last
-layer (no later layer whose attention could follow: the run then skips the forwards).
+A third condition, ``full``, moves every dim of ``h_p − h̄`` (the whole state's deviation, so ``p``
+is left an ordinary token): the reference for ``move``. A move is judged only where it leaves ``p``
+ordinary (:mod:`me_interp.probes.removal`); at the last layer the forwards are skipped.
 
     python -m me_interp.experiments.transplant
     python -m me_interp.experiments.transplant --dst 5 --mode direction --component full
@@ -45,17 +39,12 @@ from me_interp.probes.activations import Activations
 from me_interp.probes.attention import attention_src_dst
 from me_interp.probes.batching import record
 from me_interp.probes.removal import not_ordinary
-from me_interp.probes.site import locate, no_sink_why
-from me_interp.study import (
-    Experiment,
-    Headed,
-    RunHeader,
-    SiteConfig,
-    checked,
-    command,
-    model_for,
-    run_header,
-)
+from me_interp.probes.site import locate
+from me_interp.probes.to_position import heads_mean, sink_claims_why, sink_heads
+from me_interp.study.cli import command
+from me_interp.study.config import SiteConfig, checked
+from me_interp.study.experiment import Experiment, model_for
+from me_interp.study.result import Headed, RunHeader, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "transplant"
@@ -116,15 +105,10 @@ class Result(Headed):
 def _why(name: str | None):
     def why(r: Result) -> str | None:
         h = r.header
-        if r.why_not is not None:
-            return r.why_not
-        if not r.later_layers:
-            return (
-                f"the ME layer {h.layer} is the last layer: there is no later layer whose attention "
-                "could follow the component"
-            )
-        if not r.sink_heads:
-            return no_sink_why(h.layer, h.position)
+        n = h.layer + 1 + len(r.later_layers)
+        why = sink_claims_why(r.why_not, h.layer, n, h.position, r.sink_heads)
+        if why is not None:
+            return why
         if name in _MOVES:
             return not_ordinary({"the ME layer": r.of(name).ratio_old}, _MOVES[name])
         return None
@@ -171,51 +155,36 @@ _SHARE = (
     "the sink heads' attention to dst under '{}' minus their unmodified attention to dst, over "
     "their unmodified attention to p (prompt means; 1 = the whole sink moved, 0 = none)"
 )
+# fmt: off
 SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
-        "transplant.sink_follows",
-        "§2.6, §3 (massive-direction transplant)",
+        "transplant.sink_follows", "§2.6, §3 (massive-direction transplant)",
         "The attention sink follows the massive component: moving it from the massive token into "
         "another token (which leaves the massive token ordinary) moves the sink heads' attention "
         "there",
-        _SHARE.format("move"),
-        ">=",
-        "restore",
+        _SHARE.format("move"), ">=", "restore",
         control="the unmodified run (the sink heads' attention to dst before the move); "
         "state_follows (the whole state moved)",
-        stat=_follows("move"),
-        applies=_why("move"),
-        details=_details("move"),
-    ),
+        stat=_follows("move"), applies=_why("move"), details=_details("move")),
     claims.Spec(
-        "transplant.second_sink",
-        "§2.6, §3 (massive-direction transplant)",
+        "transplant.second_sink", "§2.6, §3 (massive-direction transplant)",
         "Adding the massive component to another token makes it a second attention sink",
-        "the sink heads' mean attention to dst under 'add' (mean over prompts)",
-        ">=",
+        "the sink heads' mean attention to dst under 'add' (mean over prompts)", ">=",
         "sink_attention",
         control="the unmodified run (the sink heads' attention to dst before the edit)",
         stat=lambda r: claims.Sample(np.asarray(r.of("add").to_new, dtype=np.float64)),
-        applies=_why(None),
-        details=_details("add"),
-    ),
+        applies=_why(None), details=_details("add")),
     claims.Spec(
-        "transplant.state_follows",
-        "§2.6 (the sink follows the whole state)",
+        "transplant.state_follows", "§2.6 (the sink follows the whole state)",
         "The attention sink follows the massive token's whole state: moving every dim of its "
         "deviation from the other tokens' mean into another token moves the sink heads' attention "
         "there (nearly true by construction for a sink read from the token's state: a sanity "
         "check, the reference for sink_follows)",
-        _SHARE.format("full"),
-        ">=",
-        "restore",
+        _SHARE.format("full"), ">=", "restore", kind="sanity",
         control="sink_follows (only the massive dims moved)",
-        kind="sanity",
-        stat=_follows("full"),
-        applies=_why("full"),
-        details=_details("full"),
-    ),
+        stat=_follows("full"), applies=_why("full"), details=_details("full")),
 )
+# fmt: on
 SPEC = claims.index(SPECS)
 
 
@@ -271,36 +240,22 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     for cond, remove in (("add", False), ("move", True)):
         t = causal.transplant(model, batch, L, p, dst, dims, cfg.mode, remove, acts=acts)
         hooks[cond], norm = t.hooks, t.norm
-    hooks["full"] = causal.transplant(
-        model, batch, L, p, dst, None, "difference", True, acts=acts
-    ).hooks
+    full = causal.transplant(model, batch, L, p, dst, None, "difference", True, acts=acts)
+    hooks["full"] = full.hooks  # the whole state's deviation moved
     conds, heads = [], []
     for cond, h in hooks.items():
         if not later:  # no later layer: nothing to read (the claims say so)
             break
         att, ratios = attention_src_dst(model, batch, p, dst, later, h, L)  # [layer 2 batch head]
         if cond == "baseline":
-            mean = att[:, 0].mean(1)  # [layer head]
-            t = claims.threshold("sink_attention")
-            heads = [(i, k) for i in range(mean.shape[0]) for k in range(mean.shape[1])
-                     if mean[i, k] >= t]  # fmt: skip
-        sink = [torch.stack([att[i, w, :, k] for i, k in heads]).mean(0).tolist()
-                if heads else [float("nan")] * len(batch) for w in (0, 1)]  # fmt: skip
+            heads = sink_heads(att[:, 0].mean(1))  # [layer head]: to p, mean over prompts
+        sink = [heads_mean(att[:, w], heads) for w in (0, 1)]
         layer = att.mean((2, 3))  # [layer 2]
         conds.append(Condition(cond, *sink, layer[:, 0].tolist(), layer[:, 1].tolist(),
                                ratios[0].tolist(), ratios[1].tolist()))  # fmt: skip
-    return Result(
-        header=run_header(cfg, model, len(batch), site),
-        prompts=pb.used(),
-        why_not=site.why_not,
-        dst=dst,
-        mode=cfg.mode,
-        component=cfg.component,
-        later_layers=later,
-        sink_heads=[(later[i], k) for i, k in heads],
-        conditions=conds,
-        component_norm=norm.tolist(),
-    )
+    header = run_header(cfg, model, len(batch), site)
+    return Result(header, pb.used(), site.why_not, dst, cfg.mode, cfg.component, later,
+                  [(later[i], k) for i, k in heads], conds, norm.tolist())  # fmt: skip
 
 
 def figures(result: Result) -> dict[str, Any]:
@@ -339,17 +294,8 @@ def summary(result: Result) -> str:
     )
 
 
-EXPERIMENT = Experiment(
-    NAME,
-    Config,
-    run,
-    SPECS,
-    figures,
-    summary,
-    __doc__,
-    key_figures=("attention_old_new",),
-    result_type=Result,
-)
+EXPERIMENT = Experiment(NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("attention_old_new",),
+                        result_type=Result)  # fmt: skip
 main = command(EXPERIMENT)
 
 

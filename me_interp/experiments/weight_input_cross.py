@@ -14,9 +14,6 @@ A cell is *large* when ``C_b[X, Y] ≥ max(k, r · C_b[m, m])`` (``k``: threshol
 (:meth:`Result.majority_large`). Inputs ``Y ≤ m`` come before the emergence and are judged; later
 columns already carry the massive activation and are shown only. The paper predicts large cells only
 in row ``m``, for every earlier input; "the input matters" predicts a band of inputs near ``m``.
-With few layers the k-of-n intervals are wide (2 of 2 give [0.16, 1]): 6 units are needed to decide
-against 0.5. Without a massive activation the claims are not applicable unless ``--layer`` is given;
-an ME layer 0 has no earlier input.
 
     python -m me_interp.experiments.weight_input_cross
     python -m me_interp.experiments.weight_input_cross --model synthetic:planted
@@ -34,23 +31,23 @@ import torch
 from me_interp import claims, plotting
 from me_interp.architecture import FFN_RESIDUAL_SITE
 from me_interp.edits.core import moved_modules
-from me_interp.experiments._weights import SCAN_SITES, depth_label, short_batch
+from me_interp.experiments._weights import SCAN_SITES, short_batch
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.batching import ResidMidRecorder, record
-from me_interp.probes.cross import PromptStats, cross_matrices, judged_region, prompt_statistics
+from me_interp.probes.cross import (
+    PromptStats,
+    breadth_outcomes,
+    cross_matrices,
+    prompt_statistics,
+    share_outcomes,
+)
 from me_interp.probes.massive import Criterion, CriterionKind
 from me_interp.probes.norms import NormRecorder
 from me_interp.probes.site import locate
-from me_interp.study import (
-    CommonConfig,
-    Experiment,
-    Headed,
-    RunHeader,
-    checked,
-    command,
-    model_for,
-    run_header,
-)
+from me_interp.study.cli import command
+from me_interp.study.config import CommonConfig, checked
+from me_interp.study.experiment import Experiment, model_for
+from me_interp.study.result import Headed, RunHeader, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "weight_input_cross"
@@ -122,34 +119,11 @@ class Result(Headed):
 
     def breadth_outcomes(self) -> claims.Outcomes:
         """Per earlier input layer ``Y < m``: is the cell ``(m, Y)`` large (majority)."""
-        if self.layer == 0:
-            raise claims.NotApplicable(_LAYER_ZERO)
-        m, big = self.layer, self.majority_large()
-        return claims.Outcomes(
-            [bool(big[m, y]) for y in range(m)],
-            [depth_label(y, m) for y in range(m)],
-            unit="earlier input layers",
-        )
+        return breadth_outcomes(self.majority_large(), self.layer)
 
     def share_outcomes(self) -> claims.Outcomes:
-        """Per large cell (majority) among inputs ``Y ≤ m``, cell ``(m, m)`` left out: is it in row
-        ``m``."""
-        if self.layer == 0:
-            raise claims.NotApplicable(_LAYER_ZERO)
-        m = self.layer
-        big = self.majority_large() & judged_region(self.n_layers, m)
-        cells = [(int(x), int(y)) for x, y in zip(*np.nonzero(big))]
-        if not cells:
-            raise claims.NotApplicable(
-                "no cell of the judged region (inputs Y ≤ m, the cell (m, m) left out) is large on "
-                "a majority of the prompts: no layer's weights make a massive output from a "
-                "pre-emergence input, so there is no share to take (row_breadth counts none then)"
-            )
-        return claims.Outcomes(
-            [x == m for x, _ in cells],
-            [f"cell ({x}, {y}) = ({_rel(x, m)}, {_rel(y, m)})" for x, y in cells],
-            unit="large cells",
-        )
+        """Per large cell (majority) among inputs ``Y ≤ m``, ``(m, m)`` left out: is it in row ``m``."""
+        return share_outcomes(self.majority_large(), self.layer)
 
     def majority_cells(self, max_input: int | None = None) -> list[tuple[int, int]]:
         """Cells ``(X, Y)`` large on a majority of the prompts (inputs ``Y ≤ max_input``)."""
@@ -164,31 +138,14 @@ class Result(Headed):
         return [(int(x), int(y)) for x, y in zip(xs, ys)]
 
 
-def result_of(
-    header: RunHeader,
-    n_layers: int,
-    positions: list[int],
-    lengths: list[int],
-    cross: list[list[list[float]]],
-    k: float,
-    r: float,
-    path_modules: list[str] | None = None,
-) -> Result:
+def result_of(header: RunHeader, n_layers: int, positions: list[int], lengths: list[int],
+              cross: list[list[list[float]]], k: float, r: float,
+              path_modules: list[str] | None = None) -> Result:  # fmt: skip
     """The :class:`Result` of cross matrices ``cross`` for row ``header.layer`` (its statistics
     computed here)."""
     assert header.layer is not None
     stats = prompt_statistics(np.asarray(cross), header.layer, k, r)
     return Result(header, n_layers, positions, lengths, cross, k, r, stats, path_modules or [])
-
-
-def _rel(layer: int, m: int) -> str:
-    return "m" if layer == m else f"m{layer - m:+d}"
-
-
-_LAYER_ZERO = (
-    "the tested layer is layer 0: there is no input from before the massive activation emerges to "
-    "cross with"
-)
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -233,50 +190,37 @@ def _details(result: Result) -> str:
 
 _MAJORITY = "a cell is large when C_b ≥ max(k, r·C_b[m, m]) on more than half of the prompts"
 
+# fmt: off
 SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
-        f"{NAME}.row_share",
-        "§2.3, §3",
+        f"{NAME}.row_share", "§2.3, §3",
         "Only the ME layer's pre-FFN RMSNorm + FFN turn the massive token's pre-emergence state into "
         "a massive FFN output: the large cells of the weights × input cross lie in the ME layer's row",
         f"of the large cells among inputs Y ≤ m (cell (m, m) left out), the fraction in row X = m "
         f"({_MAJORITY}; k of n large cells, Clopper–Pearson)",
-        ">=",
-        "cross_share",
+        ">=", "cross_share",
         "the same inputs through every other layer's pre-FFN norm + FFN (the other rows)",
-        stat=lambda r: r.share_outcomes(),
-        unit="large cells",
-        details=_details,
-    ),
+        stat=lambda r: r.share_outcomes(), unit="large cells", details=_details),
     claims.Spec(
-        f"{NAME}.row_breadth",
-        "§2.3 vs §2.6",
+        f"{NAME}.row_breadth", "§2.3 vs §2.6",
         "The ME layer's pre-FFN RMSNorm + FFN make the massive output from the massive token's state "
         "at any earlier depth, not only from the input it gets at its own depth",
         f"of the earlier input layers Y < m, the fraction whose cell (m, Y) is large ({_MAJORITY}; "
         "k of n input layers, Clopper–Pearson: the layers are the depths there are, not a sample)",
-        ">=",
-        "cross_breadth",
+        ">=", "cross_breadth",
         "the observed input Y = m (left out); weight_swap.ffn_path, which moves the same weights",
-        stat=lambda r: r.breadth_outcomes(),
-        unit="earlier input layers",
-        details=_details,
-    ),
+        stat=lambda r: r.breadth_outcomes(), unit="earlier input layers", details=_details),
     claims.Spec(
-        f"{NAME}.diagonal",
-        "§2.1",
+        f"{NAME}.diagonal", "§2.1",
         "The ME layer's FFN output on the massive token is large on its own input",
         "per prompt, C[m, m]: the ME layer's actual FFN residual contribution (ffn_out, after any "
         "post-FFN norm) on the massive token over the median of the other tokens'; mean over prompts",
-        ">=",
-        LARGE_KEY,
+        ">=", LARGE_KEY,
         "true by the detection rule (the ME layer is where the FFN makes the norm jump)",
-        kind="sanity",
-        stat=lambda r: claims.Sample(r.stats.diagonal),
-        unit="prompts",
-        details=_details,
-    ),
+        kind="sanity", stat=lambda r: claims.Sample(r.stats.diagonal), unit="prompts",
+        details=_details),
 )
+# fmt: on
 SPEC = claims.index(SPECS)
 
 
@@ -349,18 +293,8 @@ def summary(result: Result) -> str:
 
 
 # attention="sdpa": it reads no attention pattern (the fused kernel, me_interp.loading.attention)
-EXPERIMENT = Experiment(
-    NAME,
-    Config,
-    run,
-    SPECS,
-    figures,
-    summary,
-    __doc__,
-    attention="sdpa",
-    key_figures=("cross_matrix",),
-    result_type=Result,
-)
+EXPERIMENT = Experiment(NAME, Config, run, SPECS, figures, summary, __doc__, attention="sdpa",
+                        key_figures=("cross_matrix",), result_type=Result)  # fmt: skip
 main = command(EXPERIMENT)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from jaxtyping import Float
 
 from me_interp import names
 from me_interp.interventions import causal
@@ -74,3 +75,15 @@ def condition_hooks(
     if cond not in edits:
         raise ValueError(f"unknown condition {cond!r}; choose from {', '.join(edits)}")
     return edits[cond]()
+
+
+def edit_sizes(
+    h: Float[torch.Tensor, "batch d_model"], dims: Sequence[int], conds: Sequence[str]
+) -> dict[str, list[float]]:
+    """Per prompt ``‖Δ‖ / ‖h_p‖`` of the residual edits among ``conds`` (``zero_dims``,
+    ``mean_dims``) on the unedited state ``h`` of the massive token: how large an edit each is (a
+    mean ablation of a state shared by every prompt is the identity)."""
+    d = list(dims)
+    delta = {"zero_dims": h[:, d], "mean_dims": h[:, d] - h[:, d].mean(0, keepdim=True)}
+    norm = h.norm(dim=-1)
+    return {c: (x.norm(dim=-1) / norm).tolist() for c, x in delta.items() if c in conds}

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 
+from me_interp import claims
 from me_interp.edits.core import part_members, part_module
 from me_interp.loading.loaded import LoadedModel
 
@@ -98,3 +99,43 @@ def prompt_statistics(
     breadth = large[:, layer, :layer].mean(-1) if layer > 0 else np.full(n, np.nan)
     return PromptStats(share.tolist(), breadth.tolist(), diag.tolist(), thr.tolist(),
                        in_region.tolist(), large.sum(0).tolist())  # fmt: skip
+
+
+_LAYER_ZERO = (
+    "the tested layer is layer 0: there is no input from before the massive activation emerges to "
+    "cross with"
+)
+
+
+def _rel(layer: int, m: int) -> str:
+    return "m" if layer == m else f"m{layer - m:+d}"
+
+
+def breadth_outcomes(large: np.ndarray, m: int) -> claims.Outcomes:
+    """Per earlier input layer ``Y < m``: is the cell ``(m, Y)`` of ``large`` (``[X, Y]``) large."""
+    if m == 0:
+        raise claims.NotApplicable(_LAYER_ZERO)
+    return claims.Outcomes(
+        [bool(large[m, y]) for y in range(m)],
+        [f"layer {y} ({_rel(y, m)})" for y in range(m)],
+        unit="earlier input layers",
+    )
+
+
+def share_outcomes(large: np.ndarray, m: int) -> claims.Outcomes:
+    """Per large cell of the judged region (:func:`judged_region`): is it in row ``m``."""
+    if m == 0:
+        raise claims.NotApplicable(_LAYER_ZERO)
+    big = large & judged_region(large.shape[0], m)
+    cells = [(int(x), int(y)) for x, y in zip(*np.nonzero(big))]
+    if not cells:
+        raise claims.NotApplicable(
+            "no cell of the judged region (inputs Y ≤ m, the cell (m, m) left out) is large on "
+            "a majority of the prompts: no layer's weights make a massive output from a "
+            "pre-emergence input, so there is no share to take (row_breadth counts none then)"
+        )
+    return claims.Outcomes(
+        [x == m for x, _ in cells],
+        [f"cell ({x}, {y}) = ({_rel(x, m)}, {_rel(y, m)})" for x, y in cells],
+        unit="large cells",
+    )

@@ -96,3 +96,38 @@ def read_metrics(
     mask = batch.attention_mask.bool()
     got = {k: m(acts, mask).float().cpu().tolist() for k, m in metrics.items()}
     return got, (nll.double() * valid).sum(-1).tolist(), valid.sum(-1).double().tolist()
+
+
+def sink_heads(
+    attention: Float[torch.Tensor, "layer head"], first: int = 0
+) -> list[tuple[int, int]]:
+    """``(layer, head)`` from layer ``first`` on whose mean attention to the massive token
+    (``attention``, mean over prompts) reaches the ``sink_attention`` threshold."""
+    from me_interp import claims
+
+    t = claims.threshold("sink_attention")
+    n_layers, n_heads = attention.shape
+    return [(x, h) for x in range(first, n_layers) for h in range(n_heads) if attention[x, h] >= t]
+
+
+def heads_mean(
+    attention: Float[torch.Tensor, "layer batch head"], heads: Sequence[tuple[int, int]]
+) -> list[float]:
+    """Per prompt, the mean of ``attention`` over ``heads`` (NaN without heads)."""
+    if not heads:
+        return [float("nan")] * attention.shape[1]
+    return torch.stack([attention[x, :, h] for x, h in heads]).mean(0).tolist()
+
+
+def sink_claims_why(
+    why_not: str | None, layer: int, n_layers: int, position: int, heads: Sequence
+) -> str | None:
+    """Why a claim about the sink downstream of ``layer`` does not apply: no massive activation
+    (``why_not``), no later layer, or no sink head (``None``: it applies)."""
+    from me_interp.probes.site import no_sink_why
+
+    if why_not is not None:
+        return why_not
+    if layer + 1 >= n_layers:
+        return f"the ME layer {layer} is the last layer: no later layer reads the massive token"
+    return None if heads else no_sink_why(layer, position)

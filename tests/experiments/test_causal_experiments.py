@@ -763,8 +763,8 @@ def test_bundled_activation_patching(bundled):
 @pytest.mark.slow
 def test_bundled_sink_causality(bundled):
     r = sink_causality.run(sink_causality.Config(**SMALL), bundled)
-    assert r.site.layer == 11 and not r.same_prefix
-    assert 100 < len(r.sink_heads()) <= 18 * 9
+    assert r.header.layer == 11 and not r.same_prefix
+    assert 100 < len(r.sink_heads) <= 18 * 9
     assert 0.5 < float(r.sink_per_prompt("baseline").mean()) < 0.85
     assert 0.7 < r.drop("remove_ffn") < 0.95
     assert 0.85 < r.drop("remove_all") < 1.0
@@ -784,7 +784,7 @@ def test_bundled_transplant(bundled):
     b_old, _ = r.sink_to("baseline")
     m_old, m_new = r.sink_to("move")
     assert 0.5 < b_old < 0.85 and m_new < 0.1 and m_old > 0.35  # the sink stays on token 0
-    assert float(r.ratios["move"][1].mean()) > 50  # although the new token is massive
+    assert np.mean(r.of("move").ratio_new) > 50  # although the new token is massive
     cs = _check_result(transplant, r)
     assert cs["transplant.sink_follows"].verdict == F
     full = transplant.run(transplant.Config(component="full", **SMALL), bundled)
@@ -796,14 +796,14 @@ def test_bundled_transplant(bundled):
 @pytest.mark.slow
 def test_bundled_component_ablation(bundled):
     r = component_ablation.run(component_ablation.Config(**SMALL), bundled)
-    assert 80 < r.mean("baseline", "me_ratio") < 300
-    assert 3 < r.mean("baseline", "last_ratio") < 15
-    assert abs(r.excess("cap_ffn", "last_ratio")) < 0.05
-    assert r.excess("flatten_gain", "last_ratio") > 0.8  # flattening the gain does not stop it
+    assert 80 < np.mean(r.of("baseline").me_ratio) < 300
+    assert 3 < np.mean(r.of("baseline").last_ratio) < 15
+    assert abs(r.excess("cap_ffn")) < 0.05
+    assert r.excess("flatten_gain") > 0.8  # flattening the gain does not stop it
     assert 0.97 < r.ppl_ratio("mean_dims") < 1.03  # Sun et al.
     assert r.ppl_ratio("zero_dims") > 100  # zeroing ruins this model
     assert 3 < r.ppl_ratio("cap_ffn") < 200
-    assert 0.005 < np.mean(r.edit_size["mean_dims"]) < 0.2  # a near-identity edit (0.04)
+    assert 0.005 < np.mean(r.of("mean_dims").edit_size) < 0.2  # a near-identity edit (0.04)
     cs = _check_result(component_ablation, r)
     assert {k.split(".")[1]: c.verdict for k, c in cs.items()} == {
         "cap_site": H,
