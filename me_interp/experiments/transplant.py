@@ -59,7 +59,8 @@ class Condition:
     Attributes:
         to_old, to_new: per prompt, the sink heads' mean attention to ``p`` and to ``dst``.
         layer_old, layer_new: per later layer, the same over every head (mean over prompts).
-        ratio_old, ratio_new: per prompt, the norm ratios of ``p`` and ``dst`` at the ME layer.
+        ratio_old, ratio_new: per prompt, the norm ratios of ``p`` and ``dst`` at the ME layer
+            (each over the tokens other than ``p`` and ``dst``).
     """
 
     name: str
@@ -246,7 +247,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     for cond, h in hooks.items():
         if not later:  # no later layer: nothing to read (the claims say so)
             break
-        att, ratios = attention_src_dst(model, batch, p, dst, later, h, L)  # [layer 2 batch head]
+        att, ratios = attention_src_dst(
+            model, batch, p, dst, later, h, L, apart=True
+        )  # [layer 2 batch head]
         if cond == "baseline":
             heads = sink_heads(att[:, 0].mean(1))  # [layer head]: to p, mean over prompts
         sink = [heads_mean(att[:, w], heads) for w in (0, 1)]

@@ -339,7 +339,8 @@ def test_transplant_moves_the_sink(planted, prompt_file):
     assert new > 0.9 and old < 0.05
     b_old, b_new = r.sink_to("baseline")
     assert b_old > 0.9 and b_new < 0.05
-    assert np.mean(r.of("move").ratio_new) > 100 and np.mean(r.of("move").ratio_old) < 1
+    # p is left an ordinary token (its ratio over the tokens other than p and dst: 1.10)
+    assert np.mean(r.of("move").ratio_new) > 100 and np.mean(r.of("move").ratio_old) < 1.5
     assert {c.verdict for c in _check_result(transplant, r).values()} == {H}
     rd = transplant.run(
         _cfg(transplant, prompt_file, dst=2, mode="direction", component="full"), model
@@ -776,6 +777,13 @@ def test_bundled_sink_causality(bundled):
     assert cs["sink_causality.remove_ffn"].verdict == NA
     assert cs["sink_causality.remove_all"].verdict == H  # sanity
     assert cs["sink_causality.patch_other"].verdict == H  # control
+    # issue 29 item 3: resetting the two massive dims leaves token 0 15.5x the others at the ME
+    # layer and 25.7x at the last layer (48 prompts): not a removal, so remove_dims (which failed
+    # with a drop of 0.18 [0.17, 0.19]) is not applicable
+    dims = r.of("remove_dims")
+    assert 8 < np.mean(dims.me_ratio) < 30 and 12 < np.mean(dims.last_ratio) < 50
+    assert cs["sink_causality.remove_dims"].verdict == NA
+    assert "did not make the massive token ordinary" in cs["sink_causality.remove_dims"].why
 
 
 @pytest.mark.slow
@@ -786,7 +794,11 @@ def test_bundled_transplant(bundled):
     assert 0.5 < b_old < 0.85 and m_new < 0.1 and m_old > 0.35  # the sink stays on token 0
     assert np.mean(r.of("move").ratio_new) > 50  # although the new token is massive
     cs = _check_result(transplant, r)
-    assert cs["transplant.sink_follows"].verdict == F
+    # moving the massive dims leaves token 0 15.5x the tokens other than 0 and dst: not a removal,
+    # so sink_follows (which failed with 0.0068 [0.0030, 0.0102]) is not applicable (issue 29, 3)
+    assert 8 < np.mean(r.of("move").ratio_old) < 30
+    assert cs["transplant.sink_follows"].verdict == NA
+    assert cs["transplant.state_follows"].verdict == H  # the whole state carries the sink
     full = transplant.run(transplant.Config(component="full", **SMALL), bundled)
     f_old, f_new = full.sink_to("move")
     assert f_new > 0.5 > 0.05 > f_old  # the whole deviation of token 0 carries the sink
@@ -811,8 +823,11 @@ def test_bundled_component_ablation(bundled):
         "flatten_gain": F,
         "cap_ffn_hurts": H,
         "mean_dims_harmless": H,
-        "zero_dims_hurts": H,
+        # zeroing the massive dims leaves token 0 15.7x the others (ME layer), 24.6x (last layer):
+        # perplexity x7.9e5 is not that of a model without its massive activation (issue 29, 3)
+        "zero_dims_hurts": NA,
     }
+    assert np.mean(r.of("zero_dims").me_ratio) > claims.threshold("ordinary_ratio")
 
 
 # ------------------------------------------------------------------------------------------
