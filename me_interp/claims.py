@@ -147,6 +147,13 @@ THRESHOLDS: dict[str, Threshold] = {
         "so) norm; 1 = an ordinary token) left after it is at most this fraction of the unedited "
         "excess",
     ),
+    "ordinary_ratio": Threshold(
+        3.0,
+        "a removal is a removal: an edit that removes the massive activation must leave the edited "
+        "token ordinary, its norm ratio R (its norm over the mean of the other tokens' norms) at "
+        "most this many times the others' (prompt means, at the edited layer and the last layer); "
+        "a fraction of the excess is not enough (a token 15x the others still draws a sink)",
+    ),
     "moved_fraction": Threshold(
         0.5,
         "weight swaps / patches: the emergence moves / is copied / leaves the ME layer for at least "

@@ -62,6 +62,10 @@ CONSTRUCTED.update(
                            "(super_weight.restoring_recovers)", SHARED_BOS)
      for name in synthetic.SPREAD}
 )  # fmt: skip
+CONSTRUCTED[f"synthetic:{synthetic.SINKRESID}"] = (
+    "planted, with its sink carried by a residual outside the massive dims (the <s> marker)",
+    SHARED_BOS,
+)
 
 N_TEXTS, TEXT_LENGTH, N_ITEMS = 32, 12, 128
 """The WeMask texts (at least 32: its intervals are over texts) and MC items of every battery."""

@@ -279,3 +279,95 @@ def counts_bar(
         title=title, xaxis_title=xaxis_title, yaxis_title=yaxis_title, template="plotly_white"
     )
     return fig
+
+
+def grouped_bars(
+    x: Sequence[str], series: Mapping[str, Sequence[float]], title: str, yaxis_title: str
+) -> go.Figure:
+    """One bar per ``x`` for each named series (grouped), on a log y axis (ratios, perplexities)."""
+    fig = go.Figure([go.Bar(x=list(x), y=list(ys), name=name) for name, ys in series.items()])
+    fig.update_layout(
+        title=title,
+        yaxis_type="log",
+        yaxis_title=yaxis_title,
+        barmode="group",
+        template="plotly_white",
+    )
+    return fig
+
+
+def log_heatmap(
+    z: Sequence[Sequence[float]], title: str, xaxis_title: str, yaxis_title: str, hover: str
+) -> go.Figure:
+    """A heatmap of ``log10 z`` (rows on y, columns on x, both 0-based indices) whose hover shows
+    ``z`` itself (``hover``: the hovertemplate, reading ``%{customdata}``)."""
+    logz = [[math.log10(max(v, 1e-12)) for v in row] for row in z]
+    fig = go.Figure(
+        go.Heatmap(
+            z=logz,
+            customdata=[list(row) for row in z],
+            colorscale="Magma",
+            colorbar_title="log10",
+            hovertemplate=hover + "<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=title, xaxis_title=xaxis_title, yaxis_title=yaxis_title, template="plotly_white"
+    )
+    return fig
+
+
+def quartile_lines(
+    xs: Sequence[int], series: Mapping[str, Any], title: str, xaxis_title: str, yaxis_title: str
+) -> go.Figure:
+    """Per named ``[sample][x]`` series (array-like), its median over samples with the interquartile range as
+    error bars, on a log y axis."""
+    import numpy as np
+
+    fig = go.Figure()
+    for name, vals in series.items():
+        q1, q2, q3 = np.quantile(np.asarray(vals, dtype=float), [0.25, 0.5, 0.75], axis=0)
+        fig.add_trace(
+            go.Scatter(
+                x=list(xs), y=q2.tolist(), mode="lines+markers", name=name,
+                error_y={"type": "data", "symmetric": False, "array": (q3 - q2).tolist(),
+                         "arrayminus": (q2 - q1).tolist()},
+                hovertemplate="%{x}: %{y:.4g}<extra>" + name + "</extra>",
+            )
+        )  # fmt: skip
+    fig.update_yaxes(type="log")
+    fig.update_layout(
+        title=title, xaxis_title=xaxis_title, yaxis_title=yaxis_title, template="plotly_white"
+    )
+    return fig
+
+
+def layer_grid(
+    series: Mapping[str, tuple[Sequence[float], int | None]], title: str, yaxis_title: str
+) -> go.Figure:
+    """One subplot per named series (its own layer axis, up to 4 side by side, log y): the values
+    per layer, and its ME layer (``None``: none) as a dashed line."""
+    cols = min(len(series), 4)
+    n_rows = (len(series) + cols - 1) // cols
+    titles = [
+        f"{n}<br><sup>ME layer {'none' if m is None else m}</sup>" for n, (_, m) in series.items()
+    ]
+    fig = make_subplots(n_rows, cols, subplot_titles=titles, horizontal_spacing=0.06,
+                        vertical_spacing=0.18)  # fmt: skip
+    for i, (name, (ys, me)) in enumerate(series.items()):
+        at = {"row": i // cols + 1, "col": i % cols + 1}
+        xs = list(range(len(ys)))
+        hover = "layer %{x} (1-based %{customdata}): %{y:.4g}<extra>" + name + "</extra>"
+        fig.add_trace(
+            go.Scatter(x=xs, y=list(ys), mode="lines+markers", marker_size=4, name=name,
+                       line_color="firebrick", showlegend=False, customdata=[x + 1 for x in xs],
+                       hovertemplate=hover),
+            **at,
+        )  # fmt: skip
+        fig.update_yaxes(type="log", title_text=yaxis_title if at["col"] == 1 else None, **at)
+        fig.update_xaxes(title_text="layer (0-based)", **at)
+        if me is not None:
+            fig.add_vline(x=me, line_dash="dash", line_color="gray", **at)
+    fig.update_layout(title=title, template="plotly_white", height=340 * n_rows + 120,
+                      width=max(900, 330 * cols))  # fmt: skip
+    return fig

@@ -1060,16 +1060,17 @@ def add_late_writer(
     return layer
 
 
-def _sink_on_marker(hf, plant: Plant, layers) -> tuple[int, ...]:
-    """Make the sink head's key read the marker dims (the gain dims of :func:`planted_nobos`; weight
-    :data:`APART_KEY`) instead of the massive dim in ``layers`` (in place); returns those dims."""
-    dims = plant.gain_dims  # planted_nobos: the marker is on the gain dims
+def _sink_on_marker(hf, plant: Plant, layers, key: float = APART_KEY) -> tuple[int, ...]:
+    """Make the sink head's key read the marker dims (the gain dims of :func:`planted_nobos` and
+    :func:`planted_llama`; weight ``key``) instead of the massive dim in ``layers`` (in place);
+    returns those dims."""
+    dims = plant.gain_dims  # the marker is on the gain dims
     for L in layers:
         lay = _Layer(hf.model.layers[L], hf.config)
         row = plant.sink_head * lay.head_dim + lay.head_dim // 2 - 1  # the slow rotary pair
         with torch.no_grad():
             lay.k[row, :] = 0.0
-            lay.k[row, list(dims)] = APART_KEY
+            lay.k[row, list(dims)] = key
     return dims
 
 
@@ -1525,3 +1526,33 @@ def fading_decoy(layer: int = 2, seed: int = 0):
         factor=FADING_FACTOR,
     )
     return hf, tok, rec
+
+
+# --- a planted model whose sink is carried by a residual outside the massive dims ----------------
+
+SINKRESID = "planted-sinkresid"
+"""The planted model whose sink heads read a residual outside the massive dims
+(:func:`planted_sinkresid`, ``synthetic:planted-sinkresid``)."""
+
+
+def planted_sinkresid(seed: int = 0):
+    """:func:`planted_llama` (BOS, 5 layers, planted at layer 2; prompts: :func:`planted_prompts`)
+    whose sink heads after the ME layer read the marker of ``<s>`` (the gain dims, a small residual
+    outside the massive dims that every layer carries unchanged) instead of the massive dim, with
+    the key weight set to ``<s>``'s massive value (measured by a forward pass), so the unmodified
+    sink score is the planted one. The sink is on the massive token, but the massive dims do not
+    carry it: resetting them (which leaves ``<s>`` an ordinary token) *raises* its normalised marker
+    and keeps the sink, and moving only the massive dims to another token moves no sink; moving
+    ``<s>``'s whole state moves it (``sink_causality.remove_dims`` and ``transplant.sink_follows``
+    fail, ``transplant.state_follows`` holds).
+
+    Returns:
+        ``(hf_model, tokenizer, plant)`` (the :class:`Plant` of :func:`planted_llama`).
+    """
+    hf, tok, plant = planted_llama(seed=seed)
+    ids = torch.tensor([[BOS_ID, *range(len(SPECIAL), len(SPECIAL) + 4)]])
+    with torch.no_grad():
+        h = hf(input_ids=ids, output_hidden_states=True).hidden_states[plant.layer + 1]
+    value = float(h[0, 0, plant.massive_dim])
+    _sink_on_marker(hf, plant, range(plant.layer + 1, hf.config.num_hidden_layers), key=value)
+    return hf, tok, plant

@@ -329,7 +329,7 @@ def test_gemma_cross_diagonal_is_the_ffn_residual_contribution(gemma):
     from me_interp.experiments import weight_input_cross as wic
 
     res = wic.run(wic.Config(n_prompts=16, max_tokens=32), gemma)
-    assert res.layer == res.me_layer == 0
+    assert res.layer == res.header.me_layer == 0
     assert res.path_modules[-1] == "post_feedforward_layernorm"
     c = {c.id: c for c in claims.judge(wic.SPECS, res)}["weight_input_cross.diagonal"]
     assert c.verdict == "holds" and 25 < c.estimate.lo < c.estimate.hi < 45

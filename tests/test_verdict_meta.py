@@ -99,6 +99,7 @@ PLANTED = {
     "activation_patching.sink_heads_beat_random": HOLDS,
     "transplant.sink_follows": HOLDS,
     "transplant.second_sink": HOLDS,
+    "transplant.state_follows": HOLDS,  # sanity: the whole state moved
     "component_ablation.cap_site": HOLDS,
     "component_ablation.cap_removes": HOLDS,
     "component_ablation.flatten_gain": HOLDS,

@@ -7,18 +7,11 @@ loading the next, so a GPU holds one model at a time. Writes ``<out>/survey/<run
 ``me_layer`` claims), ``config.json``, ``env.json`` (versions, and each model's loading choices) and
 one figure, ``ratios_by_model`` (per model, the massive token's norm over the others' mean per layer).
 
-Columns: model, architecture, n_layers, ME layer 0- and 1-based (``none`` where no layer output meets
-the massive criterion), the sub-layer whose jump made it (``ffn`` / ``attention``), the jump, the
-massive dims, the positions massive in at least ``min_prompt_fraction`` of the prompts (and how many
-other positions are massive in fewer), the layer where the event ends and whether it persists to the
-last layer, the BOS rule (the choice and whether BOS was prepended), the ratio's peak, the verdict of
-``me_layer.sudden_birth``, and the super weight
-(:func:`me_interp.experiments.super_weight.survey_entry`: detection only, on 16 of the prompts cut to
-16 tokens: the ``W_down`` weight that writes most into the massive token's residual stream, its
-layer, row and column, whether it is in the ME layer, and on how many prompts it is the top one;
-``none`` when no weight writes ``super_weight_spike``). A model that cannot be loaded (no hub, a
-missing package, an unsupported architecture) or whose scan crashes gives a row with the error, and
-the survey goes on.
+The table's columns (:func:`table`) come from each model's scan (:class:`Row`), with the verdict of
+``me_layer.sudden_birth`` and the super weight (:func:`me_interp.experiments.super_weight.survey_entry`:
+detection only, on 16 prompts cut to 16 tokens). A model that cannot be loaded (no hub, a missing
+package, an unsupported architecture) or whose scan crashes gives a row with the error, and the
+survey goes on.
 
 Exit status: 0 when every model was scanned (also when some have no massive activation), 1 when a
 model could not be loaded or scanned (its row says why), 2 on bad input (a bad flag or prompt file).
@@ -34,6 +27,7 @@ model could not be loaded or scanned (its row says why), 2 on bad input (a bad f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import traceback
@@ -46,26 +40,19 @@ from typing import Any
 
 import plotly.graph_objects as go
 import torch
-from plotly.subplots import make_subplots
 
-from me_interp import claims, io, terminal
+from me_interp import claims, io, plotting, terminal
 from me_interp.experiments import me_layer, super_weight
+from me_interp.experiments.me_layer import Result as Scan
 from me_interp.loading import load_model
 from me_interp.loading.devices import resolve_device
 from me_interp.loading.errors import ModelLoadError
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import Criterion, Event
-from me_interp.study import (
-    BAD_INPUT,
-    INDEX_CONVENTION,
-    apply_threads,
-    build_parser,
-    checked,
-    config_from_args,
-    is_bad_input,
-    placement_kwargs,
-    seed_everything,
-)
+from me_interp.study.cli import BAD_INPUT, build_parser, config_from_args, is_bad_input
+from me_interp.study.config import checked, placement_kwargs
+from me_interp.study.experiment import apply_threads, seed_everything
+from me_interp.study.result import RunHeader
 
 NAME = "survey"
 TABLE_FILE = "survey.md"
@@ -99,9 +86,45 @@ class Config(me_layer.Config):
         return me_layer.Config(**{**{k: getattr(self, k) for k in fields}, "model": model})
 
 
-@dataclass
+@dataclass(frozen=True)
+class SuperWeight:
+    """The top super-weight candidate of a model (:func:`me_interp.probes.down_proj.survey`)."""
+
+    layer: int
+    row: int
+    col: int
+    weight: float
+    write: float
+    stability: float
+    in_me_layer: bool
+
+
+@dataclass(frozen=True)
+class SuperWeightCell:
+    """The survey's super-weight column of one model (``error`` when its detection failed)."""
+
+    me_layer: int | None = None
+    n_prompts: int = 0
+    largest_output: float | None = None
+    super_weight: SuperWeight | None = None
+    error: str | None = None
+
+    def text(self) -> str:
+        entry = io.to_jsonable(self)
+        return super_weight.survey_text({k: v for k, v in entry.items() if v is not None})
+
+
+@dataclass(frozen=True)
 class Row:
-    """One model of the survey (``status`` ok, or the error that stopped it; 0-based layers)."""
+    """One model of the survey (``status`` ok, or the error that stopped it; 0-based layers).
+
+    Attributes:
+        scan: the ME-layer scan (:class:`me_interp.experiments.me_layer.Result`), whose claims the
+            row states; the other columns are read from it.
+        positions: the positions massive in at least ``min_prompt_fraction`` of the prompts, with
+            ``position_share`` (the fraction of prompts) and ``other_positions`` (how many others).
+        arch: the model's architecture description (written to ``env.json``, not ``result.json``).
+    """
 
     model: str
     status: str
@@ -109,106 +132,87 @@ class Row:
     traceback: str | None = None
     name: str | None = None
     architecture: str | None = None
-    arch: dict[str, Any] | None = None
     n_layers: int | None = None
     d_model: int | None = None
-    bos: str | None = None
-    bos_prepended: bool | None = None
-    n_prompts: int | None = None
     me_layer: int | None = None
-    me_layer_1based: int | None = None
-    site: str | None = None
-    jump: float | None = None
-    dims: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    position_fraction: dict[str, float] = field(default_factory=dict)
+    position_share: list[float] = field(default_factory=list)
     other_positions: int = 0
-    last_layer: int | None = None
-    persists_to_end: bool | None = None
-    events: list[Event] = field(default_factory=list)
-    ratio: list[float] = field(default_factory=list)
-    massive_norm: list[float] = field(default_factory=list)
-    others_norm: list[float] = field(default_factory=list)
-    peak_layer: int | None = None
-    peak_ratio: float | None = None
-    super_weight: dict[str, Any] | None = None
-    claims: list[Any] = field(default_factory=list)
+    scan: Scan | None = None
+    super_weight: SuperWeightCell | None = None
+    arch: Any = field(default=None, compare=False, metadata={io.TRANSIENT: True})
 
     @property
     def ok(self) -> bool:
         return self.status == OK
 
+    @property
+    def event(self) -> Event | None:
+        return None if self.scan is None else self.scan.location.me_event
+
+    @property
+    def ratio(self) -> list[float]:
+        return [] if self.scan is None else list(self.scan.location.site_ratios["resid_post"])
+
+    @property
+    def peak_layer(self) -> int | None:
+        r = self.ratio
+        return max(range(len(r)), key=lambda i: r[i]) if r else None
+
+    @property
+    def dims(self) -> list[int]:
+        return [] if self.event is None else list(self.scan.location.massive_dims)
+
+    @property
+    def claims(self) -> list[claims.Claim]:
+        return [] if self.scan is None else claims.judge(me_layer.SPECS, self.scan)
+
     def verdict(self, claim_id: str) -> str | None:
         return next((c.verdict for c in self.claims if c.id == claim_id), None)
 
     def bos_rule(self) -> str:
-        if self.bos is None:
+        if self.scan is None:
             return ""
-        return f"{self.bos}: {'BOS prepended' if self.bos_prepended else 'no BOS'}"
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "claims"}
-        return {**d, "bos_rule": self.bos_rule(), "claims": io.to_jsonable(self.claims)}
+        prepended = "BOS prepended" if self.scan.bos_prepended else "no BOS"
+        return f"{self.scan.header.bos}: {prepended}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Result:
-    """Every row, in the order of ``Config.models``."""
+    """Every row, in the order of ``Config.models`` (``header.model``: the models, comma-separated)."""
 
-    rows: list[Row]
+    header: RunHeader
     criterion: Criterion
-    n_prompts: int
+    rows: list[Row]
 
     @property
     def failed(self) -> list[Row]:
         return [r for r in self.rows if not r.ok]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index_convention": INDEX_CONVENTION,
-            "criterion": self.criterion,
-            "n_prompts": self.n_prompts,
-            "rows": [r.to_dict() for r in self.rows],
-        }
 
-
-def _row(spec: str, model: LoadedModel, res: me_layer.Result, min_fraction: float) -> Row:
+def _row(spec: str, model: LoadedModel, res: Scan, min_fraction: float) -> Row:
     """The survey row of one scanned model."""
-    loc = res.location
-    info = model.info()
-    ratio = loc.site_ratios["resid_post"]
-    peak = max(range(len(ratio)), key=lambda i: ratio[i])
-    row = Row(
-        model=spec,
-        status=OK,
-        name=model.name,
-        architecture=info.get("architecture"),
-        arch=info.get("arch"),
-        n_layers=model.n_layers,
-        d_model=model.d_model,
-        bos=res.header.bos,
-        bos_prepended=res.bos_prepended,
-        n_prompts=res.n_prompts,
-        events=list(loc.events),
-        ratio=list(ratio),
-        massive_norm=res.site_norms["resid_post"].massive,
-        others_norm=res.site_norms["resid_post"].others,
-        peak_layer=peak,
-        peak_ratio=ratio[peak],
-        claims=claims.judge(me_layer.SPECS, res),
+    loc, info = res.location, model.info()
+    row = Row(spec, OK, name=model.name, architecture=info.get("architecture"),
+              n_layers=model.n_layers, d_model=model.d_model, scan=res, arch=info.get("arch"))  # fmt: skip
+    if loc.me_event is None:
+        return row
+    counts = Counter(p for ps in loc.massive_positions for p in ps)
+    n = len(loc.massive_positions)
+    common = sorted(p for p, c in counts.items() if c >= min_fraction * n)
+    return dataclasses.replace(
+        row,
+        me_layer=loc.me_event.layer,
+        positions=common,
+        position_share=[counts[p] / n for p in common],
+        other_positions=len(counts) - len(common),
     )
-    ev = loc.me_event
-    if ev is not None:
-        counts = Counter(p for ps in loc.massive_positions for p in ps)
-        n = len(loc.massive_positions)
-        common = sorted(p for p, c in counts.items() if c >= min_fraction * n)
-        row.me_layer, row.me_layer_1based = ev.layer, ev.layer_1based
-        row.site, row.jump, row.dims = ev.site, ev.jump, list(loc.massive_dims)
-        row.positions = common
-        row.position_fraction = {str(p): counts[p] / n for p in common}
-        row.other_positions = len(counts) - len(common)
-        row.last_layer, row.persists_to_end = ev.last_layer, ev.persists_to_end
-    return row
+
+
+def _failed(spec: str, status: str, e: Exception, model: LoadedModel | None = None) -> Row:
+    """The row of a model whose load or scan raised ``e`` (inside its ``except``)."""
+    name, arch = (None, None) if model is None else (model.name, type(model.hf).__name__)
+    return Row(spec, status, f"{type(e).__name__}: {e}", traceback.format_exc(), name, arch)
 
 
 def free_memory() -> None:
@@ -227,17 +231,10 @@ def run(
 ) -> Result:
     """Scan every model of ``cfg.models`` in turn. No printing, no files.
 
-    Args:
-        cfg: the survey settings.
-        models: already loaded models by their entry in ``cfg.models`` (used as they are and not
-            freed: the caller owns them); the others are loaded with ``load`` and freed after their
-            scan, before the next model is loaded.
-        load: the loader (``load_model``; tests pass a recording one).
-        progress: called with one line per model.
-
-    A model that cannot be loaded (:class:`ModelLoadError`, e.g. no hub, a missing package, an
-    unsupported architecture) or whose scan raises gives a row with the error instead of stopping
-    the survey.
+    ``models``: already loaded models by their entry in ``cfg.models`` (used as they are, not freed:
+    the caller owns them); the others are loaded with ``load`` (tests pass a recording one) and
+    freed after their scan. ``progress``: called with one line per model. A model that cannot be
+    loaded or whose scan raises gives a row with the error instead of stopping the survey.
     """
     given = dict(models or {})
     resolve_device(cfg.device)  # a device this machine lacks is bad input, not a row per model
@@ -264,14 +261,7 @@ def run(
             rows.append(Row(spec, LOAD_FAILED, error=f"{type(e).__name__}: {e}"))
             continue
         except Exception as e:  # e.g. out of memory while loading: the other models still run
-            rows.append(
-                Row(
-                    spec,
-                    LOAD_FAILED,
-                    error=f"{type(e).__name__}: {e}",
-                    traceback=traceback.format_exc(),
-                )
-            )
+            rows.append(_failed(spec, LOAD_FAILED, e))
             free_memory()
             continue
         try:
@@ -280,26 +270,21 @@ def run(
             if nnsight_backend:  # super weights need TL hooks on W_down: not measured (empty cell)
                 continue
             try:  # detection only (two short forwards); its failure must not lose the scan
-                rows[-1].super_weight = super_weight.survey_entry(model, prompts, cfg.detection())
+                entry = super_weight.survey_entry(model, prompts, cfg.detection())
+                cell = io.from_jsonable(SuperWeightCell, entry)
             except Exception as e:
-                rows[-1].super_weight = {"error": f"{type(e).__name__}: {e}"}
+                cell = SuperWeightCell(error=f"{type(e).__name__}: {e}")
+            rows[-1] = dataclasses.replace(rows[-1], super_weight=cell)
         except Exception as e:  # one model's crash (e.g. out of memory) must not lose the others
-            rows.append(
-                Row(
-                    spec,
-                    FAILED,
-                    error=f"{type(e).__name__}: {e}",
-                    traceback=traceback.format_exc(),
-                    name=model.name,
-                    architecture=type(model.hf).__name__,
-                )
-            )
+            rows.append(_failed(spec, FAILED, e, model))
         finally:
             res = None
             if owned:
                 model = None
                 free_memory()
-    return Result(rows=rows, criterion=cfg.detection(), n_prompts=len(prompts))
+    header = RunHeader(", ".join(cfg.models), cfg.bos, cfg.prompts or "built-in", len(prompts),
+                       cfg.seed)  # fmt: skip
+    return Result(header, cfg.detection(), rows)
 
 
 def _fmt(v: float | None) -> str:
@@ -308,23 +293,9 @@ def _fmt(v: float | None) -> str:
 
 def table(result: Result) -> str:
     """The survey as a markdown table (one row per model)."""
-    header = [
-        "model",
-        "architecture",
-        "layers",
-        "ME layer (0-based)",
-        "ME layer (1-based)",
-        "site",
-        "jump",
-        "dims",
-        "positions",
-        "event ends at",
-        "persists to last layer",
-        "BOS rule",
-        "peak ratio (layer)",
-        "sudden_birth",
-        "super weight (layer [row, col])",
-    ]
+    header = ["model", "architecture", "layers", "ME layer (0-based)", "ME layer (1-based)", "site",
+              "jump", "dims", "positions", "event ends at", "persists to last layer", "BOS rule",
+              "peak ratio (layer)", "sudden_birth", "super weight (layer [row, col])"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in result.rows:
         if not r.ok:
@@ -332,83 +303,39 @@ def table(result: Result) -> str:
             err = err if len(err) <= ERROR_CHARS else err[: ERROR_CHARS - 1] + "…"
             cells = [r.model, r.architecture or "", "", f"{r.status}: {err}"] + [""] * 11
         else:
-            has = r.me_layer is not None
+            ev, peak = r.event, r.peak_layer
             pos = ", ".join(map(str, r.positions)) + (
                 f" (+{r.other_positions} others in fewer prompts)" if r.other_positions else ""
             )
-            cells = [
-                r.model,
-                r.architecture or "",
-                str(r.n_layers),
-                str(r.me_layer) if has else "none",
-                str(r.me_layer_1based) if has else "none",
-                r.site or "",
-                f"×{r.jump:.3g}" if has else "",
-                ", ".join(map(str, r.dims[:4])) if has else "",
-                pos if has else "",
-                str(r.last_layer) if has else "",
-                ("yes" if r.persists_to_end else "no") if has else "",
+            cells = [r.model, r.architecture or "", str(r.n_layers)]
+            cells += ["none", "none", *[""] * 6] if ev is None else [
+                str(ev.layer), str(ev.layer_1based), ev.site, f"×{ev.jump:.3g}",
+                ", ".join(map(str, r.dims[:4])), pos, str(ev.last_layer),
+                "yes" if ev.persists_to_end else "no",
+            ]  # fmt: skip
+            cells += [
                 r.bos_rule(),
-                f"{_fmt(r.peak_ratio)} ({r.peak_layer})",
+                f"{_fmt(None if peak is None else r.ratio[peak])} ({peak})",
                 r.verdict("me_layer.sudden_birth") or "",
-                super_weight.survey_text(r.super_weight),
+                "" if r.super_weight is None else r.super_weight.text(),
             ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    """``ratios_by_model``: one subplot per scanned model, side by side (its own layer axis): the
-    massive token's layer-output norm over the others' mean (median over prompts), ME layer dashed."""
+    """``ratios_by_model``: one subplot per scanned model (:func:`me_interp.plotting.layer_grid`):
+    the massive token's layer-output norm over the others' mean (median over prompts), ME layer
+    dashed."""
     rows = [r for r in result.rows if r.ok]
     if not rows:
         return {}
-    cols = min(len(rows), 4)
-    n_rows = (len(rows) + cols - 1) // cols
-    fig = make_subplots(
-        rows=n_rows,
-        cols=cols,
-        subplot_titles=[
-            f"{r.model}<br><sup>ME layer {r.me_layer if r.me_layer is not None else 'none'}</sup>"
-            for r in rows
-        ],
-        horizontal_spacing=0.06,
-        vertical_spacing=0.18,
+    title = (
+        "Massive token's norm over the mean of the other tokens, per layer (median over "
+        f"{result.header.n_prompts} prompts)<br><sup>layer output; dashed line: ME layer</sup>"
     )
-    for i, r in enumerate(rows):
-        row, col = i // cols + 1, i % cols + 1
-        xs = list(range(len(r.ratio)))
-        fig.add_trace(
-            go.Scatter(
-                x=xs,
-                y=r.ratio,
-                mode="lines+markers",
-                marker_size=4,
-                line_color="firebrick",
-                name=r.model,
-                showlegend=False,
-                customdata=[x + 1 for x in xs],
-                hovertemplate="layer %{x} (1-based %{customdata}): ratio %{y:.4g}<extra>"
-                + r.model
-                + "</extra>",
-            ),
-            row=row,
-            col=col,
-        )
-        fig.update_yaxes(
-            type="log", title_text="massive / others" if col == 1 else None, row=row, col=col
-        )
-        fig.update_xaxes(title_text="layer (0-based)", row=row, col=col)
-        if r.me_layer is not None:
-            fig.add_vline(x=r.me_layer, line_dash="dash", line_color="gray", row=row, col=col)
-    fig.update_layout(
-        title="Massive token's norm over the mean of the other tokens, per layer (median over "
-        f"{result.n_prompts} prompts)<br><sup>layer output; dashed line: ME layer</sup>",
-        template="plotly_white",
-        height=340 * n_rows + 120,
-        width=max(900, 330 * cols),
-    )
-    return {"ratios_by_model": fig}
+    series = {r.model: (r.ratio, r.me_layer) for r in rows}
+    return {"ratios_by_model": plotting.layer_grid(series, title, "massive / others")}
 
 
 def summary(result: Result) -> str:
@@ -419,20 +346,16 @@ def write(cfg: Config, result: Result) -> Path:
     """Write ``<cfg.out>/survey/<run_id>/`` (the table, figures, config, env; ``result.json`` last)."""
     run_dir = io.new_run_dir(cfg.out, NAME)
     io.write_json(run_dir / io.CONFIG_FILE, cfg)
-    env = io.environment(
-        None,
-        models=[
-            {k: getattr(r, k) for k in ("model", "name", "architecture", "arch", "status")}
-            for r in result.rows
-        ],
-        dtype=cfg.dtype,
-        device=cfg.device,
-        bos=cfg.bos,
-    )
+    keys = ("model", "name", "architecture", "arch", "status")
+    models = [{k: getattr(r, k) for k in keys} for r in result.rows]
+    env = io.environment(None, models=models, dtype=cfg.dtype, device=cfg.device, bos=cfg.bos)
     io.write_json(run_dir / io.ENV_FILE, env)
     io.write_figures(run_dir, figures(result), out_root=Path(cfg.out))
     io.atomic_write_text(run_dir / TABLE_FILE, table(result) + "\n")
-    io.write_json(run_dir / io.RESULT_FILE, result)
+    body = io.to_jsonable(result)  # each row with its claims (read back by io.from_jsonable)
+    for row, r in zip(body["rows"], result.rows, strict=True):
+        row["claims"] = io.to_jsonable(r.claims)
+    io.write_json(run_dir / io.RESULT_FILE, body)
     return run_dir
 
 

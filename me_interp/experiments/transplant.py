@@ -15,12 +15,9 @@ unmodified attention to ``p`` reaches the ``sink_attention`` threshold of
 :data:`me_interp.claims.THRESHOLDS`. Prompts too short for ``dst`` (no query after it) are skipped and
 counted (``prompts.n_skipped_short``), never an error.
 
-Claims (:data:`SPECS`, both of kind claim), bootstrapped over prompts: under ``move`` the sink
-*follows* the component (the sink heads' attention to ``dst`` reaches the ``restore`` fraction of
-their unmodified attention to ``p``); under ``add`` ``dst`` becomes a *second sink* (the sink heads'
-mean attention to it reaches ``sink_attention``). Both are not applicable without a massive
-activation, without a sink head, or when the ME layer is the last layer (no later layer whose
-attention could follow: the run then skips the forwards instead of failing).
+A third condition, ``full``, moves every dim of ``h_p − h̄`` (the whole state's deviation, so ``p``
+is left an ordinary token): the reference for ``move``. A move is judged only where it leaves ``p``
+ordinary (:mod:`me_interp.probes.removal`); at the last layer the forwards are skipped.
 
     python -m me_interp.experiments.transplant
     python -m me_interp.experiments.transplant --dst 5 --mode direction --component full
@@ -36,88 +33,159 @@ import torch
 
 from me_interp import claims, names, plotting
 from me_interp.interventions import causal
+from me_interp.interventions.causal import PromptsUsed
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.attention import attention_src_dst
 from me_interp.probes.batching import record
-from me_interp.probes.site import Site, locate
-from me_interp.study import Experiment, SiteConfig, checked, command, model_for
+from me_interp.probes.removal import not_ordinary
+from me_interp.probes.site import locate
+from me_interp.probes.to_position import heads_mean, sink_claims_why, sink_heads
+from me_interp.study.cli import command
+from me_interp.study.config import SiteConfig, checked
+from me_interp.study.experiment import Experiment, model_for
+from me_interp.study.result import Headed, RunHeader, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "transplant"
-CONDITIONS = ("baseline", "add", "move")
+CONDITIONS = ("baseline", "add", "move", "full")
+_MOVES = {"move": "moving the component", "full": "moving the whole state"}
 
 
-def _why(r: Result) -> str | None:
-    """Why the transplant claims do not apply (``None`` when they do)."""
-    s = r.site
-    if not s.massive:
-        return s.why_not
-    if not r.later_layers:
-        return (
-            f"the ME layer {s.layer} is the last layer: there is no later layer whose attention "
-            "could follow the component"
-        )
-    return s.sink_why_not(r.sink_heads)
+@dataclass(frozen=True)
+class Condition:
+    """One condition's measurements (``baseline``: the unmodified run; ``full``: the full-state move).
+
+    Attributes:
+        to_old, to_new: per prompt, the sink heads' mean attention to ``p`` and to ``dst``.
+        layer_old, layer_new: per later layer, the same over every head (mean over prompts).
+        ratio_old, ratio_new: per prompt, the norm ratios of ``p`` and ``dst`` at the ME layer
+            (each over the tokens other than ``p`` and ``dst``).
+    """
+
+    name: str
+    to_old: list[float]
+    to_new: list[float]
+    layer_old: list[float]
+    layer_new: list[float]
+    ratio_old: list[float]
+    ratio_new: list[float]
 
 
-def _details(cond: str):
+@dataclass(frozen=True)
+class Result(Headed):
+    """The transplants and what they did (``header``: the ME layer, position ``p`` and dims).
+
+    Attributes:
+        why_not: why the claims about a massive activation at the layer do not apply (``None``).
+        later_layers: the layers after the ME layer; ``sink_heads``: ``(layer, head)`` among them
+            whose unmodified attention to ``p`` reaches the ``sink_attention`` threshold.
+        component_norm: per prompt, ``‖c_b‖`` of the component moved by ``add`` / ``move``.
+    """
+
+    header: RunHeader
+    prompts: PromptsUsed
+    why_not: str | None
+    dst: int
+    mode: str
+    component: str
+    later_layers: list[int]
+    sink_heads: list[tuple[int, int]]
+    conditions: list[Condition]
+    component_norm: list[float]
+
+    def of(self, name: str) -> Condition:
+        return next(c for c in self.conditions if c.name == name)
+
+    def sink_to(self, name: str) -> tuple[float, float]:
+        """Mean attention of the sink heads to (old position p, new position dst)."""
+        c = self.of(name)
+        return float(np.mean(c.to_old)), float(np.mean(c.to_new))
+
+
+def _why(name: str | None):
+    def why(r: Result) -> str | None:
+        h = r.header
+        n = h.layer + 1 + len(r.later_layers)
+        why = sink_claims_why(r.why_not, h.layer, n, h.position, r.sink_heads)
+        if why is not None:
+            return why
+        if name in _MOVES:
+            return not_ordinary({"the ME layer": r.of(name).ratio_old}, _MOVES[name])
+        return None
+
+    return why
+
+
+def _details(name: str):
     def details(r: Result) -> str:
-        s = r.site
+        h, c = r.header, r.of(name)
         b_old, b_new = r.sink_to("baseline")
-        old, new = r.sink_to(cond)
-        ro, rn = (float(x.mean()) for x in r.ratios[cond])
+        old, new = r.sink_to(name)
+        what = "whole-state" if name == "full" else f"{r.component} ({r.mode})"
         return (
-            f"{r.component} component of position {s.position} -> position {r.dst} ({r.mode}) at "
-            f"ME layer {s.layer} (1-based {s.layer + 1}); {len(r.sink_heads())} sink heads; n = "
-            f"{len(r.prompts.indices)} prompts ({r.prompts.n_short} skipped as too short); sink "
-            f"heads -> old / new position: baseline {b_old:.3g} / {b_new:.3g}, {cond} {old:.3g} / "
-            f"{new:.3g}; ME-layer norm ratio old / new under {cond} {ro:.3g} / {rn:.3g}"
+            f"{what} component of position {h.position} -> position {r.dst} at ME layer {h.layer} "
+            f"(1-based {h.layer + 1}); {len(r.sink_heads)} sink heads; n = {len(r.prompts.indices)} "
+            f"prompts ({r.prompts.n_short} skipped as too short); sink heads -> old / new "
+            f"position: baseline {b_old:.3g} / {b_new:.3g}, {name} {old:.3g} / {new:.3g}; "
+            f"ME-layer norm ratio old / new under {name} {np.mean(c.ratio_old):.3g} / "
+            f"{np.mean(c.ratio_new):.3g}"
         )
 
     return details
 
 
-def _follows(r: Result) -> claims.Sample:
-    rows = np.stack(
-        [
-            r.sink_per_prompt("move", 1).double().numpy(),
-            r.sink_per_prompt("baseline", 1).double().numpy(),
-            r.sink_per_prompt("baseline", 0).double().numpy(),
-        ],
-        1,
-    )
-    return claims.Sample(rows, _share_stat)
+@claims.of_means
+def _share_stat(m: np.ndarray) -> np.ndarray | float:
+    """Columns ``[to dst after, to dst before, to p before]`` (means ``m``) → the share of the sink
+    that moved, ``(mean(after) − mean(dst before)) / mean(p before)`` (the unmodified attention to
+    dst is the control, subtracted)."""
+    return claims.divide(m[..., 0] - m[..., 1], m[..., 2])
 
 
+def _follows(name: str):
+    def stat(r: Result) -> claims.Sample:
+        base = r.of("baseline")
+        rows = np.stack([r.of(name).to_new, base.to_new, base.to_old], 1).astype(np.float64)
+        return claims.Sample(rows, _share_stat)
+
+    return stat
+
+
+_SHARE = (
+    "the sink heads' attention to dst under '{}' minus their unmodified attention to dst, over "
+    "their unmodified attention to p (prompt means; 1 = the whole sink moved, 0 = none)"
+)
+# fmt: off
 SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
-        "transplant.sink_follows",
-        "§2.6, §3 (massive-direction transplant)",
+        "transplant.sink_follows", "§2.6, §3 (massive-direction transplant)",
         "The attention sink follows the massive component: moving it from the massive token into "
-        "another token moves the sink heads' attention there",
-        "the sink heads' attention to dst under 'move' minus their unmodified attention to dst, "
-        "over their unmodified attention to p (prompt means; 1 = the whole sink moved, 0 = none)",
-        ">=",
-        "restore",
-        control="the unmodified run (the sink heads' attention to dst before the move)",
-        stat=_follows,
-        applies=_why,
-        details=_details("move"),
-    ),
+        "another token (which leaves the massive token ordinary) moves the sink heads' attention "
+        "there",
+        _SHARE.format("move"), ">=", "restore",
+        control="the unmodified run (the sink heads' attention to dst before the move); "
+        "state_follows (the whole state moved)",
+        stat=_follows("move"), applies=_why("move"), details=_details("move")),
     claims.Spec(
-        "transplant.second_sink",
-        "§2.6, §3 (massive-direction transplant)",
+        "transplant.second_sink", "§2.6, §3 (massive-direction transplant)",
         "Adding the massive component to another token makes it a second attention sink",
-        "the sink heads' mean attention to dst under 'add' (mean over prompts)",
-        ">=",
+        "the sink heads' mean attention to dst under 'add' (mean over prompts)", ">=",
         "sink_attention",
         control="the unmodified run (the sink heads' attention to dst before the edit)",
-        stat=lambda r: claims.Sample(r.sink_per_prompt("add", 1).double().numpy()),
-        applies=_why,
-        details=_details("add"),
-    ),
+        stat=lambda r: claims.Sample(np.asarray(r.of("add").to_new, dtype=np.float64)),
+        applies=_why(None), details=_details("add")),
+    claims.Spec(
+        "transplant.state_follows", "§2.6 (the sink follows the whole state)",
+        "The attention sink follows the massive token's whole state: moving every dim of its "
+        "deviation from the other tokens' mean into another token moves the sink heads' attention "
+        "there (nearly true by construction for a sink read from the token's state: a sanity "
+        "check, the reference for sink_follows)",
+        _SHARE.format("full"), ">=", "restore", kind="sanity",
+        control="sink_follows (only the massive dims moved)",
+        stat=_follows("full"), applies=_why("full"), details=_details("full")),
 )
+# fmt: on
 SPEC = claims.index(SPECS)
 
 
@@ -142,94 +210,6 @@ class Config(SiteConfig):
     component: Literal["massive_dims", "full"] = "massive_dims"
     max_tokens: int = checked(32, ge=2)
     max_prompts: int | None = checked(40, ge=1)
-
-
-@dataclass
-class Result:
-    model: str
-    bos: str
-    site: Site
-    prompts: causal.PromptBatch
-    dst: int
-    mode: str
-    component: str
-    later_layers: list[int]
-    attention: dict[str, torch.Tensor]  # condition -> [layer, old/new, batch, head]
-    ratios: dict[str, torch.Tensor]  # condition -> [old/new, batch] ME-layer norm ratios
-    component_norm: list[float]
-    seed: int = 0
-
-    def sink_heads(self) -> list[tuple[int, int]]:
-        """(index into later_layers, head) whose unmodified attention to ``p`` (mean over prompts)
-        reaches the ``sink_attention`` threshold."""
-        base = self.attention["baseline"][:, 0].mean(1)  # [layer head]
-        t = claims.threshold("sink_attention")
-        return [
-            (i, h)
-            for i in range(base.shape[0])
-            for h in range(base.shape[1])
-            if float(base[i, h]) >= t
-        ]
-
-    def sink_per_prompt(self, cond: str, which: int) -> torch.Tensor:
-        """``[batch]`` mean attention of the sink heads to p (``which=0``) or dst (``1``)."""
-        heads = self.sink_heads()
-        a = self.attention[cond]
-        if not heads:
-            return torch.full((a.shape[2],), float("nan"))
-        return torch.stack([a[i, which, :, h] for i, h in heads]).mean(0)
-
-    def sink_to(self, cond: str) -> tuple[float, float]:
-        """Mean attention of the sink heads to (old position p, new position dst)."""
-        return (
-            float(self.sink_per_prompt(cond, 0).mean()),
-            float(self.sink_per_prompt(cond, 1).mean()),
-        )
-
-    def per_layer(self, cond: str, which: int) -> list[float]:
-        """Mean over prompts and heads, per later layer (which: 0 = to p, 1 = to dst)."""
-        return self.attention[cond][:, which].mean((1, 2)).tolist()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "bos": self.bos,
-            "massive_site": self.site.to_dict(),
-            "prompts": self.prompts.to_dict(),
-            "dst": self.dst,
-            "mode": self.mode,
-            "component": self.component,
-            "component_norm": float(np.mean(self.component_norm)),
-            "sink_attention_threshold": claims.threshold("sink_attention"),
-            "sink_heads": [[self.later_layers[i], h] for i, h in self.sink_heads()],
-            "conditions": {
-                c: {
-                    "sink_heads_to_old": self.sink_to(c)[0],
-                    "sink_heads_to_new": self.sink_to(c)[1],
-                    "me_ratio_old": float(self.ratios[c][0].mean()),
-                    "me_ratio_new": float(self.ratios[c][1].mean()),
-                }
-                for c in self.attention
-            },
-            "per_prompt": {
-                "component_norm": self.component_norm,
-                **{
-                    c: {
-                        "sink_heads_to_old": self.sink_per_prompt(c, 0).tolist(),
-                        "sink_heads_to_new": self.sink_per_prompt(c, 1).tolist(),
-                        "me_ratio_old": self.ratios[c][0].tolist(),
-                        "me_ratio_new": self.ratios[c][1].tolist(),
-                    }
-                    for c in self.attention
-                },
-            },
-            "later_layers": self.later_layers,
-            "per_layer": {
-                c: {"to_old": self.per_layer(c, 0), "to_new": self.per_layer(c, 1)}
-                for c in self.attention
-            },
-            "per_head": {c: a.mean(2).tolist() for c, a in self.attention.items()},
-        }
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -261,40 +241,33 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     for cond, remove in (("add", False), ("move", True)):
         t = causal.transplant(model, batch, L, p, dst, dims, cfg.mode, remove, acts=acts)
         hooks[cond], norm = t.hooks, t.norm
-    attention, ratios = {}, {}
+    full = causal.transplant(model, batch, L, p, dst, None, "difference", True, acts=acts)
+    hooks["full"] = full.hooks  # the whole state's deviation moved
+    conds, heads = [], []
     for cond, h in hooks.items():
-        attention[cond], ratios[cond] = attention_src_dst(model, batch, p, dst, later, h, L)
-    return Result(
-        model=model.name,
-        bos=model.bos,
-        site=site,
-        prompts=pb,
-        dst=dst,
-        mode=cfg.mode,
-        component=cfg.component,
-        later_layers=later,
-        attention=attention,
-        ratios=ratios,
-        component_norm=norm.tolist(),
-        seed=cfg.seed,
-    )
-
-
-@claims.of_means
-def _share_stat(m: np.ndarray) -> np.ndarray | float:
-    """Columns ``[to dst after, to dst before, to p before]`` (means ``m``) → the share of the sink
-    that moved, ``(mean(after) − mean(dst before)) / mean(p before)`` (the unmodified attention to
-    dst is the control, subtracted)."""
-    return claims.divide(m[..., 0] - m[..., 1], m[..., 2])
+        if not later:  # no later layer: nothing to read (the claims say so)
+            break
+        att, ratios = attention_src_dst(
+            model, batch, p, dst, later, h, L, apart=True
+        )  # [layer 2 batch head]
+        if cond == "baseline":
+            heads = sink_heads(att[:, 0].mean(1))  # [layer head]: to p, mean over prompts
+        sink = [heads_mean(att[:, w], heads) for w in (0, 1)]
+        layer = att.mean((2, 3))  # [layer 2]
+        conds.append(Condition(cond, *sink, layer[:, 0].tolist(), layer[:, 1].tolist(),
+                               ratios[0].tolist(), ratios[1].tolist()))  # fmt: skip
+    header = run_header(cfg, model, len(batch), site)
+    return Result(header, pb.used(), site.why_not, dst, cfg.mode, cfg.component, later,
+                  [(later[i], k) for i, k in heads], conds, norm.tolist())  # fmt: skip
 
 
 def figures(result: Result) -> dict[str, Any]:
     if not result.later_layers:
         return {}  # no later layer: nothing to plot
-    series = {}
-    for c in result.attention:
-        series[f"{c}: to old position {result.site.position}"] = result.per_layer(c, 0)
-        series[f"{c}: to new position {result.dst}"] = result.per_layer(c, 1)
+    p, series = result.header.position, {}
+    for c in result.conditions:
+        series[f"{c.name}: to old position {p}"] = c.layer_old
+        series[f"{c.name}: to new position {result.dst}"] = c.layer_new
     fig = plotting.layer_lines(
         series,
         f"Attention to the old and new position after the transplant — {result.model}",
@@ -308,27 +281,24 @@ def figures(result: Result) -> dict[str, Any]:
 
 
 def summary(result: Result) -> str:
-    rows = []
-    for c in result.attention:
-        old, new = result.sink_to(c)
-        rows.append(
-            (c, old, new, float(result.ratios[c][0].mean()), float(result.ratios[c][1].mean()))
-        )
-    s = result.site
+    rows = [
+        (c.name, *result.sink_to(c.name), float(np.mean(c.ratio_old)), float(np.mean(c.ratio_new)))
+        for c in result.conditions
+    ]
+    h = result.header
     return "\n".join(
         [
-            f"model: {result.model}   ME layer {s.layer} (1-based {s.layer + 1}); {result.component} "
-            f"component of position {s.position} -> position {result.dst} ({result.mode}); "
-            f"{len(result.sink_heads())} sink heads; {len(result.prompts.indices)} prompts "
+            f"model: {h.model}   ME layer {h.layer} (1-based {h.layer_1based}); {result.component} "
+            f"component of position {h.position} -> position {result.dst} ({result.mode}); "
+            f"{len(result.sink_heads)} sink heads; {len(result.prompts.indices)} prompts "
             f"({result.prompts.n_short} skipped as too short)",
             fmt_table(["condition", "sink->old", "sink->new", "ratio old", "ratio new"], rows),
         ]
     )
 
 
-EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("attention_old_new",)
-)
+EXPERIMENT = Experiment(NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("attention_old_new",),
+                        result_type=Result)  # fmt: skip
 main = command(EXPERIMENT)
 
 

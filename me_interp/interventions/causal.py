@@ -454,6 +454,22 @@ def set_ffn_own_at(
 
 
 @dataclass(frozen=True)
+class PromptsUsed:
+    """The prompts a causal experiment ran on, as its Result records them.
+
+    Attributes:
+        indices: their indices in the prompt list; ``lengths``: their token counts after the cut.
+        n_given: prompts given; ``n_short``: prompts skipped as too short; ``max_tokens``: the cut.
+    """
+
+    indices: tuple[int, ...]
+    lengths: tuple[int, ...]
+    n_given: int
+    n_short: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class PromptBatch:
     """The prompts a causal experiment runs on (see :func:`prompt_batch`).
 
@@ -491,6 +507,17 @@ class PromptBatch:
         n_short = self.n_short + len(self.indices) - len(keep)
         idx = tuple(self.indices[i] for i in keep)
         return PromptBatch(batch, idx, self.n_given, n_short, self.max_tokens)
+
+    def used(self) -> PromptsUsed:
+        """What a Result records of this selection (:class:`PromptsUsed`)."""
+        return PromptsUsed(self.indices, tuple(self.batch.lengths), self.n_given, self.n_short,
+                           self.max_tokens)  # fmt: skip
+
+    def same_prefix(self, p: int) -> bool:
+        """Whether every prompt has the same tokens up to position ``p`` (then a swap of token
+        ``p``'s state between prompts, or its mean over prompts, is the identity)."""
+        prefix = self.batch.tokens[:, : p + 1]
+        return bool((prefix == prefix[:1]).all())
 
     def to_dict(self) -> dict:
         return {

@@ -29,6 +29,7 @@ SYNTHETIC_MODELS = (
     "planted-needsink-mild",
     "superweight-spread",
     "superweight-spread-mild",
+    "planted-sinkresid",
 )
 """The historical names, the no-BOS planted model and twin, the deep planted models (8 layers,
 :data:`me_interp.synthetic.DEEP`: enough partner layers for a k-of-n claim to be decided), the
@@ -66,6 +67,8 @@ def build(spec: str):
         return synthetic.superweight_spread(kind)[:2]
     if kind.startswith("decoy-") and kind.removeprefix("decoy-") in synthetic.DECOYS:
         return synthetic.decoy(kind.removeprefix("decoy-"))[:2]
+    if kind == synthetic.SINKRESID:
+        return synthetic.planted_sinkresid()[:2]
     if kind == "planted":
         return synthetic.planted_llama()[:2]
     if kind == "twin":

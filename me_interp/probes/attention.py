@@ -317,10 +317,13 @@ def attention_src_dst(
     layers: Sequence[int],
     fwd_hooks=(),
     ratio_layer: int | None = None,
+    apart: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward: ``[layer, 2, batch, head]`` mean over the real queries ``q > max(src, dst)`` of
     ``A[q, src]`` and ``A[q, dst]``, and (with ``ratio_layer``) ``[2, batch]`` the norm ratios
-    ``‖h_t‖ / mean_{t'≠t}‖h_t'‖`` of ``src`` and ``dst`` at the output of ``ratio_layer``."""
+    ``‖h_t‖ / mean_{t'≠t}‖h_t'‖`` of ``src`` and ``dst`` at the output of ``ratio_layer``; with
+    ``apart`` the mean leaves out the other of the two as well (so that a massive ``dst`` does not
+    make ``src`` look ordinary)."""
     q = batch.attention_mask.bool().clone()
     q[:, : max(src, dst) + 1] = False
     if not q.any(-1).all():
@@ -344,8 +347,14 @@ def attention_src_dst(
     if ratio_layer is not None:
         norms = res[names.resid_post(ratio_layer)].float().norm(dim=-1).cpu()
         mask = batch.attention_mask.bool().cpu()
+        masks = [mask.clone(), mask.clone()]
+        if apart:
+            masks[0][:, dst], masks[1][:, src] = False, False
         ratios = torch.stack(
-            [ratio_to_others(norms, mask, torch.full((len(batch),), t)) for t in (src, dst)]
+            [
+                ratio_to_others(norms, m, torch.full((len(batch),), t))
+                for t, m in zip((src, dst), masks)
+            ]
         )
     return att, ratios
 

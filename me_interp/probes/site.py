@@ -68,6 +68,14 @@ def no_massive_why(loc: MELocation, n_prompts: int, hint: str = "") -> str:
 # ------------------------------------------------------------------------------------------
 
 
+def no_sink_why(layer: int | None, position: int) -> str:
+    """The one wording of "no sink head after ``layer`` attends to ``position``"."""
+    return (
+        f"no sink head: no head after layer {layer} attends to position {position} with at least "
+        f"{claims.threshold('sink_attention'):g} (threshold 'sink_attention')"
+    )
+
+
 @dataclass(frozen=True)
 class Units:
     """The prompts grouped by their massive token's prefix, and the seeded halves of the groups.
@@ -231,11 +239,7 @@ class Site:
         if not self.massive:
             return self.why_not
         if not sink_heads():
-            return (
-                f"no sink head: no head after layer {self.layer} attends to position "
-                f"{self.position} with at least {claims.threshold('sink_attention'):g} (threshold "
-                "'sink_attention')"
-            )
+            return no_sink_why(self.layer, self.position)
         return None
 
     def __repr__(self) -> str:  # the headline numbers, not the location's per-layer lists

@@ -12,6 +12,7 @@ import torch
 
 from me_interp import claims, io, load_model, synthetic
 from me_interp.experiments import survey
+from me_interp.study import roundtrip
 
 MISSING = "no-such-org/no-such-model"
 
@@ -57,19 +58,30 @@ def test_rows_planted_missing_twin(surveyed):
     planted, missing, twin = res.rows
     assert [r.model for r in res.rows] == list(cfg.models)
     assert planted.ok and planted.me_layer == plant.layer
-    assert planted.me_layer_1based == plant.layer + 1
+    assert planted.event.layer_1based == plant.layer + 1
     assert planted.dims == [plant.massive_dim] and planted.positions == [0]
-    assert planted.site == "ffn" and planted.persists_to_end and planted.other_positions == 0
+    assert planted.event.site == "ffn" and planted.event.persists_to_end
+    assert planted.other_positions == 0
     assert planted.architecture == "LlamaForCausalLM" and planted.n_layers == 5
     assert planted.bos_rule() == "auto: BOS prepended"
     assert planted.verdict("me_layer.sudden_birth") == claims.HOLDS
     # the twin: scanned, no massive activation, the existence claim fails
-    assert twin.ok and twin.me_layer is None and twin.dims == [] and twin.site is None
+    assert twin.ok and twin.me_layer is None and twin.dims == [] and twin.event is None
     assert twin.verdict("me_layer.sudden_birth") == claims.FAILS
     # the model that cannot be loaded is a row with the error, not a crash
     assert missing.status == survey.LOAD_FAILED and not missing.ok
     assert missing.error.startswith("ModelLoadError:") and MISSING in missing.error
     assert res.failed == [missing]
+    assert planted.super_weight.super_weight.layer == plant.layer  # the planted neuron's weight
+    assert planted.super_weight.super_weight.in_me_layer and twin.super_weight.super_weight is None
+
+
+def test_result_round_trip(surveyed):
+    _, res, _ = surveyed
+    back = roundtrip(res)
+    assert io.to_jsonable(back) == io.to_jsonable(res)
+    assert [r.verdict("me_layer.sudden_birth") for r in back.rows] == ["holds", None, "fails"]
+    assert survey.table(back) == survey.table(res)
 
 
 def test_each_model_is_freed_before_the_next_is_loaded(surveyed):

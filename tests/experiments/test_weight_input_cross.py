@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from me_interp import claims, load_model, names, synthetic
+from me_interp import claims, io, load_model, names, synthetic
 from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotApplicable
 from me_interp.experiments import weight_input_cross as wic
+from me_interp.probes.cross import ffn_path, prompt_statistics
+from me_interp.study import RunHeader, roundtrip
 
 PLANTED = {  # the 8-layer planted model with ME layer 6: 6 earlier inputs, 6 large cells
     "weight_input_cross.row_share": HOLDS,
@@ -108,7 +110,7 @@ def test_planted_cross_is_large_exactly_where_the_construction_says(planted, pla
     model, plant = planted
     res = planted_result
     m = plant.layer
-    assert res.layer == m and res.me_layer == m and res.positions == [0] * 5
+    assert res.layer == m and res.header.me_layer == m and res.positions == [0] * 5
     batch = model.tokenize(synthetic.planted_prompts(5))
     store: dict = {}
     hooks = [
@@ -129,9 +131,9 @@ def test_planted_cross_is_large_exactly_where_the_construction_says(planted, pla
                 assert abs(r[plant.massive_dim]) > 100
                 assert res.cross[b][m][y] < res.large_factor
     assert res.large_cells() == [(m, 0), (m, 1), (m, 2)]
-    pp = res.per_prompt
-    assert pp["share"] == [1.0] * 5 and pp["breadth"] == [1.0] * 5
-    assert all(n == 2 for n in pp["n_large_in_region"])  # (2, 0) and (2, 1); (2, 2) is left out
+    pp = res.stats
+    assert pp.share == [1.0] * 5 and pp.breadth == [1.0] * 5
+    assert all(n == 2 for n in pp.n_large_in_region)  # (2, 0) and (2, 1); (2, 2) is left out
     assert res.majority_cells() == [(m, 0), (m, 1), (m, 2)]
 
 
@@ -151,11 +153,13 @@ def test_planted_verdicts_and_result(planted_result):
     assert breadth.outcomes == {"layer 0 (m-2)": True, "layer 1 (m-1)": True}
     assert breadth.estimate.lo == pytest.approx(0.025**0.5)
     assert breadth.threshold == claims.threshold("cross_breadth")
-    d = res.to_dict()
-    assert len(d["per_prompt"]["share"]) == 5
-    assert d["large_cells_majority"] == [(2, 0), (2, 1), (2, 2)]
+    d = io.to_jsonable(res)
+    assert len(d["stats"]["share"]) == 5
+    assert res.majority_cells() == [(2, 0), (2, 1), (2, 2)]
     assert np.asarray(d["cross"]).shape == (5, 5, 5)
-    json.dumps(d)
+    json.dumps(d, allow_nan=False)
+    back = roundtrip(res)
+    assert io.to_jsonable(back) == d and _judge(back) == cs
     assert set(wic.figures(res)) == {"cross_matrix", "me_row"}
     assert "median over prompts of C[X, Y]" in wic.summary(res)
 
@@ -193,8 +197,9 @@ def test_outcomes_by_hand():
     c[:, 2, 1] = [500.0, 1.0, 1.0]  # large on 1 of 3: does not
     c[:, 1, 0] = [200.0, 200.0, 200.0]  # another row, in the judged region
     c[:, 0, 3] = [200.0, 200.0, 200.0]  # input Y = 3 > m: outside the judged region
-    res = wic.Result("m", "b", 2, True, 2, 4, [0] * 3, [4] * 3, c.tolist(), 10.0, 0.1)
-    assert res.per_prompt["large_count"][2][:2] == [2, 1]
+    header = RunHeader("m", "b", "built-in", 3, 0, layer=2, layer_given=True, me_layer=2)
+    res = wic.result_of(header, 4, [0] * 3, [4] * 3, c.tolist(), 10.0, 0.1)
+    assert res.stats.large_count[2][:2] == [2, 1]
     assert res.majority_cells() == [(0, 3), (1, 0), (2, 0), (2, 2)]
     b = res.breadth_outcomes()
     assert list(b.outcomes) == [True, False] and list(b.labels) == [
@@ -216,14 +221,14 @@ def test_prompt_statistics_by_hand():
     c[0, 2, 0] = 500.0  # row m, an earlier input: large
     c[0, 1, 1] = 200.0  # another row: large, in the judged region
     c[0, 0, 1] = 50.0  # ≥ k but < r·C[m, m] = 100: not large
-    pp = wic.prompt_statistics(c, layer=2, k=10.0, r=0.1)
-    assert pp["threshold"] == [100.0] and pp["diagonal"] == [1000.0]
-    assert pp["share"] == [0.5] and pp["breadth"] == [0.5] and pp["n_large_in_region"] == [2]
-    assert pp["large_count"] == [[0, 0, 0], [0, 1, 0], [1, 0, 1]]
+    pp = prompt_statistics(c, layer=2, k=10.0, r=0.1)
+    assert pp.threshold == [100.0] and pp.diagonal == [1000.0]
+    assert pp.share == [0.5] and pp.breadth == [0.5] and pp.n_large_in_region == [2]
+    assert pp.large_count == [[0, 0, 0], [0, 1, 0], [1, 0, 1]]
     small = np.ones((1, 3, 3))
     small[0, 2, 2] = 5.0  # below k: nothing is large, so nothing is "in row m"
-    pp = wic.prompt_statistics(small, layer=2, k=10.0, r=0.1)
-    assert pp["share"] == [0.0] and pp["breadth"] == [0.0]
+    pp = prompt_statistics(small, layer=2, k=10.0, r=0.1)
+    assert pp.share == [0.0] and pp.breadth == [0.0]
 
 
 @pytest.mark.parametrize("fixture", ["twin", "tiny_llama"])
@@ -279,7 +284,8 @@ def test_cli_smoke_and_help(prompt_file, tmp_path, capsys):
     assert "(sanity check) [holds] weight_input_cross.diagonal" in out
     run_dir = next((tmp_path / wic.NAME).iterdir())
     result = json.loads((run_dir / "result.json").read_text())
-    assert result["layer"] == 2
+    assert result["header"]["layer"] == 2
+    assert io.read_result(wic.Result, run_dir).layer == 2
     assert [c["verdict"] for c in result["claims"]] == list(PLANTED_FEW.values())
     assert {p.stem for p in run_dir.glob("*.html")} >= {"cross_matrix", "me_row"}
     assert wic.main([*argv, "--layer", "9"]) == 2
@@ -299,7 +305,7 @@ def test_bundled(bundled):
     earlier depths it gives ~10-30x an ordinary FFN output, far from the ~700x it makes on its own
     input (row breadth fails). Numbers from docs/weight_experiments.md."""
     res = wic.run(wic.Config(), bundled)
-    assert res.layer == res.me_layer == 11
+    assert res.layer == res.header.me_layer == 11
     med = res.matrix()
     assert 400 < med[11, 11] < 1500  # measured 732
     assert 80 < med[11, 10] < 400  # measured 189
@@ -343,8 +349,8 @@ def test_sandwich_cross_matches_hand_computation_and_hook_mlp_out(sandwich):
         "mlp",
         "post_feedforward_layernorm",
     ]
-    assert res.to_dict()["path_modules"] == res.path_modules
-    assert res.to_dict()["denominator_site"] == "ffn_out"
+    assert io.to_jsonable(res)["path_modules"] == res.path_modules
+    assert wic.FFN_SITE == "ffn_out"
     batch = model.tokenize(synthetic.planted_prompts(5))
     store: dict = {}
     hooks = []
@@ -378,7 +384,7 @@ def test_sandwich_planted_cross(sandwich):
     The other rows stay ordinary (< k), and the claims hold as on the planted Llama."""
     model, plant, res = sandwich
     m = plant.layer
-    assert res.layer == res.me_layer == m and res.positions == [0] * 5
+    assert res.layer == res.header.me_layer == m and res.positions == [0] * 5
     cross = np.asarray(res.cross)  # [prompt X Y]
     num_diag = cross[:, m, m]
     for y in range(m + 1):  # the same saturated value from every pre-emergence input
@@ -404,7 +410,7 @@ def test_llama_cross_path_is_the_pre_norm_and_ffn_exactly(planted, planted_resul
     h = torch.randn(7, model.d_model) * 3
     for x in range(model.n_layers):
         ref = model.bridge.blocks[x].mlp.original_component(model.ffn_norm_module(x)(h))
-        assert torch.equal(wic.ffn_path(model, x, h), ref)
+        assert torch.equal(ffn_path(model, x, h), ref)
     batch = model.tokenize(synthetic.planted_prompts(2))
     store: dict = {}
     model.run_with_hooks(

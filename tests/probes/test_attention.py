@@ -219,6 +219,12 @@ def test_attention_src_dst_by_hand(tiny_nobos, word_prompts, capture):
             others = [norms[b, u] for u in range(n) if u != t]
             want = float(norms[b, t] / (sum(others) / len(others)))
             assert float(ratios[k, b]) == pytest.approx(want, rel=1e-5)
+    _, apart = attention_src_dst(model, batch, src, dst, [], ratio_layer=R, apart=True)
+    for b, n in enumerate(batch.lengths):  # each over the tokens other than both
+        for k, t in enumerate((src, dst)):
+            others = [norms[b, u] for u in range(n) if u not in (src, dst)]
+            want = float(norms[b, t] / (sum(others) / len(others)))
+            assert float(apart[k, b]) == pytest.approx(want, rel=1e-5)
     hook = [(names.resid_post(R), partial(_scale_at, pos=dst, factor=10.0))]
     _, scaled = attention_src_dst(model, batch, src, dst, [], hook, ratio_layer=R)
     for b, n in enumerate(batch.lengths):
