@@ -142,9 +142,12 @@ class Result(Headed):
         if key == "not_rewritten":  # attn_out and mlp_out at p, after L and before the metric layer
             return [(s, la, p) for la in range(L + 1, self.metric_layer) for s in SUBLAYERS]
         return [
-            {"undo": self.undo_cell, "ffn_writes": ("mlp_out", L, p),
-             "state_causes_sink": ("resid_pre", L + 1, p)}[key]
-        ]  # fmt: skip
+            {
+                "undo": self.undo_cell,
+                "ffn_writes": ("mlp_out", L, p),
+                "state_causes_sink": ("resid_pre", L + 1, p),
+            }[key]
+        ]
 
     def removal_fraction(self) -> float:
         return claims.excess_fraction(np.mean(self.me_ratio_corrupt), np.mean(self.me_ratio_clean))
@@ -501,11 +504,18 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pair
     for s in cfg.sites:
         each = s not in HEAD_SITES or cfg.head_positions == "each"
         sw = patch_sweep(
-            model, clean, cx.batch, s, metrics,
+            model,
+            clean,
+            cx.batch,
+            s,
+            metrics,
             layers=short if s == "resid_pre" and not cfg.all_positions else None,
-            positions=positions if each else None, batch_size=cfg.batch_size,
-            corrupt_hooks=hooks, heads=cfg.heads if s in HEAD_SITES else None, per_position=each,
-        )  # fmt: skip
+            positions=positions if each else None,
+            batch_size=cfg.batch_size,
+            corrupt_hooks=hooks,
+            heads=cfg.heads if s in HEAD_SITES else None,
+            per_position=each,
+        )
         sweeps.append(Cells.of(sw))
     heads, heads_why = patching_heads.measured(cfg, model, clean, cx, L, p)
     ffn = ffn_share(model, clean, L, p, acts=acts)
@@ -589,10 +599,17 @@ def summary(result: Result | patching_pairs.PairsResult) -> str:
 
 
 EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, specs_for=specs_for,
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    specs_for=specs_for,
     key_figures=("patching_projection", "sink_heads"),
     result_type=Result,  # a --pairs run: io.read_result(patching_pairs.PairsResult, run_dir)
-)  # fmt: skip
+)
 main = command(EXPERIMENT)
 
 

@@ -61,9 +61,14 @@ _LAST = (
 )
 _PPL = "perplexity of the prompts, edited over unedited (token-weighted over the resampled prompts)"
 #: condition each spec is about
-CLAIM_CONDITION = {"cap_site": "cap_ffn", "cap_removes": "cap_ffn", "flatten_gain": "flatten_gain",
-                   "cap_ffn_hurts": "cap_ffn", "mean_dims_harmless": "mean_dims",
-                   "zero_dims_hurts": "zero_dims"}  # fmt: skip
+CLAIM_CONDITION = {
+    "cap_site": "cap_ffn",
+    "cap_removes": "cap_ffn",
+    "flatten_gain": "flatten_gain",
+    "cap_ffn_hurts": "cap_ffn",
+    "mean_dims_harmless": "mean_dims",
+    "zero_dims_hurts": "zero_dims",
+}
 _REMOVALS = {"cap_ffn_hurts": "the cap", "zero_dims_hurts": "zeroing the massive dims"}
 
 
@@ -201,44 +206,87 @@ def _details(key: str):
 
 def _spec(key: str, section: str, statement: str, statistic: str, op: str, thr: str, **kw):
     stat = _ratio_stat(key) if thr == "removed" else _ppl_stat_of(key, signed=op == "|x|<")
-    return claims.Spec(f"component_ablation.{key}", section, statement, statistic, op, thr,
-                       stat=stat, applies=_why(key), details=_details(key), **kw)  # fmt: skip
+    return claims.Spec(
+        f"component_ablation.{key}",
+        section,
+        statement,
+        statistic,
+        op,
+        thr,
+        stat=stat,
+        applies=_why(key),
+        details=_details(key),
+        **kw,
+    )
 
 
-# fmt: off
 SPECS: tuple[claims.Spec, ...] = (
-    _spec("cap_site", "§2.1",
-          "Capping the massive token's FFN output at the ME layer removes its norm ratio at that "
-          "layer (true by construction: the capped site itself)",
-          _LAST.replace("at the last layer", "at the ME-layer output"), "<=", "removed",
-          control="the unedited run", kind="sanity"),
-    _spec("cap_removes", "§2.1, §3 (FFN-only intervention)",
-          "Control for cap_ffn_hurts: capping the massive token's FFN output at the ME layer at the "
-          "other tokens' median norm leaves no massive token at the last layer, so the perplexity "
-          "after the cap is that of the model without its massive activation",
-          _LAST, "<=", "removed", kind="control",
-          control="mean_dims (the same token edited without removing the activation)"),
-    _spec("flatten_gain", "§2.2, §3 (RMSNorm-only intervention)",
-          "RMSNorm alignment is necessary: flattening the pre-FFN RMSNorm gain for the massive token "
-          "(ĥ_p ⊙ mean(w)) leaves no massive token at the last layer",
-          _LAST, "<=", "removed", control="cap_removes (the FFN-only removal)"),
-    _spec("cap_ffn_hurts", "§2.1; Owen et al. 2025",
-          "The model needs the massive activation: capping the ME layer's FFN output at the massive "
-          "token (which leaves it an ordinary token) raises perplexity by the 'ppl_damage' factor "
-          "or more",
-          _PPL, ">=", "ppl_damage",
-          control="mean_dims (an edit of the same token that keeps the activation)"),
-    _spec("mean_dims_harmless", "§4; Sun et al. 2024",
-          "Control: setting the massive activations to their mean over the prompts (a near-identity "
-          "edit, its size in the details) leaves perplexity unchanged",
-          _PPL + " − 1 (signed; judged by its size)", "|x|<", "ppl_unchanged",
-          control="zero_dims (the same dims set to 0)", kind="control"),
-    _spec("zero_dims_hurts", "§4; Owen et al. 2025 (true for some models only)",
-          "Zeroing the massive activations (which leaves the token ordinary) hurts the model: "
-          "perplexity rises by the 'ppl_damage' factor or more",
-          _PPL, ">=", "ppl_damage", control="mean_dims"),
+    _spec(
+        "cap_site",
+        "§2.1",
+        "Capping the massive token's FFN output at the ME layer removes its norm ratio at that "
+        "layer (true by construction: the capped site itself)",
+        _LAST.replace("at the last layer", "at the ME-layer output"),
+        "<=",
+        "removed",
+        control="the unedited run",
+        kind="sanity",
+    ),
+    _spec(
+        "cap_removes",
+        "§2.1, §3 (FFN-only intervention)",
+        "Control for cap_ffn_hurts: capping the massive token's FFN output at the ME layer at the "
+        "other tokens' median norm leaves no massive token at the last layer, so the perplexity "
+        "after the cap is that of the model without its massive activation",
+        _LAST,
+        "<=",
+        "removed",
+        kind="control",
+        control="mean_dims (the same token edited without removing the activation)",
+    ),
+    _spec(
+        "flatten_gain",
+        "§2.2, §3 (RMSNorm-only intervention)",
+        "RMSNorm alignment is necessary: flattening the pre-FFN RMSNorm gain for the massive token "
+        "(ĥ_p ⊙ mean(w)) leaves no massive token at the last layer",
+        _LAST,
+        "<=",
+        "removed",
+        control="cap_removes (the FFN-only removal)",
+    ),
+    _spec(
+        "cap_ffn_hurts",
+        "§2.1; Owen et al. 2025",
+        "The model needs the massive activation: capping the ME layer's FFN output at the massive "
+        "token (which leaves it an ordinary token) raises perplexity by the 'ppl_damage' factor "
+        "or more",
+        _PPL,
+        ">=",
+        "ppl_damage",
+        control="mean_dims (an edit of the same token that keeps the activation)",
+    ),
+    _spec(
+        "mean_dims_harmless",
+        "§4; Sun et al. 2024",
+        "Control: setting the massive activations to their mean over the prompts (a near-identity "
+        "edit, its size in the details) leaves perplexity unchanged",
+        _PPL + " − 1 (signed; judged by its size)",
+        "|x|<",
+        "ppl_unchanged",
+        control="zero_dims (the same dims set to 0)",
+        kind="control",
+    ),
+    _spec(
+        "zero_dims_hurts",
+        "§4; Owen et al. 2025 (true for some models only)",
+        "Zeroing the massive activations (which leaves the token ordinary) hurts the model: "
+        "perplexity rises by the 'ppl_damage' factor or more",
+        _PPL,
+        ">=",
+        "ppl_damage",
+        control="mean_dims",
+    ),
 )
-# fmt: on
 SPEC = claims.index(SPECS)
 
 
@@ -266,8 +314,15 @@ class Config(SiteConfig):
 def measure(name: str, model, batch, metrics, hooks=(), edit_size=()) -> Condition:
     """One forward under ``hooks``: condition ``name``'s per-prompt measurements."""
     got, nll_sum, n_tokens = read_metrics(model, batch, metrics, hooks)
-    return Condition(name, got["me_ratio"], got["last_ratio"], got.get("sink", []), nll_sum,
-                     n_tokens, list(edit_size))  # fmt: skip
+    return Condition(
+        name,
+        got["me_ratio"],
+        got["last_ratio"],
+        got.get("sink", []),
+        nll_sum,
+        n_tokens,
+        list(edit_size),
+    )
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -295,8 +350,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         hooks = condition_hooks(model, batch, cond, L, p, site.dims, cfg.alpha, acts)
         conds.append(measure(cond, model, batch, metrics, hooks, edit_size.get(cond, [])))
     header = run_header(cfg, model, len(batch), site)
-    return Result(header, pb.used(), site.why_not, model.n_layers, cfg.alpha, conds,
-                  pb.same_prefix(p))  # fmt: skip
+    return Result(
+        header, pb.used(), site.why_not, model.n_layers, cfg.alpha, conds, pb.same_prefix(p)
+    )
 
 
 def figures(result: Result) -> dict[str, Any]:
@@ -325,11 +381,16 @@ def figures(result: Result) -> dict[str, Any]:
 def summary(result: Result) -> str:
     h = result.header
     rows = [
-        (c.name, float(c.ratio(False).mean()), float(c.ratio(True).mean()),
-         float(np.mean(c.sink)) if c.sink else float("nan"), c.perplexity,
-         "-" if c.name == "baseline" else result.excess(c.name))
+        (
+            c.name,
+            float(c.ratio(False).mean()),
+            float(c.ratio(True).mean()),
+            float(np.mean(c.sink)) if c.sink else float("nan"),
+            c.perplexity,
+            "-" if c.name == "baseline" else result.excess(c.name),
+        )
         for c in result.conditions
-    ]  # fmt: skip
+    ]
     head = ["condition", "ME ratio", "last ratio", "sink", "perplexity", "last excess left"]
     return "\n".join(
         [
@@ -340,8 +401,17 @@ def summary(result: Result) -> str:
     )
 
 
-EXPERIMENT = Experiment(NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("norm_ratios",),
-                        result_type=Result)  # fmt: skip
+EXPERIMENT = Experiment(
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    key_figures=("norm_ratios",),
+    result_type=Result,
+)
 main = command(EXPERIMENT)
 
 

@@ -122,9 +122,18 @@ def measured(cfg, model, clean, cx: Corrupted, layer: int, position: int):
     try:
         held = partial(corrupt_for, model, cx.corruption, layer, position)
         return measure(
-            model, clean, cx.batch, cx.hooks, held, layer, position, k=cfg.n_sink_heads,
-            n_random=cfg.n_random, seed=cfg.seed, batch_size=cfg.batch_size,
-        ), None  # fmt: skip
+            model,
+            clean,
+            cx.batch,
+            cx.hooks,
+            held,
+            layer,
+            position,
+            k=cfg.n_sink_heads,
+            n_random=cfg.n_random,
+            seed=cfg.seed,
+            batch_size=cfg.batch_size,
+        ), None
     except claims.NotApplicable as e:
         return None, str(e)
 

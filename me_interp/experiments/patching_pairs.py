@@ -213,13 +213,22 @@ def run(cfg, model: LoadedModel | None = None, pairs: PairsLike | None = None) -
         heads = cfg.heads if s in HEAD_SITES else None
         each = s not in HEAD_SITES or cfg.head_positions == "each"
         got = [
-            patch_sweep(model, pb.clean, pb.corrupt, s, {name: metric}, heads=heads,
-                        per_position=each, batch_size=cfg.batch_size)
+            patch_sweep(
+                model,
+                pb.clean,
+                pb.corrupt,
+                s,
+                {name: metric},
+                heads=heads,
+                per_position=each,
+                batch_size=cfg.batch_size,
+            )
             if m == "exact"
-            else attribution_sweep(model, pb.clean, pb.corrupt, s, {name: metric}, heads=heads,
-                                   per_position=each)
+            else attribution_sweep(
+                model, pb.clean, pb.corrupt, s, {name: metric}, heads=heads, per_position=each
+            )
             for m in wanted
-        ]  # fmt: skip
+        ]
         agree = rank_agreement(got[1], got[0], name) if len(got) > 1 else None
         att = Cells.of(got[1]) if len(got) > 1 else None
         sites.append(SiteCells(Cells.of(got[0]), att, agree))
@@ -230,9 +239,19 @@ def run(cfg, model: LoadedModel | None = None, pairs: PairsLike | None = None) -
         select, test = (h.tolist() for h in claims.halves(len(pb), cfg.seed))
     top, searched = top_cells(sites, name, select, test, tokens, cfg.seed)
     return PairsResult(
-        run_header(cfg, model, len(pb)), name, note, cfg.method, list(pb.pairs), tokens, sep,
-        sites, select, test, top, searched,
-    )  # fmt: skip
+        run_header(cfg, model, len(pb)),
+        name,
+        note,
+        cfg.method,
+        list(pb.pairs),
+        tokens,
+        sep,
+        sites,
+        select,
+        test,
+        top,
+        searched,
+    )
 
 
 def heatmap(cells: Cells, grid: np.ndarray, tokens: list[str], title: str) -> go.Figure:

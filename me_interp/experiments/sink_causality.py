@@ -215,37 +215,60 @@ def _details(key: str):
 
 def _spec(key: str, section: str, statement: str, kind: str = "claim", **kw) -> claims.Spec:
     statistic, op = kw.pop("statistic", "1 − " + _SINK), kw.pop("op", ">=")
-    return claims.Spec(f"sink_causality.{key}", section, statement, statistic, op, "relative_drop",
-                       kind=kind, stat=_stat(key), applies=_why(key), details=_details(key),
-                       **kw)  # fmt: skip
+    return claims.Spec(
+        f"sink_causality.{key}",
+        section,
+        statement,
+        statistic,
+        op,
+        "relative_drop",
+        kind=kind,
+        stat=_stat(key),
+        applies=_why(key),
+        details=_details(key),
+        **kw,
+    )
 
 
-# fmt: off
 SPECS: tuple[claims.Spec, ...] = (
-    _spec("remove_ffn", "§2.6",
-          "Setting the ME layer's FFN output at the massive token to the other tokens' mean (so the "
-          "massive activation is never written) makes the later sink heads drop their attention to "
-          "that token (applies only where the FFN output is not the token's whole state; there the "
-          "edit is remove_all)",
-          control="the unmodified run; the patch_other control; remove_dims (in the details)"),
-    _spec("remove_all", "§2.6",
-          "Replacing the massive token's whole ME-layer output by the other tokens' mean makes the "
-          "later sink heads drop their attention to it (nearly true by construction: every later "
-          "state of p is then an ordinary token's; a sanity check, mirroring "
-          "activation_patching.state_causes_sink)",
-          kind="sanity", control="the unmodified run; the patch_other control"),
-    _spec("remove_dims", "§2.6, §4 (massive dims)",
-          "Resetting only the massive dims of the massive token's ME-layer output (to the other "
-          "tokens' mean), which leaves it an ordinary token, makes the later sink heads drop their "
-          "attention to it: the massive dims carry the sink",
-          control="remove_all (the whole state, in the details); transplant.state_follows"),
-    _spec("patch_other", "§2.4 (directional invariance)",
-          "Control: the sink does not depend on which input's massive token it sees — the massive "
-          "token's ME-layer output swapped for another prompt's (still massive) keeps the sink",
-          kind="control", statistic="1 − " + _SINK + " (signed; judged by its size)", op="|x|<",
-          control="the removal conditions"),
+    _spec(
+        "remove_ffn",
+        "§2.6",
+        "Setting the ME layer's FFN output at the massive token to the other tokens' mean (so the "
+        "massive activation is never written) makes the later sink heads drop their attention to "
+        "that token (applies only where the FFN output is not the token's whole state; there the "
+        "edit is remove_all)",
+        control="the unmodified run; the patch_other control; remove_dims (in the details)",
+    ),
+    _spec(
+        "remove_all",
+        "§2.6",
+        "Replacing the massive token's whole ME-layer output by the other tokens' mean makes the "
+        "later sink heads drop their attention to it (nearly true by construction: every later "
+        "state of p is then an ordinary token's; a sanity check, mirroring "
+        "activation_patching.state_causes_sink)",
+        kind="sanity",
+        control="the unmodified run; the patch_other control",
+    ),
+    _spec(
+        "remove_dims",
+        "§2.6, §4 (massive dims)",
+        "Resetting only the massive dims of the massive token's ME-layer output (to the other "
+        "tokens' mean), which leaves it an ordinary token, makes the later sink heads drop their "
+        "attention to it: the massive dims carry the sink",
+        control="remove_all (the whole state, in the details); transplant.state_follows",
+    ),
+    _spec(
+        "patch_other",
+        "§2.4 (directional invariance)",
+        "Control: the sink does not depend on which input's massive token it sees — the massive "
+        "token's ME-layer output swapped for another prompt's (still massive) keeps the sink",
+        kind="control",
+        statistic="1 − " + _SINK + " (signed; judged by its size)",
+        op="|x|<",
+        control="the removal conditions",
+    ),
 )
-# fmt: on
 SPEC = claims.index(SPECS)
 
 
@@ -269,9 +292,15 @@ class Config(SiteConfig):
 
 
 def _condition(name: str, m: ToPosition, heads: list[tuple[int, int]], layer: int) -> Condition:
-    return Condition(name, heads_mean(m.attention, heads), m.attention.mean(1).tolist(),
-                     m.entropy.mean(1).tolist(), m.entropy[layer + 1 :].mean(0).tolist(),
-                     m.ratio.tolist(), m.last_ratio.tolist())  # fmt: skip
+    return Condition(
+        name,
+        heads_mean(m.attention, heads),
+        m.attention.mean(1).tolist(),
+        m.entropy.mean(1).tolist(),
+        m.entropy[layer + 1 :].mean(0).tolist(),
+        m.ratio.tolist(),
+        m.last_ratio.tolist(),
+    )
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -300,21 +329,42 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         conds.append(_condition(cond, m, heads, L))
     share = ffn_share(model, batch, L, p, acts=acts)
     header = run_header(cfg, model, len(batch), site)
-    return Result(header, pb.used(), site.why_not, model.n_layers, heads, conds,
-                  pb.same_prefix(p), share.cos, share.norm_ratio)  # fmt: skip
+    return Result(
+        header,
+        pb.used(),
+        site.why_not,
+        model.n_layers,
+        heads,
+        conds,
+        pb.same_prefix(p),
+        share.cos,
+        share.norm_ratio,
+    )
 
 
 def figures(result: Result) -> dict[str, object]:
     h, cs = result.header, result.conditions
     t = claims.threshold("sink_attention")
     series = (
-        ("attention_to_massive", Condition.layer_attention, "attention mass",
-         f"Attention to position {h.position} (mean over heads and queries) — {h.model}"),
-        ("sink_rate", Condition.sink_rate, "sink rate",
-         f"Sink rate (fraction of heads with attention to {h.position} >= {t:g})"),
-        ("attention_entropy", lambda c: c.entropy, "entropy",
-         f"Attention entropy (nats) — {h.model}"),
-    )  # fmt: skip
+        (
+            "attention_to_massive",
+            Condition.layer_attention,
+            "attention mass",
+            f"Attention to position {h.position} (mean over heads and queries) — {h.model}",
+        ),
+        (
+            "sink_rate",
+            Condition.sink_rate,
+            "sink rate",
+            f"Sink rate (fraction of heads with attention to {h.position} >= {t:g})",
+        ),
+        (
+            "attention_entropy",
+            lambda c: c.entropy,
+            "entropy",
+            f"Attention entropy (nats) — {h.model}",
+        ),
+    )
     return {
         stem: plotting.layer_lines({c.name: f(c) for c in cs}, title, y, h.layer)
         for stem, f, y, title in series
@@ -324,11 +374,16 @@ def figures(result: Result) -> dict[str, object]:
 def summary(result: Result) -> str:
     h = result.header
     rows = [
-        (c.name, float(np.mean(c.sink)), "-" if c.name == "baseline" else result.drop(c.name),
-         float(np.mean(c.entropy_after_me)), float(np.mean(c.me_ratio)),
-         float(np.mean(c.last_ratio)))
+        (
+            c.name,
+            float(np.mean(c.sink)),
+            "-" if c.name == "baseline" else result.drop(c.name),
+            float(np.mean(c.entropy_after_me)),
+            float(np.mean(c.me_ratio)),
+            float(np.mean(c.last_ratio)),
+        )
         for c in result.conditions
-    ]  # fmt: skip
+    ]
     head = ["condition", "sink heads attn->p", "drop", "entropy after ME", "ME ratio", "last ratio"]
     return "\n".join(
         [
@@ -340,8 +395,17 @@ def summary(result: Result) -> str:
     )
 
 
-EXPERIMENT = Experiment(NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("attention_to_massive",),
-                        result_type=Result)  # fmt: skip
+EXPERIMENT = Experiment(
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    key_figures=("attention_to_massive",),
+    result_type=Result,
+)
 main = command(EXPERIMENT)
 
 

@@ -521,8 +521,10 @@ def _random_applies(r: Result) -> str | None:
 
 def _random_details(r: Result) -> str:
     p = r.pool
-    per = ", ".join(f"{math.exp(np.sum(s - r.per_text('unedited')) / r.per_text('n_pred').sum()):.3g}"
-                    for s in np.asarray(r.texts.random))  # fmt: skip
+    per = ", ".join(
+        f"{math.exp(np.sum(s - r.per_text('unedited')) / r.per_text('n_pred').sum()):.3g}"
+        for s in np.asarray(r.texts.random)
+    )
     return (
         f"{_text_details(r)}; ratio per seed {per}; each draw zeroes "
         f"{len(r.random_draws[0])} of the {p.size} largest other weights of the matrix "
@@ -684,8 +686,10 @@ def figures(result: Result) -> dict[str, go.Figure]:
         labels = ["unedited", "super weight zeroed", "zeroed + super activation restored"]
         values = [result.ppl(k) for k in ("unedited", "zeroed", "restored")]
         n, base = result.per_text("n_pred"), result.per_text("unedited")
-        seeds = [math.exp((np.sum(s) - base.sum()) / n.sum()) * result.ppl("unedited")
-                 for s in np.asarray(result.texts.random)]  # fmt: skip
+        seeds = [
+            math.exp((np.sum(s) - base.sum()) / n.sum()) * result.ppl("unedited")
+            for s in np.asarray(result.texts.random)
+        ]
         ppl = go.Figure(
             go.Bar(
                 x=labels,

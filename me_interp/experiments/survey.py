@@ -193,8 +193,16 @@ class Result:
 def _row(spec: str, model: LoadedModel, res: Scan, min_fraction: float) -> Row:
     """The survey row of one scanned model."""
     loc, info = res.location, model.info()
-    row = Row(spec, OK, name=model.name, architecture=info.get("architecture"),
-              n_layers=model.n_layers, d_model=model.d_model, scan=res, arch=info.get("arch"))  # fmt: skip
+    row = Row(
+        spec,
+        OK,
+        name=model.name,
+        architecture=info.get("architecture"),
+        n_layers=model.n_layers,
+        d_model=model.d_model,
+        scan=res,
+        arch=info.get("arch"),
+    )
     if loc.me_event is None:
         return row
     counts = Counter(p for ps in loc.massive_positions for p in ps)
@@ -282,8 +290,9 @@ def run(
             if owned:
                 model = None
                 free_memory()
-    header = RunHeader(", ".join(cfg.models), cfg.bos, cfg.prompts or "built-in", len(prompts),
-                       cfg.seed)  # fmt: skip
+    header = RunHeader(
+        ", ".join(cfg.models), cfg.bos, cfg.prompts or "built-in", len(prompts), cfg.seed
+    )
     return Result(header, cfg.detection(), rows)
 
 
@@ -293,9 +302,23 @@ def _fmt(v: float | None) -> str:
 
 def table(result: Result) -> str:
     """The survey as a markdown table (one row per model)."""
-    header = ["model", "architecture", "layers", "ME layer (0-based)", "ME layer (1-based)", "site",
-              "jump", "dims", "positions", "event ends at", "persists to last layer", "BOS rule",
-              "peak ratio (layer)", "sudden_birth", "super weight (layer [row, col])"]  # fmt: skip
+    header = [
+        "model",
+        "architecture",
+        "layers",
+        "ME layer (0-based)",
+        "ME layer (1-based)",
+        "site",
+        "jump",
+        "dims",
+        "positions",
+        "event ends at",
+        "persists to last layer",
+        "BOS rule",
+        "peak ratio (layer)",
+        "sudden_birth",
+        "super weight (layer [row, col])",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in result.rows:
         if not r.ok:
@@ -308,11 +331,20 @@ def table(result: Result) -> str:
                 f" (+{r.other_positions} others in fewer prompts)" if r.other_positions else ""
             )
             cells = [r.model, r.architecture or "", str(r.n_layers)]
-            cells += ["none", "none", *[""] * 6] if ev is None else [
-                str(ev.layer), str(ev.layer_1based), ev.site, f"×{ev.jump:.3g}",
-                ", ".join(map(str, r.dims[:4])), pos, str(ev.last_layer),
-                "yes" if ev.persists_to_end else "no",
-            ]  # fmt: skip
+            cells += (
+                ["none", "none", *[""] * 6]
+                if ev is None
+                else [
+                    str(ev.layer),
+                    str(ev.layer_1based),
+                    ev.site,
+                    f"×{ev.jump:.3g}",
+                    ", ".join(map(str, r.dims[:4])),
+                    pos,
+                    str(ev.last_layer),
+                    "yes" if ev.persists_to_end else "no",
+                ]
+            )
             cells += [
                 r.bos_rule(),
                 f"{_fmt(None if peak is None else r.ratio[peak])} ({peak})",

@@ -156,36 +156,51 @@ _SHARE = (
     "the sink heads' attention to dst under '{}' minus their unmodified attention to dst, over "
     "their unmodified attention to p (prompt means; 1 = the whole sink moved, 0 = none)"
 )
-# fmt: off
 SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
-        "transplant.sink_follows", "§2.6, §3 (massive-direction transplant)",
+        "transplant.sink_follows",
+        "§2.6, §3 (massive-direction transplant)",
         "The attention sink follows the massive component: moving it from the massive token into "
         "another token (which leaves the massive token ordinary) moves the sink heads' attention "
         "there",
-        _SHARE.format("move"), ">=", "restore",
+        _SHARE.format("move"),
+        ">=",
+        "restore",
         control="the unmodified run (the sink heads' attention to dst before the move); "
         "state_follows (the whole state moved)",
-        stat=_follows("move"), applies=_why("move"), details=_details("move")),
+        stat=_follows("move"),
+        applies=_why("move"),
+        details=_details("move"),
+    ),
     claims.Spec(
-        "transplant.second_sink", "§2.6, §3 (massive-direction transplant)",
+        "transplant.second_sink",
+        "§2.6, §3 (massive-direction transplant)",
         "Adding the massive component to another token makes it a second attention sink",
-        "the sink heads' mean attention to dst under 'add' (mean over prompts)", ">=",
+        "the sink heads' mean attention to dst under 'add' (mean over prompts)",
+        ">=",
         "sink_attention",
         control="the unmodified run (the sink heads' attention to dst before the edit)",
         stat=lambda r: claims.Sample(np.asarray(r.of("add").to_new, dtype=np.float64)),
-        applies=_why(None), details=_details("add")),
+        applies=_why(None),
+        details=_details("add"),
+    ),
     claims.Spec(
-        "transplant.state_follows", "§2.6 (the sink follows the whole state)",
+        "transplant.state_follows",
+        "§2.6 (the sink follows the whole state)",
         "The attention sink follows the massive token's whole state: moving every dim of its "
         "deviation from the other tokens' mean into another token moves the sink heads' attention "
         "there (nearly true by construction for a sink read from the token's state: a sanity "
         "check, the reference for sink_follows)",
-        _SHARE.format("full"), ">=", "restore", kind="sanity",
+        _SHARE.format("full"),
+        ">=",
+        "restore",
+        kind="sanity",
         control="sink_follows (only the massive dims moved)",
-        stat=_follows("full"), applies=_why("full"), details=_details("full")),
+        stat=_follows("full"),
+        applies=_why("full"),
+        details=_details("full"),
+    ),
 )
-# fmt: on
 SPEC = claims.index(SPECS)
 
 
@@ -254,11 +269,29 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
             heads = sink_heads(att[:, 0].mean(1))  # [layer head]: to p, mean over prompts
         sink = [heads_mean(att[:, w], heads) for w in (0, 1)]
         layer = att.mean((2, 3))  # [layer 2]
-        conds.append(Condition(cond, *sink, layer[:, 0].tolist(), layer[:, 1].tolist(),
-                               ratios[0].tolist(), ratios[1].tolist()))  # fmt: skip
+        conds.append(
+            Condition(
+                cond,
+                *sink,
+                layer[:, 0].tolist(),
+                layer[:, 1].tolist(),
+                ratios[0].tolist(),
+                ratios[1].tolist(),
+            )
+        )
     header = run_header(cfg, model, len(batch), site)
-    return Result(header, pb.used(), site.why_not, dst, cfg.mode, cfg.component, later,
-                  [(later[i], k) for i, k in heads], conds, norm.tolist())  # fmt: skip
+    return Result(
+        header,
+        pb.used(),
+        site.why_not,
+        dst,
+        cfg.mode,
+        cfg.component,
+        later,
+        [(later[i], k) for i, k in heads],
+        conds,
+        norm.tolist(),
+    )
 
 
 def figures(result: Result) -> dict[str, Any]:
@@ -297,8 +330,17 @@ def summary(result: Result) -> str:
     )
 
 
-EXPERIMENT = Experiment(NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("attention_old_new",),
-                        result_type=Result)  # fmt: skip
+EXPERIMENT = Experiment(
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    key_figures=("attention_old_new",),
+    result_type=Result,
+)
 main = command(EXPERIMENT)
 
 

@@ -138,9 +138,16 @@ class Result(Headed):
         return [(int(x), int(y)) for x, y in zip(xs, ys)]
 
 
-def result_of(header: RunHeader, n_layers: int, positions: list[int], lengths: list[int],
-              cross: list[list[list[float]]], k: float, r: float,
-              path_modules: list[str] | None = None) -> Result:  # fmt: skip
+def result_of(
+    header: RunHeader,
+    n_layers: int,
+    positions: list[int],
+    lengths: list[int],
+    cross: list[list[list[float]]],
+    k: float,
+    r: float,
+    path_modules: list[str] | None = None,
+) -> Result:
     """The :class:`Result` of cross matrices ``cross`` for row ``header.layer`` (its statistics
     computed here)."""
     assert header.layer is not None
@@ -169,9 +176,16 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     positions = torch.tensor(site.reference)
     cross = cross_matrices(model, resid.out, scan.site_norms(FFN_SITE), scan.mask, positions)
     header = run_header(cfg, model, len(batch), site)
-    return result_of(header, model.n_layers, positions.tolist(), batch.lengths, cross.tolist(),
-                     claims.threshold(LARGE_KEY), claims.threshold("cross_keep"),
-                     moved_modules(model, "ffn_path"))  # fmt: skip
+    return result_of(
+        header,
+        model.n_layers,
+        positions.tolist(),
+        batch.lengths,
+        cross.tolist(),
+        claims.threshold(LARGE_KEY),
+        claims.threshold("cross_keep"),
+        moved_modules(model, "ffn_path"),
+    )
 
 
 def _details(result: Result) -> str:
@@ -190,37 +204,50 @@ def _details(result: Result) -> str:
 
 _MAJORITY = "a cell is large when C_b ≥ max(k, r·C_b[m, m]) on more than half of the prompts"
 
-# fmt: off
 SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
-        f"{NAME}.row_share", "§2.3, §3",
+        f"{NAME}.row_share",
+        "§2.3, §3",
         "Only the ME layer's pre-FFN RMSNorm + FFN turn the massive token's pre-emergence state into "
         "a massive FFN output: the large cells of the weights × input cross lie in the ME layer's row",
         f"of the large cells among inputs Y ≤ m (cell (m, m) left out), the fraction in row X = m "
         f"({_MAJORITY}; k of n large cells, Clopper–Pearson)",
-        ">=", "cross_share",
+        ">=",
+        "cross_share",
         "the same inputs through every other layer's pre-FFN norm + FFN (the other rows)",
-        stat=lambda r: r.share_outcomes(), unit="large cells", details=_details),
+        stat=lambda r: r.share_outcomes(),
+        unit="large cells",
+        details=_details,
+    ),
     claims.Spec(
-        f"{NAME}.row_breadth", "§2.3 vs §2.6",
+        f"{NAME}.row_breadth",
+        "§2.3 vs §2.6",
         "The ME layer's pre-FFN RMSNorm + FFN make the massive output from the massive token's state "
         "at any earlier depth, not only from the input it gets at its own depth",
         f"of the earlier input layers Y < m, the fraction whose cell (m, Y) is large ({_MAJORITY}; "
         "k of n input layers, Clopper–Pearson: the layers are the depths there are, not a sample)",
-        ">=", "cross_breadth",
+        ">=",
+        "cross_breadth",
         "the observed input Y = m (left out); weight_swap.ffn_path, which moves the same weights",
-        stat=lambda r: r.breadth_outcomes(), unit="earlier input layers", details=_details),
+        stat=lambda r: r.breadth_outcomes(),
+        unit="earlier input layers",
+        details=_details,
+    ),
     claims.Spec(
-        f"{NAME}.diagonal", "§2.1",
+        f"{NAME}.diagonal",
+        "§2.1",
         "The ME layer's FFN output on the massive token is large on its own input",
         "per prompt, C[m, m]: the ME layer's actual FFN residual contribution (ffn_out, after any "
         "post-FFN norm) on the massive token over the median of the other tokens'; mean over prompts",
-        ">=", LARGE_KEY,
+        ">=",
+        LARGE_KEY,
         "true by the detection rule (the ME layer is where the FFN makes the norm jump)",
-        kind="sanity", stat=lambda r: claims.Sample(r.stats.diagonal), unit="prompts",
-        details=_details),
+        kind="sanity",
+        stat=lambda r: claims.Sample(r.stats.diagonal),
+        unit="prompts",
+        details=_details,
+    ),
 )
-# fmt: on
 SPEC = claims.index(SPECS)
 
 
@@ -293,8 +320,18 @@ def summary(result: Result) -> str:
 
 
 # attention="sdpa": it reads no attention pattern (the fused kernel, me_interp.loading.attention)
-EXPERIMENT = Experiment(NAME, Config, run, SPECS, figures, summary, __doc__, attention="sdpa",
-                        key_figures=("cross_matrix",), result_type=Result)  # fmt: skip
+EXPERIMENT = Experiment(
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    attention="sdpa",
+    key_figures=("cross_matrix",),
+    result_type=Result,
+)
 main = command(EXPERIMENT)
 
 

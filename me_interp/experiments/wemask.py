@@ -193,14 +193,17 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     conds = conditions(cfg)
     claim = Condition("wemask", "weight", cfg.claim_rate, 1.0, cfg.seed)
     swept = evaluation.sweep(
-        model, chunks, layers, rank_layer,
+        model,
+        chunks,
+        layers,
+        rank_layer,
         [partial(c.spec, model, layers, directions=directions) for c in conds],
         positions=positions,
         per_text=cfg.positions == "massive",
         items=evaluation.load_mc_items(cfg.mc_items) if cfg.mc != "none" else [],
         score_mc=[cfg.mc == "all" or c == claim for c in conds],
         progress=partial(terminal.bar, desc="wemask sweep"),
-    )  # fmt: skip
+    )
     rows: list[Row] = []
     for c, m in zip(conds, swept.rows):
         if m is not None:  # None: a condition the model's backend does not apply
@@ -489,11 +492,17 @@ def _grid(metrics: list[str], series: list[str], points, xtitle: str, title: str
             color, dash, symbol = STYLES.get(v, (None, "solid", "circle"))
             fig.add_trace(
                 go.Scatter(
-                    x=x, y=y, mode="lines+markers", name=v, legendgroup=v, showlegend=i == 0,
-                    line={"color": color, "dash": dash}, marker={"symbol": symbol, "size": 8},
+                    x=x,
+                    y=y,
+                    mode="lines+markers",
+                    name=v,
+                    legendgroup=v,
+                    showlegend=i == 0,
+                    line={"color": color, "dash": dash},
+                    marker={"symbol": symbol, "size": 8},
                 ),
                 **at,
-            )  # fmt: skip
+            )
         fig.update_xaxes(title_text=xtitle, **at)
         if m == "perplexity":
             fig.update_yaxes(type="log", **at)
@@ -505,26 +514,39 @@ def figures(result: Result) -> dict[str, go.Figure]:
     metrics = [m for m in (*METRICS, "mc_accuracy") if getattr(result.baseline, m) is not None]
     variants = [v for v in VARIANTS if any(r.condition.variant == v for r in result.rows)]
     rate_fig = _grid(
-        metrics, variants, result.rate_curve, "mask rate r",
+        metrics,
+        variants,
+        result.rate_curve,
+        "mask rate r",
         f"WeMask mask-rate study — {result.model}<br><sup>masked positions: "
         f"{positions_label(result.positions)}; layers {result.layers[0]}..{result.layers[-1]} (ME layer "
         f"{result.me_layer}, start '{result.start}'); {result.n_texts} texts</sup>",
-    )  # fmt: skip
+    )
     rand = result.random_rows(result.claim_rate)
     for i, m in enumerate(metrics):
         if m in METRICS and len(rand) > 1:
             seeds = go.Scatter(
-                x=[result.claim_rate] * len(rand), y=[getattr(r.metrics, m) for r in rand],
-                mode="markers", marker={"color": "gray", "symbol": "circle-open"},
-                name="random, each seed", legendgroup="seeds", showlegend=i == 0,
-            )  # fmt: skip
+                x=[result.claim_rate] * len(rand),
+                y=[getattr(r.metrics, m) for r in rand],
+                mode="markers",
+                marker={"color": "gray", "symbol": "circle-open"},
+                name="random, each seed",
+                legendgroup="seeds",
+                showlegend=i == 0,
+            )
             rate_fig.add_trace(seeds, row=i // 3 + 1, col=i % 3 + 1)
-    kinds = [k for k in ("dim_projection", "direction_projection")
-             if any(r.condition.kind == k for r in result.rows)]  # fmt: skip
+    kinds = [
+        k
+        for k in ("dim_projection", "direction_projection")
+        if any(r.condition.kind == k for r in result.rows)
+    ]
     soft_fig = _grid(
-        metrics, kinds, result.alpha_curve, "α",
+        metrics,
+        kinds,
+        result.alpha_curve,
+        "α",
         f"Soft alternatives: h − α P_S h (weight dims) and h − α proj_v h — {result.model}",
-    )  # fmt: skip
+    )
     return {"mask_rate": rate_fig, "soft_alpha": soft_fig}
 
 

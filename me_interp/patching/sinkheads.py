@@ -246,9 +246,15 @@ def measure(
         clean_logits = gather_last(model.run_with_hooks(clean), clean.attention_mask.bool())
         kl = {KL: KLToClean(clean_logits)}
         sw = attribution_sweep(
-            model, clean, corrupt, SITE, kl, layers=layers, corrupt_hooks=corrupt_hooks,
+            model,
+            clean,
+            corrupt,
+            SITE,
+            kl,
+            layers=layers,
+            corrupt_hooks=corrupt_hooks,
             per_position=False,
-        )  # fmt: skip
+        )
         grid = sw.normalized(KL).tolist()
     vals = res.values[KL].double()  # [set B]
     return SinkHeads(

@@ -97,8 +97,14 @@ def prompt_statistics(
     in_row = (large & region)[:, layer].sum(-1)
     share = np.where(in_region > 0, in_row / np.maximum(in_region, 1), 0.0)
     breadth = large[:, layer, :layer].mean(-1) if layer > 0 else np.full(n, np.nan)
-    return PromptStats(share.tolist(), breadth.tolist(), diag.tolist(), thr.tolist(),
-                       in_region.tolist(), large.sum(0).tolist())  # fmt: skip
+    return PromptStats(
+        share.tolist(),
+        breadth.tolist(),
+        diag.tolist(),
+        thr.tolist(),
+        in_region.tolist(),
+        large.sum(0).tolist(),
+    )
 
 
 _LAYER_ZERO = (
