@@ -19,7 +19,8 @@ from me_interp.evaluation import WeMaskEffect, we_mask_effect
 from me_interp.interventions.wemask import we_mask
 from me_interp.loading import load_model
 from me_interp.loading.errors import ModelLoadError, UnsupportedArchitectureError
-from me_interp.loading.loaded import Batch, LoadedModel, as_batch
+from me_interp.loading.inputs import as_batch
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.patching import LogitDiff, normalized, patch_sweep
 from me_interp.patching.pairs import Pair, logit_metric, tokenize_pairs
 from me_interp.probes import (

@@ -38,7 +38,8 @@ from me_interp import claims, names
 from me_interp.interventions.core import PositionsArg, tl_hooks
 from me_interp.interventions.soft import MaskCondition
 from me_interp.interventions.wemask import WeMask, mask_layers
-from me_interp.loading.loaded import Batch, LoadedModel, as_batch
+from me_interp.loading.inputs import as_batch
+from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import Prefix, capture_prefix, record
 from me_interp.probes.geometry import effective_rank

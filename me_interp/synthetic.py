@@ -1359,6 +1359,10 @@ def describe_models() -> dict[str, str]:
             f"planted; its predictions need the sink (x{value_out:g} write off it); the massive "
             f"dim's pre-attention gain {gain:g}, {side} the others"
         )
+    out[SINKRESID] = (
+        f"the mechanism {where}; its sink heads read a residual of BOS outside the massive dims, "
+        "not the massive dim"
+    )
     for name, keep in SPREAD.items():
         back = "nearly all" if keep > 0 else "none"
         out[name] = (

@@ -73,6 +73,7 @@ BAD: dict[str, list[str]] = {
     "detect_tokens": ["1"],
     "batch_tokens": ["0"],
     "max_tokens": ["1", "x"],
+    "long_tokens": ["1", "x"],
     "max_prompts": ["0"],
     "batch_size": ["0"],
     "n_prompts": ["-1"],

@@ -14,7 +14,8 @@ import torch
 import me_interp
 from me_interp import evaluation, io
 from me_interp.experiments import me_layer
-from me_interp.loading.loaded import Batch, as_batch
+from me_interp.loading.inputs import as_batch
+from me_interp.loading.loaded import Batch
 
 TEXT = "the quick brown fox jumps over the lazy dog"
 TEXTS = [TEXT, "a b c d e f g"]

@@ -325,6 +325,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "restore",
         control="the corrupt run (0); the mlp_out patches of the other layers (figure)",
         stat=_cells_stat("ffn_writes", PROJECTION),
+        massive_state=True,  # the projection at p: a function of p's prefix
         applies=lambda r: _why_ffn(r, state=False),
         details=_details("ffn_writes", PROJECTION),
     ),
@@ -340,6 +341,7 @@ SPECS: tuple[claims.Spec, ...] = (
         control="the corrupt run (0)",
         kind="sanity",
         stat=_cells_stat("ffn_writes", PROJECTION),
+        massive_state=True,  # the projection at p: a function of p's prefix
         applies=lambda r: _why_ffn(r, state=True),
         details=_details("ffn_writes", PROJECTION),
     ),
@@ -375,6 +377,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "restore",
         control="the ME layer's own FFN patch (ffn_writes / ffn_is_state)",
         stat=_cells_stat("not_rewritten", PROJECTION),
+        massive_state=True,  # the projection at p: a function of p's prefix
         applies=_why_later,
         details=_details("not_rewritten", PROJECTION),
     ),

@@ -13,6 +13,7 @@ import torch
 from jaxtyping import Float, Int
 
 from me_interp.architecture import Architecture, ArchitectureError, describe
+from me_interp.loading.align import align
 from me_interp.loading.errors import PlacementError, UnsupportedArchitectureError
 from me_interp.loading.placement import Placement, offloaded_modules
 from me_interp.prompts import MIN_PROMPT_TOKENS, Prompt
@@ -70,54 +71,6 @@ class Batch:
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
-
-
-Prompts = Batch | str | Sequence[str]
-"""What every public entry point that runs a forward accepts: one prompt, a list of prompts, or an
-already tokenised :class:`Batch` (:func:`as_batch`)."""
-
-
-def as_batch(model: Any, prompts: object) -> Batch:  # anything: a clear TypeError for the rest
-    """``prompts`` as a :class:`Batch`: the one coercion of every public entry point.
-
-    Args:
-        model: the :class:`LoadedModel` (or any model with ``tokenize``) that will run the batch.
-        prompts: a ``str`` (one prompt, a batch of 1), a sequence of ``str`` (one row each,
-            tokenised with the model's BOS choice by ``model.tokenize``), or a :class:`Batch`
-            (returned as it is).
-
-    Raises:
-        TypeError: anything else (e.g. token ids: build a Batch with ``model.batch_from_ids``).
-        ValueError: from ``model.tokenize`` (an empty list, an empty prompt, one too long).
-    """
-    if isinstance(prompts, Batch):
-        return prompts
-    if isinstance(prompts, str):
-        return model.tokenize([prompts])
-    if isinstance(prompts, Sequence) and all(isinstance(p, str) for p in prompts):
-        return model.tokenize(list(prompts))
-    raise TypeError(
-        f"expected a str, a list of str or a Batch, got {type(prompts).__name__}"
-        + (" (token ids: use model.batch_from_ids)" if isinstance(prompts, torch.Tensor) else "")
-    )
-
-
-def align(x: torch.Tensor, starts: Sequence[int], dims: Sequence[int] = (1,)) -> torch.Tensor:
-    """``x`` with each row ``b`` (dim 0) rolled left by ``starts[b]`` along each of ``dims`` (the
-    position axes, all of length ``T``): a left-padded row's first real token moves to index 0 and
-    its pads to the end. For a ``[batch, pos, ...]`` activation ``dims=(1,)``; for an attention
-    pattern ``[batch, head, q, k]`` ``dims=(2, 3)``."""
-    T = x.shape[dims[0]]
-    idx = (
-        torch.arange(T, device=x.device)[None, :]
-        + torch.as_tensor(list(starts), device=x.device)[:, None]
-    ) % T
-    for d in dims:
-        shape = [x.shape[0]] + [1] * (x.dim() - 1)
-        shape[d] = T
-        view = idx.view(shape).expand(*x.shape[:d], T, *x.shape[d + 1 :])
-        x = torch.gather(x, d, view)
-    return x
 
 
 @dataclass(frozen=True)
@@ -470,7 +423,4 @@ __all__ = [
     "BosChoice",
     "FFNWeights",
     "LoadedModel",
-    "Prompts",
-    "align",
-    "as_batch",
 ]

@@ -35,7 +35,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import names
-from me_interp.loading.loaded import Prompts, as_batch
+from me_interp.loading.inputs import Prompts, as_batch
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, record
 from me_interp.selection import n_selected, top_abs_dims

@@ -43,7 +43,7 @@ import torch
 from jaxtyping import Bool, Float
 
 from me_interp import names
-from me_interp.loading.loaded import Prompts, as_batch
+from me_interp.loading.inputs import Prompts, as_batch
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import Chunk, record

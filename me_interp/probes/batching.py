@@ -60,7 +60,8 @@ import torch
 from jaxtyping import Int
 
 from me_interp import names
-from me_interp.loading.loaded import Batch, LoadedModel, align
+from me_interp.loading.align import align
+from me_interp.loading.loaded import Batch, LoadedModel
 
 MAX_CHUNK_TOKENS = 1024
 """Padded tokens per chunk (rows × longest row). Measured on SmolLM2-135M with one CPU thread, the 82

@@ -20,19 +20,19 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from me_interp import claims
-from me_interp.edits.core import part_members, part_module
 from me_interp.loading.loaded import LoadedModel
 
 
 def ffn_path(
     model: LoadedModel, layer: int, h: Float[torch.Tensor, "... d_model"]
 ) -> Float[torch.Tensor, "... d_model"]:
-    """``F_layer(h)``: layer ``layer``'s own FFN-path modules (``edits`` part ``ffn_path``) applied
-    to ``h`` in forward order, so the gain convention is the model's; on the layer's ``resid_mid``
-    it gives its ``hook_mlp_out``."""
-    for single in part_members(model, "ffn_path"):
-        h = part_module(model, layer, single)(h)
-    return h
+    """``F_layer(h)``: layer ``layer``'s own FFN-path modules (the pre-FFN norm, the FFN and the
+    post-FFN norm where the model has one: ``edits`` part ``ffn_path``) applied to ``h`` in forward
+    order, so the gain convention is the model's; on the layer's ``resid_mid`` it gives its
+    ``hook_mlp_out``."""
+    h = model.bridge.blocks[layer].mlp.original_component(model.ffn_norm_module(layer)(h))
+    post = model.post_ffn_norm_module(layer)
+    return h if post is None else post(h)
 
 
 def cross_matrices(

@@ -22,7 +22,7 @@ import torch
 from jaxtyping import Float, Int
 
 from me_interp import names
-from me_interp.loading.loaded import Prompts, as_batch
+from me_interp.loading.inputs import Prompts, as_batch
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.alignment import reference_positions
 from me_interp.probes.batching import Chunk, record

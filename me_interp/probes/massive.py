@@ -44,7 +44,8 @@ from jaxtyping import Bool, Float
 from me_interp.probes.norms import NormScan, ratio_to_others, top_ratio
 
 if TYPE_CHECKING:
-    from me_interp.loading.loaded import LoadedModel, Prompts
+    from me_interp.loading.inputs import Prompts
+    from me_interp.loading.loaded import LoadedModel
 
 CriterionKind = Literal["sun", "norm", "either", "both"]
 Site = Literal["attention", "ffn", "none", "unknown"]
@@ -383,7 +384,7 @@ def find_me_layer(
         per-layer statistics (lists of length ``n_layers``), the massive positions and dims.
     """
     from me_interp import names
-    from me_interp.loading.loaded import as_batch
+    from me_interp.loading.inputs import as_batch
     from me_interp.probes.norms import scan_norms
 
     batch = as_batch(model, batch)

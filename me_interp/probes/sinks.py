@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from me_interp import names
-from me_interp.loading.loaded import Prompts, as_batch
+from me_interp.loading.inputs import Prompts, as_batch
 from me_interp.models import LoadedModel
 from me_interp.probes.attention import AttentionRecorder
 from me_interp.probes.batching import own_backend, record

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from me_interp import claims
-from me_interp.loading.loaded import LoadedModel, Prompts, as_batch
+from me_interp.loading.inputs import Prompts, as_batch
+from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import (
     Criterion,
     MELocation,

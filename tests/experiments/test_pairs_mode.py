@@ -70,7 +70,9 @@ def test_run_equals_the_sweep_and_its_intervals_the_bootstrap(planted, pairs_fil
     t = r.top[0]
     assert t.selected == pytest.approx(sw.normalized("logit_diff", select.tolist()).ravel()[t.flat])
     assert t.normalised == pytest.approx(sw.normalized("logit_diff", test.tolist()).ravel()[t.flat])
-    n_cells = sum(np.isfinite(r.cells(s).normalized("logit_diff", select.tolist())).sum() for s in cfg.sites)
+    n_cells = sum(
+        np.isfinite(r.cells(s).normalized("logit_diff", select.tolist())).sum() for s in cfg.sites
+    )
     assert r.n_searched == n_cells
     assert ", 3 pairs, metric logit_diff: clean" in repr(r) and len(repr(r)) < 300
 

@@ -50,17 +50,17 @@ def test_declared_checks_refuse_in_one_wording(bad, message):
 
 
 def test_verbose_lines_one_per_claim_kinds_marked():
-    x = [0.8, 0.9, 1.0]
+    x = [0.8, 0.85, 0.9, 0.95, 1.0]  # five distinct units: at least 'min_units'
     specs = [
         claims.Spec("x.a", "§1", "A holds", "fraction", ">=", "moved_fraction", "twin",
                     stat=lambda r: claims.Sample(x)),
         claims.Spec("x.b", "§1", "B by construction", "cell", ">=", "restore", kind="sanity",
-                    stat=lambda r: claims.Sample([1.0, 1.0, 1.0])),
+                    stat=lambda r: claims.Sample([1.0] * 5)),
         claims.Spec("x.c", "§1", "C as designed", "cell", ">=", "restore", kind="control",
                     stat=lambda r: claims.Sample(x)),
     ]  # fmt: skip
     lines = [terminal.verbose_line(c) for c in claims.judge(specs, None, seed=0)]
-    assert lines[0].startswith("[holds] x.a (§1): A holds — fraction = 0.9 [0.8, 1]")
+    assert lines[0].startswith("[holds] x.a (§1): A holds — fraction = 0.9 [0.84, 0.96]")
     assert lines[1].startswith("(sanity check) [holds] x.b")
     assert lines[2].startswith("(control) [holds] x.c")
 

@@ -7,7 +7,7 @@ import torch
 
 from me_interp import load_model, names, synthetic
 from me_interp.interventions.wemask import index_positions, we_mask
-from me_interp.loading.loaded import align
+from me_interp.loading.align import align
 from me_interp.probes.attention import mean_to_keys
 from me_interp.probes.positions import key_means, scan_positions
 from me_interp.probes.site import locate
