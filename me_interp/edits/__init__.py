@@ -7,7 +7,7 @@ Every edit is built on :func:`edited_parameters` (save clones, write, restore in
     with permuted_gain(model, layer, perm, norm="ffn"): ...
     with flattened_gain(model, layer, alpha, norm="ffn"): ...
     with svd_ablated(model, layer, matrix, k): ...
-    with directions_removed(W, SVD.of(W), directions): ...
+    with directions_removed(W, SVD.of(W), directions, scale=1.0): ...
     with neurons_ablated(model, layer, neurons): ...
     with down_weights_zeroed(model, [(layer, row, col), ...]): ...
 
@@ -32,9 +32,11 @@ from me_interp.edits.ffn import (
     check_neurons,
     directions_removed,
     down_weights_zeroed,
+    energy_matched,
     ffn_matrix,
     ffn_singular_values,
     neurons_ablated,
+    random_others,
     svd_ablated,
     top_singular_part,
 )
@@ -65,6 +67,7 @@ __all__ = [
     "directions_removed",
     "down_weights_zeroed",
     "edited_parameters",
+    "energy_matched",
     "ffn_matrix",
     "ffn_singular_values",
     "flattened_gain",
@@ -75,6 +78,7 @@ __all__ = [
     "part_parameters",
     "patched_weights",
     "permuted_gain",
+    "random_others",
     "random_permutation",
     "set_gain",
     "svd_ablated",
