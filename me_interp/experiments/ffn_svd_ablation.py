@@ -85,13 +85,11 @@ class Ablation(EditRow):
     seed: int | None = None
 
     def label(self) -> str:
-        if self.kind == "svd":
-            return f"W_{self.matrix} top {self.k}"
-        if self.kind == "svd_random":
-            return f"W_{self.matrix} {self.k} others ×{self.scale:.3g}, seed {self.seed}"
-        if self.kind == "neurons":
-            return "neurons " + " + ".join(map(str, self.neurons))
-        return f"{len(self.neurons)} other neurons, seed {self.seed}"
+        return {
+            "svd": lambda: f"W_{self.matrix} top {self.k}",
+            "svd_random": lambda: f"W_{self.matrix} {self.k} others ×{self.scale:.3g}, seed {self.seed}",
+            "neurons": lambda: "neurons " + " + ".join(map(str, self.neurons)),
+        }.get(self.kind, lambda: f"{len(self.neurons)} other neurons, seed {self.seed}")()  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -240,20 +238,16 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 # claims
 # ------------------------------------------------------------------------------------------
 
-_STAT = (
-    "c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean over "
-    "prompts)"
-)
+# fmt: off
+_STAT = ("c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean "
+         "over prompts)")
 _DET = "; bootstrap over prompts (edited and unedited means together)"
-_HELD = (
-    "; the neurons chosen on the selection half of the prompts (one unit per distinct "
-    "massive-token prefix), the edit scored on the held-out half; bootstrap over held-out prompts "
-    "(edited and unedited means together)"
-)
-_SEEDS = (
-    ", mean over the random draws (seeds); two-way (crossed) bootstrap over prompts × seeds of "
-    "(R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed"
-)
+_HELD = ("; the neurons chosen on the selection half of the prompts (one unit per distinct "
+         "massive-token prefix), the edit scored on the held-out half; bootstrap over held-out "
+         "prompts (edited and unedited means together)")
+_SEEDS = (", mean over the random draws (seeds); two-way (crossed) bootstrap over prompts × seeds "
+          "of (R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed")
+# fmt: on
 
 
 def _massive(result: Result) -> str | None:
@@ -333,37 +327,34 @@ def _fmt_list(xs) -> str:
     return "[" + ", ".join(f"{x:.4g}" for x in xs) + "]"
 
 
-def _svd_extra(mat: str) -> Callable[[Result], str]:
+def _svd_extra(mat: str, energy: bool = False) -> Callable[[Result], str]:
     def extra(result: Result) -> str:
-        sv = result.spectrum(mat)
-        return f"top singular values {_fmt_list(sv[:3])}; smallest killing k {result.kill_k(mat)}"
-
-    return extra
-
-
-def _energy_extra(mat: str) -> Callable[[Result], str]:
-    def extra(result: Result) -> str:
-        top, rand = result.svd_row(mat, result.claim_k), result.select("svd_random", mat)
-        return (
-            f"top-{result.claim_k} removal: c {fmt_value(top.change) if top else 'not run'}, "
-            f"energy {fmt_value(top.energy if top else None)}; the others scaled "
-            f"×{_fmt_list([r.scale for r in rand])} to energy {_fmt_list([r.energy for r in rand])}"
+        sv, top, rand = (
+            result.spectrum(mat),
+            result.svd_row(mat, result.claim_k),
+            result.select("svd_random", mat),
         )
+        if not energy:
+            return (
+                f"top singular values {_fmt_list(sv[:3])}; smallest killing k {result.kill_k(mat)}"
+            )
+        return (
+            f"top-{result.claim_k} removal: c {fmt_value(top.change) if top else 'not run'}, energy "
+            f"{fmt_value(top.energy if top else None)}; the others scaled ×{_fmt_list([r.scale for r in rand])} "
+            f"to energy {_fmt_list([r.energy for r in rand])}"
+        )  # fmt: skip
 
     return extra
 
 
 def _about_neurons(result: Result) -> str:
-    u = result.units
-    if u.held_out:
-        where = f"on the selection half) by writes into dims {result.massive_dims[:4]}; {u.text()}"
-    else:  # one massive-token prefix: its scores are the same on every prompt, any half picks them
-        where = (
-            f"by writes into dims {result.massive_dims[:4]}); every prompt has the same "
-            "massive-token prefix, so the scores are one measurement and any half of the prompts "
-            f"picks the same neurons: chosen and scored on all {result.n_prompts} prompts (c still "
-            "varies by prompt through the other tokens' norms)"
-        )
+    u, dims = result.units, result.massive_dims[:4]
+    where = f"on the selection half) by writes into dims {dims}; {u.text()}" if u.held_out else (
+        f"by writes into dims {dims}); every prompt has the same massive-token prefix, so the "
+        "scores are one measurement and any half of the prompts picks the same neurons: chosen and "
+        f"scored on all {result.n_prompts} prompts (c still varies by prompt through the other "
+        "tokens' norms)"
+    )  # fmt: skip
     return f"top neurons {result.neurons} (scores {_fmt_list(result.neuron_scores)}, {where}"
 
 
@@ -400,7 +391,7 @@ SPECS: tuple[claims.Spec, ...] = (
             "activation",
             "§3 singular-direction ablation (control: other directions, matched energy)",
             f"the top-k directions (ffn_svd_ablation.svd_{mat}_removes)",
-            "svd_random", mat, f"W_{mat} not ablated", _energy_extra(mat),
+            "svd_random", mat, f"W_{mat} not ablated", _svd_extra(mat, energy=True),
         )
         for mat in MATRICES
     ),
