@@ -424,46 +424,37 @@ claims.check_specs(SPECS)
 # ------------------------------------------------------------------------------------------
 
 
+# fmt: off
 def figures(result: Result) -> dict[str, go.Figure]:
     base, fig, neu = result.baseline.ratio_at(result.layer), go.Figure(), go.Figure()
     for mat in MATRICES:
         for kind, name in (("svd", "top k"), ("svd_random", "k others, same energy (seeds)")):
             if rows := result.select(kind, mat):
                 sweep = kind == "svd"
-                fig.add_trace(
-                    go.Scatter(
-                        x=[r.k for r in rows],
-                        y=[r.ratio_at_layer for r in rows],
-                        mode="lines+markers" if sweep else "markers",
-                        marker={"symbol": "circle" if sweep else "circle-open"},
-                        name=f"W_{mat}: {name}",
-                    )
-                )
+                fig.add_trace(go.Scatter(
+                    x=[r.k for r in rows], y=[r.ratio_at_layer for r in rows], name=f"W_{mat}: {name}",
+                    mode="lines+markers" if sweep else "markers",
+                    marker={"symbol": "circle" if sweep else "circle-open"},
+                ))
     nrows = result.neuron_rows() + result.select("neurons_random")
-    neu.add_trace(
-        go.Bar(
-            x=[r.label() for r in nrows],
-            y=[r.ratio_at_layer for r in nrows],
-            marker_color=["seagreen" if r.survives else "firebrick" for r in nrows],
-        )
-    )
+    neu.add_trace(go.Bar(x=[r.label() for r in nrows], y=[r.ratio_at_layer for r in nrows],
+                         marker_color=["seagreen" if r.survives else "firebrick" for r in nrows]))
     for f, title, x in (
         (fig, "removing singular directions", "k (directions removed)"),
         (neu, f"ablating FFN neurons (top by writes into dims {result.massive_dims[:4]}, then "
               "random others; green: still massive, red: gone)", "ablated neurons"),
-    ):  # fmt: skip
+    ):
         # no annotation on the line: on a log axis plotly reads an annotation's y as log10(y)
         f.add_hline(y=base, line_dash="dash", line_color="gray")
         f.update_layout(
             title=f"Massive ratio at layer {result.layer} after {title} — {result.model}<br><sup>"
-            f"dashed: the unedited model ({base:.3g})</sup>",
-            xaxis_title=x,
-            yaxis_title="max token / mean others at the ME layer",
-            yaxis_type="log",
+            f"dashed: the unedited model ({base:.3g})</sup>", xaxis_title=x,
+            yaxis_title="max token / mean others at the ME layer", yaxis_type="log",
             template="plotly_white",
         )
     fig.update_xaxes(type="log")
     return {"svd_sweep": fig, "neuron_ablation": neu}
+# fmt: on
 
 
 def summary(result: Result) -> str:
