@@ -239,3 +239,58 @@ def sorted_gains(
         template="plotly_white",
     )
     return fig
+
+
+def layer_panels(
+    panels: Mapping[str, Mapping[str, Sequence[float]]],
+    title: str,
+    me_layer: int | None = None,
+    colors: Sequence[str] = (),
+    hline: float | None = None,
+) -> go.Figure:
+    """Panels side by side, one per key of ``panels`` (its title), each with one line per named
+    series over layers on a log axis (a series keeps its colour, ``colors[i]``, and one legend
+    entry across panels); ``hline``: a dotted line at that value in every panel."""
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=list(panels))
+    for col, series in enumerate(panels.values(), 1):
+        for i, (name, ys) in enumerate(series.items()):
+            line = go.Scatter(
+                x=list(range(len(ys))),
+                y=list(ys),
+                mode="lines+markers",
+                name=name,
+                legendgroup=name,
+                showlegend=col == 1,
+                line_color=colors[i] if i < len(colors) else None,
+            )
+            fig.add_trace(line, row=1, col=col)
+        if hline is not None:
+            fig.add_hline(y=hline, line_dash="dot", line_color="black", row=1, col=col)
+        fig.update_yaxes(type="log", row=1, col=col)
+        fig.update_xaxes(title_text="layer (0-based)", row=1, col=col)
+    fig.update_layout(title=title, template="plotly_white", margin={"t": 130})
+    return mark_layer(fig, me_layer)
+
+
+def bars(
+    values: Mapping[str, float],
+    title: str,
+    yaxis_title: str,
+    reference: float | None = None,
+    colors: Sequence[str] | None = None,
+    points: Mapping[str, Sequence[float]] | None = None,
+    **layout,
+) -> go.Figure:
+    """One bar per named value on a log axis; ``points`` (name → values): markers in a column of
+    their own (e.g. each seed of a control); ``reference``: a dashed gray line (no annotation: on a
+    log axis plotly reads an annotation's y as log10(y)); ``layout``: more ``update_layout``."""
+    bar = go.Bar(x=list(values), y=list(values.values()), marker_color=colors, showlegend=False)
+    fig = go.Figure(bar)
+    for name, ys in (points or {}).items():
+        fig.add_trace(go.Scatter(x=[name] * len(ys), y=list(ys), mode="markers", name=name))
+    if reference is not None:
+        fig.add_hline(y=reference, line_dash="dash", line_color="gray")
+    fig.update_layout(
+        title=title, yaxis_title=yaxis_title, yaxis_type="log", template="plotly_white", **layout
+    )
+    return fig

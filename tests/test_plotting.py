@@ -13,3 +13,31 @@ def test_flat_series_get_a_padded_range_and_others_autorange():
     assert varied.layout.yaxis.range is None
     empty = plotting.layer_lines({"cos": [float("nan"), float("nan")]}, "t", "cos")
     assert empty.layout.yaxis.range is None
+
+
+def test_layer_panels_one_legend_entry_per_series_and_a_line_in_each_panel():
+    fig = plotting.layer_panels(
+        {"a": {"x": [1.0, 2.0], "y": [3.0, 4.0]}, "b": {"x": [5.0, 6.0], "y": [7.0, 8.0]}},
+        "t",
+        me_layer=1,
+        colors=("red",),
+        hline=10.0,
+    )
+    assert [t.name for t in fig.data] == ["x", "y", "x", "y"]
+    assert [t.showlegend for t in fig.data] == [True, True, False, False]
+    assert fig.data[2].line.color == "red" and fig.data[3].line.color is None
+    assert list(fig.data[3].y) == [7.0, 8.0] and fig.data[3].xaxis == "x2"
+    dotted = [s for s in fig.layout.shapes if s.line.dash == "dot"]
+    assert len(dotted) == 2 and {s.y0 for s in dotted} == {10.0}
+    assert fig.layout.yaxis.type == fig.layout.yaxis2.type == "log"
+
+
+def test_bars_values_points_and_reference():
+    fig = plotting.bars(
+        {"a": 1.0, "b": 2.0}, "t", "y", reference=3.0, points={"seeds": [4.0, 5.0]}, xaxis_title="x"
+    )
+    assert list(fig.data[0].x) == ["a", "b"] and list(fig.data[0].y) == [1.0, 2.0]
+    assert list(fig.data[1].x) == ["seeds", "seeds"] and list(fig.data[1].y) == [4.0, 5.0]
+    assert [s.y0 for s in fig.layout.shapes] == [3.0] and fig.layout.yaxis.type == "log"
+    assert fig.layout.xaxis.title.text == "x" and not fig.layout.annotations
+    assert len(plotting.bars({"a": 1.0}, "t", "y").data) == 1

@@ -87,9 +87,11 @@ class Ablation(EditRow):
     def label(self) -> str:
         return {
             "svd": lambda: f"W_{self.matrix} top {self.k}",
-            "svd_random": lambda: f"W_{self.matrix} {self.k} others ×{self.scale:.3g}, seed {self.seed}",
+            "svd_random": lambda: (
+                f"W_{self.matrix} {self.k} others ×{self.scale:.3g}, seed {self.seed}"
+            ),
             "neurons": lambda: "neurons " + " + ".join(map(str, self.neurons)),
-        }.get(self.kind, lambda: f"{len(self.neurons)} other neurons, seed {self.seed}")()  # fmt: skip
+        }.get(self.kind, lambda: f"{len(self.neurons)} other neurons, seed {self.seed}")()
 
 
 @dataclass(frozen=True)
@@ -238,23 +240,31 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 # claims
 # ------------------------------------------------------------------------------------------
 
-# fmt: off
-_STAT = ("c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean "
-         "over prompts)")
+_STAT = (
+    "c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean "
+    "over prompts)"
+)
 _DET = "; bootstrap over prompts (edited and unedited means together)"
-_HELD = ("; the neurons chosen on the selection half of the prompts (one unit per distinct "
-         "massive-token prefix), the edit scored on the held-out half; bootstrap over held-out "
-         "prompts (edited and unedited means together)")
-_SEEDS = (", mean over the random draws (seeds); two-way (crossed) bootstrap over prompts × seeds "
-          "of (R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed")
-# fmt: on
+_HELD = (
+    "; the neurons chosen on the selection half of the prompts (one unit per distinct "
+    "massive-token prefix), the edit scored on the held-out half; bootstrap over held-out "
+    "prompts (edited and unedited means together)"
+)
+_SEEDS = (
+    ", mean over the random draws (seeds); two-way (crossed) bootstrap over prompts × seeds "
+    "of (R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed"
+)
 
 
 def _massive(result: Result) -> str | None:
-    return None if result.massive_at_layer else (
-        f"no massive activation at layer {result.layer} of the unedited model (the layer was "
-        "given, not detected): there is nothing for the ablations to remove"
-    )  # fmt: skip
+    return (
+        None
+        if result.massive_at_layer
+        else (
+            f"no massive activation at layer {result.layer} of the unedited model (the layer was "
+            "given, not detected): there is nothing for the ablations to remove"
+        )
+    )
 
 
 def _removes(name, statement, section, control, row, missing, extra, held_out=False):
@@ -290,9 +300,18 @@ def _removes(name, statement, section, control, row, missing, extra, held_out=Fa
         )
 
     return claims.Spec(
-        f"{NAME}.{name}", section, statement, _STAT + (_HELD if held_out else _DET), "<=",
-        "removed", control, stat=stat, unit="prompts", applies=_massive, details=details,
-    )  # fmt: skip
+        f"{NAME}.{name}",
+        section,
+        statement,
+        _STAT + (_HELD if held_out else _DET),
+        "<=",
+        "removed",
+        control,
+        stat=stat,
+        unit="prompts",
+        applies=_massive,
+        details=details,
+    )
 
 
 def _keeps(name, statement, section, control, kind, matrix, missing, extra, held_out=False):
@@ -318,9 +337,19 @@ def _keeps(name, statement, section, control, kind, matrix, missing, extra, held
         return claims.Nested(r.seed_values(kind, matrix, r.neuron_prompts if held_out else None))
 
     return claims.Spec(
-        f"{NAME}.{name}", section, statement, _STAT + _SEEDS, ">", "removed", control,
-        kind="control", stat=stat, unit="prompts", applies=applies, details=details,
-    )  # fmt: skip
+        f"{NAME}.{name}",
+        section,
+        statement,
+        _STAT + _SEEDS,
+        ">",
+        "removed",
+        control,
+        kind="control",
+        stat=stat,
+        unit="prompts",
+        applies=applies,
+        details=details,
+    )
 
 
 def _fmt_list(xs) -> str:
@@ -342,19 +371,23 @@ def _svd_extra(mat: str, energy: bool = False) -> Callable[[Result], str]:
             f"top-{result.claim_k} removal: c {fmt_value(top.change) if top else 'not run'}, energy "
             f"{fmt_value(top.energy if top else None)}; the others scaled ×{_fmt_list([r.scale for r in rand])} "
             f"to energy {_fmt_list([r.energy for r in rand])}"
-        )  # fmt: skip
+        )
 
     return extra
 
 
 def _about_neurons(result: Result) -> str:
     u, dims = result.units, result.massive_dims[:4]
-    where = f"on the selection half) by writes into dims {dims}; {u.text()}" if u.held_out else (
-        f"by writes into dims {dims}); every prompt has the same massive-token prefix, so the "
-        "scores are one measurement and any half of the prompts picks the same neurons: chosen and "
-        f"scored on all {result.n_prompts} prompts (c still varies by prompt through the other "
-        "tokens' norms)"
-    )  # fmt: skip
+    where = (
+        f"on the selection half) by writes into dims {dims}; {u.text()}"
+        if u.held_out
+        else (
+            f"by writes into dims {dims}); every prompt has the same massive-token prefix, so the "
+            "scores are one measurement and any half of the prompts picks the same neurons: chosen and "
+            f"scored on all {result.n_prompts} prompts (c still varies by prompt through the other "
+            "tokens' norms)"
+        )
+    )
     return f"top neurons {result.neurons} (scores {_fmt_list(result.neuron_scores)}, {where}"
 
 
@@ -369,7 +402,6 @@ def _all_neurons(result: Result) -> Ablation | None:
 _NEURONS = "§2 claim 3 (a few FFN neurons)"
 _OTHER_NEURONS = "as many other neurons (ffn_svd_ablation.random_neurons_keep)"
 _NO_NEURON = "no neuron ablated (--n-neurons 0)"
-# fmt: off
 SPECS: tuple[claims.Spec, ...] = (
     *(
         _removes(
@@ -379,7 +411,9 @@ SPECS: tuple[claims.Spec, ...] = (
             "§2 claim 3 (the FFN creates it); §3 singular-direction ablation",
             f"as many other singular directions of W_{mat}, scaled to the same singular-value "
             f"energy (ffn_svd_ablation.svd_{mat}_random_keeps)",
-            lambda r, mat=mat: r.svd_row(mat, r.claim_k), f"W_{mat} not ablated", _svd_extra(mat),
+            lambda r, mat=mat: r.svd_row(mat, r.claim_k),
+            f"W_{mat} not ablated",
+            _svd_extra(mat),
         )
         for mat in MATRICES
     ),
@@ -391,31 +425,46 @@ SPECS: tuple[claims.Spec, ...] = (
             "activation",
             "§3 singular-direction ablation (control: other directions, matched energy)",
             f"the top-k directions (ffn_svd_ablation.svd_{mat}_removes)",
-            "svd_random", mat, f"W_{mat} not ablated", _svd_extra(mat, energy=True),
+            "svd_random",
+            mat,
+            f"W_{mat} not ablated",
+            _svd_extra(mat, energy=True),
         )
         for mat in MATRICES
     ),
     *(
         _removes(name, statement, _NEURONS, _OTHER_NEURONS, row, _NO_NEURON, _about_neurons, True)
         for name, statement, row in (
-            ("top_neuron_removes", "Ablating the single FFN neuron of the ME layer that writes "
-             "most into the massive dims removes the massive activation", _first_neuron),
-            ("top_neurons_remove", "Ablating the top FFN neurons of the ME layer (by their writes "
-             "into the massive dims) together removes the massive activation", _all_neurons),
+            (
+                "top_neuron_removes",
+                "Ablating the single FFN neuron of the ME layer that writes "
+                "most into the massive dims removes the massive activation",
+                _first_neuron,
+            ),
+            (
+                "top_neurons_remove",
+                "Ablating the top FFN neurons of the ME layer (by their writes "
+                "into the massive dims) together removes the massive activation",
+                _all_neurons,
+            ),
         )
     ),
     _keeps(
         "random_neurons_keep",
         "Ablating as many FFN neurons of the ME layer drawn from the others does not remove the "
         "massive activation",
-        "§2 claim 3 (control: other neurons)", "the top neurons (ffn_svd_ablation.top_neurons_remove)",
-        "neurons_random", None, _NO_NEURON,
-        lambda r: f"{len(r.neurons)} neurons per draw; top score "
-        f"{fmt_value(max(r.neuron_scores, default=None))}",
+        "§2 claim 3 (control: other neurons)",
+        "the top neurons (ffn_svd_ablation.top_neurons_remove)",
+        "neurons_random",
+        None,
+        _NO_NEURON,
+        lambda r: (
+            f"{len(r.neurons)} neurons per draw; top score "
+            f"{fmt_value(max(r.neuron_scores, default=None))}"
+        ),
         held_out=True,
     ),
 )
-# fmt: on
 claims.check_specs(SPECS)
 
 
@@ -424,37 +473,50 @@ claims.check_specs(SPECS)
 # ------------------------------------------------------------------------------------------
 
 
-# fmt: off
 def figures(result: Result) -> dict[str, go.Figure]:
     base, fig, neu = result.baseline.ratio_at(result.layer), go.Figure(), go.Figure()
     for mat in MATRICES:
         for kind, name in (("svd", "top k"), ("svd_random", "k others, same energy (seeds)")):
             if rows := result.select(kind, mat):
                 sweep = kind == "svd"
-                fig.add_trace(go.Scatter(
-                    x=[r.k for r in rows], y=[r.ratio_at_layer for r in rows], name=f"W_{mat}: {name}",
-                    mode="lines+markers" if sweep else "markers",
-                    marker={"symbol": "circle" if sweep else "circle-open"},
-                ))
+                fig.add_trace(
+                    go.Scatter(
+                        x=[r.k for r in rows],
+                        y=[r.ratio_at_layer for r in rows],
+                        name=f"W_{mat}: {name}",
+                        mode="lines+markers" if sweep else "markers",
+                        marker={"symbol": "circle" if sweep else "circle-open"},
+                    )
+                )
     nrows = result.neuron_rows() + result.select("neurons_random")
-    neu.add_trace(go.Bar(x=[r.label() for r in nrows], y=[r.ratio_at_layer for r in nrows],
-                         marker_color=["seagreen" if r.survives else "firebrick" for r in nrows]))
+    neu.add_trace(
+        go.Bar(
+            x=[r.label() for r in nrows],
+            y=[r.ratio_at_layer for r in nrows],
+            marker_color=["seagreen" if r.survives else "firebrick" for r in nrows],
+        )
+    )
     for f, title, x in (
         (fig, "removing singular directions", "k (directions removed)"),
-        (neu, f"ablating FFN neurons (top by writes into dims {result.massive_dims[:4]}, then "
-              "random others; green: still massive, red: gone)", "ablated neurons"),
+        (
+            neu,
+            f"ablating FFN neurons (top by writes into dims {result.massive_dims[:4]}, then "
+            "random others; green: still massive, red: gone)",
+            "ablated neurons",
+        ),
     ):
         # no annotation on the line: on a log axis plotly reads an annotation's y as log10(y)
         f.add_hline(y=base, line_dash="dash", line_color="gray")
         f.update_layout(
             title=f"Massive ratio at layer {result.layer} after {title} — {result.model}<br><sup>"
-            f"dashed: the unedited model ({base:.3g})</sup>", xaxis_title=x,
-            yaxis_title="max token / mean others at the ME layer", yaxis_type="log",
+            f"dashed: the unedited model ({base:.3g})</sup>",
+            xaxis_title=x,
+            yaxis_title="max token / mean others at the ME layer",
+            yaxis_type="log",
             template="plotly_white",
         )
     fig.update_xaxes(type="log")
     return {"svd_sweep": fig, "neuron_ablation": neu}
-# fmt: on
 
 
 def summary(result: Result) -> str:

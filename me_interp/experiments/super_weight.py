@@ -1,14 +1,13 @@
 """Super weights and the ME layer: which single ``W_down`` weight makes the massive activation?
 
 Yu et al. (2024, arXiv 2411.07191) find one scalar of an early ``down_proj`` whose removal destroys
-the model. The candidates are detected from activations (``probes.down_proj``: every weight's write
-into the residual stream at the massive token; Yu et al.'s spike layers) and zeroed
+the model. The candidates are detected from activations (``probes.down_proj``) and zeroed
 (``edits.down_weights_zeroed``): the *super weight* (the largest write on the most prompts, or
-``--weight L ROW COL``), for the excess ``c = (R̄(zeroed) − 1) / (R̄(unedited) − 1)`` it leaves at
-``max(m, L)``, the perplexity, Yu et al.'s restore of its ``y_row`` at each text's massive token and
-random large weights of its matrix; and every layer's top candidates alone, one forward each from
-the unedited prefix, for their ``c`` and perplexity: the *precursor* is the upstream one that
-removes most, and ``in_me_layer`` compares the ME layer's best with every other layer's.
+``--weight L ROW COL``) for the excess it leaves, the perplexity, Yu et al.'s restore of its
+``y_row`` and random large weights of its matrix; and every layer's top candidates alone, each run
+from the unedited prefix and only up to where it is measured. The texts (a perplexity) are run for
+the few that remove most (:func:`text_candidates`); the *precursor* is the upstream one that
+removes most.
 
     python -m me_interp.experiments.super_weight                    # bundled model, about a minute
     python -m me_interp.experiments.super_weight --model gemma-3-270m
@@ -23,7 +22,6 @@ from functools import partial
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from me_interp import claims, evaluation, plotting, terminal
 from me_interp.claims import excess_fraction, excess_stat
@@ -43,6 +41,8 @@ from me_interp.terminal import fmt_table
 NAME = "super_weight"
 EDITS = ("unedited", "zeroed", "restored", "random")
 """The perplexity conditions, in figure order."""
+N_TEXT = 3
+"""How many of the layer candidates that leave least of the excess also get a perplexity."""
 
 
 @dataclass(frozen=True)
@@ -74,20 +74,19 @@ class Config(WeightConfig):
 
 
 def survey_entry(
-    model: LoadedModel, prompts: Sequence[str], criterion: Criterion | None = None,
-    n_prompts: int = 16, max_tokens: int = 16,
-) -> dp.SurveyCell:  # fmt: skip
+    model: LoadedModel, prompts: Sequence[str], criterion: Criterion | None = None, n: int = 16
+) -> dp.SurveyCell:
     """The survey's super-weight column (:func:`me_interp.probes.down_proj.survey`, no perplexity)
-    on ``n_prompts`` prompts spread over ``prompts``, cut to ``max_tokens`` tokens."""
-    return dp.survey(model, short_batch(model, prompts, n_prompts, max_tokens), criterion)
+    on ``n`` prompts spread over ``prompts``, cut to 16 tokens."""
+    return dp.survey(model, short_batch(model, prompts, n, 16), criterion)
 
 
 def text_nll(
-    model: LoadedModel, batch: Batch, hooks: Sequence = (), prefix=None, start: int = 0
+    model: LoadedModel, batch: Batch, hooks: Sequence = (), **prefix
 ) -> evaluation.TextNLL:
-    """Per-text next-token NLL sums and counts under ``hooks`` (one forward; with ``prefix``
-    blocks ``start..`` only, ``probes.batching``)."""
-    logits = record(model, batch, [], fwd_hooks=hooks, prefix=prefix, start=start, logits=True)
+    """Per-text next-token NLL sums and counts under ``hooks`` (one forward; ``prefix``, ``start``:
+    blocks ``start..`` only, ``probes.batching.record``)."""
+    logits = record(model, batch, [], fwd_hooks=hooks, logits=True, **prefix)
     return evaluation.text_nll(logits, batch.tokens, batch.attention_mask)
 
 
@@ -105,17 +104,11 @@ class Perplexities:
 
 @dataclass(frozen=True)
 class Result(Headed):
-    """What :func:`run` measured (0-based layers; per-layer lists are ``[layer][prompt]``): the
-    run header (its ``layer`` the ME layer ``m``, its ``dims`` the massive dims); each prompt's
-    massive position and the ``units`` (distinct massive-token prefixes); the detection
-    (``probes.down_proj``: ``max|x|``, ``max|y|`` of ``down_proj`` at the massive token and over the
-    others, Yu et al.'s spike layers, every candidate (the super weight first), each prompt's top,
-    the ME layer's top neurons, each layer's largest erasing write and weight-only tops); the
-    unedited ``R`` per layer (``prompt_ratio``); every layer's top candidates zeroed alone
-    (``layers``); the super weight's zeroing at ``check_layer`` ``L*`` (``ratio_zeroed``), its
-    per-text NLL sums (``texts``; ``None`` without a super weight), where the super activation was
-    restored (each text's massive token; ``restore_yu_positions``: the largest ``|y_row|``), the
-    random draws and their ``pool``; ``given``: the weight of ``Config.weight``, else ``None``."""
+    """What :func:`run` measured (0-based layers; ``[layer][prompt]`` lists): the detection
+    (``probes.down_proj``); the unedited ``R`` (``prompt_ratio``); every layer's top candidates
+    zeroed alone (``layers``); the super weight zeroed, at ``check_layer`` (``ratio_zeroed``) and
+    on the texts (``None`` without a super weight), where its activation was restored, the random
+    draws and their ``pool``; ``given``: the weight of ``Config.weight``, else ``None``."""
 
     header: RunHeader
     prompt_lengths: list[int]
@@ -182,46 +175,42 @@ class Result(Headed):
         rand = np.asarray(self.texts.random, dtype=np.float64)  # [seed text]
         return ((rand - base[None]) / n.mean()).T
 
-    def ratio_unedited_at(self, layer: int) -> list[float]:
-        return self.prompt_ratio[layer]  # per prompt, the unedited R at layer
-
     def layer_pairs(self, c: LayerCandidate) -> np.ndarray:
         """``[prompt, (zeroed, unedited)]`` ``R`` at ``c``'s check layer (``excess_stat``'s rows)."""
-        return np.column_stack([c.ratio_zeroed, self.ratio_unedited_at(c.check_layer)])
+        return np.column_stack([c.ratio_zeroed, self.prompt_ratio[c.check_layer]])
+
+    def left(self, c: LayerCandidate) -> float:
+        """The excess ``c``'s zeroing leaves, ``c = (R̄(zeroed) − 1) / (R̄(unedited) − 1)``."""
+        return float(excess_stat(self.layer_pairs(c)))
 
     def layer_ppl_ratio(self, c: LayerCandidate) -> float:
-        """Pooled perplexity with ``c`` zeroed over the unedited one."""
-        n = self.per_text("n_pred").sum()
-        return math.exp((np.sum(c.nll) - self.per_text("unedited").sum()) / n)
+        """Pooled perplexity with ``c`` zeroed over the unedited one (NaN: texts not run)."""
+        if c.nll is None:
+            return math.nan
+        return math.exp(
+            (np.sum(c.nll) - self.per_text("unedited").sum()) / self.per_text("n_pred").sum()
+        )
 
     @property
     def precursor(self) -> LayerCandidate | None:
         """The candidate upstream of the ME layer whose zeroing leaves the least of the excess, if
         it removes at least the ``removed`` fraction of it (else ``None``)."""
-        up = [c for c in self.layers if c.layer < self.me_layer]
-        best = min(up, key=lambda c: excess_stat(self.layer_pairs(c)), default=None)
-        keep = best is not None and excess_stat(self.layer_pairs(best)) <= 1 - claims.threshold(
-            "removed"
+        best = min((c for c in self.layers if c.layer < self.me_layer), key=self.left, default=None)
+        return (
+            best
+            if best is not None and self.left(best) <= 1 - claims.threshold("removed")
+            else None
         )
-        return best if keep else None
 
 
-def _layer_edits(s, tb: Batch, coords: Sequence[tuple[tuple[int, int, int], str]]):
-    """Each of ``coords`` zeroed alone: a forward of the prompts and of the texts from the unedited
-    prefix (blocks ``layer..`` only)."""
-    m, model = s.layer, s.model
-    starts = sorted({c[0] for c, _ in coords})
-    s.reuse_from(starts)
-    prefix = capture_prefix(model, tb, starts, max_tokens=None)
-    out = []
-    for (L, r, c), why in terminal.bar(coords, desc=f"{NAME}: every layer"):
-        with down_weights_zeroed(model, [(L, r, c)]):
-            after = s.measure(start=L)
-            nll = text_nll(model, tb, prefix=prefix, start=L).nll
-        w = float(model.ffn_weights(L).down.detach()[r, c])
-        check = max(m, L)
-        out.append(LayerCandidate(L, r, c, w, why, check, after.prompt_ratio_at(check), nll))
-    return out
+def text_candidates(res: Result) -> list[LayerCandidate]:
+    """The layer candidates worth a perplexity (a forward of the texts each): the ME layer's, the
+    upstream one that leaves least of the excess (the precursor, when it removes enough) and the
+    :data:`N_TEXT` that leave least of it anywhere."""
+    by = sorted(res.layers, key=res.left)
+    up = [c for c in by if c.layer < res.me_layer][:1]
+    keep = {c.coord for c in [*by[:N_TEXT], *up] + [c for c in by if c.layer == res.me_layer]}
+    return [c for c in res.layers if c.coord in keep]
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -258,27 +247,43 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     if sw is None:
         return res
     check = max(m, sw.layer)
-    with down_weights_zeroed(model, [sw.coord]):
-        after = s.measure()
+    coords = dp.layer_candidates(model, spikes, yu) if res.detected else []
+    # the prompts: each zeroing runs blocks L..max(m, L) only, from the unedited prefix
+    pp = capture_prefix(model, s.batch, [sw.layer, *(c[0] for c, _ in coords)], max_tokens=None)
+
+    def ratio(coord: tuple[int, int, int]) -> list[float]:
+        with down_weights_zeroed(model, [coord]):
+            return dp.output_ratio(model, s.batch, max(m, coord[0]), pp, coord[0])
+
+    layers = [
+        LayerCandidate(
+            *c, float(model.ffn_weights(c[0]).down.detach()[c[1:]]), why, max(m, c[0]), ratio(c)
+        )
+        for c, why in terminal.bar(coords, desc=f"{NAME}: every layer")
+    ]
+    res = replace(res, layers=layers, check_layer=check, ratio_zeroed=ratio(sw.coord))
+    # the texts: blocks L.. of each zeroing, from the unedited prefix
     source = cfg.load_prompts() if cfg.texts is None else read_prompts(cfg.texts)
     tb = short_batch(model, source, cfg.max_texts, cfg.text_tokens)
-    sa, logits = dp.super_activation(model, tb, sw.layer, sw.row, check)
+    chosen = text_candidates(res)
+    tp = capture_prefix(model, tb, [sw.layer, *(c.layer for c in chosen)], max_tokens=None)
+    sa, logits = dp.super_activation(model, tb, sw.layer, sw.row, check, tp)
     clean = evaluation.text_nll(logits, tb.tokens, tb.attention_mask)
     pool = dp.control_pool(model, sw.layer, sw.row, sw.col, cfg.pool)
     draws = [dp.draw(pool, cfg.control_weights, cfg.seed + i) for i in range(cfg.n_random)]
+    nll = partial(text_nll, model, tb, prefix=tp, start=sw.layer)
     with down_weights_zeroed(model, [sw.coord]):
-        zero = text_nll(model, tb)
-        rest = text_nll(model, tb, set_ffn_own_at(sw.layer, sw.row, sa.positions, sa.values))
+        zero, rest = nll(), nll(set_ffn_own_at(sw.layer, sw.row, sa.positions, sa.values))
     rand = []
     for d in terminal.bar(draws, desc=NAME):
         with down_weights_zeroed(model, [(sw.layer, r, c) for r, c, _ in d]):
-            rand.append(text_nll(model, tb).nll)
-    layers = _layer_edits(s, tb, dp.layer_candidates(model, spikes, yu)) if res.detected else []
+            rand.append(nll().nll)
+    for c in terminal.bar(chosen, desc=f"{NAME}: perplexities"):
+        with down_weights_zeroed(model, [c.coord]):
+            layers[layers.index(c)] = replace(c, nll=nll(start=c.layer).nll)
     return replace(
         res,
         layers=layers,
-        check_layer=check,
-        ratio_zeroed=after.prompt_ratio_at(check),
         massive_at_check=bool(s.baseline.has_massive[check]),
         n_texts=len(tb),
         text_lengths=tb.lengths,
@@ -296,19 +301,14 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 
 
 def _need_sw(r: Result) -> str | None:
-    thr, best = (
-        claims.threshold("super_weight_spike"),
-        max((max(v) for v in r.out_max), default=math.nan),
+    if r.super_weight is not None:
+        return None
+    best = fmt_value(max((max(v) for v in r.out_max), default=math.nan))
+    return (
+        f"no super weight: no single W_down weight writes {claims.threshold('super_weight_spike'):g} "
+        "(threshold 'super_weight_spike') into the residual stream at the massive token of any "
+        f"prompt (largest down_proj output there {best})"
     )
-    return None if r.super_weight is not None else (
-        f"no super weight: no single W_down weight writes {thr:g} (threshold 'super_weight_spike') "
-        f"into the residual stream at the massive token of any prompt (largest down_proj output "
-        f"there {fmt_value(best)})"
-    )  # fmt: skip
-
-
-def _need_detected(r: Result) -> str | None:
-    return None if r.detected is not None else _need_sw(replace(r, given=None))
 
 
 def _need_texts(r: Result) -> str | None:
@@ -316,22 +316,26 @@ def _need_texts(r: Result) -> str | None:
 
 
 def _need_massive(r: Result) -> str | None:
-    return _need_sw(r) or (None if r.massive_at_check else (
+    if r.super_weight is None or r.massive_at_check:
+        return _need_sw(r)
+    return (
         f"no massive activation at layer {r.check_layer} of the unedited model (the ME layer was "
         "given, not detected): there is nothing for the zeroing to remove"
-    ))  # fmt: skip
-
-
-def _damage(r: Result) -> float:
-    return r.ppl("zeroed") / r.ppl("unedited")
+    )
 
 
 def _need_damage(r: Result) -> str | None:
-    thr = claims.threshold("ppl_damage")
-    return _need_texts(r) or (None if _damage(r) >= thr else (
-        f"zeroing the super weight does not hurt (perplexity × {_damage(r):.3g} < {thr:g}, "
-        "threshold 'ppl_damage'): there is no damage for the restored activation to take back"
-    ))  # fmt: skip
+    if why := _need_texts(r):
+        return why
+    thr, damage = claims.threshold("ppl_damage"), r.ppl("zeroed") / r.ppl("unedited")
+    return (
+        None
+        if damage >= thr
+        else (
+            f"zeroing the super weight does not hurt (perplexity × {damage:.3g} < {thr:g}, threshold "
+            "'ppl_damage'): there is no damage for the restored activation to take back"
+        )
+    )
 
 
 def _cols(r: Result, *kinds: str) -> np.ndarray:
@@ -348,11 +352,10 @@ def _recovered(m: np.ndarray) -> np.ndarray | float:
 
 def _where(r: Result) -> str:
     sw = r.super_weight
-    which = "given weight" if r.given is not None else "super weight"
     return (
-        f"{which} {sw.label()} (1-based layer {sw.layer + 1}) = {sw.weight:.4g}, top on "
-        f"{sw.stability:.0%} of {r.n_prompts} prompts, write {fmt_value(sw.write)} at the massive "
-        f"token; ME layer {r.me_layer}"
+        f"{'given weight' if r.given else 'super weight'} {sw.label()} (1-based layer "
+        f"{sw.layer + 1}) = {sw.weight:.4g}, top on {sw.stability:.0%} of {r.n_prompts} prompts, "
+        f"write {fmt_value(sw.write)} at the massive token; ME layer {r.me_layer}"
     )
 
 
@@ -381,9 +384,8 @@ def _removes_details(r: Result) -> str:
 
 def _me_share(m: np.ndarray, me: np.ndarray) -> np.ndarray:
     """``ρ_me / (ρ_me + max_other ρ)`` of ``[zeroed, unedited]`` column pairs (one per candidate,
-    means ``m``), ``ρ = max(0, 1 − c)`` the share of the excess a zeroing removes and ``ρ_me`` the
-    largest over the ME layer's candidates (``me``, a mask over the pairs): 1 when only the ME
-    layer's weight removes anything, 0.5 on a tie, below when another layer's removes more."""
+    means ``m``), ``ρ = max(0, 1 − c)`` and ``ρ_me`` the largest over the ME layer's candidates
+    (``me``, a mask over the pairs)."""
     c = claims.divide(m[..., 0::2] - 1.0, m[..., 1::2] - 1.0)  # [..., candidate]
     rho = np.clip(1.0 - c, 0.0, None)
     a, b = rho[..., me].max(-1), rho[..., ~me].max(-1)
@@ -395,47 +397,31 @@ def _beats(r: Result) -> claims.Sample:
     if me.all() or not me.any():
         raise claims.NotApplicable("no candidate outside (or in) the ME layer to compare with")
     cols = np.column_stack([r.layer_pairs(c) for c in r.layers])
-    stat = claims.of_means(partial(_me_share, me=me))
-    return claims.Sample(cols, stat, keys=list(r.units.keys))
-
-
-def _left(r: Result, c: LayerCandidate) -> str:
-    """The excess ``c`` leaves, with its interval over the prompts' massive-token prefixes."""
-    m = claims.Sample(r.layer_pairs(c), excess_stat, keys=list(r.units.keys))
-    est = claims.measure_estimate(m, "prompts", "<=", claims.threshold("removed"), r.seed)[0]
-    return est.text().split(" (")[0]
+    return claims.Sample(cols, claims.of_means(partial(_me_share, me=me)), keys=list(r.units.keys))
 
 
 def _layer_details(r: Result) -> str:
-    base, p = r.ppl("unedited"), r.precursor
-    by = sorted(r.layers, key=lambda c: excess_stat(r.layer_pairs(c)))
-    pre = "none" if p is None else (
-        f"{p.label()} ({p.why}) leaves {_left(r, p)} of the excess at layer {p.check_layer}, "
-        f"perplexity {base:.4g} → {base * r.layer_ppl_ratio(p):.4g}"
-    )  # fmt: skip
-    each = "; ".join(
-        f"{c.label()} ({c.why}): {fmt_value(excess_stat(r.layer_pairs(c)))}, perplexity "
-        f"×{r.layer_ppl_ratio(c):.3g}"
-        for c in by[:6]
-    )
+    def ppl(c: LayerCandidate) -> str:
+        return "" if c.nll is None else f", perplexity ×{r.layer_ppl_ratio(c):.3g}"
+
+    pre, by = r.precursor, sorted(r.layers, key=r.left)
+    if pre is not None:  # the excess it leaves, with its interval over the prompts
+        m = claims.Sample(r.layer_pairs(pre), excess_stat, keys=list(r.units.keys))
+        est = claims.measure_estimate(m, "prompts", "<=", claims.threshold("removed"), r.seed)[0]
+        left = f"leaves {est.text().split(' (')[0]} of the excess at layer {pre.check_layer}"
+    each = "; ".join(f"{c.label()} ({c.why}): {fmt_value(r.left(c))}{ppl(c)}" for c in by[:6])
     return (
-        f"ME layer {r.me_layer}; precursor upstream of it: {pre}; the excess left by each layer's "
-        f"candidate zeroed (at max(ME layer, its layer)), least first ({len(by)} candidates): {each}"
+        f"ME layer {r.me_layer}; precursor upstream of it: "
+        f"{'none' if pre is None else f'{pre.label()} ({pre.why}) {left}{ppl(pre)}'}; the excess "
+        f"left by each layer's candidate zeroed (at max(ME layer, its layer)), least first "
+        f"({len(by)} candidates; perplexity for the ME layer's, the best upstream and the "
+        f"{N_TEXT} best): {each}"
     )
-
-
-def _yu_agree(r: Result) -> int:
-    return sum(a == b for a, b in zip(r.restore_positions, r.restore_yu_positions, strict=True))
-
-
-def _random_applies(r: Result) -> str | None:
-    return _need_texts(r) or claims.too_few_seeds(len(r.texts.random), "--n-random")
 
 
 def _random_details(r: Result) -> str:
-    p = r.pool
-    per = ", ".join(f"{math.exp(np.sum(s - r.per_text('unedited')) / r.per_text('n_pred').sum()):.3g}"
-                    for s in np.asarray(r.texts.random))  # fmt: skip
+    p, base, n = r.pool, r.per_text("unedited"), r.per_text("n_pred").sum()
+    per = ", ".join(f"{math.exp(np.sum(s - base) / n):.3g}" for s in np.asarray(r.texts.random))
     return (
         f"{_text_details(r)}; ratio per seed {per}; each draw zeroes "
         f"{len(r.random_draws[0])} of the {p.size} largest other weights of the matrix "
@@ -444,60 +430,83 @@ def _random_details(r: Result) -> str:
     )
 
 
+def _restore_details(r: Result) -> str:
+    agree = sum(a == b for a, b in zip(r.restore_positions, r.restore_yu_positions, strict=True))
+    return (
+        f"{_text_details(r)}; restored at positions {sorted(set(r.restore_positions))} (the "
+        f"largest |y_row| is there in {agree} of {r.n_texts} texts)"
+    )
+
+
 _SECTION = "Yu et al. 2024 (super weight); §2 claim 3 (the ME layer's FFN)"
-# fmt: off
 SPECS: tuple[claims.Spec, ...] = (
     claims.Spec(
-        f"{NAME}.zeroing_removes", _SECTION,
+        f"{NAME}.zeroing_removes",
+        _SECTION,
         "Zeroing the super weight alone removes the massive activation",
         "c = (R̄(zeroed) − 1) / (R̄(unedited) − 1) at L* = max(ME layer, the weight's layer), R the "
         "largest token norm over the mean of the others, mean over prompts; bootstrap over the "
         "prompts (distinct massive-token prefixes)",
-        "<=", "removed",
+        "<=",
+        "removed",
         "the same prompts unedited (paired); the random weights of super_weight."
         "random_weights_harmless",
-        stat=_removes, unit="prompts", applies=_need_massive, details=_removes_details,
+        stat=_removes,
+        unit="prompts",
+        applies=_need_massive,
+        details=_removes_details,
     ),
     claims.Spec(
-        f"{NAME}.zeroing_hurts", _SECTION,
+        f"{NAME}.zeroing_hurts",
+        _SECTION,
         "Zeroing the super weight multiplies the perplexity by at least the damage threshold",
-        "perplexity(zeroed) / perplexity(unedited), pooled over the texts", ">=", "ppl_damage",
+        "perplexity(zeroed) / perplexity(unedited), pooled over the texts",
+        ">=",
+        "ppl_damage",
         "as many weights of at least its magnitude zeroed instead "
         "(super_weight.random_weights_harmless)",
         stat=lambda r: claims.Sample(_cols(r, "unedited", "zeroed"), evaluation.PPL_RATIO),
-        unit="texts", applies=_need_texts, details=_text_details,
+        unit="texts",
+        applies=_need_texts,
+        details=_text_details,
     ),
     claims.Spec(
-        f"{NAME}.random_weights_harmless", "Yu et al. 2024 (control: other large weights)",
+        f"{NAME}.random_weights_harmless",
+        "Yu et al. 2024 (control: other large weights)",
         "Zeroing as many weights drawn from the largest of the same matrix does not multiply the "
         "perplexity by the damage threshold",
         "geometric mean over the random draws (seeds) of perplexity(random weights zeroed) / "
         "perplexity(unedited); two-way (crossed) bootstrap over texts × seeds of "
         "(nll_{b,s} − nll_b) / n̄",
-        "<", "ppl_damage", "the super weight zeroed (super_weight.zeroing_hurts)", kind="control",
+        "<",
+        "ppl_damage",
+        "the super weight zeroed (super_weight.zeroing_hurts)",
+        kind="control",
         stat=lambda r: claims.Nested(
             r.random_cells(), statistic=lambda a: math.exp(float(a.mean())), unit="texts"
         ),
-        unit="texts", applies=_random_applies, details=_random_details,
+        unit="texts",
+        applies=lambda r: _need_texts(r) or claims.too_few_seeds(len(r.texts.random), "--n-random"),
+        details=_random_details,
     ),
     claims.Spec(
-        f"{NAME}.restoring_recovers", "Yu et al. 2024 (restoring the super activation)",
+        f"{NAME}.restoring_recovers",
+        "Yu et al. 2024 (restoring the super activation)",
         "With the super weight zeroed, restoring the super activation brings most of the "
         "perplexity back",
         "(Σ nll_zeroed − Σ nll_restored) / (Σ nll_zeroed − Σ nll_unedited) over the texts (1: "
         "all of it back, 0: none); the unedited y_row written back at each text's massive token "
         "(its largest-norm token at the output of L*)",
-        ">=", "restore",
+        ">=",
+        "restore",
         "sanity check, not evidence: where the zeroed weight's neuron fires only at the massive "
         "token, restoring its output there gives back the unedited forward exactly (1 by "
         "construction); it can fail only where the weight also acts on other tokens",
         kind="sanity",
         stat=lambda r: claims.Sample(_cols(r, "unedited", "zeroed", "restored"), _recovered),
-        unit="texts", applies=_need_damage,
-        details=lambda r: (
-            f"{_text_details(r)}; restored at positions {sorted(set(r.restore_positions))} (the "
-            f"largest |y_row| is there in {_yu_agree(r)} of {r.n_texts} texts)"
-        ),
+        unit="texts",
+        applies=_need_damage,
+        details=_restore_details,
     ),
     claims.Spec(
         f"{NAME}.in_me_layer",
@@ -508,13 +517,17 @@ SPECS: tuple[claims.Spec, ...] = (
         "the excess a candidate's zeroing removes (c at max(ME layer, its layer)); each layer's "
         "candidates: its largest building W_down write at the massive token and Yu et al.'s "
         "coordinate of a spike layer; bootstrap over the prompts (distinct massive-token prefixes)",
-        ">=", "super_weight_layer",
+        ">=",
+        "super_weight_layer",
         "every other layer's top candidates zeroed alone on the same prompts (0.5: a tie)",
-        stat=_beats, unit="prompts", details=_layer_details,
-        applies=lambda r: _need_detected(r) or (None if r.layers else "no layer candidates"),
+        stat=_beats,
+        unit="prompts",
+        details=_layer_details,
+        applies=lambda r: (
+            _need_sw(replace(r, given=None)) or (None if r.layers else "no layer candidates")
+        ),
     ),
 )
-# fmt: on
 claims.check_specs(SPECS)
 
 
@@ -523,81 +536,73 @@ claims.check_specs(SPECS)
 # ------------------------------------------------------------------------------------------
 
 
-# fmt: off
 def figures(result: Result) -> dict[str, go.Figure]:
-    thr, sw = claims.threshold("super_weight_spike"), result.super_weight
-    titles = ("down_proj input: max |x| (σ(gate)·up)", "down_proj output: max |y| (before any post-norm)")
-    spikes = make_subplots(rows=1, cols=2, subplot_titles=titles)
-    pairs = ((result.in_max, result.others_in_max), (result.out_max, result.others_out_max))
-    for col, (at, others) in enumerate(pairs, 1):
-        for name, rows, color in (("massive token", at, "firebrick"), ("other tokens (max)", others, "gray")):
-            ys = [float(np.median(v)) for v in rows]  # median over prompts
-            spikes.add_trace(
-                go.Scatter(x=list(range(len(ys))), y=ys, mode="lines+markers", name=name,
-                           legendgroup=name, showlegend=col == 1, line_color=color),
-                row=1, col=col,
-            )
-        spikes.add_hline(y=thr, line_dash="dot", line_color="black", row=1, col=col)
-        spikes.update_yaxes(type="log", row=1, col=col)
-        spikes.update_xaxes(title_text="layer (0-based)", row=1, col=col)
-    plotting.mark_layer(spikes, result.me_layer)
-    spikes.update_layout(
-        title=f"down_proj spikes at the massive token (median over {result.n_prompts} prompts) — "
+    thr, sw, med = claims.threshold("super_weight_spike"), result.super_weight, np.median
+    panels = {
+        "down_proj input: max |x| (σ(gate)·up)": (result.in_max, result.others_in_max),
+        "down_proj output: max |y| (before any post-norm)": (result.out_max, result.others_out_max),
+    }
+    spikes = plotting.layer_panels(
+        {
+            t: {
+                "massive token": [med(v) for v in at],
+                "other tokens (max)": [med(v) for v in others],
+            }
+            for t, (at, others) in panels.items()
+        },
+        f"down_proj spikes at the massive token (median over {result.n_prompts} prompts) — "
         f"{result.model}<br><sup>dotted: Yu et al.'s spike threshold {thr:g}; super weight: "
         f"{sw.label() if sw else 'none'}</sup>",
-        template="plotly_white", margin={"t": 130},
+        result.me_layer,
+        colors=("firebrick", "gray"),
+        hline=thr,
     )
-    out = {"down_proj_spikes": spikes}
     if result.texts is None:
-        return out
-    base = result.ppl("unedited")
-    labels = ["unedited", "super weight zeroed", "zeroed + super activation restored"]
-    labels += [f"{c.label()} zeroed" for c in result.layers]
-    values = [result.ppl(k) for k in ("unedited", "zeroed", "restored")]
-    values += [base * result.layer_ppl_ratio(c) for c in result.layers]
-    ppl = go.Figure(go.Bar(x=labels, y=values, name="pooled perplexity"))
-    n, nll = result.per_text("n_pred").sum(), result.per_text("unedited").sum()
-    seeds = [base * math.exp((np.sum(s) - nll) / n) for s in result.texts.random]
-    ppl.add_trace(go.Scatter(x=["random large weights zeroed"] * len(seeds), y=seeds,
-                             mode="markers", name="random weights (each seed)"))
-    damage = claims.threshold("ppl_damage")
-    # no annotation on the line: on a log axis plotly reads an annotation's y as log10(y)
-    ppl.add_hline(y=base * damage, line_dash="dash", line_color="gray")
-    ppl.update_layout(
-        title=f"Perplexity under each zeroing — {result.model}<br><sup>{result.n_texts} texts of ≤ "
+        return {"down_proj_spikes": spikes}
+    base, damage = result.ppl("unedited"), claims.threshold("ppl_damage")
+    labels = ("unedited", "super weight zeroed", "zeroed + super activation restored")
+    values = {k: result.ppl(e) for k, e in zip(labels, EDITS, strict=False)}
+    values |= {
+        f"{c.label()} zeroed": base * result.layer_ppl_ratio(c) for c in result.layers if c.nll
+    }
+    seeds = [base * r for r in np.exp(result.random_cells().mean(0))]
+    ppl = plotting.bars(
+        values,
+        f"Perplexity under each zeroing — {result.model}<br><sup>{result.n_texts} texts of ≤ "
         f"{max(result.text_lengths)} tokens; dashed: the unedited perplexity × {damage:g} "
         "('ppl_damage')</sup>",
-        yaxis_title="perplexity", yaxis_type="log", template="plotly_white",
+        "perplexity",
+        base * damage,
+        points={"random large weights zeroed (each seed)": seeds},
     )
-    return {**out, "perplexity": ppl}
+    return {"down_proj_spikes": spikes, "perplexity": ppl}
 
 
 def summary(result: Result) -> str:
     sw = result.super_weight
-    head = (
+    lines = [
         f"model: {result.model}   ME layer {result.me_layer} (1-based {result.me_layer + 1})   "
         f"{result.n_prompts} prompts   {'given weight' if result.given else 'super weight'}: "
-        + (f"{sw.label()} = {sw.weight:.4g} (stability {sw.stability:.0%})" if sw else "none")
-    )
-    rows = [(c.layer, c.row, c.col, c.weight, c.write, c.share, c.stability,
-             "yes" if c.in_me_layer else "no", "yes" if c.massive_dim else "no", c.abs_rank,
-             c.weight_only_rank) for c in result.candidates[:10]]
-    cols = ["layer", "row", "col", "W", "write", "share", "stable", "ME", "mdim", "|W| rk", "ω rk"]
-    lines = [head, "", fmt_table(cols, rows) if rows else "(no candidate)"]
+        + (f"{sw.label()} = {sw.weight:.4g} (stability {sw.stability:.0%})" if sw else "none"),
+        "",
+        fmt_table(dp.CANDIDATE_COLUMNS, [c.cells() for c in result.candidates[:10]])
+        if result.candidates
+        else "(no candidate)",
+    ]
     if result.texts is not None:
         ppl = ", ".join(f"{k} {result.ppl(k):.4g}" for k in EDITS)
         lines += ["", f"perplexity: {ppl} ({result.n_texts} texts)"]
     if result.layers:
-        rows = [(c.layer, c.row, c.col, c.why, excess_stat(result.layer_pairs(c)),
-                 result.layer_ppl_ratio(c)) for c in result.layers]
         p = result.precursor
-        lines += ["", "every layer's top candidate zeroed alone (precursor: "
-                  f"{p.label() if p else 'none'}):",
-                  fmt_table(["layer", "row", "col", "why", "excess left", "ppl ×"], rows)]
+        rows = [(*c.coord, c.why, result.left(c), result.layer_ppl_ratio(c)) for c in result.layers]
+        lines += [
+            "",
+            f"every layer's top candidate zeroed alone (precursor: {p.label() if p else 'none'}):",
+            fmt_table(["layer", "row", "col", "why", "excess left", "ppl ×"], rows),
+        ]
     return "\n".join(lines)
 
 
-# fmt: on
 EXPERIMENT = Experiment(
     NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("down_proj_spikes",)
 )

@@ -31,7 +31,8 @@ from me_interp import claims, names
 from me_interp.architecture import norm_eps
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.activations import Activations
-from me_interp.probes.batching import Chunk, record
+from me_interp.probes.batching import Chunk, Prefix, record
+from me_interp.probes.norms import top_ratio
 
 
 class SpikeRecorder:
@@ -251,6 +252,37 @@ class Candidate:
     def label(self) -> str:
         return f"layer {self.layer} W_down[{self.row}, {self.col}]"
 
+    def cells(self) -> tuple:
+        """The summary-table cells (:data:`CANDIDATE_COLUMNS`)."""
+        yes = ("no", "yes")
+        return (
+            *self.coord,
+            self.weight,
+            self.write,
+            self.share,
+            self.stability,
+            yes[self.in_me_layer],
+            yes[self.massive_dim],
+            self.abs_rank,
+            self.weight_only_rank,
+        )
+
+
+CANDIDATE_COLUMNS = (
+    "layer",
+    "row",
+    "col",
+    "W",
+    "write",
+    "share",
+    "stable",
+    "ME",
+    "mdim",
+    "|W| rk",
+    "ω rk",
+)
+"""The columns of :meth:`Candidate.cells`."""
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -424,7 +456,8 @@ class LayerCandidate:
             ``"Yu spike"`` (Yu et al.'s coordinate of a spike layer) or both, joined by ``" + "``.
         check_layer: where its effect on the massive activation is measured, ``max(m, layer)``.
         ratio_zeroed: per prompt, ``R`` at ``check_layer`` with the weight zeroed.
-        nll: per text, the NLL sum with the weight zeroed.
+        nll: per text, the NLL sum with the weight zeroed (``None``: not measured; ``super_weight``
+            runs the texts for the few candidates that remove most, see its ``text_candidates``).
     """
 
     layer: int
@@ -434,7 +467,7 @@ class LayerCandidate:
     why: str
     check_layer: int
     ratio_zeroed: list[float]
-    nll: list[float]
+    nll: list[float] | None = None
 
     @property
     def coord(self) -> tuple[int, int, int]:
@@ -527,18 +560,38 @@ class SuperActivation:
 
 
 def super_activation(
-    model: LoadedModel, batch: Batch, layer: int, row: int, check: int
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    row: int,
+    check: int,
+    prefix: Prefix | None = None,
 ) -> tuple[SuperActivation, torch.Tensor]:
     """:class:`SuperActivation` of ``down_proj``'s output dim ``row`` in ``layer`` (``mlp.hook_out``)
-    on ``batch``, and the unedited logits of the same forward."""
+    on ``batch``, and the unedited logits of the same forward (with ``prefix``, a
+    :func:`~me_interp.probes.batching.capture_prefix` of the batch as it is: blocks ``layer..``
+    only)."""
     acts = Activations(model, batch, [names.ffn_own(layer), names.resid_post(check)])
-    logits = record(model, batch, [acts], logits=True)
+    start = 0 if prefix is None else layer
+    logits = record(model, batch, [acts], logits=True, prefix=prefix, start=start)
     y = acts[names.ffn_own(layer)][..., row].float().cpu()  # [batch pos]
     norm = acts[names.resid_post(check)].float().norm(dim=-1).cpu()  # [batch pos]
     real = batch.attention_mask.bool().cpu()
     where = norm.masked_fill(~real, -1.0).argmax(-1)  # each text's massive token
     yu = y.abs().masked_fill(~real, -1.0).argmax(-1)  # Yu et al.'s: the largest |y_row|
     return SuperActivation(where.tolist(), yu.tolist(), y[torch.arange(len(batch)), where]), logits
+
+
+def output_ratio(
+    model: LoadedModel, batch: Batch, layer: int, prefix: Prefix | None = None, start: int = 0
+) -> list[float]:
+    """Per prompt, ``R = max_t ‖h_t‖ / mean_{t≠argmax} ‖h_t‖`` of ``layer``'s output (``resid_post``;
+    ``probes.norms.top_ratio``), the forward stopped after ``layer`` (with ``prefix``: blocks
+    ``start..layer`` only). What a zeroing leaves at its check layer, for a fraction of a forward."""
+    acts = Activations(model, batch, [names.resid_post(layer)])
+    record(model, batch, [acts], prefix=prefix, start=start, last_layer=layer)
+    norms = acts[names.resid_post(layer)].float().norm(dim=-1).cpu()  # [batch pos]; NaN: padding
+    return top_ratio(norms, batch.attention_mask.bool().cpu()).tolist()
 
 
 def draw(pool: Sequence, k: int, seed: int) -> list:
@@ -612,6 +665,7 @@ def survey_text(entry: SurveyCell | None) -> str:
 
 
 __all__ = [
+    "CANDIDATE_COLUMNS",
     "N_ME_NEURONS",
     "Candidate",
     "Entry",
@@ -636,6 +690,7 @@ __all__ = [
     "layer_candidates",
     "down_proj_spikes",
     "super_activation",
+    "output_ratio",
     "me_neuron_shares",
     "post_norm_scale",
     "top_writes",

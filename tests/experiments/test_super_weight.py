@@ -115,7 +115,7 @@ def test_planted_nobos_verdicts_and_the_statistics_by_hand(distinct):
     assert [c.layer for c in res.layers] == list(range(5)) and res.precursor is None
     rho = {}
     for c in res.layers:
-        zeroed, before = np.mean(c.ratio_zeroed), np.mean(res.ratio_unedited_at(c.check_layer))
+        zeroed, before = np.mean(c.ratio_zeroed), np.mean(res.prompt_ratio[c.check_layer])
         rho[c.layer] = max(0.0, 1 - (zeroed - 1) / (before - 1))
     top = max(v for L, v in rho.items() if L != plant.layer)
     est = by["in_me_layer"].estimate
