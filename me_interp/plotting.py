@@ -7,7 +7,7 @@ with a dashed vertical line; norms are on log axes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -292,5 +292,32 @@ def bars(
         fig.add_hline(y=reference, line_dash="dash", line_color="gray")
     fig.update_layout(
         title=title, yaxis_title=yaxis_title, yaxis_type="log", template="plotly_white", **layout
+    )
+    return fig
+
+
+def lines(
+    series: Mapping[str, tuple[Sequence[int | float], Sequence[float]]],
+    title: str,
+    xaxis_title: str,
+    yaxis_title: str,
+    reference: float | None = None,
+    markers_only: Collection[str] = (),
+    log_x: bool = False,
+) -> go.Figure:
+    """One line per named ``(xs, ys)`` series on a log y axis (``markers_only``: those as open
+    markers, e.g. the seeds of a control); ``reference``: a dashed gray line, as :func:`bars`."""
+    fig = go.Figure()
+    for name, (xs, ys) in series.items():
+        dots = name in markers_only
+        mode, symbol = ("markers", "circle-open") if dots else ("lines+markers", "circle")
+        fig.add_trace(
+            go.Scatter(x=list(xs), y=list(ys), name=name, mode=mode, marker_symbol=symbol)
+        )
+    if reference is not None:
+        fig.add_hline(y=reference, line_dash="dash", line_color="gray")
+    fig.update_layout(title=title, xaxis_title=xaxis_title, yaxis_title=yaxis_title)
+    fig.update_layout(
+        yaxis_type="log", xaxis_type="log" if log_x else None, template="plotly_white"
     )
     return fig

@@ -41,3 +41,15 @@ def test_bars_values_points_and_reference():
     assert [s.y0 for s in fig.layout.shapes] == [3.0] and fig.layout.yaxis.type == "log"
     assert fig.layout.xaxis.title.text == "x" and not fig.layout.annotations
     assert len(plotting.bars({"a": 1.0}, "t", "y").data) == 1
+
+
+def test_lines_series_markers_and_reference():
+    fig = plotting.lines(
+        {"a": ([1, 2], [3.0, 4.0]), "b": ([2], [5.0])}, "t", "x", "y", 6.0, {"b"}, log_x=True
+    )
+    assert [t.name for t in fig.data] == ["a", "b"] and list(fig.data[0].y) == [3.0, 4.0]
+    assert fig.data[0].mode == "lines+markers" and fig.data[1].mode == "markers"
+    assert fig.data[1].marker.symbol == "circle-open"
+    assert [s.y0 for s in fig.layout.shapes] == [6.0] and not fig.layout.annotations
+    assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
+    assert plotting.lines({}, "t", "x", "y").layout.xaxis.type is None

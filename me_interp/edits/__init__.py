@@ -29,7 +29,9 @@ from me_interp.edits.core import (
 from me_interp.edits.ffn import (
     MATRICES,
     SVD,
+    Directions,
     check_neurons,
+    direction_plan,
     directions_removed,
     down_weights_zeroed,
     energy_matched,
@@ -64,6 +66,8 @@ __all__ = [
     "check_neurons",
     "check_part",
     "check_permutation",
+    "Directions",
+    "direction_plan",
     "directions_removed",
     "down_weights_zeroed",
     "edited_parameters",

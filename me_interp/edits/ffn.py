@@ -7,7 +7,8 @@
   computed once per matrix: ``W ← W − Σ_{i∈S} s_i u_i v_iᵀ`` (for ``S = {0..k−1}`` the edit of
   :func:`svd_ablated`; other sets are the random controls of ``ffn_svd_ablation``), optionally
   scaled: ``W ← W − β Σ_{i∈S} s_i u_i v_iᵀ``, with :func:`energy_matched` giving the ``β`` whose
-  removed energy ``β² Σ_{i∈S} s_i²`` equals that of the top ``k`` (``Σ_{i<k} s_i²``).
+  removed energy ``β² Σ_{i∈S} s_i²`` equals that of the top ``k`` (``Σ_{i<k} s_i²``);
+  :func:`direction_plan` lists the top-``k`` removals and such energy-matched random draws.
 * :func:`neurons_ablated` removes whole neurons ``n``: ``W_gate[n,:] = W_up[n,:] = 0`` and
   ``W_down[:,n] = 0``, so the neuron's activation and its write to the residual stream are exactly 0.
 * :func:`down_weights_zeroed` sets single entries ``W_down[r, c] = 0`` of any layers (Yu et al.'s
@@ -139,6 +140,32 @@ def random_others(n_total: int, exclude: Sequence[int], k: int, seed: int) -> li
         raise ValueError(f"cannot draw {k} of the {len(pool)} indices left")
     gen = torch.Generator().manual_seed(seed)
     return sorted(pool[torch.randperm(len(pool), generator=gen)[:k]].tolist())
+
+
+@dataclass(frozen=True)
+class Directions:
+    """One removal of singular directions (:func:`directions_removed`): which, at what ``scale``
+    ``β``, the energy it takes out of ``W`` (``‖ΔW‖_F² = β² Σ s_i²``) and a random draw's ``seed``
+    (``None``: the top ``k``)."""
+
+    directions: list[int]
+    scale: float
+    energy: float
+    seed: int | None = None
+
+
+def direction_plan(
+    svd: SVD, ks: Sequence[int], k: int, n_random: int, seed: int
+) -> list[Directions]:
+    """The removals of ``ffn_svd_ablation``: the top ``j`` directions for every ``j`` of ``ks``, then
+    ``n_random`` draws (seeds ``seed, seed+1, …``) of ``k`` other directions
+    (:func:`random_others`) scaled to the top ``k``'s energy (:func:`energy_matched`)."""
+    out = [Directions(list(range(j)), 1.0, svd.energy(range(j))) for j in ks]
+    for s in range(seed, seed + n_random):
+        d = random_others(svd.rank, range(k), k, s)
+        beta = energy_matched(svd, k, d)
+        out.append(Directions(d, beta, beta**2 * svd.energy(d), s))
+    return out
 
 
 def check_neurons(neurons: Sequence[int], d_mlp: int) -> list[int]:

@@ -1,13 +1,10 @@
 """FFN singular-direction and neuron ablation at the ME layer: which directions make the massive activation?
 
-With ``W = U diag(s) Vᵀ`` (``s`` descending) one of ``W_down``, ``W_up``, ``W_gate`` of the ME layer
-``m``: ``svd`` removes the top ``k`` directions (``W ← W − Σ_{i<k} s_i u_i v_iᵀ``) for every ``k`` of
-``ks`` and ``claim_k``; its control ``svd_random`` subtracts ``claim_k`` other directions (seeded
-draws from ranks ``claim_k..``) scaled by ``β`` so that the change has the top ``k``'s singular-value
-energy, ``‖ΔW‖_F² = Σ_{i<k} s_i²`` (why scaled, not a subset: ``edits.energy_matched``); ``neurons``
-ablates the neurons that write most into the massive dims (``probes.ffn.neuron_scores``, chosen on
-the selection half of the prompts), each alone and together, against ``neurons_random``. Each edit
-is measured by the excess it leaves at ``m``, ``c = (R̄_m(edited) − 1) / (R̄_m(unedited) − 1)``.
+With ``W = U diag(s) Vᵀ`` one of ``W_down``, ``W_up``, ``W_gate`` of the ME layer ``m``: ``svd``
+removes the top ``k`` directions for every ``k`` of ``ks`` and ``claim_k``, ``svd_random`` as many
+others scaled to the top ``claim_k``'s energy (``edits.direction_plan``); ``neurons`` ablates the
+neurons that write most into the massive dims (``probes.ffn.neuron_scores``, chosen on the selection
+half of the prompts), each alone and together, against ``neurons_random``. Formulas: ``SPECS``.
 
     python -m me_interp.experiments.ffn_svd_ablation
     python -m me_interp.experiments.ffn_svd_ablation --ks 1 2 4 --matrices down --n-neurons 5
@@ -18,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import product
 
 import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from me_interp import claims, edits, terminal
+from me_interp import claims, edits, plotting, terminal
 from me_interp.claims import excess_stat
 from me_interp.edits import MATRICES, SVD, ffn_matrix, random_others
 from me_interp.experiments._weights import (
@@ -104,10 +102,8 @@ class Spectrum:
 
 @dataclass(frozen=True)
 class Result(Headed):
-    """The ablations of the ME layer's FFN (``header.layer``) and what they left: the unedited
-    ``baseline``, every ablation in run order, each matrix's top singular values, the top
-    ``neurons`` (by writes into ``massive_dims``) and their scores, chosen on the selection half of
-    ``units`` (the prompts grouped by massive-token prefix)."""
+    """The ablations of the ME layer's FFN (``header.layer``) in run order and what they left;
+    the top ``neurons`` (by writes into ``massive_dims``) chosen on the selection half of ``units``."""
 
     header: RunHeader
     baseline: Measurement
@@ -137,15 +133,13 @@ class Result(Headed):
 
     def kill_k(self, matrix: str) -> int | None:
         """The smallest swept ``k`` whose removal leaves no massive activation at the layer."""
-        ks = [r.k for r in self.select("svd", matrix) if not r.survives]
-        return min(ks) if ks else None
+        return min((r.k for r in self.select("svd", matrix) if not r.survives), default=None)
 
     def seed_values(
         self, kind: str, matrix: str | None = None, prompts: Sequence[int] | None = None
     ) -> np.ndarray:
-        """``[prompt, seed]`` of a random control: ``(R_{m,b}(edited) − 1) / (R̄_m(unedited) − 1)``
-        over ``prompts`` (``None``: all; the unedited mean over the same prompts), whose mean over
-        prompts is that seed's ``c`` (the cells of a :class:`~me_interp.claims.Nested`)."""
+        """``[prompt, seed]`` cells of a random control's :class:`~me_interp.claims.Nested` over
+        ``prompts`` (``None``: all; the statistic of the ``_keeps`` claims)."""
         rows = self.select(kind, matrix)
         idx = list(range(self.n_prompts)) if prompts is None else list(prompts)
         base = float(np.mean(np.asarray(self.baseline.prompt_ratio_at(self.layer))[idx])) - 1.0
@@ -154,15 +148,11 @@ class Result(Headed):
 
     @property
     def neuron_prompts(self) -> list[int]:
-        """The prompts the neuron claims are tested on: the held-out half (all of them when fewer
-        than two distinct massive-token prefixes leave nothing to hold out)."""
+        """The held-out half of the prompts (all where nothing is held out): the neuron claims'."""
         return self.units.prompts(self.units.heldout)
 
-    def neuron_rows(self) -> list[Ablation]:
-        return self.select("neurons")
-
     def neurons_row(self, neurons: Sequence[int]) -> Ablation | None:
-        return next((r for r in self.neuron_rows() if r.neurons == list(neurons)), None)
+        return next((r for r in self.select("neurons") if r.neurons == list(neurons)), None)
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
@@ -175,15 +165,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         rank = min(ffn_matrix(s.model, m, mat).shape)
         if k_max > rank or (cfg.n_random and 2 * cfg.claim_k > rank):
             raise ValueError(
-                f"k={k_max} exceeds the rank of W_{mat} ({rank} singular directions) or claim_k="
-                f"{cfg.claim_k} leaves too few other directions for the random control (at most "
-                "half the rank)"
+                f"k={k_max} exceeds the rank of W_{mat} ({rank}) or claim_k={cfg.claim_k} more than "
+                "half the rank (the random control draws as many other directions)"
             )
     if cfg.n_neurons > s.model.d_mlp // 2:
-        raise ValueError(
-            f"n_neurons={cfg.n_neurons} exceeds half the FFN width d_mlp={s.model.d_mlp} (the "
-            "random control draws as many other neurons)"
-        )
+        raise ValueError(f"n_neurons={cfg.n_neurons} exceeds half the FFN width {s.model.d_mlp}")
     # without a massive activation (an explicit --layer on a model without one) score all dims
     dims = s.location.massive_dims or list(range(s.model.d_model))
     ref = torch.tensor([p[0] for p in s.positions])
@@ -195,19 +181,13 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     svds = {mat: SVD.of(ffn_matrix(s.model, m, mat)) for mat in cfg.matrices}
 
     todo: list[tuple[Callable[..., Ablation], Callable]] = []  # (the row's fields, the edit)
-    removed = edits.directions_removed
     for mat in cfg.matrices:
         W, svd = ffn_matrix(s.model, m, mat), svds[mat]
-        for k in cfg.sweep():
-            d = list(range(k))
-            row = partial(Ablation.measured, kind="svd", matrix=mat, k=k, directions=d, scale=1.0)
-            todo.append((partial(row, energy=svd.energy(d)), partial(removed, W, svd, d)))
-        for i in range(cfg.n_random):
-            d = random_others(svd.rank, range(cfg.claim_k), cfg.claim_k, cfg.seed + i)
-            beta = edits.energy_matched(svd, cfg.claim_k, d)
-            row = partial(Ablation.measured, kind="svd_random", matrix=mat, k=cfg.claim_k)
-            row = partial(row, directions=d, scale=beta, energy=beta**2 * svd.energy(d))
-            todo.append((partial(row, seed=cfg.seed + i), partial(removed, W, svd, d, beta)))
+        for e in edits.direction_plan(svd, cfg.sweep(), cfg.claim_k, cfg.n_random, cfg.seed):
+            kind, d = "svd" if e.seed is None else "svd_random", e.directions
+            row = partial(Ablation.measured, kind=kind, matrix=mat, k=len(d), directions=d)
+            row = partial(row, scale=e.scale, energy=e.energy, seed=e.seed)
+            todo.append((row, partial(edits.directions_removed, W, svd, d, e.scale)))
     for g in [[n] for n in top] + ([top] if len(top) > 1 else []):
         row = partial(Ablation.measured, kind="neurons", neurons=g)
         todo.append((row, partial(edits.neurons_ablated, s.model, m, g)))
@@ -215,7 +195,6 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         g = random_others(s.model.d_mlp, top, len(top), cfg.seed + i)
         row = partial(Ablation.measured, kind="neurons_random", neurons=g, seed=cfg.seed + i)
         todo.append((row, partial(edits.neurons_ablated, s.model, m, g)))
-
     rows = []
     s.reuse_from([m])  # every edit is in layer m's FFN
     for row, ctx in terminal.bar(todo, desc=NAME):
@@ -250,6 +229,10 @@ _HELD = (
     "massive-token prefix), the edit scored on the held-out half; bootstrap over held-out "
     "prompts (edited and unedited means together)"
 )
+_NO_MASSIVE = (
+    "no massive activation at layer {} of the unedited model (the layer was given, not detected): "
+    "there is nothing for the ablations to remove"
+)
 _SEEDS = (
     ", mean over the random draws (seeds); two-way (crossed) bootstrap over prompts × seeds "
     "of (R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed"
@@ -257,26 +240,17 @@ _SEEDS = (
 
 
 def _massive(result: Result) -> str | None:
-    return (
-        None
-        if result.massive_at_layer
-        else (
-            f"no massive activation at layer {result.layer} of the unedited model (the layer was "
-            "given, not detected): there is nothing for the ablations to remove"
-        )
-    )
+    return None if result.massive_at_layer else _NO_MASSIVE.format(result.layer)
 
 
 def _removes(name, statement, section, control, row, missing, extra, held_out=False):
     """A claim that the edit ``row(result)`` removes the massive activation (``c ≤ removed``)."""
 
     def stat(result: Result) -> claims.Sample:
-        r = row(result)
-        if r is None:
+        if (r := row(result)) is None:
             raise claims.NotApplicable(f"not measured in this run: {missing}")
-        pairs = np.column_stack(
-            [r.ratio_at_layer_per_prompt, result.baseline.prompt_ratio_at(result.layer)]
-        )
+        base = result.baseline.prompt_ratio_at(result.layer)
+        pairs = np.column_stack([r.ratio_at_layer_per_prompt, base])
         if not held_out:
             return claims.Sample(pairs, excess_stat)
         # c depends on every token of a prompt (the others' norms), so each prompt is its own
@@ -285,9 +259,8 @@ def _removes(name, statement, section, control, row, missing, extra, held_out=Fa
         return claims.Sample(pairs[result.neuron_prompts], excess_stat, unit=unit)
 
     def details(result: Result) -> str:
-        r, held = row(result), ""
+        r, held, rows = row(result), "", result.neuron_prompts
         if held_out:  # the numbers the statistic is computed from: the held-out prompts' means
-            rows = result.neuron_prompts
             before = np.asarray(result.baseline.prompt_ratio_at(result.layer))[rows].mean()
             after = np.asarray(r.ratio_at_layer_per_prompt)[rows].mean()
             held = (
@@ -295,61 +268,33 @@ def _removes(name, statement, section, control, row, missing, extra, held_out=Fa
                 f"{rows}): R_m {fmt_value(before)} → {fmt_value(after)}"
             )
         return (
-            f"{where_edited(result)}; {r.label()}: R_m after {fmt_value(r.ratio_at_layer)} "
-            f"(median over all prompts){held}, survives {'yes' if r.survives else 'no'}; {extra(result)}"
+            f"{where_edited(result)}; {r.label()}: R_m after {fmt_value(r.ratio_at_layer)} (median "
+            f"over all prompts){held}, survives {'yes' if r.survives else 'no'}; {extra(result)}"
         )
 
-    return claims.Spec(
-        f"{NAME}.{name}",
-        section,
-        statement,
-        _STAT + (_HELD if held_out else _DET),
-        "<=",
-        "removed",
-        control,
-        stat=stat,
-        unit="prompts",
-        applies=_massive,
-        details=details,
-    )
+    what = (f"{NAME}.{name}", section, statement, _STAT + (_HELD if held_out else _DET), "<=")
+    return claims.Spec(*what, "removed", control, stat=stat, applies=_massive, details=details)
 
 
 def _keeps(name, statement, section, control, kind, matrix, missing, extra, held_out=False):
     """The random control beside a removal claim: the drawn edits keep the activation."""
 
     def applies(result: Result) -> str | None:
-        if why := _massive(result):
-            return why
-        n = len(result.select(kind, matrix))
-        return (
-            claims.too_few_seeds(n, "--n-random") if n else f"not measured in this run: {missing}"
-        )
+        n, why = len(result.select(kind, matrix)), f"not measured in this run: {missing}"
+        return _massive(result) or (claims.too_few_seeds(n, "--n-random") if n else why)
 
     def details(result: Result) -> str:
         rows = result.select(kind, matrix)
-        changes = ", ".join(fmt_value(r.change) for r in rows)
         return (
-            f"{where_edited(result)}; c per seed {changes}; survives "
-            f"{sum(r.survives for r in rows)}/{len(rows)}; {extra(result)}"
+            f"{where_edited(result)}; c per seed {', '.join(fmt_value(r.change) for r in rows)}; "
+            f"survives {sum(r.survives for r in rows)}/{len(rows)}; {extra(result)}"
         )
 
     def stat(r: Result) -> claims.Nested:
         return claims.Nested(r.seed_values(kind, matrix, r.neuron_prompts if held_out else None))
 
-    return claims.Spec(
-        f"{NAME}.{name}",
-        section,
-        statement,
-        _STAT + _SEEDS,
-        ">",
-        "removed",
-        control,
-        kind="control",
-        stat=stat,
-        unit="prompts",
-        applies=applies,
-        details=details,
-    )
+    what = (f"{NAME}.{name}", section, statement, _STAT + _SEEDS, ">", "removed", control)
+    return claims.Spec(*what, kind="control", stat=stat, applies=applies, details=details)
 
 
 def _fmt_list(xs) -> str:
@@ -358,19 +303,14 @@ def _fmt_list(xs) -> str:
 
 def _svd_extra(mat: str, energy: bool = False) -> Callable[[Result], str]:
     def extra(result: Result) -> str:
-        sv, top, rand = (
-            result.spectrum(mat),
-            result.svd_row(mat, result.claim_k),
-            result.select("svd_random", mat),
-        )
+        top, rand = result.svd_row(mat, result.claim_k), result.select("svd_random", mat)
         if not energy:
-            return (
-                f"top singular values {_fmt_list(sv[:3])}; smallest killing k {result.kill_k(mat)}"
-            )
+            sv = _fmt_list(result.spectrum(mat)[:3])
+            return f"top singular values {sv}; smallest killing k {result.kill_k(mat)}"
         return (
             f"top-{result.claim_k} removal: c {fmt_value(top.change) if top else 'not run'}, energy "
-            f"{fmt_value(top.energy if top else None)}; the others scaled ×{_fmt_list([r.scale for r in rand])} "
-            f"to energy {_fmt_list([r.energy for r in rand])}"
+            f"{fmt_value(top.energy if top else None)}; the others scaled "
+            f"×{_fmt_list([r.scale for r in rand])} to energy {_fmt_list([r.energy for r in rand])}"
         )
 
     return extra
@@ -378,25 +318,15 @@ def _svd_extra(mat: str, energy: bool = False) -> Callable[[Result], str]:
 
 def _about_neurons(result: Result) -> str:
     u, dims = result.units, result.massive_dims[:4]
-    where = (
-        f"on the selection half) by writes into dims {dims}; {u.text()}"
-        if u.held_out
-        else (
+    where = f"on the selection half) by writes into dims {dims}; {u.text()}"
+    if not u.held_out:
+        where = (
             f"by writes into dims {dims}); every prompt has the same massive-token prefix, so the "
-            "scores are one measurement and any half of the prompts picks the same neurons: chosen and "
-            f"scored on all {result.n_prompts} prompts (c still varies by prompt through the other "
-            "tokens' norms)"
+            "scores are one measurement and any half of the prompts picks the same neurons: chosen "
+            f"and scored on all {result.n_prompts} prompts (c still varies by prompt through the "
+            "other tokens' norms)"
         )
-    )
     return f"top neurons {result.neurons} (scores {_fmt_list(result.neuron_scores)}, {where}"
-
-
-def _first_neuron(result: Result) -> Ablation | None:
-    return result.neurons_row(result.neurons[:1]) if result.neurons else None
-
-
-def _all_neurons(result: Result) -> Ablation | None:
-    return result.neurons_row(result.neurons) if len(result.neurons) > 1 else _first_neuron(result)
 
 
 _NEURONS = "§2 claim 3 (a few FFN neurons)"
@@ -439,13 +369,13 @@ SPECS: tuple[claims.Spec, ...] = (
                 "top_neuron_removes",
                 "Ablating the single FFN neuron of the ME layer that writes "
                 "most into the massive dims removes the massive activation",
-                _first_neuron,
+                lambda r: r.neurons_row(r.neurons[:1]),
             ),
             (
                 "top_neurons_remove",
                 "Ablating the top FFN neurons of the ME layer (by their writes "
                 "into the massive dims) together removes the massive activation",
-                _all_neurons,
+                lambda r: r.neurons_row(r.neurons),  # one neuron: the same row
             ),
         )
     ),
@@ -474,49 +404,30 @@ claims.check_specs(SPECS)
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    base, fig, neu = result.baseline.ratio_at(result.layer), go.Figure(), go.Figure()
-    for mat in MATRICES:
-        for kind, name in (("svd", "top k"), ("svd_random", "k others, same energy (seeds)")):
-            if rows := result.select(kind, mat):
-                sweep = kind == "svd"
-                fig.add_trace(
-                    go.Scatter(
-                        x=[r.k for r in rows],
-                        y=[r.ratio_at_layer for r in rows],
-                        name=f"W_{mat}: {name}",
-                        mode="lines+markers" if sweep else "markers",
-                        marker={"symbol": "circle" if sweep else "circle-open"},
-                    )
-                )
-    nrows = result.neuron_rows() + result.select("neurons_random")
-    neu.add_trace(
-        go.Bar(
-            x=[r.label() for r in nrows],
-            y=[r.ratio_at_layer for r in nrows],
-            marker_color=["seagreen" if r.survives else "firebrick" for r in nrows],
-        )
+    base, y = result.baseline.ratio_at(result.layer), "max token / mean others at the ME layer"
+    head = f"Massive ratio at layer {result.layer} after"
+    tail = f"— {result.model}<br><sup>dashed: the unedited model ({base:.3g})</sup>"
+    names = {"svd": "top k", "svd_random": "k others, same energy (seeds)"}
+    series = {
+        f"W_{mat}: {name}": ([r.k for r in rows], [r.ratio_at_layer for r in rows])
+        for mat, (kind, name) in product(MATRICES, names.items())
+        if (rows := result.select(kind, mat))
+    }
+    seeds = [n for n in series if n.endswith(names["svd_random"])]
+    svd = plotting.lines(
+        series, f"{head} removing singular directions {tail}", "k", y, base, seeds, True
     )
-    for f, title, x in (
-        (fig, "removing singular directions", "k (directions removed)"),
-        (
-            neu,
-            f"ablating FFN neurons (top by writes into dims {result.massive_dims[:4]}, then "
-            "random others; green: still massive, red: gone)",
-            "ablated neurons",
-        ),
-    ):
-        # no annotation on the line: on a log axis plotly reads an annotation's y as log10(y)
-        f.add_hline(y=base, line_dash="dash", line_color="gray")
-        f.update_layout(
-            title=f"Massive ratio at layer {result.layer} after {title} — {result.model}<br><sup>"
-            f"dashed: the unedited model ({base:.3g})</sup>",
-            xaxis_title=x,
-            yaxis_title="max token / mean others at the ME layer",
-            yaxis_type="log",
-            template="plotly_white",
-        )
-    fig.update_xaxes(type="log")
-    return {"svd_sweep": fig, "neuron_ablation": neu}
+    nrows = result.select("neurons") + result.select("neurons_random")
+    neu = plotting.bars(
+        {r.label(): r.ratio_at_layer for r in nrows},
+        f"{head} ablating FFN neurons (top by writes into dims {result.massive_dims[:4]}, then "
+        f"random others; green: still massive, red: gone) {tail}",
+        y,
+        base,
+        ["seagreen" if r.survives else "firebrick" for r in nrows],
+        xaxis_title="ablated neurons",
+    )
+    return {"svd_sweep": svd, "neuron_ablation": neu}
 
 
 def summary(result: Result) -> str:

@@ -187,20 +187,15 @@ class Result(Headed):
         """Pooled perplexity with ``c`` zeroed over the unedited one (NaN: texts not run)."""
         if c.nll is None:
             return math.nan
-        return math.exp(
-            (np.sum(c.nll) - self.per_text("unedited").sum()) / self.per_text("n_pred").sum()
-        )
+        return math.exp(np.sum(c.nll) / self.per_text("n_pred").sum()) / self.ppl("unedited")
 
     @property
     def precursor(self) -> LayerCandidate | None:
         """The candidate upstream of the ME layer whose zeroing leaves the least of the excess, if
         it removes at least the ``removed`` fraction of it (else ``None``)."""
         best = min((c for c in self.layers if c.layer < self.me_layer), key=self.left, default=None)
-        return (
-            best
-            if best is not None and self.left(best) <= 1 - claims.threshold("removed")
-            else None
-        )
+        ok = best is not None and self.left(best) <= 1 - claims.threshold("removed")
+        return best if ok else None
 
 
 def text_candidates(res: Result) -> list[LayerCandidate]:
@@ -247,20 +242,16 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     if sw is None:
         return res
     check = max(m, sw.layer)
-    coords = dp.layer_candidates(model, spikes, yu) if res.detected else []
+    found = dp.layer_candidates(model, spikes, yu, m) if res.detected else []
     # the prompts: each zeroing runs blocks L..max(m, L) only, from the unedited prefix
-    pp = capture_prefix(model, s.batch, [sw.layer, *(c[0] for c, _ in coords)], max_tokens=None)
+    pp = capture_prefix(model, s.batch, [sw.layer, *(c.layer for c in found)], max_tokens=None)
 
     def ratio(coord: tuple[int, int, int]) -> list[float]:
         with down_weights_zeroed(model, [coord]):
             return dp.output_ratio(model, s.batch, max(m, coord[0]), pp, coord[0])
 
-    layers = [
-        LayerCandidate(
-            *c, float(model.ffn_weights(c[0]).down.detach()[c[1:]]), why, max(m, c[0]), ratio(c)
-        )
-        for c, why in terminal.bar(coords, desc=f"{NAME}: every layer")
-    ]
+    bar = terminal.bar(found, desc=f"{NAME}: every layer")
+    layers = [replace(c, ratio_zeroed=ratio(c.coord)) for c in bar]
     res = replace(res, layers=layers, check_layer=check, ratio_zeroed=ratio(sw.coord))
     # the texts: blocks L.. of each zeroing, from the unedited prefix
     source = cfg.load_prompts() if cfg.texts is None else read_prompts(cfg.texts)
@@ -537,19 +528,14 @@ claims.check_specs(SPECS)
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    thr, sw, med = claims.threshold("super_weight_spike"), result.super_weight, np.median
-    panels = {
+    thr, sw = claims.threshold("super_weight_spike"), result.super_weight
+    panels = {  # [series, layer, prompt]
         "down_proj input: max |x| (σ(gate)·up)": (result.in_max, result.others_in_max),
         "down_proj output: max |y| (before any post-norm)": (result.out_max, result.others_out_max),
     }
+    series = ("massive token", "other tokens (max)")  # the median over prompts
     spikes = plotting.layer_panels(
-        {
-            t: {
-                "massive token": [med(v) for v in at],
-                "other tokens (max)": [med(v) for v in others],
-            }
-            for t, (at, others) in panels.items()
-        },
+        {t: dict(zip(series, np.median(v, -1).tolist(), strict=True)) for t, v in panels.items()},
         f"down_proj spikes at the massive token (median over {result.n_prompts} prompts) — "
         f"{result.model}<br><sup>dotted: Yu et al.'s spike threshold {thr:g}; super weight: "
         f"{sw.label() if sw else 'none'}</sup>",

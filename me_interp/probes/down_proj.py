@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypedDict
 
@@ -466,7 +466,7 @@ class LayerCandidate:
     weight: float
     why: str
     check_layer: int
-    ratio_zeroed: list[float]
+    ratio_zeroed: list[float] = field(default_factory=list)
     nll: list[float] | None = None
 
     @property
@@ -478,14 +478,25 @@ class LayerCandidate:
 
 
 def layer_candidates(
-    model: LoadedModel, spikes: Spikes, yu: Sequence[YuSpike]
-) -> list[tuple[tuple[int, int, int], str]]:
+    model: LoadedModel, spikes: Spikes, yu: Sequence[YuSpike], me_layer: int
+) -> list[LayerCandidate]:
     """Every layer's top candidates and why: its largest building write (:func:`largest_writes`)
-    and, in a Yu spike layer, Yu et al.'s coordinate (one entry when they coincide)."""
+    and, in a Yu spike layer, Yu et al.'s coordinate (one entry when they coincide); not yet
+    zeroed (no ``ratio_zeroed``), checked at ``max(me_layer, layer)``."""
     why = {c: ["largest write"] for c in largest_writes(model, spikes)}
     for d in yu:
         why.setdefault((d.layer, d.row, d.col), []).append("Yu spike")
-    return [(c, " + ".join(w)) for c, w in sorted(why.items())]
+    return [
+        LayerCandidate(
+            L,
+            r,
+            c,
+            float(model.ffn_weights(L).down.detach()[r, c]),
+            " + ".join(w),
+            max(me_layer, L),
+        )
+        for (L, r, c), w in sorted(why.items())
+    ]
 
 
 def weight_only_tops(model: LoadedModel) -> list[WeightOnlyTop]:

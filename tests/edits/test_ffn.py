@@ -169,6 +169,24 @@ def test_energy_matched_directions_change_the_top_k_energy_and_not_the_top_k(
     assert changed(model, before) == set()
 
 
+def test_direction_plan_by_hand(tiny_llama):
+    """The top-j removals of the sweep, then seeded energy-matched draws of k others."""
+    W = edits.ffn_matrix(tiny_llama, 1, "down")
+    S = np.linalg.svd(W.detach().double().numpy(), compute_uv=False)
+    svd = edits.SVD.of(W)
+    plan = edits.direction_plan(svd, [1, 4], 2, 2, seed=7)
+    assert [(p.directions, p.scale, p.seed) for p in plan[:2]] == [
+        ([0], 1.0, None),
+        ([0, 1, 2, 3], 1.0, None),
+    ]
+    assert plan[1].energy == pytest.approx((S[:4] ** 2).sum(), rel=1e-9)
+    for p, seed in zip(plan[2:], (7, 8), strict=True):
+        assert p.seed == seed and p.directions == edits.random_others(svd.rank, range(2), 2, seed)
+        assert p.energy == pytest.approx((S[:2] ** 2).sum(), rel=1e-9)  # matched to the top 2
+        assert p.scale == pytest.approx(np.sqrt((S[:2] ** 2).sum() / (S[p.directions] ** 2).sum()))
+    assert len(edits.direction_plan(svd, [], 2, 0, seed=0)) == 0
+
+
 def test_random_others():
     got = edits.random_others(20, range(5), 5, seed=1)
     assert len(set(got)) == 5 and min(got) >= 5 and got == sorted(got)
