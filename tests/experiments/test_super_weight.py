@@ -128,6 +128,22 @@ def test_planted_nobos_verdicts_and_the_statistics_by_hand(distinct):
     with down_weights_zeroed(model, [res.super_weight.coord]):
         zero = evaluation.perplexity(model, tb)
     assert res.ppl("unedited") == pytest.approx(base, rel=1e-6)
+    # the texts ran for the ME layer's candidate, the best upstream one and the 3 that leave least
+    # of the excess (text_candidates); each from the unedited prefix, as a whole forward would
+    left = {
+        c.coord: excess_fraction(np.mean(c.ratio_zeroed), np.mean(res.prompt_ratio[c.check_layer]))
+        for c in res.layers
+    }
+    least = sorted(left, key=left.get)
+    up = min((k for k in least if k[0] < plant.layer), key=left.get)
+    want = {*least[: sw.N_TEXT], up, *(k for k in least if k[0] == plant.layer)}
+    assert {c.coord for c in res.layers if c.nll is not None} == want != set(left)
+    for c in res.layers:
+        if c.nll is not None:
+            with down_weights_zeroed(model, [c.coord]):
+                assert res.layer_ppl_ratio(c) == pytest.approx(
+                    evaluation.perplexity(model, tb) / base, rel=1e-5
+                )
     assert by["zeroing_hurts"].estimate.value == pytest.approx(zero / base, rel=1e-6)
     d = _check_result(res)
     assert d["candidates"][0]["layer"] == plant.layer and d["header"]["layer"] == plant.layer
