@@ -222,9 +222,10 @@ THRESHOLDS: dict[str, Threshold] = {
     ),
     "super_weight_layer": Threshold(
         0.5,
-        "super weights: 'the super weight is in the ME layer' when the top candidate of at least "
-        "this fraction of the distinct massive-token prefixes lies in the ME layer "
-        "(Clopper-Pearson interval; under exchangeable layers the chance is 1 / n_layers)",
+        "super weights: 'the super weight is in the ME layer' when zeroing the ME layer's top "
+        "candidate removes at least this share of what it and the best other layer's candidate "
+        "remove of the massive excess, ρ_me / (ρ_me + max_other ρ) (0.5: a tie; bootstrap over "
+        "the distinct massive-token prefixes)",
     ),
     "padding_equivalence": Threshold(
         1e-3,

@@ -7,7 +7,7 @@ with a dashed vertical line; norms are on log axes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
@@ -370,4 +370,86 @@ def layer_grid(
             fig.add_vline(x=me, line_dash="dash", line_color="gray", **at)
     fig.update_layout(title=title, template="plotly_white", height=340 * n_rows + 120,
                       width=max(900, 330 * cols))  # fmt: skip
+    return fig
+
+
+def layer_panels(
+    panels: Mapping[str, Mapping[str, Sequence[float]]],
+    title: str,
+    me_layer: int | None = None,
+    colors: Sequence[str] = (),
+    hline: float | None = None,
+) -> go.Figure:
+    """Panels side by side, one per key of ``panels`` (its title), each with one line per named
+    series over layers on a log axis (a series keeps its colour, ``colors[i]``, and one legend
+    entry across panels); ``hline``: a dotted line at that value in every panel."""
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=list(panels))
+    for col, series in enumerate(panels.values(), 1):
+        for i, (name, ys) in enumerate(series.items()):
+            line = go.Scatter(
+                x=list(range(len(ys))),
+                y=list(ys),
+                mode="lines+markers",
+                name=name,
+                legendgroup=name,
+                showlegend=col == 1,
+                line_color=colors[i] if i < len(colors) else None,
+            )
+            fig.add_trace(line, row=1, col=col)
+        if hline is not None:
+            fig.add_hline(y=hline, line_dash="dot", line_color="black", row=1, col=col)
+        fig.update_yaxes(type="log", row=1, col=col)
+        fig.update_xaxes(title_text="layer (0-based)", row=1, col=col)
+    fig.update_layout(title=title, template="plotly_white", margin={"t": 130})
+    return mark_layer(fig, me_layer)
+
+
+def bars(
+    values: Mapping[str, float],
+    title: str,
+    yaxis_title: str,
+    reference: float | None = None,
+    colors: Sequence[str] | None = None,
+    points: Mapping[str, Sequence[float]] | None = None,
+    **layout,
+) -> go.Figure:
+    """One bar per named value on a log axis; ``points`` (name → values): markers in a column of
+    their own (e.g. each seed of a control); ``reference``: a dashed gray line (no annotation: on a
+    log axis plotly reads an annotation's y as log10(y)); ``layout``: more ``update_layout``."""
+    bar = go.Bar(x=list(values), y=list(values.values()), marker_color=colors, showlegend=False)
+    fig = go.Figure(bar)
+    for name, ys in (points or {}).items():
+        fig.add_trace(go.Scatter(x=[name] * len(ys), y=list(ys), mode="markers", name=name))
+    if reference is not None:
+        fig.add_hline(y=reference, line_dash="dash", line_color="gray")
+    fig.update_layout(
+        title=title, yaxis_title=yaxis_title, yaxis_type="log", template="plotly_white", **layout
+    )
+    return fig
+
+
+def lines(
+    series: Mapping[str, tuple[Sequence[int | float], Sequence[float]]],
+    title: str,
+    xaxis_title: str,
+    yaxis_title: str,
+    reference: float | None = None,
+    markers_only: Collection[str] = (),
+    log_x: bool = False,
+) -> go.Figure:
+    """One line per named ``(xs, ys)`` series on a log y axis (``markers_only``: those as open
+    markers, e.g. the seeds of a control); ``reference``: a dashed gray line, as :func:`bars`."""
+    fig = go.Figure()
+    for name, (xs, ys) in series.items():
+        dots = name in markers_only
+        mode, symbol = ("markers", "circle-open") if dots else ("lines+markers", "circle")
+        fig.add_trace(
+            go.Scatter(x=list(xs), y=list(ys), name=name, mode=mode, marker_symbol=symbol)
+        )
+    if reference is not None:
+        fig.add_hline(y=reference, line_dash="dash", line_color="gray")
+    fig.update_layout(title=title, xaxis_title=xaxis_title, yaxis_title=yaxis_title)
+    fig.update_layout(
+        yaxis_type="log", xaxis_type="log" if log_x else None, template="plotly_white"
+    )
     return fig

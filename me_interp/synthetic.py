@@ -562,6 +562,8 @@ DECOYS: dict[str, str] = {
     # two-layer births (twostep_decoy)
     "twostep": "born over two layers: the norm ratio jumps ×16 at layer 2, then ×60 at layer 3",
     "twostep-even": "born over two nearly balanced layers: ×20 at layer 2, then ×25 at layer 3",
+    "precursor": "layer 1's FFN writes a precursor (60) into the massive dim; two neurons of the "
+    "ME layer amplify it: zeroing the precursor weight removes more than the ME layer's top one",
 }
 """The kinds :func:`decoy` builds (loadable as ``synthetic:decoy-<kind>``): kind: what it is."""
 
@@ -993,6 +995,7 @@ CAUSAL_DECOYS: tuple[str, ...] = (
     "primed",
     "primedapart",
     "sinkspread",
+    "precursor",
 )
 """The kinds of :data:`DECOYS` that :func:`causal_decoy` builds."""
 
@@ -1121,6 +1124,38 @@ def _protect(hf, dim: int) -> None:
             lay.down[dim, :] = 0.0
 
 
+PRECURSOR_NEURON, PRECURSOR_WRITE = 9, 60.0
+"""``decoy-precursor``: the neuron of layer ``layer − 1`` that writes the precursor, and about how
+much it writes into the massive dim at token 0 (below the Sun criterion's 100: not yet massive)."""
+AMPLIFIERS = ((5, 0.6), (6, 0.4))
+"""``decoy-precursor``: the ME layer's neurons that read the massive dim and write it back, and
+their shares of the massive value :data:`MASSIVE_VALUE`."""
+
+
+def _plant_precursor(hf, tok, plant: Plant, layer: int) -> dict:
+    """Make neuron :data:`PRECURSOR_NEURON` of ``layer − 1`` read the marker (gain dims) and write
+    about :data:`PRECURSOR_WRITE` into the massive dim ``D`` at the marked tokens only, and the
+    planted neuron of ``layer`` plus a second one (:data:`AMPLIFIERS`) read ``D`` (pre-FFN gain
+    ``plant.gain`` on ``D``, none on the gain dims) and write 60 % and 40 % of
+    :data:`MASSIVE_VALUE` into ``D`` (down weights calibrated by one forward). Zeroing the precursor's
+    weight leaves the ME layer nothing to amplify; zeroing the ME layer's top weight leaves 40 %."""
+    D, G = plant.massive_dim, list(plant.gain_dims)
+    pre = _Layer(hf.model.layers[layer - 1], hf.config)
+    me = _Layer(hf.model.layers[layer], hf.config)
+    x = _token0_ffn_io(hf, tok, layer - 1)[1]  # [starter, d]: layer − 1's normalised FFN input
+    act = torch.nn.functional.silu(x[:, G].sum(-1)) * x[:, G].sum(-1)
+    _set_neuron(pre, PRECURSOR_NEURON, G, D, 1.0, PRECURSOR_WRITE / float(act.mean()))
+    me.set_gain_dims(me.ffn_norm, G, 1.0)
+    me.set_gain_dims(me.ffn_norm, [D], plant.gain)
+    for n, _ in AMPLIFIERS:
+        _set_neuron(me, n, [D], D, 1.0, 0.0)
+    y = _token0_ffn_io(hf, tok, layer)[1][:, D]
+    a = float((torch.nn.functional.silu(y) * y).mean())
+    for n, share in AMPLIFIERS:
+        me.down[D, n] = share * MASSIVE_VALUE / a
+    return {"neuron": AMPLIFIERS[0][0], "reads": (D,), "gain_dims": (D,)}
+
+
 def causal_decoy(kind: str, layer: int = 2, seed: int = 0):
     """A decoy of :data:`CAUSAL_DECOYS` (a tiny Llama, no BOS; prompts:
     :func:`distinct_first_prompts`): :func:`planted_nobos` (5 layers, planted at ``layer``) with one
@@ -1194,6 +1229,8 @@ def causal_decoy(kind: str, layer: int = 2, seed: int = 0):
         elif kind == "sinkspread":
             _sink_every_head(hf, p, after)
             rec.update(spread_layers=after)
+        elif kind == "precursor":
+            rec.update(layers=(layer - 1, layer), **_plant_precursor(hf, tok, p, layer))
         elif kind == "varying":
             _protect(hf, SIGN_DIM)
             sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(N_STARTERS)])

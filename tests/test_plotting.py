@@ -26,3 +26,43 @@ def test_heatmap_menu_one_panel_shown_at_a_time_and_counts_bar():
     assert [b.args[0]["visible"] for b in buttons] == [[True, False], [False, True]]
     bar = plotting.counts_bar({"'.'": 3, "'\\n'": 1}, "t", "x", "y")
     assert list(bar.data[0].x) == ["'.'", "'\\n'"] and list(bar.data[0].y) == [3, 1]
+
+
+def test_layer_panels_one_legend_entry_per_series_and_a_line_in_each_panel():
+    fig = plotting.layer_panels(
+        {"a": {"x": [1.0, 2.0], "y": [3.0, 4.0]}, "b": {"x": [5.0, 6.0], "y": [7.0, 8.0]}},
+        "t",
+        me_layer=1,
+        colors=("red",),
+        hline=10.0,
+    )
+    assert [t.name for t in fig.data] == ["x", "y", "x", "y"]
+    assert [t.showlegend for t in fig.data] == [True, True, False, False]
+    assert fig.data[2].line.color == "red" and fig.data[3].line.color is None
+    assert list(fig.data[3].y) == [7.0, 8.0] and fig.data[3].xaxis == "x2"
+    dotted = [s for s in fig.layout.shapes if s.line.dash == "dot"]
+    assert len(dotted) == 2 and {s.y0 for s in dotted} == {10.0}
+    assert fig.layout.yaxis.type == fig.layout.yaxis2.type == "log"
+
+
+def test_bars_values_points_and_reference():
+    fig = plotting.bars(
+        {"a": 1.0, "b": 2.0}, "t", "y", reference=3.0, points={"seeds": [4.0, 5.0]}, xaxis_title="x"
+    )
+    assert list(fig.data[0].x) == ["a", "b"] and list(fig.data[0].y) == [1.0, 2.0]
+    assert list(fig.data[1].x) == ["seeds", "seeds"] and list(fig.data[1].y) == [4.0, 5.0]
+    assert [s.y0 for s in fig.layout.shapes] == [3.0] and fig.layout.yaxis.type == "log"
+    assert fig.layout.xaxis.title.text == "x" and not fig.layout.annotations
+    assert len(plotting.bars({"a": 1.0}, "t", "y").data) == 1
+
+
+def test_lines_series_markers_and_reference():
+    fig = plotting.lines(
+        {"a": ([1, 2], [3.0, 4.0]), "b": ([2], [5.0])}, "t", "x", "y", 6.0, {"b"}, log_x=True
+    )
+    assert [t.name for t in fig.data] == ["a", "b"] and list(fig.data[0].y) == [3.0, 4.0]
+    assert fig.data[0].mode == "lines+markers" and fig.data[1].mode == "markers"
+    assert fig.data[1].marker.symbol == "circle-open"
+    assert [s.y0 for s in fig.layout.shapes] == [6.0] and not fig.layout.annotations
+    assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
+    assert plotting.lines({}, "t", "x", "y").layout.xaxis.type is None

@@ -7,7 +7,7 @@ Every edit is built on :func:`edited_parameters` (save clones, write, restore in
     with permuted_gain(model, layer, perm, norm="ffn"): ...
     with flattened_gain(model, layer, alpha, norm="ffn"): ...
     with svd_ablated(model, layer, matrix, k): ...
-    with directions_removed(W, SVD.of(W), directions): ...
+    with directions_removed(W, SVD.of(W), directions, scale=1.0): ...
     with neurons_ablated(model, layer, neurons): ...
     with down_weights_zeroed(model, [(layer, row, col), ...]): ...
 
@@ -29,12 +29,16 @@ from me_interp.edits.core import (
 from me_interp.edits.ffn import (
     MATRICES,
     SVD,
+    Directions,
     check_neurons,
+    direction_plan,
     directions_removed,
     down_weights_zeroed,
+    energy_matched,
     ffn_matrix,
     ffn_singular_values,
     neurons_ablated,
+    random_others,
     svd_ablated,
     top_singular_part,
 )
@@ -62,9 +66,12 @@ __all__ = [
     "check_neurons",
     "check_part",
     "check_permutation",
+    "Directions",
+    "direction_plan",
     "directions_removed",
     "down_weights_zeroed",
     "edited_parameters",
+    "energy_matched",
     "ffn_matrix",
     "ffn_singular_values",
     "flattened_gain",
@@ -75,6 +82,7 @@ __all__ = [
     "part_parameters",
     "patched_weights",
     "permuted_gain",
+    "random_others",
     "random_permutation",
     "set_gain",
     "svd_ablated",

@@ -5,7 +5,10 @@
   part is taken out, the remaining ``rank − k`` directions are untouched.
 * :func:`directions_removed` removes any set ``S`` of singular directions, from an :class:`SVD`
   computed once per matrix: ``W ← W − Σ_{i∈S} s_i u_i v_iᵀ`` (for ``S = {0..k−1}`` the edit of
-  :func:`svd_ablated`; other sets are the random controls of ``ffn_svd_ablation``).
+  :func:`svd_ablated`; other sets are the random controls of ``ffn_svd_ablation``), optionally
+  scaled: ``W ← W − β Σ_{i∈S} s_i u_i v_iᵀ``, with :func:`energy_matched` giving the ``β`` whose
+  removed energy ``β² Σ_{i∈S} s_i²`` equals that of the top ``k`` (``Σ_{i<k} s_i²``);
+  :func:`direction_plan` lists the top-``k`` removals and such energy-matched random draws.
 * :func:`neurons_ablated` removes whole neurons ``n``: ``W_gate[n,:] = W_up[n,:] = 0`` and
   ``W_down[:,n] = 0``, so the neuron's activation and its write to the residual stream are exactly 0.
 * :func:`down_weights_zeroed` sets single entries ``W_down[r, c] = 0`` of any layers (Yu et al.'s
@@ -18,6 +21,7 @@ Matrices are named ``"gate"``, ``"up"``, ``"down"`` (HF ``(out, in)`` layout, vi
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -88,27 +92,80 @@ class SVD:
     def rank(self) -> int:
         return int(self.S.numel())
 
-    def part(self, directions: Sequence[int]) -> torch.Tensor:
-        """``Σ_{i∈directions} s_i u_i v_iᵀ`` (float64)."""
+    def part(self, directions: Sequence[int], scale: float = 1.0) -> torch.Tensor:
+        """``scale · Σ_{i∈directions} s_i u_i v_iᵀ`` (float64)."""
         idx = torch.as_tensor(list(directions), dtype=torch.long)
-        return (self.U[:, idx] * self.S[idx]) @ self.Vh[idx]
+        return (self.U[:, idx] * (scale * self.S[idx])) @ self.Vh[idx]
+
+    def energy(self, directions: Sequence[int]) -> float:
+        """``Σ_{i∈directions} s_i²``: the squared Frobenius norm of their part."""
+        return float(self.S[list(directions)].pow(2).sum())
+
+
+def energy_matched(svd: SVD, k: int, directions: Sequence[int]) -> float:
+    """``β = sqrt(Σ_{i<k} s_i² / Σ_{i∈directions} s_i²)``: the scale at which removing
+    ``directions`` (:func:`directions_removed` with ``scale=β``) changes ``W`` by as much Frobenius
+    energy as removing the top ``k`` (``‖ΔW‖_F² = Σ_{i<k} s_i²``). With ``s`` descending a set of
+    ``k`` other directions carries less energy than the top ``k``, so ``β ≥ 1``: their components
+    are subtracted ``β`` times, not only removed (NaN when they carry no energy)."""
+    other = svd.energy(directions)
+    return math.sqrt(svd.energy(range(k)) / other) if other > 0 else math.nan
 
 
 @contextlib.contextmanager
 def directions_removed(
-    W: torch.nn.Parameter, svd: SVD, directions: Sequence[int]
+    W: torch.nn.Parameter, svd: SVD, directions: Sequence[int], scale: float = 1.0
 ) -> Iterator[None]:
-    """Within the block, ``W ← W − Σ_{i∈directions} s_i u_i v_iᵀ`` (``svd`` of ``W``); restored on
-    exit, also after an exception (:func:`~me_interp.edits.core.edited_parameters`).
+    """Within the block, ``W ← W − scale · Σ_{i∈directions} s_i u_i v_iᵀ`` (``svd`` of ``W``);
+    restored on exit, also after an exception (:func:`~me_interp.edits.core.edited_parameters`).
 
     Raises:
-        ValueError: a direction outside ``0..rank−1``, or a repeated one.
+        ValueError: a direction outside ``0..rank−1``, a repeated one, or a scale that is not finite.
     """
     d = list(directions)
     if not d or min(d) < 0 or max(d) >= svd.rank or len(set(d)) != len(d):
         raise ValueError(f"directions must be distinct ints in 0..{svd.rank - 1}, got {d}")
-    with edited_parameters({W: W.detach() - svd.part(d).to(W.dtype)}):
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    with edited_parameters({W: W.detach() - svd.part(d, scale).to(W.dtype)}):
         yield
+
+
+def random_others(n_total: int, exclude: Sequence[int], k: int, seed: int) -> list[int]:
+    """``k`` distinct indices of ``0..n_total−1`` outside ``exclude`` (directions, neurons), drawn
+    with a seeded generator, sorted."""
+    skip = set(exclude)
+    pool = torch.tensor([i for i in range(n_total) if i not in skip])
+    if k > len(pool):
+        raise ValueError(f"cannot draw {k} of the {len(pool)} indices left")
+    gen = torch.Generator().manual_seed(seed)
+    return sorted(pool[torch.randperm(len(pool), generator=gen)[:k]].tolist())
+
+
+@dataclass(frozen=True)
+class Directions:
+    """One removal of singular directions (:func:`directions_removed`): which, at what ``scale``
+    ``β``, the energy it takes out of ``W`` (``‖ΔW‖_F² = β² Σ s_i²``) and a random draw's ``seed``
+    (``None``: the top ``k``)."""
+
+    directions: list[int]
+    scale: float
+    energy: float
+    seed: int | None = None
+
+
+def direction_plan(
+    svd: SVD, ks: Sequence[int], k: int, n_random: int, seed: int
+) -> list[Directions]:
+    """The removals of ``ffn_svd_ablation``: the top ``j`` directions for every ``j`` of ``ks``, then
+    ``n_random`` draws (seeds ``seed, seed+1, …``) of ``k`` other directions
+    (:func:`random_others`) scaled to the top ``k``'s energy (:func:`energy_matched`)."""
+    out = [Directions(list(range(j)), 1.0, svd.energy(range(j))) for j in ks]
+    for s in range(seed, seed + n_random):
+        d = random_others(svd.rank, range(k), k, s)
+        beta = energy_matched(svd, k, d)
+        out.append(Directions(d, beta, beta**2 * svd.energy(d), s))
+    return out
 
 
 def check_neurons(neurons: Sequence[int], d_mlp: int) -> list[int]:

@@ -1,40 +1,10 @@
 """FFN singular-direction and neuron ablation at the ME layer: which directions make the massive activation?
 
-With ``W = U diag(s) Vᵀ`` (``s`` descending), removing a set ``S`` of singular directions sets
-``W ← W − Σ_{i∈S} s_i u_i v_iᵀ`` for ``W`` one of ``W_down``, ``W_up``, ``W_gate`` of the ME layer
-``m`` (``me_interp.edits.directions_removed``, the same edit as ``me_interp.edits.svd_ablated`` for
-``S = {0..k−1}``; the SVD of each matrix is computed once, ``edits.SVD``). Edits:
-
-* ``svd``: the top ``k`` directions, for every ``k`` of the sweep ``ks`` and for ``claim_k``;
-* ``svd_random``: the control, ``claim_k`` directions drawn (seeded) from the *other* ones
-  (ranks ``claim_k..rank−1``), ``n_random`` seeds;
-* ``neurons``: the FFN neurons that write most into the massive dims, each alone and the top
-  ``n_neurons`` together (gate row, up row and down column zeroed, ``edits.neurons_ablated``);
-* ``neurons_random``: the control, ``n_neurons`` neurons drawn (seeded) from the others.
-
-Neuron score (the probe ``probes.ffn.neuron_scores``): at the massive token ``t_b`` of each prompt
-``b`` (the unedited ME layer's massive position), ``score_n = mean_b ‖ act_n(b, t_b) · W_down[D, n] ‖₂``
-with ``act = σ(W_gate x) ⊙ W_up x`` (``mlp.hook_post``) and ``D`` the massive dims: how much neuron
-``n`` writes into the massive dims.
-
-The statistic of every claim is the excess the edit leaves, ``c = (R̄_m(edited) − 1) /
-(R̄_m(unedited) − 1)`` with ``R̄_m`` the mean over prompts of ``R_{m,b} = max_t ‖h_{m,b,t}‖ /
-mean_{t≠argmax} ‖h_{m,b,t}‖`` of layer ``m``'s output (as in ``rmsnorm_permutation``); an edit
-*removes* the massive activation when ``c`` is at most the table's ``removed`` fraction.
-
-Claims (:data:`SPECS`, declarative, judged by :func:`me_interp.claims.judge`): the claims (evidence)
-``svd_<matrix>_removes`` (the top ``claim_k`` directions of each matrix), ``top_neuron_removes`` and
-``top_neurons_remove``, each bootstrapped over prompts (edited and unedited means resampled together);
-the neurons are scored and chosen on the selection half of the prompts (one unit per distinct
-massive-token prefix, ``probes.site.massive_units``) and their claims and control are tested on the
-held-out half only, so a neuron chosen for noise in the selection prompts cannot make its claim hold;
-and the controls ``svd_<matrix>_random_keeps`` and ``random_neurons_keep`` (``claim_k`` other
-directions, ``n_neurons`` other neurons: they must keep the activation for the claims beside them to
-be specific, and are never counted as evidence). A control is measured on prompts × seeds
-(``Result.seed_values``: per prompt and seed, ``(R_{m,b}(edited, seed) − 1) / (R̄_m(unedited) − 1)``,
-whose mean is the mean over seeds of ``c``) with a two-way (crossed) bootstrap over prompts and seeds
-(:class:`me_interp.claims.Nested`; the unedited mean held fixed), and needs at least
-:data:`me_interp.claims.MIN_SEEDS` seeds, else it is not applicable.
+With ``W = U diag(s) Vᵀ`` one of ``W_down``, ``W_up``, ``W_gate`` of the ME layer ``m``: ``svd``
+removes the top ``k`` directions for every ``k`` of ``ks`` and ``claim_k``, ``svd_random`` as many
+others scaled to the top ``claim_k``'s energy (``edits.direction_plan``); ``neurons`` ablates the
+neurons that write most into the massive dims (``probes.ffn.neuron_scores``, chosen on the selection
+half of the prompts), each alone and together, against ``neurons_random``. Formulas: ``SPECS``.
 
     python -m me_interp.experiments.ffn_svd_ablation
     python -m me_interp.experiments.ffn_svd_ablation --ks 1 2 4 --matrices down --n-neurons 5
@@ -45,21 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from itertools import product
 
 import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from me_interp import claims, terminal
+from me_interp import claims, edits, plotting, terminal
 from me_interp.claims import excess_stat
-from me_interp.edits import (
-    MATRICES,
-    SVD,
-    directions_removed,
-    ffn_matrix,
-    neurons_ablated,
-)
+from me_interp.edits import MATRICES, SVD, ffn_matrix, random_others
 from me_interp.experiments._weights import (
     EDIT_COLUMNS,
     EditRow,
@@ -76,24 +40,16 @@ from me_interp.study import Experiment, Headed, RunHeader, checked, command, run
 from me_interp.terminal import fmt_table
 
 NAME = "ffn_svd_ablation"
-KINDS = ("svd", "svd_random", "neurons", "neurons_random")
-"""The edits (module docstring), in table order."""
+KINDS = ("svd", "svd_random", "neurons", "neurons_random")  # the edits, in table order
 
 
 @dataclass(frozen=True)
 class Config(WeightConfig):
-    """FFN-ablation settings.
-
-    Attributes:
-        matrices: which FFN matrices to ablate.
-        ks: the sweep: how many top singular directions to remove (each value separately).
-        claim_k: how many top singular directions the claims remove (the paper's "a few"; run even
-            when not in ``ks``); the random control removes as many of the others (at most half the
-            rank).
-        n_neurons: how many of the top-scoring neurons to ablate (each alone, then all together);
-            the random control ablates as many others.
-        n_random: seeds (``seed, seed+1, …``) of each random control (the claims need at least 5).
-    """
+    """FFN-ablation settings: the ``matrices`` to ablate; ``ks`` the sweep (how many top singular
+    directions to remove, each separately); ``claim_k`` how many the claims remove (run even when
+    not in ``ks``; at most half the rank, the random control draws as many of the others);
+    ``n_neurons`` top neurons ablated (each alone, then together; the control draws as many);
+    ``n_random`` seeds (``seed, seed+1, …``) of each random control (a control needs 5)."""
 
     matrices: tuple[str, ...] = checked(("down", "up", "gate"), choices=MATRICES)
     ks: tuple[int, ...] = checked((1, 2, 4, 8, 16, 32), ge=1)
@@ -111,48 +67,34 @@ class Config(WeightConfig):
         return sorted({*self.ks, self.claim_k})
 
 
-def random_others(n_total: int, exclude: Sequence[int], k: int, seed: int) -> list[int]:
-    """``k`` distinct indices of ``0..n_total−1`` outside ``exclude``, drawn with a seeded generator,
-    sorted."""
-    skip = set(exclude)
-    pool = torch.tensor([i for i in range(n_total) if i not in skip])
-    if k > len(pool):
-        raise ValueError(f"cannot draw {k} of the {len(pool)} indices left")
-    gen = torch.Generator().manual_seed(seed)
-    return sorted(pool[torch.randperm(len(pool), generator=gen)[:k]].tolist())
-
-
 @dataclass(frozen=True)
 class Ablation(EditRow):
-    """One ablation of the ME layer's FFN and what it left (:class:`EditRow`).
-
-    Attributes:
-        kind: :data:`KINDS`; ``matrix``: the ablated matrix (``svd``, ``svd_random``); ``k``: how
-            many directions; ``directions``: the removed singular directions; ``neurons``: the
-            ablated neurons; ``seed``: the draw of a random control.
-    """
+    """One ablation of the ME layer's FFN and what it left (:class:`EditRow`): its ``kind``
+    (:data:`KINDS`), ``matrix``, ``k`` and removed singular ``directions`` with their ``scale`` ``β``
+    and ``energy`` ``‖ΔW‖_F² = β² Σ s_i²``, or its ``neurons``; ``seed``: a random draw's."""
 
     kind: str
     matrix: str | None = None
     k: int | None = None
     directions: list[int] | None = None
+    scale: float | None = None
+    energy: float | None = None
     neurons: list[int] | None = None
     seed: int | None = None
 
     def label(self) -> str:
-        if self.kind == "svd":
-            return f"W_{self.matrix} top {self.k}"
-        if self.kind == "svd_random":
-            return f"W_{self.matrix} {self.k} others, seed {self.seed}"
-        if self.kind == "neurons":
-            return "neurons " + " + ".join(map(str, self.neurons))
-        return f"{len(self.neurons)} other neurons, seed {self.seed}"
+        return {
+            "svd": lambda: f"W_{self.matrix} top {self.k}",
+            "svd_random": lambda: (
+                f"W_{self.matrix} {self.k} others ×{self.scale:.3g}, seed {self.seed}"
+            ),
+            "neurons": lambda: "neurons " + " + ".join(map(str, self.neurons)),
+        }.get(self.kind, lambda: f"{len(self.neurons)} other neurons, seed {self.seed}")()
 
 
 @dataclass(frozen=True)
 class Spectrum:
-    """The largest singular values of one FFN matrix of the ME layer (as many as the sweep's
-    largest ``k``)."""
+    """The largest singular values of one FFN matrix of the ME layer (as many as the largest k)."""
 
     matrix: str
     values: list[float]
@@ -160,16 +102,8 @@ class Spectrum:
 
 @dataclass(frozen=True)
 class Result(Headed):
-    """The ablations of the ME layer's FFN and what they did (``header.layer``: the ablated layer).
-
-    Attributes:
-        baseline: the unedited model's :class:`Measurement`.
-        rows: every ablation (:class:`Ablation`), in run order.
-        singular_values: per ablated matrix, its top singular values.
-        neurons, neuron_scores: the top neurons (by writes into ``massive_dims``) and their scores,
-            chosen on the selection half of ``units``.
-        units: the prompts grouped by massive-token prefix, and the selection / held-out halves.
-    """
+    """The ablations of the ME layer's FFN (``header.layer``) in run order and what they left;
+    the top ``neurons`` (by writes into ``massive_dims``) chosen on the selection half of ``units``."""
 
     header: RunHeader
     baseline: Measurement
@@ -199,16 +133,13 @@ class Result(Headed):
 
     def kill_k(self, matrix: str) -> int | None:
         """The smallest swept ``k`` whose removal leaves no massive activation at the layer."""
-        ks = [r.k for r in self.select("svd", matrix) if not r.survives]
-        return min(ks) if ks else None
+        return min((r.k for r in self.select("svd", matrix) if not r.survives), default=None)
 
     def seed_values(
         self, kind: str, matrix: str | None = None, prompts: Sequence[int] | None = None
     ) -> np.ndarray:
-        """``[prompt, seed]`` of a random control: ``(R_{m,b}(edited) − 1) / (R̄_m(unedited) − 1)``
-        over the prompts ``prompts`` (``None``: all; the unedited mean over the same prompts),
-        whose mean over prompts is that seed's ``c`` (the cells of a
-        :class:`~me_interp.claims.Nested` measurement)."""
+        """``[prompt, seed]`` cells of a random control's :class:`~me_interp.claims.Nested` over
+        ``prompts`` (``None``: all; the statistic of the ``_keeps`` claims)."""
         rows = self.select(kind, matrix)
         idx = list(range(self.n_prompts)) if prompts is None else list(prompts)
         base = float(np.mean(np.asarray(self.baseline.prompt_ratio_at(self.layer))[idx])) - 1.0
@@ -217,44 +148,28 @@ class Result(Headed):
 
     @property
     def neuron_prompts(self) -> list[int]:
-        """The prompts the neuron claims are tested on: the held-out half (the neurons were chosen
-        on the selection half), or every prompt when fewer than two distinct massive-token
-        prefixes leave nothing to hold out."""
+        """The held-out half of the prompts (all where nothing is held out): the neuron claims'."""
         return self.units.prompts(self.units.heldout)
 
-    def neuron_rows(self) -> list[Ablation]:
-        return self.select("neurons")
-
     def neurons_row(self, neurons: Sequence[int]) -> Ablation | None:
-        return next((r for r in self.neuron_rows() if r.neurons == list(neurons)), None)
+        return next((r for r in self.select("neurons") if r.neurons == list(neurons)), None)
 
 
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Ablate singular directions and neurons of the ME layer's FFN and measure.
-
-    Raises:
-        NotApplicable: no ``layer`` given and the model has no massive activation.
-        ValueError: a ``k`` above the rank of a matrix or ``claim_k`` above half of it (checked before
-            any forward), ``n_neurons`` above half of ``d_mlp``, a layer out of range.
-    """
+    """Ablate singular directions and neurons of the ME layer's FFN and measure (``NotApplicable``
+    without a massive activation and no ``layer``; ``ValueError`` on a ``k``, ``claim_k`` or
+    ``n_neurons`` too large for the matrices, checked before any forward)."""
     s = prepare(cfg, model)
-    m = s.layer
+    m, k_max = s.layer, max(cfg.sweep())
     for mat in cfg.matrices:
         rank = min(ffn_matrix(s.model, m, mat).shape)
-        if max(cfg.sweep()) > rank:
+        if k_max > rank or (cfg.n_random and 2 * cfg.claim_k > rank):
             raise ValueError(
-                f"k={max(cfg.sweep())} exceeds the rank of W_{mat} ({rank} singular directions)"
-            )
-        if cfg.n_random and 2 * cfg.claim_k > rank:
-            raise ValueError(
-                f"claim_k={cfg.claim_k} leaves too few other directions of W_{mat} (rank {rank}) "
-                "for the random control: at most half the rank"
+                f"k={k_max} exceeds the rank of W_{mat} ({rank}) or claim_k={cfg.claim_k} more than "
+                "half the rank (the random control draws as many other directions)"
             )
     if cfg.n_neurons > s.model.d_mlp // 2:
-        raise ValueError(
-            f"n_neurons={cfg.n_neurons} exceeds half the FFN width d_mlp={s.model.d_mlp} (the "
-            "random control draws as many other neurons)"
-        )
+        raise ValueError(f"n_neurons={cfg.n_neurons} exceeds half the FFN width {s.model.d_mlp}")
     # without a massive activation (an explicit --layer on a model without one) score all dims
     dims = s.location.massive_dims or list(range(s.model.d_model))
     ref = torch.tensor([p[0] for p in s.positions])
@@ -265,39 +180,32 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     top = scores.argsort(descending=True)[: cfg.n_neurons].tolist()
     svds = {mat: SVD.of(ffn_matrix(s.model, m, mat)) for mat in cfg.matrices}
 
-    edits: list[tuple[dict, Any]] = []
+    todo: list[tuple[Callable[..., Ablation], Callable]] = []  # (the row's fields, the edit)
     for mat in cfg.matrices:
-        W = ffn_matrix(s.model, m, mat)
-        for k in cfg.sweep():
-            what = {"kind": "svd", "matrix": mat, "k": k, "directions": list(range(k))}
-            edits.append((what, partial(directions_removed, W, svds[mat], range(k))))
-        for i in range(cfg.n_random):
-            d = random_others(svds[mat].rank, range(cfg.claim_k), cfg.claim_k, cfg.seed + i)
-            what = {"kind": "svd_random", "matrix": mat, "k": cfg.claim_k, "directions": d}
-            edits.append(
-                ({**what, "seed": cfg.seed + i}, partial(directions_removed, W, svds[mat], d))
-            )
-    groups = [[n] for n in top] + ([top] if len(top) > 1 else [])
-    for g in groups:
-        edits.append(({"kind": "neurons", "neurons": g}, partial(neurons_ablated, s.model, m, g)))
+        W, svd = ffn_matrix(s.model, m, mat), svds[mat]
+        for e in edits.direction_plan(svd, cfg.sweep(), cfg.claim_k, cfg.n_random, cfg.seed):
+            kind, d = "svd" if e.seed is None else "svd_random", e.directions
+            row = partial(Ablation.measured, kind=kind, matrix=mat, k=len(d), directions=d)
+            row = partial(row, scale=e.scale, energy=e.energy, seed=e.seed)
+            todo.append((row, partial(edits.directions_removed, W, svd, d, e.scale)))
+    for g in [[n] for n in top] + ([top] if len(top) > 1 else []):
+        row = partial(Ablation.measured, kind="neurons", neurons=g)
+        todo.append((row, partial(edits.neurons_ablated, s.model, m, g)))
     for i in range(cfg.n_random if top else 0):
         g = random_others(s.model.d_mlp, top, len(top), cfg.seed + i)
-        what = {"kind": "neurons_random", "neurons": g, "seed": cfg.seed + i}
-        edits.append((what, partial(neurons_ablated, s.model, m, g)))
-
+        row = partial(Ablation.measured, kind="neurons_random", neurons=g, seed=cfg.seed + i)
+        todo.append((row, partial(edits.neurons_ablated, s.model, m, g)))
     rows = []
     s.reuse_from([m])  # every edit is in layer m's FFN
-    for what, ctx in terminal.bar(edits, desc=NAME):
+    for row, ctx in terminal.bar(todo, desc=NAME):
         with ctx():
             after = s.measure(start=m)
-        rows.append(Ablation.measured(after, s.baseline, m, **what))
+        rows.append(row(after, s.baseline, m))
     return Result(
         header=run_header(cfg, s.model, len(s.batch), s.site),
         baseline=s.baseline,
         rows=rows,
-        singular_values=[
-            Spectrum(mat, svds[mat].S[: max(cfg.sweep())].tolist()) for mat in cfg.matrices
-        ],
+        singular_values=[Spectrum(mat, svds[mat].S[: max(cfg.sweep())].tolist()) for mat in svds],
         neurons=top,
         neuron_scores=[float(scores[n]) for n in top],
         massive_dims=list(dims),
@@ -312,60 +220,47 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 # ------------------------------------------------------------------------------------------
 
 _STAT = (
-    "c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean over "
-    "prompts)"
+    "c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean "
+    "over prompts)"
 )
 _DET = "; bootstrap over prompts (edited and unedited means together)"
 _HELD = (
     "; the neurons chosen on the selection half of the prompts (one unit per distinct "
-    "massive-token prefix), the edit scored on the held-out half; bootstrap over held-out prompts "
-    "(edited and unedited means together)"
+    "massive-token prefix), the edit scored on the held-out half; bootstrap over held-out "
+    "prompts (edited and unedited means together)"
+)
+_NO_MASSIVE = (
+    "no massive activation at layer {} of the unedited model (the layer was given, not detected): "
+    "there is nothing for the ablations to remove"
 )
 _SEEDS = (
-    ", mean over the random draws (seeds); two-way (crossed) bootstrap over prompts × seeds of "
-    "(R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed"
+    ", mean over the random draws (seeds); two-way (crossed) bootstrap over prompts × seeds "
+    "of (R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed"
 )
 
 
 def _massive(result: Result) -> str | None:
-    if not result.massive_at_layer:
-        return (
-            f"no massive activation at layer {result.layer} of the unedited model (the layer was "
-            "given, not detected): there is nothing for the ablations to remove"
-        )
-    return None
+    return None if result.massive_at_layer else _NO_MASSIVE.format(result.layer)
 
 
-def _deterministic(
-    name: str,
-    statement: str,
-    section: str,
-    control: str,
-    row: Callable[[Result], Ablation | None],
-    missing: str,
-    extra: Callable[[Result], str],
-    held_out: bool = False,
-) -> claims.Spec:
+def _removes(name, statement, section, control, row, missing, extra, held_out=False):
+    """A claim that the edit ``row(result)`` removes the massive activation (``c ≤ removed``)."""
+
     def stat(result: Result) -> claims.Sample:
-        r = row(result)
-        if r is None:
+        if (r := row(result)) is None:
             raise claims.NotApplicable(f"not measured in this run: {missing}")
-        pairs = np.column_stack(
-            [r.ratio_at_layer_per_prompt, result.baseline.prompt_ratio_at(result.layer)]
-        )
+        base = result.baseline.prompt_ratio_at(result.layer)
+        pairs = np.column_stack([r.ratio_at_layer_per_prompt, base])
         if not held_out:
             return claims.Sample(pairs, excess_stat)
         # c depends on every token of a prompt (the others' norms), so each prompt is its own
         # measurement even when prompts share the massive token's prefix
-        rows = result.neuron_prompts
         unit = "held-out prompts" if result.units.held_out else "prompts (nothing held out)"
-        return claims.Sample(pairs[rows], excess_stat, unit=unit)
+        return claims.Sample(pairs[result.neuron_prompts], excess_stat, unit=unit)
 
     def details(result: Result) -> str:
-        r = row(result)
-        held = ""
+        r, held, rows = row(result), "", result.neuron_prompts
         if held_out:  # the numbers the statistic is computed from: the held-out prompts' means
-            rows = result.neuron_prompts
             before = np.asarray(result.baseline.prompt_ratio_at(result.layer))[rows].mean()
             after = np.asarray(r.ratio_at_layer_per_prompt)[rows].mean()
             held = (
@@ -373,168 +268,118 @@ def _deterministic(
                 f"{rows}): R_m {fmt_value(before)} → {fmt_value(after)}"
             )
         return (
-            f"{where_edited(result)}; {r.label()}: R_m after {fmt_value(r.ratio_at_layer)} "
-            f"(median over all prompts){held}, survives {'yes' if r.survives else 'no'}; {extra(result)}"
+            f"{where_edited(result)}; {r.label()}: R_m after {fmt_value(r.ratio_at_layer)} (median "
+            f"over all prompts){held}, survives {'yes' if r.survives else 'no'}; {extra(result)}"
         )
 
-    return claims.Spec(
-        f"{NAME}.{name}",
-        section,
-        statement,
-        _STAT + (_HELD if held_out else _DET),
-        "<=",
-        "removed",
-        control,
-        stat=stat,
-        unit="prompts",
-        applies=_massive,
-        details=details,
-    )
+    what = (f"{NAME}.{name}", section, statement, _STAT + (_HELD if held_out else _DET), "<=")
+    return claims.Spec(*what, "removed", control, stat=stat, applies=_massive, details=details)
 
 
-def _control(
-    name: str,
-    statement: str,
-    section: str,
-    control: str,
-    kind: str,
-    matrix: str | None,
-    missing: str,
-    extra: Callable[[Result], str],
-    held_out: bool = False,
-) -> claims.Spec:
+def _keeps(name, statement, section, control, kind, matrix, missing, extra, held_out=False):
+    """The random control beside a removal claim: the drawn edits keep the activation."""
+
     def applies(result: Result) -> str | None:
-        if why := _massive(result):
-            return why
-        n = len(result.select(kind, matrix))
-        if n == 0:
-            return f"not measured in this run: {missing}"
-        return claims.too_few_seeds(n, "--n-random")
+        n, why = len(result.select(kind, matrix)), f"not measured in this run: {missing}"
+        return _massive(result) or (claims.too_few_seeds(n, "--n-random") if n else why)
 
     def details(result: Result) -> str:
         rows = result.select(kind, matrix)
-        changes = ", ".join(fmt_value(r.change) for r in rows)
         return (
-            f"{where_edited(result)}; c per seed {changes}; survives "
-            f"{sum(r.survives for r in rows)}/{len(rows)}; {extra(result)}"
+            f"{where_edited(result)}; c per seed {', '.join(fmt_value(r.change) for r in rows)}; "
+            f"survives {sum(r.survives for r in rows)}/{len(rows)}; {extra(result)}"
         )
 
-    return claims.Spec(
-        f"{NAME}.{name}",
-        section,
-        statement,
-        _STAT + _SEEDS,
-        ">",
-        "removed",
-        control,
-        kind="control",
-        stat=lambda r: claims.Nested(
-            r.seed_values(kind, matrix, r.neuron_prompts if held_out else None)
-        ),
-        unit="prompts",
-        applies=applies,
-        details=details,
-    )
+    def stat(r: Result) -> claims.Nested:
+        return claims.Nested(r.seed_values(kind, matrix, r.neuron_prompts if held_out else None))
+
+    what = (f"{NAME}.{name}", section, statement, _STAT + _SEEDS, ">", "removed", control)
+    return claims.Spec(*what, kind="control", stat=stat, applies=applies, details=details)
 
 
-def _svd_extra(mat: str) -> Callable[[Result], str]:
+def _fmt_list(xs) -> str:
+    return "[" + ", ".join(f"{x:.4g}" for x in xs) + "]"
+
+
+def _svd_extra(mat: str, energy: bool = False) -> Callable[[Result], str]:
     def extra(result: Result) -> str:
-        sv = result.spectrum(mat)
-        return f"top singular values {_fmt_list(sv[:3])}; smallest killing k {result.kill_k(mat)}"
-
-    return extra
-
-
-def _top_change(mat: str) -> Callable[[Result], str]:
-    def extra(result: Result) -> str:
-        top = result.svd_row(mat, result.claim_k)
-        return f"top-{result.claim_k} removal: c {fmt_value(top.change) if top else 'not run'}"
+        top, rand = result.svd_row(mat, result.claim_k), result.select("svd_random", mat)
+        if not energy:
+            sv = _fmt_list(result.spectrum(mat)[:3])
+            return f"top singular values {sv}; smallest killing k {result.kill_k(mat)}"
+        return (
+            f"top-{result.claim_k} removal: c {fmt_value(top.change) if top else 'not run'}, energy "
+            f"{fmt_value(top.energy if top else None)}; the others scaled "
+            f"×{_fmt_list([r.scale for r in rand])} to energy {_fmt_list([r.energy for r in rand])}"
+        )
 
     return extra
 
 
 def _about_neurons(result: Result) -> str:
-    u = result.units
-    if u.held_out:
-        where = f"on the selection half) by writes into dims {result.massive_dims[:4]}; {u.text()}"
-    else:  # one massive-token prefix: its scores are the same on every prompt, any half picks them
+    u, dims = result.units, result.massive_dims[:4]
+    where = f"on the selection half) by writes into dims {dims}; {u.text()}"
+    if not u.held_out:
         where = (
-            f"by writes into dims {result.massive_dims[:4]}); every prompt has the same "
-            "massive-token prefix, so the scores are one measurement and any half of the prompts "
-            f"picks the same neurons: chosen and scored on all {result.n_prompts} prompts (c still "
-            "varies by prompt through the other tokens' norms)"
+            f"by writes into dims {dims}); every prompt has the same massive-token prefix, so the "
+            "scores are one measurement and any half of the prompts picks the same neurons: chosen "
+            f"and scored on all {result.n_prompts} prompts (c still varies by prompt through the "
+            "other tokens' norms)"
         )
     return f"top neurons {result.neurons} (scores {_fmt_list(result.neuron_scores)}, {where}"
 
 
-def _first_neuron(result: Result) -> Ablation | None:
-    return result.neurons_row(result.neurons[:1]) if result.neurons else None
-
-
-def _all_neurons(result: Result) -> Ablation | None:
-    if len(result.neurons) > 1:
-        return result.neurons_row(result.neurons)
-    return _first_neuron(result)
-
-
-def _random_neurons_extra(result: Result) -> str:
-    top = max(result.neuron_scores, default=None)
-    return f"{len(result.neurons)} neurons per draw; top score {fmt_value(top)}"
-
-
-_REMOVES = {
-    mat: _deterministic(
-        f"svd_{mat}_removes",
-        f"Removing the top singular directions (k = claim_k) of the ME layer's W_{mat} removes "
-        "the massive activation",
-        "§2 claim 3 (the FFN creates it); §3 singular-direction ablation",
-        f"as many other singular directions of W_{mat} (ffn_svd_ablation.svd_{mat}_random_keeps)",
-        lambda r, mat=mat: r.svd_row(mat, r.claim_k),
-        f"W_{mat} not ablated",
-        _svd_extra(mat),
-    )
-    for mat in MATRICES
-}
-_KEEPS = {
-    mat: _control(
-        f"svd_{mat}_random_keeps",
-        f"Removing as many singular directions of W_{mat} drawn from the others (not the top "
-        "k) does not remove the massive activation",
-        "§3 singular-direction ablation (control: other directions)",
-        f"the top-k directions (ffn_svd_ablation.svd_{mat}_removes)",
-        "svd_random",
-        mat,
-        f"W_{mat} not ablated",
-        _top_change(mat),
-    )
-    for mat in MATRICES
-}
+_NEURONS = "§2 claim 3 (a few FFN neurons)"
+_OTHER_NEURONS = "as many other neurons (ffn_svd_ablation.random_neurons_keep)"
+_NO_NEURON = "no neuron ablated (--n-neurons 0)"
 SPECS: tuple[claims.Spec, ...] = (
-    *(_REMOVES[mat] for mat in MATRICES),
-    *(_KEEPS[mat] for mat in MATRICES),
-    _deterministic(
-        "top_neuron_removes",
-        "Ablating the single FFN neuron of the ME layer that writes most into the massive dims "
-        "removes the massive activation",
-        "§2 claim 3 (a few FFN neurons)",
-        "as many other neurons (ffn_svd_ablation.random_neurons_keep)",
-        _first_neuron,
-        "no neuron ablated (--n-neurons 0)",
-        _about_neurons,
-        held_out=True,
+    *(
+        _removes(
+            f"svd_{mat}_removes",
+            f"Removing the top singular directions (k = claim_k) of the ME layer's W_{mat} removes "
+            "the massive activation",
+            "§2 claim 3 (the FFN creates it); §3 singular-direction ablation",
+            f"as many other singular directions of W_{mat}, scaled to the same singular-value "
+            f"energy (ffn_svd_ablation.svd_{mat}_random_keeps)",
+            lambda r, mat=mat: r.svd_row(mat, r.claim_k),
+            f"W_{mat} not ablated",
+            _svd_extra(mat),
+        )
+        for mat in MATRICES
     ),
-    _deterministic(
-        "top_neurons_remove",
-        "Ablating the top FFN neurons of the ME layer (by their writes into the massive dims) "
-        "together removes the massive activation",
-        "§2 claim 3 (a few FFN neurons)",
-        "as many other neurons (ffn_svd_ablation.random_neurons_keep)",
-        _all_neurons,
-        "no neuron ablated (--n-neurons 0)",
-        _about_neurons,
-        held_out=True,
+    *(
+        _keeps(
+            f"svd_{mat}_random_keeps",
+            f"Subtracting as many other singular directions of W_{mat} (not the top k), scaled to "
+            "remove as much singular-value energy as the top k, does not remove the massive "
+            "activation",
+            "§3 singular-direction ablation (control: other directions, matched energy)",
+            f"the top-k directions (ffn_svd_ablation.svd_{mat}_removes)",
+            "svd_random",
+            mat,
+            f"W_{mat} not ablated",
+            _svd_extra(mat, energy=True),
+        )
+        for mat in MATRICES
     ),
-    _control(
+    *(
+        _removes(name, statement, _NEURONS, _OTHER_NEURONS, row, _NO_NEURON, _about_neurons, True)
+        for name, statement, row in (
+            (
+                "top_neuron_removes",
+                "Ablating the single FFN neuron of the ME layer that writes "
+                "most into the massive dims removes the massive activation",
+                lambda r: r.neurons_row(r.neurons[:1]),
+            ),
+            (
+                "top_neurons_remove",
+                "Ablating the top FFN neurons of the ME layer (by their writes "
+                "into the massive dims) together removes the massive activation",
+                lambda r: r.neurons_row(r.neurons),  # one neuron: the same row
+            ),
+        )
+    ),
+    _keeps(
         "random_neurons_keep",
         "Ablating as many FFN neurons of the ME layer drawn from the others does not remove the "
         "massive activation",
@@ -542,16 +387,15 @@ SPECS: tuple[claims.Spec, ...] = (
         "the top neurons (ffn_svd_ablation.top_neurons_remove)",
         "neurons_random",
         None,
-        "no neuron ablated (--n-neurons 0)",
-        _random_neurons_extra,
+        _NO_NEURON,
+        lambda r: (
+            f"{len(r.neurons)} neurons per draw; top score "
+            f"{fmt_value(max(r.neuron_scores, default=None))}"
+        ),
         held_out=True,
     ),
 )
 claims.check_specs(SPECS)
-
-
-def _fmt_list(xs) -> str:
-    return "[" + ", ".join(f"{x:.4g}" for x in xs) + "]"
 
 
 # ------------------------------------------------------------------------------------------
@@ -560,73 +404,39 @@ def _fmt_list(xs) -> str:
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    base = result.baseline.ratio_at(result.layer)
-    fig = go.Figure()
-    for mat in MATRICES:
-        rows = result.select("svd", mat)
-        if rows:
-            fig.add_trace(
-                go.Scatter(
-                    x=[r.k for r in rows],
-                    y=[r.ratio_at_layer for r in rows],
-                    mode="lines+markers",
-                    name=f"W_{mat}: top k",
-                    hovertemplate="k=%{x}: ratio %{y:.4g}<extra>W_" + mat + "</extra>",
-                )
-            )
-        rand = result.select("svd_random", mat)
-        if rand:
-            fig.add_trace(
-                go.Scatter(
-                    x=[r.k for r in rand],
-                    y=[r.ratio_at_layer for r in rand],
-                    mode="markers",
-                    marker={"symbol": "circle-open"},
-                    name=f"W_{mat}: k others (seeds)",
-                )
-            )
-    # no annotation on the line: on a log axis plotly reads an annotation's y as log10(y)
-    fig.add_hline(y=base, line_dash="dash", line_color="gray")
-    fig.update_layout(
-        title=f"Massive ratio at layer {result.layer} after removing singular directions — "
-        f"{result.model}<br><sup>dashed: the unedited model ({base:.3g})</sup>",
-        xaxis_title="k (directions removed)",
-        xaxis_type="log",
-        yaxis_title="max token / mean others at the ME layer",
-        yaxis_type="log",
-        template="plotly_white",
+    base, y = result.baseline.ratio_at(result.layer), "max token / mean others at the ME layer"
+    head = f"Massive ratio at layer {result.layer} after"
+    tail = f"— {result.model}<br><sup>dashed: the unedited model ({base:.3g})</sup>"
+    names = {"svd": "top k", "svd_random": "k others, same energy (seeds)"}
+    series = {
+        f"W_{mat}: {name}": ([r.k for r in rows], [r.ratio_at_layer for r in rows])
+        for mat, (kind, name) in product(MATRICES, names.items())
+        if (rows := result.select(kind, mat))
+    }
+    seeds = [n for n in series if n.endswith(names["svd_random"])]
+    svd = plotting.lines(
+        series, f"{head} removing singular directions {tail}", "k", y, base, seeds, True
     )
-    nrows = result.neuron_rows() + result.select("neurons_random")
-    neu = go.Figure(
-        go.Bar(
-            x=[r.label() for r in nrows],
-            y=[r.ratio_at_layer for r in nrows],
-            marker_color=["seagreen" if r.survives else "firebrick" for r in nrows],
-        )
-    )
-    neu.add_hline(y=base, line_dash="dash", line_color="gray")
-    neu.update_layout(
-        title=f"Ablating FFN neurons of layer {result.layer} (top by writes into dims "
-        f"{result.massive_dims[:4]}, then random others)"
-        "<br><sup>green: still massive; red: gone; dashed: unedited</sup>",
+    nrows = result.select("neurons") + result.select("neurons_random")
+    neu = plotting.bars(
+        {r.label(): r.ratio_at_layer for r in nrows},
+        f"{head} ablating FFN neurons (top by writes into dims {result.massive_dims[:4]}, then "
+        f"random others; green: still massive, red: gone) {tail}",
+        y,
+        base,
+        ["seagreen" if r.survives else "firebrick" for r in nrows],
         xaxis_title="ablated neurons",
-        yaxis_title="ratio at the ME layer",
-        yaxis_type="log",
-        template="plotly_white",
     )
-    return {"svd_sweep": fig, "neuron_ablation": neu}
+    return {"svd_sweep": svd, "neuron_ablation": neu}
 
 
 def summary(result: Result) -> str:
     rows = [(r.kind, r.matrix or "-", r.label(), *r.cells(), r.change) for r in result.rows]
-    return "\n".join(
-        [
-            f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited "
-            f"ratio {result.baseline.ratio_at(result.layer):.4g}   {result.n_prompts} prompts   top "
-            f"neurons {result.neurons}",
-            "",
-            fmt_table(["edit", "matrix", "what", *EDIT_COLUMNS, "c"], rows),
-        ]
+    return (
+        f"model: {result.model}   ME layer {result.layer} (1-based {result.layer + 1})   unedited "
+        f"ratio {result.baseline.ratio_at(result.layer):.4g}   {result.n_prompts} prompts   top "
+        f"neurons {result.neurons}\n\n"
+        + fmt_table(["edit", "matrix", "what", *EDIT_COLUMNS, "c"], rows)
     )
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from jaxtyping import Float
@@ -30,7 +30,9 @@ from jaxtyping import Float
 from me_interp import claims, names
 from me_interp.architecture import norm_eps
 from me_interp.models import Batch, LoadedModel
-from me_interp.probes.batching import Chunk, record
+from me_interp.probes.activations import Activations
+from me_interp.probes.batching import Chunk, Prefix, record
+from me_interp.probes.norms import top_ratio
 
 
 class SpikeRecorder:
@@ -250,6 +252,37 @@ class Candidate:
     def label(self) -> str:
         return f"layer {self.layer} W_down[{self.row}, {self.col}]"
 
+    def cells(self) -> tuple:
+        """The summary-table cells (:data:`CANDIDATE_COLUMNS`)."""
+        yes = ("no", "yes")
+        return (
+            *self.coord,
+            self.weight,
+            self.write,
+            self.share,
+            self.stability,
+            yes[self.in_me_layer],
+            yes[self.massive_dim],
+            self.abs_rank,
+            self.weight_only_rank,
+        )
+
+
+CANDIDATE_COLUMNS = (
+    "layer",
+    "row",
+    "col",
+    "W",
+    "write",
+    "share",
+    "stable",
+    "ME",
+    "mdim",
+    "|W| rk",
+    "ω rk",
+)
+"""The columns of :meth:`Candidate.cells`."""
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -396,6 +429,76 @@ def yu_spike_layers(spikes: Spikes) -> list[YuSpike]:
     return rows
 
 
+def largest_writes(model: LoadedModel, spikes: Spikes) -> list[tuple[int, int, int]]:
+    """Per layer, the ``(layer, row, col)`` of its largest *building* write at the massive token: the
+    entry whose ``s`` (0 on a prompt where it erases) has the largest mean over prompts."""
+    out = []
+    for L in range(spikes.n_layers):
+        W = model.ffn_weights(L).down.detach().float()
+        total = torch.zeros_like(W)
+        for b in range(spikes.x.shape[1]):
+            x, f = spikes.x[L, b].to(W.device), spikes.scale[L, b].to(W.device)
+            w = W * x[None, :] * f[:, None]  # [d_model d_mlp]: signed residual writes
+            h = spikes.h[L, b].to(W.device)
+            total += w.abs().masked_fill(w * (2 * h[:, None] + w) <= 0, 0.0)
+        i = int(total.argmax())
+        out.append((L, i // W.shape[1], i % W.shape[1]))
+    return out
+
+
+@dataclass(frozen=True)
+class LayerCandidate:
+    """One layer's top candidate for the super weight, zeroed alone (``super_weight``).
+
+    Attributes:
+        layer, row, col: the entry ``W_down[row, col]`` of ``layer``; ``weight`` its value.
+        why: ``"largest write"`` (the layer's largest building write at the massive token),
+            ``"Yu spike"`` (Yu et al.'s coordinate of a spike layer) or both, joined by ``" + "``.
+        check_layer: where its effect on the massive activation is measured, ``max(m, layer)``.
+        ratio_zeroed: per prompt, ``R`` at ``check_layer`` with the weight zeroed.
+        nll: per text, the NLL sum with the weight zeroed (``None``: not measured; ``super_weight``
+            runs the texts for the few candidates that remove most, see its ``text_candidates``).
+    """
+
+    layer: int
+    row: int
+    col: int
+    weight: float
+    why: str
+    check_layer: int
+    ratio_zeroed: list[float] = field(default_factory=list)
+    nll: list[float] | None = None
+
+    @property
+    def coord(self) -> tuple[int, int, int]:
+        return (self.layer, self.row, self.col)
+
+    def label(self) -> str:
+        return f"layer {self.layer} W_down[{self.row}, {self.col}]"
+
+
+def layer_candidates(
+    model: LoadedModel, spikes: Spikes, yu: Sequence[YuSpike], me_layer: int
+) -> list[LayerCandidate]:
+    """Every layer's top candidates and why: its largest building write (:func:`largest_writes`)
+    and, in a Yu spike layer, Yu et al.'s coordinate (one entry when they coincide); not yet
+    zeroed (no ``ratio_zeroed``), checked at ``max(me_layer, layer)``."""
+    why = {c: ["largest write"] for c in largest_writes(model, spikes)}
+    for d in yu:
+        why.setdefault((d.layer, d.row, d.col), []).append("Yu spike")
+    return [
+        LayerCandidate(
+            L,
+            r,
+            c,
+            float(model.ffn_weights(L).down.detach()[r, c]),
+            " + ".join(w),
+            max(me_layer, L),
+        )
+        for (L, r, c), w in sorted(why.items())
+    ]
+
+
 def weight_only_tops(model: LoadedModel) -> list[WeightOnlyTop]:
     """Per layer, the entry of largest weight-only score ``ω`` and of largest ``|W_down|``."""
     out = []
@@ -432,6 +535,76 @@ def control_pool(
     return [(i // n, i % n, float(W.flatten()[i])) for i in idx]
 
 
+@dataclass(frozen=True)
+class Pool:
+    """What the random draws came from: ``size`` of the largest other weights of the matrix,
+    ``n_at_least`` of them at least as large as the super weight; their ``|W|`` range and the
+    super weight's ``|W|``."""
+
+    size: int
+    n_at_least: int
+    largest: float
+    smallest: float
+    super_weight: float
+
+    @classmethod
+    def of(cls, pool: Sequence[tuple[int, int, float]], weight: float) -> Pool:
+        """The record of :func:`control_pool`'s ``pool`` beside the super weight's value."""
+        return cls(
+            size=len(pool),
+            n_at_least=sum(abs(v) >= abs(weight) for _, _, v in pool),
+            largest=abs(pool[0][2]) if pool else float("nan"),
+            smallest=abs(pool[-1][2]) if pool else float("nan"),
+            super_weight=abs(weight),
+        )
+
+
+@dataclass(frozen=True)
+class SuperActivation:
+    """Per text: its massive token (the largest-norm token at the output of the check layer), the
+    position of the largest ``|y_row|`` (where Yu et al.'s restore hook writes) and ``y_row`` at the
+    massive token (the value the restore writes back)."""
+
+    positions: list[int]
+    yu_positions: list[int]
+    values: torch.Tensor
+
+
+def super_activation(
+    model: LoadedModel,
+    batch: Batch,
+    layer: int,
+    row: int,
+    check: int,
+    prefix: Prefix | None = None,
+) -> tuple[SuperActivation, torch.Tensor]:
+    """:class:`SuperActivation` of ``down_proj``'s output dim ``row`` in ``layer`` (``mlp.hook_out``)
+    on ``batch``, and the unedited logits of the same forward (with ``prefix``, a
+    :func:`~me_interp.probes.batching.capture_prefix` of the batch as it is: blocks ``layer..``
+    only)."""
+    acts = Activations(model, batch, [names.ffn_own(layer), names.resid_post(check)])
+    start = 0 if prefix is None else layer
+    logits = record(model, batch, [acts], logits=True, prefix=prefix, start=start)
+    y = acts[names.ffn_own(layer)][..., row].float().cpu()  # [batch pos]
+    norm = acts[names.resid_post(check)].float().norm(dim=-1).cpu()  # [batch pos]
+    real = batch.attention_mask.bool().cpu()
+    where = norm.masked_fill(~real, -1.0).argmax(-1)  # each text's massive token
+    yu = y.abs().masked_fill(~real, -1.0).argmax(-1)  # Yu et al.'s: the largest |y_row|
+    return SuperActivation(where.tolist(), yu.tolist(), y[torch.arange(len(batch)), where]), logits
+
+
+def output_ratio(
+    model: LoadedModel, batch: Batch, layer: int, prefix: Prefix | None = None, start: int = 0
+) -> list[float]:
+    """Per prompt, ``R = max_t ‖h_t‖ / mean_{t≠argmax} ‖h_t‖`` of ``layer``'s output (``resid_post``;
+    ``probes.norms.top_ratio``), the forward stopped after ``layer`` (with ``prefix``: blocks
+    ``start..layer`` only). What a zeroing leaves at its check layer, for a fraction of a forward."""
+    acts = Activations(model, batch, [names.resid_post(layer)])
+    record(model, batch, [acts], prefix=prefix, start=start, last_layer=layer)
+    norms = acts[names.resid_post(layer)].float().norm(dim=-1).cpu()  # [batch pos]; NaN: padding
+    return top_ratio(norms, batch.attention_mask.bool().cpu()).tolist()
+
+
 def draw(pool: Sequence, k: int, seed: int) -> list:
     """``k`` entries of ``pool`` drawn without replacement with a seeded generator, sorted."""
     if k > len(pool):
@@ -445,7 +618,29 @@ def draw(pool: Sequence, k: int, seed: int) -> list:
 # ------------------------------------------------------------------------------------------
 
 
-def survey(model: LoadedModel, batch: Batch, criterion: Any = None) -> dict[str, Any]:
+class SurveyWeight(TypedDict):
+    """The survey's record of a model's super weight (:class:`Candidate`'s fields)."""
+
+    layer: int
+    row: int
+    col: int
+    weight: float
+    write: float
+    stability: float
+    in_me_layer: bool
+
+
+class SurveyCell(TypedDict, total=False):
+    """The survey's super-weight column of one model (``error``: why it could not be measured)."""
+
+    me_layer: int | None
+    n_prompts: int
+    super_weight: SurveyWeight | None
+    largest_output: float
+    error: str
+
+
+def survey(model: LoadedModel, batch: Batch, criterion: Any = None) -> SurveyCell:
     """Detection only (no perplexity: two short forwards), for the survey's super-weight column:
     the ME layer and massive positions located on ``batch``, and the top candidate.
     ``super_weight`` is ``None`` when no weight's write reaches the threshold (or there is no
@@ -454,7 +649,7 @@ def survey(model: LoadedModel, batch: Batch, criterion: Any = None) -> dict[str,
     from me_interp.probes.site import locate
 
     loc = locate(model, batch, criterion=criterion or Criterion()).location
-    out: dict[str, Any] = {"me_layer": loc.me_layer, "n_prompts": len(batch), "super_weight": None}
+    out = SurveyCell(me_layer=loc.me_layer, n_prompts=len(batch), super_weight=None)
     if loc.me_layer is None:
         return out
     spikes = down_proj_spikes(model, batch, loc.reference_positions)
@@ -462,14 +657,12 @@ def survey(model: LoadedModel, batch: Batch, criterion: Any = None) -> dict[str,
     out["largest_output"] = float(spikes.out_max().amax())
     if cands and cands[0].stability > 0:
         c = cands[0]
-        out["super_weight"] = {
-            k: getattr(c, k) for k in ("layer", "row", "col", "weight", "write", "stability")
-        }
-        out["super_weight"]["in_me_layer"] = c.in_me_layer
+        keys = ("layer", "row", "col", "weight", "write", "stability", "in_me_layer")
+        out["super_weight"] = SurveyWeight(**{k: getattr(c, k) for k in keys})
     return out
 
 
-def survey_text(entry: dict[str, Any] | None) -> str:
+def survey_text(entry: SurveyCell | None) -> str:
     """One table cell for :func:`survey`: ``11 [507, 1229] (ME layer; top on 100%)``."""
     if not entry:
         return ""
@@ -483,6 +676,7 @@ def survey_text(entry: dict[str, Any] | None) -> str:
 
 
 __all__ = [
+    "CANDIDATE_COLUMNS",
     "N_ME_NEURONS",
     "Candidate",
     "Entry",
@@ -494,11 +688,20 @@ __all__ = [
     "draw",
     "survey",
     "survey_text",
+    "Pool",
     "SpikeRecorder",
+    "SuperActivation",
+    "SurveyCell",
+    "SurveyWeight",
     "Spikes",
+    "LayerCandidate",
     "candidate_at",
     "candidates",
+    "largest_writes",
+    "layer_candidates",
     "down_proj_spikes",
+    "super_activation",
+    "output_ratio",
     "me_neuron_shares",
     "post_norm_scale",
     "top_writes",

@@ -141,6 +141,60 @@ def test_directions_removed_matches_svd_ablated_and_restores(planted, snap, chan
     assert changed(model, before) == set()
 
 
+@pytest.mark.parametrize("matrix", ["gate", "up", "down"])
+def test_energy_matched_directions_change_the_top_k_energy_and_not_the_top_k(
+    tiny_llama, snap, changed, matrix
+):
+    """The random control of ffn_svd_ablation: k other directions scaled by energy_matched change W
+    by exactly the top k's singular-value energy (‖ΔW‖_F², numpy's SVD), and leave the top-k
+    singular subspaces (left and right) alone; restored exactly."""
+    model, k = tiny_llama, 3
+    before = snap(model)
+    W = edits.ffn_matrix(model, 1, matrix)
+    W0 = W.detach().double().numpy().copy()
+    U, S, Vt = np.linalg.svd(W0, full_matrices=False)
+    svd = edits.SVD.of(W)
+    d = edits.random_others(svd.rank, range(k), k, seed=2)
+    beta = edits.energy_matched(svd, k, d)
+    assert beta == pytest.approx(np.sqrt((S[:k] ** 2).sum() / (S[d] ** 2).sum()), rel=1e-9)
+    assert beta > 1 and min(d) >= k
+    with edits.directions_removed(W, svd, d, beta):
+        delta = W0 - W.detach().double().numpy()
+    assert (delta**2).sum() == pytest.approx((S[:k] ** 2).sum(), rel=1e-4)
+    np.testing.assert_allclose(delta @ Vt[:k].T, 0, atol=1e-5)  # the top right directions
+    np.testing.assert_allclose(U[:, :k].T @ delta, 0, atol=1e-5)  # and the top left ones
+    with pytest.raises(ValueError, match="finite"):
+        with edits.directions_removed(W, svd, d, float("nan")):
+            pass
+    assert changed(model, before) == set()
+
+
+def test_direction_plan_by_hand(tiny_llama):
+    """The top-j removals of the sweep, then seeded energy-matched draws of k others."""
+    W = edits.ffn_matrix(tiny_llama, 1, "down")
+    S = np.linalg.svd(W.detach().double().numpy(), compute_uv=False)
+    svd = edits.SVD.of(W)
+    plan = edits.direction_plan(svd, [1, 4], 2, 2, seed=7)
+    assert [(p.directions, p.scale, p.seed) for p in plan[:2]] == [
+        ([0], 1.0, None),
+        ([0, 1, 2, 3], 1.0, None),
+    ]
+    assert plan[1].energy == pytest.approx((S[:4] ** 2).sum(), rel=1e-9)
+    for p, seed in zip(plan[2:], (7, 8), strict=True):
+        assert p.seed == seed and p.directions == edits.random_others(svd.rank, range(2), 2, seed)
+        assert p.energy == pytest.approx((S[:2] ** 2).sum(), rel=1e-9)  # matched to the top 2
+        assert p.scale == pytest.approx(np.sqrt((S[:2] ** 2).sum() / (S[p.directions] ** 2).sum()))
+    assert len(edits.direction_plan(svd, [], 2, 0, seed=0)) == 0
+
+
+def test_random_others():
+    got = edits.random_others(20, range(5), 5, seed=1)
+    assert len(set(got)) == 5 and min(got) >= 5 and got == sorted(got)
+    assert got == edits.random_others(20, range(5), 5, seed=1)
+    with pytest.raises(ValueError, match="cannot draw"):
+        edits.random_others(6, range(5), 2, seed=0)
+
+
 def test_down_weights_zeroed_touches_only_its_entries_and_restores(planted):
     model, plant = planted
     before = {k: v.detach().clone() for k, v in model.hf.state_dict().items()}

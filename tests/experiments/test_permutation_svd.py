@@ -258,14 +258,6 @@ def _grab(x, hook, *, store, key):
     return x
 
 
-def test_random_others():
-    got = ffn_svd_ablation.random_others(20, range(5), 5, seed=1)
-    assert len(set(got)) == 5 and min(got) >= 5 and got == sorted(got)
-    assert got == ffn_svd_ablation.random_others(20, range(5), 5, seed=1)
-    with pytest.raises(ValueError, match="cannot draw"):
-        ffn_svd_ablation.random_others(6, range(5), 2, seed=0)
-
-
 def test_ffn_svd_ablation_planted(planted, prompt_file):
     model, plant = planted
     cfg = ffn_svd_ablation.Config(prompts=prompt_file, n_prompts=0, ks=(1, 4), n_neurons=2)
@@ -277,8 +269,11 @@ def test_ffn_svd_ablation_planted(planted, prompt_file):
     assert res.spectrum("down")[0] == pytest.approx(plant.down_scale, rel=1e-4)
     assert not res.neurons_row([plant.neuron]).survives
     assert res.neurons_row([res.neurons[1]]).survives  # the runner-up is not the mechanism
-    for r in res.select("svd_random"):
-        assert r.survives and min(r.directions) >= cfg.claim_k
+    for r in res.select("svd_random"):  # k other directions, scaled to the top k's energy
+        assert r.survives and min(r.directions) >= cfg.claim_k and r.scale > 1
+        top = res.svd_row(r.matrix, cfg.claim_k)
+        assert r.energy == pytest.approx(top.energy, rel=1e-9) and top.scale == 1
+        assert top.energy == pytest.approx(sum(v**2 for v in res.spectrum(r.matrix)[:8]), rel=1e-5)
     for r in res.select("neurons_random"):
         assert r.survives and not set(r.neurons) & set(res.neurons)
     assert len(res.select("neurons_random")) == cfg.n_random

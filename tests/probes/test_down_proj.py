@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from me_interp import claims, io, load_model, synthetic
+from me_interp.edits import down_weights_zeroed
+from me_interp.probes.batching import capture_prefix
 from me_interp.probes.down_proj import (
     Candidate,
     candidate_at,
     candidates,
     down_proj_spikes,
     me_neuron_shares,
+    output_ratio,
     top_writes,
     weight_only_scores,
     weight_only_tops,
@@ -180,3 +183,36 @@ def test_weight_only_tops_and_a_given_candidate_by_hand(planted):
     assert not other.massive_dim and not other.me_neuron and other.weight == float(W[1, 2])
     with pytest.raises(ValueError, match="outside"):
         candidate_at(model, spikes, (L, 999, 0), L, [D], [n])
+
+
+def _hf_ratio(model, batch, layer):
+    """``max_t ‖h_t‖ / mean_{t≠argmax} ‖h_t‖`` of layer ``layer``'s output, from the plain HF forward."""
+    with torch.no_grad():
+        out = model.hf(batch.tokens, attention_mask=batch.attention_mask, output_hidden_states=True)
+    norms = out.hidden_states[layer + 1].float().norm(dim=-1)  # [batch pos]
+    rows = []
+    for b, n in enumerate(batch.lengths):
+        v = norms[b, :n]
+        rows.append(float(v.max() / ((v.sum() - v.max()) / (n - 1))))
+    return rows
+
+
+def test_output_ratio_against_the_hf_forward_unedited_and_zeroed(planted):
+    """R at a layer's output, from the whole forward and from the unedited prefix (blocks
+    ``start..layer`` only), unedited and with the planted weight zeroed, against hidden states of
+    the plain HF forward (right padding: prompts of different lengths)."""
+    model, plant = planted
+    prompts = [
+        p + " extra words here" * (i % 3) for i, p in enumerate(synthetic.planted_prompts(6))
+    ]
+    batch = model.tokenize(prompts)
+    assert len(set(batch.lengths)) > 1
+    L = plant.layer
+    want = _hf_ratio(model, batch, L + 1)
+    assert output_ratio(model, batch, L + 1) == pytest.approx(want, rel=1e-5)
+    prefix = capture_prefix(model, batch, [L], max_tokens=None)
+    assert output_ratio(model, batch, L + 1, prefix, L) == pytest.approx(want, rel=1e-5)
+    with down_weights_zeroed(model, [(L, plant.massive_dim, plant.neuron)]):
+        zeroed = _hf_ratio(model, batch, L + 1)
+        assert output_ratio(model, batch, L + 1, prefix, L) == pytest.approx(zeroed, rel=1e-5)
+    assert max(zeroed) < 0.1 * min(want)  # the edit removed the massive token
