@@ -239,3 +239,90 @@ def sorted_gains(
         template="plotly_white",
     )
     return fig
+
+
+# ------------------------------------------------------------------------------------------
+# every written figure: room for its title, full labels on log axes
+# ------------------------------------------------------------------------------------------
+
+LINE_PX = 22
+"""The height of one title line (plotly's default 17 px font and its line spacing)."""
+
+
+def tidy(fig: go.Figure) -> go.Figure:
+    """Lay ``fig`` out so that nothing overlaps and every axis reads alone; applied to every figure
+    an experiment writes (``study.execute``), in place, and returned.
+
+    * The title (its ``<br>`` lines counted) is anchored at the top of the figure and the top margin
+      makes room for it and, below it, for the subplot titles of the top row (plotly's default
+      margin fits one title line: a ``<sup>`` subtitle ran into them).
+    * A log axis labels every tick with its full value (``tickformat``: plotly's own minor labels
+      are the bare digits ``2 5 2 5``, without their magnitude).
+    * Subplots sharing a y axis still label each panel's ticks.
+    """
+    lay = fig.layout
+    text = lay.title.text if lay.title is not None else None
+    n_title = 0 if not text else str(text).count("<br>") + 1
+    has_subtitles = any(
+        a.yref == "paper" and a.yanchor == "bottom" and a.xref == "paper" and a.showarrow is False
+        for a in lay.annotations or ()
+    )
+    if n_title:
+        fig.update_layout(title_y=1.0, title_yref="container", title_yanchor="top", title_pad_t=12)
+    top = 12 + LINE_PX * n_title + (LINE_PX + 6 if has_subtitles else 0) + 14
+    if lay.margin.t is None or lay.margin.t < top:
+        fig.update_layout(margin_t=top)
+    for ax in [*fig.select_xaxes(), *fig.select_yaxes()]:
+        if ax.type == "log" and ax.tickformat is None:
+            ax.update(tickformat="~g")
+    if any(ax.matches is not None for ax in fig.select_yaxes()):
+        fig.update_yaxes(showticklabels=True)
+    return fig
+
+
+def outcome_heatmap(
+    me_after: Sequence[Sequence[int | None]],
+    columns: Sequence[int],
+    parts: Sequence[str],
+    hover: str,
+    customdata: Sequence[Sequence[float]] | None = None,
+) -> go.Figure:
+    """The ME layer located after each (part, layer) edit: one cell per part (rows) and layer
+    (columns), its number written in it (``none`` and -1 where no layer is massive)."""
+    return go.Figure(
+        go.Heatmap(
+            z=[[-1 if v is None else v for v in row] for row in me_after],
+            x=[str(c) for c in columns],
+            y=list(parts),
+            text=[["none" if v is None else str(v) for v in row] for row in me_after],
+            texttemplate="%{text}",
+            customdata=customdata,
+            colorscale="Viridis",
+            zmin=-1,
+            colorbar_title="ME layer<br>(-1: none)",
+            hovertemplate=hover + "<extra></extra>",
+        )
+    )
+
+
+def interval_bars(
+    labels: Sequence[str],
+    estimates: Sequence[tuple[float, float, float]],
+    texts: Sequence[str],
+    hover: str,
+) -> go.Figure:
+    """One bar per label at ``value`` with its interval ``(value, lo, hi)`` as error bars."""
+    return go.Figure(
+        go.Bar(
+            x=list(labels),
+            y=[v for v, _, _ in estimates],
+            error_y={
+                "type": "data",
+                "symmetric": False,
+                "array": [hi - v for v, _, hi in estimates],
+                "arrayminus": [v - lo for v, lo, _ in estimates],
+            },
+            text=list(texts),
+            hovertemplate=hover + "<extra></extra>",
+        )
+    )
