@@ -14,14 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
 
-import numpy as np
-
-from me_interp.claims import excess_fraction
 from me_interp.edits import PARTS
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import Criterion, CriterionKind
 from me_interp.probes.measurement import (  # noqa: F401 - the weight experiments' names
+    EDIT_COLUMNS,
     SCAN_SITES,
+    EditRow,
     Measurement,
     Setup,
     _measure,
@@ -32,15 +31,7 @@ from me_interp.probes.site import locate
 from me_interp.prompts import spread  # noqa: F401 - re-exported
 from me_interp.study import CommonConfig, checked, model_for
 
-PART_ORDER: tuple[str, ...] = (
-    "ffn_path",
-    "ffn_norm",
-    "ffn",
-    "attn_path",
-    "attn_norm",
-    "attn",
-    "block",
-)
+PART_ORDER = ("ffn_path", "ffn_norm", "ffn", "attn_path", "attn_norm", "attn", "block")
 """Every part of ``me_interp.edits.PARTS``, in the order of the swap / patch claims (headline first)."""
 PART_WHAT: dict[str, str] = {
     "ffn_path": "pre-FFN RMSNorm and FFN together, with the post-FFN norm on sandwich-norm models (the paper's RMSNorm–FFN pair)",
@@ -98,61 +89,6 @@ class PartModules:
 
     part: str
     modules: list[str]
-
-
-@dataclass(frozen=True)
-class EditRow:
-    """What one edit of layer ``m`` itself left (the edit's own fields come from a subclass).
-
-    Attributes:
-        me_layer: the ME layer located after the edit (``None``: none).
-        survives: whether ``m``'s output is still massive.
-        ratio_at_layer, ratio_last: the median norm ratio ``R`` at ``m`` and at the last layer;
-            ``*_per_prompt``: per prompt (the units of an interval over prompts).
-        sink_downstream: the mean sink after ``m``; ``top_ratio``: ``R`` per layer.
-        change: the excess ``c = (R̄_m(edited) − 1) / (R̄_m(unedited) − 1)`` the edit leaves
-            (``R̄`` the mean over prompts).
-    """
-
-    me_layer: int | None
-    survives: bool
-    ratio_at_layer: float
-    ratio_last: float
-    sink_downstream: float
-    top_ratio: list[float]
-    ratio_at_layer_per_prompt: list[float]
-    ratio_last_per_prompt: list[float]
-    change: float
-
-    @classmethod
-    def measured(cls, after: Measurement, baseline: Measurement, layer: int, **what: Any):
-        """The row of an edit (``what``: the subclass's fields) that left ``after``."""
-        per = after.prompt_ratio_at(layer)
-        before = float(np.asarray(baseline.prompt_ratio_at(layer), dtype=np.float64).mean())
-        return cls(
-            **what,
-            me_layer=after.me_layer,
-            survives=after.has_massive[layer],
-            ratio_at_layer=after.ratio_at(layer),
-            ratio_last=after.top_ratio[-1],
-            sink_downstream=after.sink_after(layer),
-            top_ratio=after.top_ratio,
-            ratio_at_layer_per_prompt=per,
-            ratio_last_per_prompt=after.prompt_ratio[-1],
-            change=excess_fraction(float(np.mean(per)), before),
-        )
-
-    def cells(self) -> tuple[Any, ...]:
-        """The summary-table cells (:data:`EDIT_COLUMNS`)."""
-        return (
-            self.me_layer,
-            "yes" if self.survives else "no",
-            self.ratio_at_layer,
-            self.ratio_last,
-        )
-
-
-EDIT_COLUMNS = ("ME after", "survives", "ratio@ME", "ratio@last")
 
 
 def depth_label(layer: int, ref: int, name: str = "m") -> str:

@@ -16,9 +16,9 @@ claims and their statistics are :data:`SPECS` (docs/claims.md).
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -124,10 +124,6 @@ class Result(Headed):
         rows = self.select(norm, kind)
         return sum(r.survives for r in rows) / len(rows) if rows else None
 
-    def median_ratio(self, norm: str, kind: str) -> float | None:
-        rows = self.select(norm, kind)
-        return statistics.median(r.ratio_at_layer for r in rows) if rows else None
-
     def seed_changes(self, norm: str, kind: str) -> list[float]:
         """Per seed of a random edit: the excess ``c`` it leaves."""
         return [r.change for r in self.select(norm, kind)]
@@ -149,15 +145,13 @@ def _edits(model: LoadedModel, cfg: Config, layer: int) -> Iterator[tuple[str, s
     """(norm, kind, parameter, context manager) for every edit of the run."""
     for norm in cfg.norms:
         w = gain(model, layer, norm)
-        for i in range(cfg.n_random):
-            perm = random_permutation(w.numel(), cfg.seed + i)
-            yield norm, "random", cfg.seed + i, permuted_gain(model, layer, perm, norm)
-        for i in range(cfg.n_random):
-            perm = top_dims_permutation(w, cfg.top_k, cfg.seed + i)
-            yield norm, "top", cfg.seed + i, permuted_gain(model, layer, perm, norm)
-        for i in range(cfg.n_random):
-            perm = other_dims_permutation(w, cfg.top_k, cfg.seed + i)
-            yield norm, "other", cfg.seed + i, permuted_gain(model, layer, perm, norm)
+        for kind, perm in (
+            ("random", partial(random_permutation, w.numel())),
+            ("top", partial(top_dims_permutation, w, cfg.top_k)),
+            ("other", partial(other_dims_permutation, w, cfg.top_k)),
+        ):
+            for i in range(cfg.seed, cfg.seed + cfg.n_random):
+                yield norm, kind, i, permuted_gain(model, layer, perm(i), norm)
         for a in cfg.alphas:
             yield norm, "flatten", float(a), flattened_gain(model, layer, a, norm)
 
@@ -190,10 +184,6 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         prompt_lengths=s.batch.lengths,
     )
 
-
-# ------------------------------------------------------------------------------------------
-# claims
-# ------------------------------------------------------------------------------------------
 
 _STAT = (
     "c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean over "
@@ -357,11 +347,6 @@ SPECS: tuple[claims.Spec, ...] = (
     ),
 )
 claims.check_specs(SPECS)
-
-
-# ------------------------------------------------------------------------------------------
-# figures and summary
-# ------------------------------------------------------------------------------------------
 
 
 def figures(result: Result) -> dict[str, go.Figure]:

@@ -273,22 +273,12 @@ def run(
     for part, t in terminal.bar(todo, desc=f"{NAME} (source layer {source_layer})"):
         with patched_weights(target, source_layer, t, part, source_model=None if same else src):
             after = s.measure(start=t)
+        me, at_me = after.me_layer, None if me0 is None else after.ratio_at(me0)
+        ratios = (after.ratio_at(t), s.baseline.ratio_at(t), at_me, after.top_ratio[-1])
+        per = (after.prompt_ratio_at(t), after.prompt_me_layer)
+        tail = (after.sink_after(me0 if me0 is not None else t), after.top_ratio)
         rows.append(
-            PatchRow(
-                part=part,
-                target=t,
-                me_layer=after.me_layer,
-                outcome=outcome(after.me_layer, me0, t),
-                event_layers=after.event_layers,
-                ratio_at_target=after.ratio_at(t),
-                ratio_at_target_before=s.baseline.ratio_at(t),
-                ratio_at_me_before=None if me0 is None else after.ratio_at(me0),
-                ratio_last=after.top_ratio[-1],
-                ratio_at_target_per_prompt=after.prompt_ratio_at(t),
-                prompt_me_layer=after.prompt_me_layer,
-                sink_downstream=after.sink_after(me0 if me0 is not None else t),
-                top_ratio=after.top_ratio,
-            )
+            PatchRow(part, t, me, outcome(me, me0, t), after.event_layers, *ratios, *per, *tail)
         )
     return Result(
         header=run_header(cfg, target, len(s.batch), s.site),
@@ -303,11 +293,6 @@ def run(
         prompt_lengths=s.batch.lengths,
         part_modules=part_modules,
     )
-
-
-# ------------------------------------------------------------------------------------------
-# claims, figures, summary
-# ------------------------------------------------------------------------------------------
 
 
 def _details(result: Result, part: str) -> str:

@@ -46,11 +46,6 @@ NAME = "weight_swap"
 OUTCOMES = ("moved", "stayed", "vanished", "elsewhere")
 
 
-# ------------------------------------------------------------------------------------------
-# the experiment
-# ------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Config(WeightConfig):
     """Weight-swap settings.
@@ -144,15 +139,10 @@ class Result(Headed):
         """The rows of ``part``, in partner order."""
         return [r for r in self.rows if r.part == part]
 
-    def outcomes(self, part: str) -> list[str]:
-        """Per partner: the outcome of swapping ``part``."""
-        return [r.outcome for r in self.part_rows(part)]
-
     def fractions(self, part: str) -> list[float]:
         """Share of partners per outcome, in the order of :data:`OUTCOMES`."""
-        got = self.outcomes(part)
-        n = max(len(got), 1)
-        return [sum(g == o for g in got) / n for o in OUTCOMES]
+        got = [r.outcome for r in self.part_rows(part)]
+        return [sum(g == o for g in got) / max(len(got), 1) for o in OUTCOMES]
 
     def partners_with(self, part: str, outcome: str) -> list[int]:
         return [r.partner for r in self.part_rows(part) if r.outcome == outcome]
@@ -163,17 +153,9 @@ class Result(Headed):
         for r in self.part_rows(part):
             moved = [pl == r.partner for pl in r.prompt_me_layer]
             left = [pl != self.layer for pl in r.prompt_me_layer]
-            out.append(
-                PartnerOutcome(
-                    r.partner,
-                    depth_label(r.partner, self.layer),
-                    r.me_layer,
-                    sum(moved),
-                    sum(left),
-                    majority(moved),
-                    majority(left),
-                )
-            )
+            label = depth_label(r.partner, self.layer)
+            k, k_left, y, y_left = sum(moved), sum(left), majority(moved), majority(left)
+            out.append(PartnerOutcome(r.partner, label, r.me_layer, k, k_left, y, y_left))
         return out
 
     def partner_outcomes(self, part: str, what: str = "moved") -> claims.Outcomes:
@@ -232,23 +214,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     for part, p in terminal.bar(todo, desc=f"{NAME} (layer {m})"):
         with swapped_layers(s.model, m, p, part):
             after = s.measure(start=min(m, p))
+        ratios = (after.ratio_at(p), after.ratio_at(m), after.top_ratio[-1])
+        per = (after.prompt_ratio_at(p), after.prompt_ratio_at(m), after.prompt_me_layer)
+        me, tail = after.me_layer, (after.sink_after(m), after.top_ratio, after.sink)
         rows.append(
-            SwapRow(
-                part=part,
-                partner=p,
-                me_layer=after.me_layer,
-                outcome=outcome(after.me_layer, m, p),
-                event_layers=after.event_layers,
-                ratio_at_partner=after.ratio_at(p),
-                ratio_at_layer=after.ratio_at(m),
-                ratio_last=after.top_ratio[-1],
-                ratio_at_partner_per_prompt=after.prompt_ratio_at(p),
-                ratio_at_layer_per_prompt=after.prompt_ratio_at(m),
-                prompt_me_layer=after.prompt_me_layer,
-                sink_downstream=after.sink_after(m),
-                top_ratio=after.top_ratio,
-                sink=after.sink,
-            )
+            SwapRow(part, p, me, outcome(me, m, p), after.event_layers, *ratios, *per, *tail)
         )
     return Result(
         header=run_header(cfg, s.model, len(s.batch), s.site),
@@ -259,11 +229,6 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         prompt_lengths=s.batch.lengths,
         part_modules=part_modules,
     )
-
-
-# ------------------------------------------------------------------------------------------
-# claims
-# ------------------------------------------------------------------------------------------
 
 
 def _details(result: Result, part: str, what: str = "moved") -> str:
@@ -356,11 +321,6 @@ NEEDED_SPEC = claims.Spec(
 )
 SPECS: tuple[claims.Spec, ...] = (*PART_SPECS.values(), NEEDED_SPEC)
 claims.check_specs(SPECS)
-
-
-# ------------------------------------------------------------------------------------------
-# figures and summary
-# ------------------------------------------------------------------------------------------
 
 
 def _grid(result: Result, key: str) -> list[list[Any]]:

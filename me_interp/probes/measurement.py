@@ -4,8 +4,8 @@ A weight experiment edits one layer (a context manager of ``me_interp.edits``) a
 massive activation again: :func:`measure` does it in **one** forward (length-sorted chunks, no
 unembedding: ``probes.batching``); :class:`Setup` holds the unedited model's measurement and, after
 :meth:`Setup.reuse_from`, replays the unedited prefix so that an edit starting at block ``s`` runs
-blocks ``s..`` only (checked once against the full forward). :func:`short_batch` subsamples prompts:
-every edit costs a forward.
+blocks ``s..`` only (checked once against the full forward). :class:`EditRow` is what one edit of
+a layer left there; :func:`short_batch` subsamples prompts: every edit costs a forward.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from me_interp.claims import excess_fraction
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.attention import SinkRecorder
 from me_interp.probes.batching import Prefix, capture_prefix, give_up, record
@@ -218,3 +220,58 @@ class Setup:
         if u is None or model is not self.model or start not in u.prefix.starts:
             start = 0
         return _measure(model, self.batch, self.criterion, self.positions, self.sink, u, start)[0]
+
+
+@dataclass(frozen=True)
+class EditRow:
+    """What one edit of layer ``m`` itself left (the edit's own fields come from a subclass).
+
+    Attributes:
+        me_layer: the ME layer located after the edit (``None``: none).
+        survives: whether ``m``'s output is still massive.
+        ratio_at_layer, ratio_last: the median norm ratio ``R`` at ``m`` and at the last layer;
+            ``*_per_prompt``: per prompt (the units of an interval over prompts).
+        sink_downstream: the mean sink after ``m``; ``top_ratio``: ``R`` per layer.
+        change: the excess ``c = (R̄_m(edited) − 1) / (R̄_m(unedited) − 1)`` the edit leaves
+            (``R̄`` the mean over prompts).
+    """
+
+    me_layer: int | None
+    survives: bool
+    ratio_at_layer: float
+    ratio_last: float
+    sink_downstream: float
+    top_ratio: list[float]
+    ratio_at_layer_per_prompt: list[float]
+    ratio_last_per_prompt: list[float]
+    change: float
+
+    @classmethod
+    def measured(cls, after: Measurement, baseline: Measurement, layer: int, **what: Any):
+        """The row of an edit (``what``: the subclass's fields) that left ``after``."""
+        per = after.prompt_ratio_at(layer)
+        before = float(np.asarray(baseline.prompt_ratio_at(layer), dtype=np.float64).mean())
+        return cls(
+            **what,
+            me_layer=after.me_layer,
+            survives=after.has_massive[layer],
+            ratio_at_layer=after.ratio_at(layer),
+            ratio_last=after.top_ratio[-1],
+            sink_downstream=after.sink_after(layer),
+            top_ratio=after.top_ratio,
+            ratio_at_layer_per_prompt=per,
+            ratio_last_per_prompt=after.prompt_ratio[-1],
+            change=excess_fraction(float(np.mean(per)), before),
+        )
+
+    def cells(self) -> tuple[Any, ...]:
+        """The summary-table cells (:data:`EDIT_COLUMNS`)."""
+        return (
+            self.me_layer,
+            "yes" if self.survives else "no",
+            self.ratio_at_layer,
+            self.ratio_last,
+        )
+
+
+EDIT_COLUMNS = ("ME after", "survives", "ratio@ME", "ratio@last")
