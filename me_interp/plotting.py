@@ -7,6 +7,7 @@ with a dashed vertical line; norms are on log axes.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -247,30 +248,38 @@ def sorted_gains(
 
 LINE_PX = 22
 """The height of one title line (plotly's default 17 px font and its line spacing)."""
+TITLE_WIDTH = 90
+"""A title's first line is wrapped at this many characters (on spaces, with ``<br>``)."""
 
 
 def tidy(fig: go.Figure) -> go.Figure:
     """Lay ``fig`` out so that nothing overlaps and every axis reads alone; applied to every figure
     an experiment writes (``study.execute``), in place, and returned.
 
-    * The title (its ``<br>`` lines counted) is anchored at the top of the figure and the top margin
-      makes room for it and, below it, for the subplot titles of the top row (plotly's default
-      margin fits one title line: a ``<sup>`` subtitle ran into them).
+    * The title's first line is wrapped at :data:`TITLE_WIDTH` characters and the top margin fits
+      its lines above the subplot titles of the top row (plotly's default margin fits one line: a
+      ``<sup>`` subtitle ran into the subplot titles).
     * A log axis labels every tick with its full value (``tickformat``: plotly's own minor labels
       are the bare digits ``2 5 2 5``, without their magnitude).
     * Subplots sharing a y axis still label each panel's ticks.
     """
     lay = fig.layout
     text = lay.title.text if lay.title is not None else None
+    if text:  # plotly does not wrap a title: a long first line ran off the figure
+        first, sep, rest = str(text).partition("<br>")
+        wrapped = textwrap.wrap(first, TITLE_WIDTH, break_long_words=False) or [first]
+        text = "<br>".join(wrapped) + sep + rest
+        fig.update_layout(title_text=text)
     n_title = 0 if not text else str(text).count("<br>") + 1
     has_subtitles = any(
         a.yref == "paper" and a.yanchor == "bottom" and a.xref == "paper" and a.showarrow is False
         for a in lay.annotations or ()
     )
-    if n_title:
-        fig.update_layout(title_y=1.0, title_yref="container", title_yanchor="top", title_pad_t=12)
-    top = 12 + LINE_PX * n_title + (LINE_PX + 6 if has_subtitles else 0) + 14
-    if lay.margin.t is None or lay.margin.t < top:
+    # plotly centres the title in the top margin: the margin fits its lines and, on either side,
+    # the room the subplot titles of the top row take below it
+    below = LINE_PX + 10 if has_subtitles else 10
+    top = 2 * below + LINE_PX * n_title + 10
+    if top > (lay.margin.t if lay.margin.t is not None else 100):  # plotly's default: 100 px
         fig.update_layout(margin_t=top)
     for ax in [*fig.select_xaxes(), *fig.select_yaxes()]:
         if ax.type == "log" and ax.tickformat is None:

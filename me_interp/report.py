@@ -144,12 +144,13 @@ def _wrap_title(layout: dict[str, Any]) -> None:
         title = layout["title"] = {"text": title}
     if not isinstance(title, dict) or not isinstance(title.get("text"), str):
         return
+    before = title["text"].count("<br>")
     first, sep, rest = title["text"].partition("<br>")
     lines = textwrap.wrap(first, TITLE_WIDTH, break_long_words=False) or [first]
     title["text"] = "<br>".join(lines) + sep + rest
-    n_lines = title["text"].count("<br>") + 1
-    margin = layout.setdefault("margin", {})
-    margin["t"] = max(int(margin.get("t") or 80), 40 + 22 * n_lines)
+    added = title["text"].count("<br>") - before  # plotly centres the title in the top margin:
+    margin = layout.setdefault("margin", {})  # each added line needs its height on both sides
+    margin["t"] = max(int(margin.get("t") or 80) + 2 * 22 * added, 40 + 22 * (before + added + 1))
 
 
 def _figure_json(path: Path) -> tuple[str, bool] | None:
