@@ -50,7 +50,7 @@ def mark_layer(fig: go.Figure, layer: int | None, label: str = "ME layer", **kw)
             line_dash="dash",
             line_color="firebrick",
             annotation_text=f"{label} {layer} (1-based {layer + 1})",
-            annotation_position="top left",
+            annotation_position="top right",
             **kw,
         )
     return fig
