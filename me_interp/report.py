@@ -558,7 +558,8 @@ ul.findings li {{ margin-bottom: 4px; }}
 ({counted})</th></tr>{summary}</table>
 <p>{finished} of {len(experiments)} experiments finished. Layers are 0-based (1-based in parentheses
 where given).</p>
-<p style='font-size:14px'>Each claim is decided by one rule: it <b>holds</b> when the whole 95%
+<details style='font-size:14px'><summary>how a verdict is decided</summary>
+<p>Each claim is decided by one rule: it <b>holds</b> when the whole 95%
 interval of its statistic (a seeded percentile bootstrap over prompts or texts, a two-way one over
 prompts &times; seeds for random controls, an exact Clopper&ndash;Pearson interval for k-of-n outcomes
 such as partner layers) lies on the claimed side of the threshold, <b>fails</b> when none of it does,
@@ -567,7 +568,7 @@ distinct measurements. <b>Not applicable</b>: the claim presupposes something th
 reason is given). The Holm-adjusted counts keep a decided verdict only when its p-value survives
 Holm's step-down over all the claims of this report. Controls (comparisons that must come out as
 designed) and sanity checks (true by construction), in grey, are not evidence. Thresholds: <code>me_interp.claims.THRESHOLDS</code> (docs/claims.md). Each figure is
-interactive (hover, zoom); its full file is one click away.</p>
+interactive (hover, zoom); its full file is one click away.</p></details>
 <p style='font-size:13px'>{toc}</p></div></div>
 {top}
 {"".join(sections)}

@@ -341,11 +341,11 @@ def _spec(part: str) -> claims.Spec:
         PART_SECTION[part],
         "Copied into an earlier layer (or into a model without the emergence), the ME layer's "
         f"{PART_WHAT[part]} makes that layer the ME layer: it suffices to create the emergence",
-        f"fraction of eligible target layers t (before the patched model's own ME layer) for which "
-        f"the ME layer located after copying the source layer's {part} into t is t; a target "
-        "counts when the ME layer located on each prompt alone is t on more than half of the "
-        "prompts (k of n target layers, Clopper–Pearson: the targets are the depths tried, not a "
-        "sample, and prompt variance enters only through the majority)",
+        f"fraction of eligible target layers t for which copying the source layer's {part} into t "
+        "makes t the ME layer; eligible: before the patched model's own ME layer; a target counts "
+        "when the ME layer located on each prompt alone is t on more than half of the prompts (k "
+        "of n target layers, Clopper–Pearson: the targets are the depths tried, not a sample, and "
+        "prompt variance enters only through the majority)",
         ">=",
         "moved_fraction",
         control,

@@ -279,8 +279,8 @@ def _part_spec(part: str) -> claims.Spec:
         PART_SECTION[part],
         f"The emergence moves with the ME layer's {PART_WHAT[part]}: exchanging that part with "
         "another layer's makes that layer the ME layer",
-        f"fraction of partner layers p for which the ME layer located after swapping {part} "
-        "of layers m ↔ p is p" + _MAJORITY,
+        f"fraction of partner layers p for which swapping {part} of layers m ↔ p makes p the ME "
+        "layer" + _MAJORITY,
         ">=",
         "moved_fraction",
         _CONTROL.get(part, "ffn_path and block; the other single parts"),
