@@ -268,7 +268,7 @@ def spans_text(values: Sequence[int], show: int = 8) -> str:
     return f"{', '.join(map(str, vals[:show]))}, … ({len(vals)} in all)"
 
 
-def findings(out: Path, state: Mapping[str, Any], experiments: Sequence[Experiment]) -> list[str]:
+def findings(state: Mapping[str, Any], experiments: Sequence[Experiment]) -> list[str]:
     """A few plain-language lines generated from the finished runs: where the ME layer is (from the
     typed me_layer Result), then each experiment's headline claim (its first claim of kind *claim*
     that could be judged) with its verdict and estimate, and the experiments that did not apply.
@@ -503,7 +503,7 @@ def write_report(out: Path, state: dict[str, Any], experiments: Sequence[Experim
     counted = f"{n_raw} {claims_mod.unit_text(n_raw, 'claims')}" + (
         f"; {' and '.join(n_apart)} shown apart" if n_apart else ""
     )
-    found = findings(out, state, exps)
+    found = findings(state, exps)
     lead = (
         "<section id=findings><h2>Findings</h2>"
         + (
