@@ -547,7 +547,7 @@ ul.claims li {{ border-left: 4px solid #d0d7de; padding: 4px 8px; margin-bottom:
 .links {{ font-size: 13px; }}
 details {{ margin: 0.5em 0 1em; }}
 summary {{ cursor: pointer; color: #0969da; }}
-table.claimtable td, table.claimtable th {{ padding: 2px 6px; font-size: 13px; }}
+table.claimtable td, table.claimtable th {{ padding: 1px 6px; font-size: 12px; line-height: 1.35; }}
 ul.findings li {{ margin-bottom: 4px; }}
 .defs {{ font-size: 13px; color: #57606a; margin: 0.5em 0; }}
 </style></head><body>
