@@ -324,10 +324,17 @@ class Estimate:
                 break
             v, lo, hi = (fmt_num(x, digits) for x in (self.value, self.lo, self.hi))
         how = self.method
-        n = f"n = {self.n} {self.unit}"
+        n = f"n = {self.n} {unit_text(self.n, self.unit)}"
         if self.n_eff is not None and self.n_eff != self.n:
             n += f", {self.n_eff} distinct"
         return f"{v} [{lo}, {hi}] ({self.level:.0%} CI, {how} over {n})"
+
+
+def unit_text(n: int, unit: str) -> str:
+    """``unit`` (a plural noun such as ``"partner layers"``) in the singular when ``n`` is 1."""
+    if n == 1 and "×" not in unit and unit.endswith("s") and not unit.endswith("ss"):
+        return unit[:-1]
+    return unit
 
 
 def fmt_num(x: float, digits: int = 3) -> str:
@@ -1238,17 +1245,17 @@ def tally_text(t: Mapping[str, Mapping[str, int]]) -> str:
     def fmt(c: Mapping[str, int]) -> str:
         return ", ".join(f"{c[v]} {v}" for v in VERDICTS if c.get(v)) or "none"
 
-    n = sum(t["raw"].values())
-    return (
-        f"{n} claims: {fmt(t['raw'])}; Holm-adjusted: {fmt(t['holm'])} | "
-        f"{sum(t['control'].values())} controls: {fmt(t['control'])} | "
-        f"{sum(t['sanity'].values())} sanity checks: {fmt(t['sanity'])}"
-        + (
-            f" | {sum(t['corollary'].values())} corollaries (never counted): {fmt(t['corollary'])}"
-            if sum(t.get("corollary", {}).values())
-            else ""
-        )
-    )
+    def part(key: str, noun: str) -> str:
+        k = sum(t[key].values())
+        return f"{k} {unit_text(k, noun)}: {fmt(t[key])}"
+
+    parts = [part("raw", "claims") + f"; Holm-adjusted: {fmt(t['holm'])}"]
+    for key, noun in (("control", "controls"), ("sanity", "sanity checks")):
+        if any(t[key].values()):  # none of a kind: not said
+            parts.append(part(key, noun))
+    if any(t.get("corollary", {}).values()):
+        parts.append(part("corollary", "corollaries") + " (never counted)")
+    return " | ".join(parts)
 
 
 def check_specs(specs: Iterable[Spec]) -> None:

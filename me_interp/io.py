@@ -2,7 +2,8 @@
 
 A run lives in ``<out>/<experiment>/<run_id>/`` and holds ``config.json``, ``env.json``,
 ``result.json`` and, per figure, ``<name>.html`` plus ``<name>.json`` (the plotly figure). The HTML files
-load plotly.js from ``<out>/plotly.min.js``, written once, instead of embedding 3.5 MB each. Every file
+load plotly.js from ``<out>/plotly.min.js``, written once, instead of embedding 3.5 MB each (a figure
+copied out loads a ``plotly.min.js`` beside it, or says it needs one). Every file
 is written to a temporary name in the same directory and renamed, so a crash never leaves a
 half-written result; ``result.json`` is written last, so a run directory without it is incomplete.
 """
@@ -262,11 +263,27 @@ def write_figures(run_dir: Path, figures: Mapping[str, Any], out_root: Path | No
     rel = os.path.relpath(js, run_dir)
     written = {}
     for name, fig in figures.items():
-        html = pio.to_html(fig, include_plotlyjs=rel, full_html=True)
+        html = _with_plotly_loader(pio.to_html(fig, include_plotlyjs=False, full_html=True), rel)
         atomic_write_text(run_dir / f"{name}.html", html)
         atomic_write_text(run_dir / f"{name}.json", pio.to_json(fig))
         written[name] = f"{name}.html"
     return written
+
+
+def _with_plotly_loader(html: str, rel: str) -> str:
+    """A figure page that loads plotly.js from ``rel`` (the run folder's shared copy) or, when the
+    page was copied out, from a ``plotly.min.js`` beside it; with neither it says so in one line
+    (a copied figure never renders blank and silent)."""
+    load = (
+        f'<script src="{rel}"></script>\n<script>window.Plotly || document.write('
+        f"'<script src=\"{PLOTLY_JS}\"><\\/script>')</script>\n"
+    )
+    missing = (
+        '<script>window.Plotly || document.write(\'<p class="no-plotly" style="font-family:'
+        f'sans-serif">This figure needs plotly.js: put {PLOTLY_JS} (from the results folder) '
+        "beside this file. Its data is the .json file of the same name.</p>')</script>"
+    )
+    return html.replace("</head>", load + "</head>", 1).replace("<body>", "<body>" + missing, 1)
 
 
 def write_run(

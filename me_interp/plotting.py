@@ -7,6 +7,7 @@ with a dashed vertical line; norms are on log axes.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -50,7 +51,7 @@ def mark_layer(fig: go.Figure, layer: int | None, label: str = "ME layer", **kw)
             line_dash="dash",
             line_color="firebrick",
             annotation_text=f"{label} {layer} (1-based {layer + 1})",
-            annotation_position="top left",
+            annotation_position="top right",
             **kw,
         )
     return fig
@@ -453,3 +454,98 @@ def lines(
         yaxis_type="log", xaxis_type="log" if log_x else None, template="plotly_white"
     )
     return fig
+
+
+# ------------------------------------------------------------------------------------------
+# every written figure: room for its title, full labels on log axes
+# ------------------------------------------------------------------------------------------
+
+LINE_PX = 22
+"""The height of one title line (plotly's default 17 px font and its line spacing)."""
+TITLE_WIDTH = 90
+"""A title's first line is wrapped at this many characters (on spaces, with ``<br>``)."""
+
+
+def tidy(fig: go.Figure) -> go.Figure:
+    """Lay ``fig`` out so that nothing overlaps and every axis reads alone; applied to every figure
+    an experiment writes (``study.execute``), in place, and returned.
+
+    * The title's first line is wrapped at :data:`TITLE_WIDTH` characters and the top margin fits
+      its lines above the subplot titles of the top row (plotly's default margin fits one line: a
+      ``<sup>`` subtitle ran into the subplot titles).
+    * A log axis labels every tick with its full value (``tickformat``: plotly's own minor labels
+      are the bare digits ``2 5 2 5``, without their magnitude).
+    * Subplots sharing a y axis still label each panel's ticks.
+    """
+    lay = fig.layout
+    text = lay.title.text if lay.title is not None else None
+    if text:  # plotly does not wrap a title: a long first line ran off the figure
+        first, sep, rest = str(text).partition("<br>")
+        wrapped = textwrap.wrap(first, TITLE_WIDTH, break_long_words=False) or [first]
+        text = "<br>".join(wrapped) + sep + rest
+        fig.update_layout(title_text=text)
+    n_title = 0 if not text else str(text).count("<br>") + 1
+    has_subtitles = any(
+        a.yref == "paper" and a.yanchor == "bottom" and a.xref == "paper" and a.showarrow is False
+        for a in lay.annotations or ()
+    )
+    # plotly centres the title in the top margin: the margin fits its lines and, on either side,
+    # the room the subplot titles of the top row take below it
+    below = LINE_PX + 10 if has_subtitles else 10
+    top = 2 * below + LINE_PX * n_title + 10
+    if top > (lay.margin.t if lay.margin.t is not None else 100):  # plotly's default: 100 px
+        fig.update_layout(margin_t=top)
+    for ax in [*fig.select_xaxes(), *fig.select_yaxes()]:
+        if ax.type == "log" and ax.tickformat is None:
+            ax.update(tickformat="~g")
+    if any(ax.matches is not None for ax in fig.select_yaxes()):
+        fig.update_yaxes(showticklabels=True)
+    return fig
+
+
+def outcome_heatmap(
+    me_after: Sequence[Sequence[int | None]],
+    columns: Sequence[int],
+    parts: Sequence[str],
+    hover: str,
+    customdata: Sequence[Sequence[float]] | None = None,
+) -> go.Figure:
+    """The ME layer located after each (part, layer) edit: one cell per part (rows) and layer
+    (columns), its number written in it (``none`` and -1 where no layer is massive)."""
+    return go.Figure(
+        go.Heatmap(
+            z=[[-1 if v is None else v for v in row] for row in me_after],
+            x=[str(c) for c in columns],
+            y=list(parts),
+            text=[["none" if v is None else str(v) for v in row] for row in me_after],
+            texttemplate="%{text}",
+            customdata=customdata,
+            colorscale="Viridis",
+            zmin=-1,
+            colorbar_title="ME layer<br>(-1: none)",
+            hovertemplate=hover + "<extra></extra>",
+        )
+    )
+
+
+def interval_bars(
+    labels: Sequence[str],
+    estimates: Sequence[tuple[float, float, float]],
+    texts: Sequence[str],
+    hover: str,
+) -> go.Figure:
+    """One bar per label at ``value`` with its interval ``(value, lo, hi)`` as error bars."""
+    return go.Figure(
+        go.Bar(
+            x=list(labels),
+            y=[v for v, _, _ in estimates],
+            error_y={
+                "type": "data",
+                "symmetric": False,
+                "array": [hi - v for v, _, hi in estimates],
+                "arrayminus": [v - lo for v, lo, _ in estimates],
+            },
+            text=list(texts),
+            hovertemplate=hover + "<extra></extra>",
+        )
+    )

@@ -135,6 +135,33 @@ def _claim_lines(cs: Sequence[dict[str, Any]], adjusted: dict[str, str] | None =
     return f"<ul class=claims>{''.join(items)}</ul>"
 
 
+def shared_definitions(cs: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+    """The definitions an experiment's claims repeat, said once: each ``"; "``-separated part of a
+    statistic that two or more of its claims share (and that is long enough to be a definition),
+    and the claims with those parts taken out of their statistic."""
+    parts = [str(d.get("statistic", "")).split("; ") for d in cs]
+    seen: dict[str, int] = {}
+    for ps in parts:
+        for p in dict.fromkeys(ps):
+            seen[p] = seen.get(p, 0) + 1
+    shared = [p for p, k in seen.items() if k >= 2 and len(p) >= 60]
+    if not shared:
+        return [], list(cs)
+    out = []
+    for d, ps in zip(cs, parts, strict=True):
+        kept = [p for p in ps if p not in shared]
+        mark = " (see the definitions above)" if len(kept) < len(ps) else ""
+        out.append({**d, "statistic": "; ".join(kept) + mark})
+    return shared, out
+
+
+def _definitions_html(defs: Sequence[str]) -> str:
+    if not defs:
+        return ""
+    items = "".join(f"<li>{html.escape(d)}</li>" for d in defs)
+    return f"<div class=defs><b>Definitions</b> (every claim below uses them)<ul>{items}</ul></div>"
+
+
 WIDE_AXES = 3
 """A figure with at least this many x axes (a grid of subplots) is drawn full width below the verdict
 lines instead of beside them (its subplot titles would overlap in a column)."""
@@ -155,12 +182,13 @@ def _wrap_title(layout: dict[str, Any]) -> None:
         title = layout["title"] = {"text": title}
     if not isinstance(title, dict) or not isinstance(title.get("text"), str):
         return
+    before = title["text"].count("<br>")
     first, sep, rest = title["text"].partition("<br>")
     lines = textwrap.wrap(first, TITLE_WIDTH, break_long_words=False) or [first]
     title["text"] = "<br>".join(lines) + sep + rest
-    n_lines = title["text"].count("<br>") + 1
-    margin = layout.setdefault("margin", {})
-    margin["t"] = max(int(margin.get("t") or 80), 40 + 22 * n_lines)
+    added = title["text"].count("<br>") - before  # plotly centres the title in the top margin:
+    margin = layout.setdefault("margin", {})  # each added line needs its height on both sides
+    margin["t"] = max(int(margin.get("t") or 80) + 2 * 22 * added, 40 + 22 * (before + added + 1))
 
 
 def _figure_json(path: Path) -> tuple[str, bool] | None:
@@ -207,6 +235,125 @@ _DRAW_SCRIPT = """<script>
   }
 })();
 </script>"""
+
+
+def _estimate_cells(c: claims_mod.Claim) -> tuple[str, str, str]:
+    """(estimate, 95% interval, n) of a claim as short text; empty where it has no estimate."""
+    e = c.estimate
+    if e is None:
+        return "", "", ""
+    interval = (
+        "" if e.method == "exact" else f"[{claims_mod.fmt_num(e.lo)}, {claims_mod.fmt_num(e.hi)}]"
+    )
+    n = f"{e.n} {claims_mod.unit_text(e.n, e.unit)}"
+    if e.n_eff is not None and e.n_eff != e.n:
+        n += f" ({e.n_eff} distinct)"
+    return claims_mod.fmt_num(e.value), interval, n
+
+
+def _finished(state: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    entry = state["experiments"].get(name)
+    return entry if entry is not None and entry.get("status") in FINISHED else None
+
+
+def claims_table(
+    state: Mapping[str, Any], experiments: Sequence[str], adjusted: Mapping[str, str]
+) -> str:
+    """The table the page opens with: one row per claim of every experiment (experiment, claim,
+    kind, verdict, estimate, interval, n), one row per experiment that failed or did not run."""
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in ("experiment", "claim", "kind", "verdict", "estimate", "95% interval", "n")
+    )
+    rows = []
+    for name in experiments:
+        entry = state["experiments"].get(name)
+        link = f"<a href='#{html.escape(name)}'>{html.escape(name)}</a>"
+        if _finished(state, name) is None:
+            status = "not run" if entry is None else "failed"
+            rows.append(f"<tr><td>{link}</td><td colspan=6><i>{status}</i></td></tr>")
+            continue
+        for d in entry.get("claims") or []:
+            c = claims_mod.Claim.from_dict(d)
+            est, interval, n = _estimate_cells(c)
+            holm = adjusted.get(c.id, c.verdict)
+            verdict = f"<b style='color:{_COLOR[c.verdict]}'>{c.verdict}</b>" + (
+                f" <small>(Holm: {holm})</small>" if holm != c.verdict else ""
+            )
+            why = f"<small><i>{html.escape(c.why)}</i></small>" if not est and c.why else ""
+            rows.append(
+                f"<tr{' class=sanity' if c.kind != 'claim' else ''}><td>{link}</td>"
+                f"<td><code>{html.escape(c.id.split('.', 1)[-1])}</code></td><td>{c.kind}</td>"
+                f"<td>{verdict}</td>"
+                + (
+                    f"<td>{est}</td><td>{interval}</td><td>{html.escape(n)}</td>"
+                    if est
+                    else f"<td colspan=3>{why}</td>"
+                )
+                + "</tr>"
+            )
+    return f"<table class=claimtable><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def spans_text(values: Sequence[int], show: int = 8) -> str:
+    """Integers (positions) said briefly: ``"0, 3, 7"``, ``"0–99 (100)"`` for a run, else the first
+    ``show`` and the count."""
+    vals = sorted(set(values))
+    if len(vals) <= show:
+        return ", ".join(map(str, vals))
+    if vals[-1] - vals[0] + 1 == len(vals):
+        return f"{vals[0]}–{vals[-1]} ({len(vals)})"
+    return f"{', '.join(map(str, vals[:show]))}, … ({len(vals)} in all)"
+
+
+def findings(state: Mapping[str, Any], experiments: Sequence[Experiment]) -> list[str]:
+    """A few plain-language lines generated from the finished runs: where the ME layer is (from the
+    typed me_layer Result), then each experiment's headline claim (its first claim of kind *claim*
+    that could be judged) with its verdict and estimate, and the experiments that did not apply.
+    A line only for what was measured."""
+    lines = []
+    for exp in experiments:
+        entry = _finished(state, exp.name)
+        if entry is None:
+            continue
+        if exp.name == "me_layer" and exp.result_type is not None and entry["status"] == "done":
+            run_dir = Path(entry["run_dir"])
+            if (run_dir / io.RESULT_FILE).is_file():
+                me = io.read_result(exp.result_type, run_dir)
+                loc = me.location
+                if loc.me_layer is None:
+                    lines.append(
+                        f"No massive activation on these {me.n_prompts} prompts: no ME layer."
+                    )
+                else:
+                    pos = [p for ps in loc.massive_positions for p in ps]
+                    lines.append(
+                        f"The ME layer is {loc.me_layer} (0-based; {loc.me_layer + 1} 1-based), made "
+                        f"by {site_text(str(me.me_site))}; massive dims "
+                        f"{', '.join(map(str, loc.massive_dims[:4]))}"
+                        + (" …" if len(loc.massive_dims) > 4 else "")
+                        + (f"; positions {spans_text(pos)}" if pos else "")
+                        + f"; {me.n_prompts} prompts."
+                    )
+        if entry["status"] == NOT_APPLICABLE:
+            lines.append(f"{exp.name}: not applicable — {entry.get('why', '')}")
+            continue
+        cs = [claims_mod.Claim.from_dict(d) for d in entry.get("claims") or []]
+        judged = [c for c in cs if c.kind == "claim" and c.estimate is not None]
+        if not judged:
+            continue
+        c = judged[0]
+        est, interval, n = _estimate_cells(c)
+        others = claims_mod.counts(judged[1:])
+        rest = ", ".join(f"{k} {v}" for v, k in others.items() if k)
+        lines.append(
+            f"{exp.name}: {c.statement.rstrip('.')} — {c.verdict} ({est}"
+            + (f" {interval}" if interval else "")
+            + f", n = {n})"
+            + (f"; its other claims: {rest}" if rest else "")
+            + "."
+        )
+    return lines
 
 
 def _run_dir(entry: dict[str, Any], out: Path) -> tuple[Path, Path]:
@@ -326,7 +473,7 @@ def write_report(out: Path, state: dict[str, Any], experiments: Sequence[Experim
                 f"<p style='color:#cf222e'>failed: {err}</p></section>"
             )
             continue
-        cs = entry.get("claims") or []
+        defs, cs = shared_definitions(entry.get("claims") or [])
         run_dir, rel = _run_dir(entry, out)
         figs = list(entry.get("figures") or [])
         links = " &middot; ".join(
@@ -363,7 +510,8 @@ def write_report(out: Path, state: dict[str, Any], experiments: Sequence[Experim
         ) + below
         sections.append(
             f"<section>{head}<p class=links>{html.escape(cost_text(entry))} &middot; {result_link} "
-            f"{('&middot; figures: ' + links) if links else ''}</p>{na}{row}{table}</section>"
+            f"{('&middot; figures: ' + links) if links else ''}</p>{na}{_definitions_html(defs)}{row}"
+            f"{table}</section>"
         )
     t = claims_mod.tally(all_claims)
     summary = "".join(
@@ -379,6 +527,31 @@ def write_report(out: Path, state: dict[str, Any], experiments: Sequence[Experim
             ("control", "controls (not counted)"),
             ("sanity", "sanity checks (not counted)"),
         )
+        if key in ("raw", "holm") or any(t[key].values())
+    )
+    n_apart = [
+        f"{k} {claims_mod.unit_text(k, noun)}"
+        for k, noun in (
+            (sum(t["control"].values()), "controls"),
+            (sum(t["sanity"].values()), "sanity checks"),
+        )
+        if k
+    ]
+    n_raw = sum(t["raw"].values())
+    counted = f"{n_raw} {claims_mod.unit_text(n_raw, 'claims')}" + (
+        f"; {' and '.join(n_apart)} shown apart" if n_apart else ""
+    )
+    found = findings(state, exps)
+    lead = (
+        "<section id=findings><h2>Findings</h2>"
+        + (
+            "<ul class=findings>" + "".join(f"<li>{html.escape(x)}</li>" for x in found) + "</ul>"
+            if found
+            else "<p><i>no experiment has finished yet</i></p>"
+        )
+        + "<h3>Every claim</h3>"
+        + claims_table(state, experiments, adjusted)
+        + "</section>"
     )
     finished = sum(1 for e in state["experiments"].values() if e.get("status") in FINISHED)
     toc = " &middot; ".join(f"<a href='#{e}'>{e}</a>" for e in experiments)
@@ -412,15 +585,19 @@ ul.claims li {{ border-left: 4px solid #d0d7de; padding: 4px 8px; margin-bottom:
 .links {{ font-size: 13px; }}
 details {{ margin: 0.5em 0 1em; }}
 summary {{ cursor: pointer; color: #0969da; }}
+table.claimtable td, table.claimtable th {{ padding: 1px 6px; font-size: 12px; line-height: 1.35; }}
+ul.findings li {{ margin-bottom: 4px; }}
+.defs {{ font-size: 13px; color: #57606a; margin: 0.5em 0; }}
 </style></head><body>
 <h1>me_interp report</h1>
+{lead}
 <div class=head>{_model_card(out, state, exps)}
 <div><table><tr><th colspan=5>claims of the paper and its critics on this model
-({sum(t["raw"].values())} claims; {sum(t["control"].values())} controls and
-{sum(t["sanity"].values())} sanity checks shown apart)</th></tr>{summary}</table>
+({counted})</th></tr>{summary}</table>
 <p>{finished} of {len(experiments)} experiments finished. Layers are 0-based (1-based in parentheses
 where given).</p>
-<p style='font-size:14px'>Each claim is decided by one rule: it <b>holds</b> when the whole 95%
+<details style='font-size:14px'><summary>how a verdict is decided</summary>
+<p>Each claim is decided by one rule: it <b>holds</b> when the whole 95%
 interval of its statistic (a seeded percentile bootstrap over prompts or texts, a two-way one over
 prompts &times; seeds for random controls, an exact Clopper&ndash;Pearson interval for k-of-n outcomes
 such as partner layers) lies on the claimed side of the threshold, <b>fails</b> when none of it does,
@@ -429,14 +606,14 @@ distinct measurements. <b>Not applicable</b>: the claim presupposes something th
 reason is given). The Holm-adjusted counts keep a decided verdict only when its p-value survives
 Holm's step-down over all the claims of this report. Controls (comparisons that must come out as
 designed) and sanity checks (true by construction), in grey, are not evidence. Thresholds: <code>me_interp.claims.THRESHOLDS</code> (docs/claims.md). Each figure is
-interactive (hover, zoom); its full file is one click away.</p>
+interactive (hover, zoom); its full file is one click away.</p></details>
 <p style='font-size:13px'>{toc}</p></div></div>
 {top}
 {"".join(sections)}
 {_DRAW_SCRIPT}
 </body></html>
 """
-    io.atomic_write_text(out / SUMMARY_FILE, verdicts_markdown(state, experiments))
+    io.atomic_write_text(out / SUMMARY_FILE, verdicts_markdown(state, experiments, found))
     return io.atomic_write_text(out / REPORT_FILE, body)
 
 
@@ -467,9 +644,12 @@ def md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str]) -> str:
-    """``<out>/report.md``: one table row per claim (verdict, estimate with interval, n), ready to
-    paste; sanity checks are marked and not-applicable rows give the reason."""
+def verdicts_markdown(
+    state: dict[str, Any], experiments: Sequence[str], lines: Sequence[str] = ()
+) -> str:
+    """``<out>/report.md``: the findings ``lines`` (:func:`findings`), then one table row per claim
+    (verdict, estimate with interval, n), ready to paste; sanity checks are marked and
+    not-applicable rows give the reason."""
 
     all_claims = finished_claims(state, experiments)
     adjusted = dict(zip((d["id"] for d in all_claims), claims_mod.holm(all_claims), strict=True))
@@ -493,7 +673,7 @@ def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str]) -> str:
                 est = claims_mod.fmt_num(e.value)
                 if e.method != "exact":
                     est += f" [{claims_mod.fmt_num(e.lo)}, {claims_mod.fmt_num(e.hi)}]"
-                n = f"{e.n} {e.unit}" + (
+                n = f"{e.n} {claims_mod.unit_text(e.n, e.unit)}" + (
                     f" ({e.n_eff} distinct)" if e.n_eff is not None and e.n_eff != e.n else ""
                 )
             rows.append(
@@ -509,13 +689,15 @@ def verdicts_markdown(state: dict[str, Any], experiments: Sequence[str]) -> str:
     total = sum(
         (state["experiments"].get(name) or {}).get("seconds") or 0.0 for name in experiments
     )
+    found = "".join(f"- {x}\n" for x in lines)
     lines = [
         f"- {name}: {terminal.verbose_line(claims_mod.Claim.from_dict(d))}"
         for name in experiments
         for d in (state["experiments"].get(name) or {}).get("claims") or []
     ]
     return (
-        f"{head}\n\n"
+        (f"Findings:\n\n{found}\n" if found else "")
+        + f"{head}\n\n"
         + "\n".join(rows)
         + "\n\nEach claim in full (statistic, interval, n, rule, control, context):\n\n"
         + "\n".join(lines)

@@ -130,7 +130,12 @@ def _n_text(e: claims.Estimate, short: bool) -> str:
 
 
 def _fit(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+    """``text`` cut to ``width`` characters at a word boundary, with "…" (a word is never split)."""
+    if len(text) <= width:
+        return text
+    cut = text[: width - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > 0 else cut).rstrip(" ,;:") + "…"
 
 
 def claim_line(c: claims.Claim, color: bool = False, width: int = WIDTH) -> str:

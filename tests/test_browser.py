@@ -147,3 +147,38 @@ def test_viewer_renders_offline(browser, planted, tmp_path):
     )
     assert errors == [] and remote == []
     page.close()
+
+
+def test_a_figure_copied_out_of_its_run_folder_still_renders(browser, tmp_path):
+    """A figure's page loads the results folder's plotly.js; copied out, it loads a copy beside it,
+    and with none it says what it needs instead of staying blank."""
+    import plotly.graph_objects as go
+
+    from me_interp import io, plotting
+
+    run_dir = tmp_path / "out" / "exp" / "run"
+    run_dir.mkdir(parents=True)
+    fig = go.Figure(go.Bar(x=[1, 2, 3], y=[2.0, 200.0, 20000.0])).update_yaxes(type="log")
+    io.write_figures(run_dir, {"bars": plotting.tidy(fig)}, out_root=tmp_path / "out")
+    alone, beside = tmp_path / "alone", tmp_path / "beside"
+    for d in (alone, beside):
+        d.mkdir()
+        shutil.copy(run_dir / "bars.html", d / "bars.html")
+    shutil.copy(tmp_path / "out" / io.PLOTLY_JS, beside / io.PLOTLY_JS)
+    for where in (run_dir, beside):
+        page, errors, remote = _open(browser, where / "bars.html")
+        page.wait_for_function("() => document.querySelector('g.trace.bars')", timeout=30_000)
+        assert page.locator(".no-plotly").count() == 0 and remote == []
+        if where is run_dir:  # beside: the missing shared copy is one file-not-found, no error
+            assert errors == []
+        assert all("ERR_FILE_NOT_FOUND" in e for e in errors), errors
+        ticks = page.evaluate(  # a log axis: every label a full value
+            "() => [...document.querySelectorAll('g.ytick text')].map(t => t.textContent)"
+        )
+        assert len(set(ticks)) == len(ticks) and {"20", "200", "2000"} <= set(ticks), ticks
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / f"figure_{where.name}.png"))
+        page.close()
+    page, errors, remote = _open(browser, alone / "bars.html")
+    assert "needs plotly.js" in page.locator(".no-plotly").inner_text() and remote == []
+    page.close()

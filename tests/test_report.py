@@ -253,3 +253,102 @@ def test_a_placebo_curve_and_a_corollary_are_shown_beside_their_claims():
     for out in (html_lines, rows):
         assert out.count("<svg") == 1 and "placebo layers: ME 0.273 (layer 3)" in out
         assert "other layers 0.21–0.37" in out and "corollary of <code>x.a</code>" in out
+
+
+_DEF = "a unit counts when its outcome holds on more than half of the prompts (k of n units)"
+
+
+def _state(tmp_path: Path) -> dict:
+    """A battery state with two judged claims that share a definition, one not applicable, one
+    failed experiment and one not run."""
+    specs = (
+        claims.Spec(
+            "weight_swap.a",
+            "§1",
+            "Part a moves it",
+            f"fraction for a; {_DEF}",
+            ">=",
+            "moved_fraction",
+            stat=lambda r: claims.Outcomes([True] * 8, list("abcdefgh"), unit="partner layers"),
+        ),
+        claims.Spec(
+            "weight_swap.b",
+            "§1",
+            "Part b moves it",
+            f"fraction for b; {_DEF}",
+            ">=",
+            "moved_fraction",
+            stat=lambda r: claims.Outcomes([False], ["l0"], unit="partner layers"),
+        ),
+        claims.Spec(
+            "weight_swap.c",
+            "§1",
+            "Part c moves it",
+            "fraction for c",
+            ">=",
+            "moved_fraction",
+            stat=lambda r: claims.Outcomes([True], ["l0"]),
+            applies=lambda r: "part c was not swapped",
+        ),
+    )
+    judged = [c.to_dict() for c in claims.judge(specs, object())]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    return {
+        "settings": {},
+        "experiments": {
+            "weight_swap": {
+                "status": "done",
+                "claims": judged,
+                "run_dir": str(run_dir),
+                "figures": [],
+            },
+            "transplant": {"status": "failed", "error": "RuntimeError: boom", "seconds": 1.0},
+        },
+    }
+
+
+def test_report_opens_with_findings_and_every_claim(tmp_path):
+    state = _state(tmp_path)
+    exps = [battery.BY_NAME[n] for n in ("weight_swap", "transplant", "sink_causality")]
+    out = tmp_path / "out"
+    out.mkdir()
+    report.write_report(out, state, exps)
+    html = (out / report.REPORT_FILE).read_text()
+    top, card = html.index("<h2>Findings</h2>"), html.index("model card")
+    table = html[html.index("<table class=claimtable>") : html.index("</section>")]
+    assert top < html.index("Every claim") < card < html.index("<h2 id='weight_swap'>")
+    # one row per claim and per experiment that did not finish, in the battery's order
+    assert table.count("<tr") == 1 + 3 + 2
+    assert "<td>0</td><td>[0, 0.975]</td><td>1 partner layer</td>" in table  # singular
+    assert "8 partner layers" in table and "part c was not swapped" in table
+    assert table.index("weight_swap") < table.index("transplant") < table.index("sink_causality")
+    # a finding line per measured headline, none for what did not run
+    assert (
+        "weight_swap: Part a moves it — holds (1 [0.631, 1], n = 8 partner layers); its other "
+        "claims: 1 inconclusive." in html
+    )
+    assert "sink_causality:" not in html.split("<h3>Every claim")[0]
+    # the shared definition once, the claims' statistics without it
+    assert html.count(_DEF) == 1 and "fraction for a (see the definitions above)" in html
+    # no "0 sanity checks" / "1 controls"
+    assert "sanity" not in claims.tally_text(
+        state_tally := claims.tally(state["experiments"]["weight_swap"]["claims"])
+    )
+    md = (out / report.SUMMARY_FILE).read_text()
+    assert md.startswith("Findings:\n\n- weight_swap: Part a moves it")
+    assert claims.tally_text(state_tally) in md and "sanity checks (not counted)" not in html
+
+
+def test_small_wording():
+    assert report.spans_text(list(range(100))) == "0–99 (100)"
+    assert report.spans_text([0, 3, 7]) == "0, 3, 7"
+    assert report.spans_text([0, *range(2, 30, 2)], show=3) == "0, 2, 4, … (15 in all)"
+    assert claims.unit_text(1, "pairs") == "pair" and claims.unit_text(2, "pairs") == "pairs"
+    assert claims.unit_text(1, "prompts × seeds") == "prompts × seeds"
+    long = "not applicable: " + "the massive activation emerges at layer zero " * 3
+    cut = terminal._fit(long, 60)
+    assert len(cut) <= 60 and cut.endswith("…") and long.startswith(cut[:-1])
+    assert cut[:-1].split()[-1] in long.split()  # the last word is whole
+    t = {"raw": {"holds": 1}, "holm": {"holds": 1}, "control": {"holds": 1}, "sanity": {}}
+    assert claims.tally_text(t) == "1 claim: 1 holds; Holm-adjusted: 1 holds | 1 control: 1 holds"

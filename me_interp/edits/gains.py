@@ -135,3 +135,23 @@ def flattened_gain(
     mean = w.mean()
     with set_gain(model, layer, mean + alpha * (w - mean), norm):
         yield
+
+
+def other_dims_permutation(w: Float[torch.Tensor, " d"], k: int, seed: int) -> torch.Tensor:
+    """The control of :func:`top_dims_permutation`: ``k`` transpositions among the
+    dims *outside* the ``k`` largest-``|w|`` ones (``2k`` dims move, as there; no large gain does).
+
+    Raises:
+        ValueError: ``k`` not in ``1..d//3`` (``2k`` other dims must exist beside the top ``k``).
+    """
+    d = w.numel()
+    if not 1 <= k <= d // 3:
+        raise ValueError(f"top_k must be in 1..{d // 3} (a third of d_model={d}), got {k}")
+    top = set(top_dims(w, k))
+    rest = torch.tensor([i for i in range(d) if i not in top])
+    gen = torch.Generator().manual_seed(seed)
+    pick = rest[torch.randperm(len(rest), generator=gen)[: 2 * k]].tolist()
+    perm = torch.arange(d)
+    for i, j in zip(pick[0::2], pick[1::2]):
+        perm[i], perm[j] = j, i
+    return perm

@@ -1,73 +1,34 @@
 """RMSNorm permutation: does the massive activation survive when the ME layer's gain is scrambled?
 
-``RMSNorm(h) = h / sqrt(mean(h²) + eps) ⊙ w``. The paper (§2 claim 2) says the pre-FFN gain ``w`` of
-the ME layer puts token 0's energy on the dims with large ``|w|`` — an *alignment* of ``w`` with the
-residual stream. This experiment edits ``w`` of the ME layer ``m`` (``me_interp.edits.gains``) and
-measures the massive activation again (``experiments._weights.measure``):
+``RMSNorm(h) = h / sqrt(mean(h²) + eps) ⊙ w``: the paper (§2 claim 2) says the pre-FFN gain ``w`` of
+the ME layer ``m`` puts the massive token's energy on the dims with large ``|w|``. Edits of ``w``
+(``me_interp.edits.gains``), each on the pre-FFN norm (the test) and the pre-attention norm (the
+control): ``random`` (``w ← w[π]``, ``n_random`` seeds), ``top`` (move only the ``top_k``
+largest-``|w|`` dims), ``other`` (as many transpositions outside them: the control of ``top``) and
+``flatten`` (``w ← mean(w) + α (w − mean(w))``). Every claim reads the excess the edit leaves,
+``c = (R̄_m(edited) − 1) / (R̄_m(unedited) − 1)`` with ``R_{l,b} = max_t ‖h_{l,b,t}‖ /
+mean_{t≠argmax} ‖h_{l,b,t}‖`` (``claims.excess_fraction``: 1 untouched, 0 an ordinary token); the
+claims and their statistics are :data:`SPECS` (docs/claims.md).
 
-* ``random``: ``w ← w[π]`` for ``n_random`` seeded uniform permutations (same values, other dims);
-* ``top``: a permutation moving only the ``top_k`` largest-``|w|`` dims, each to a random other dim
-  (``n_random`` seeds);
-* ``other``: the control of ``top``: ``top_k`` transpositions among the dims *outside* the top
-  ``top_k`` (as many dims move, none of the large gains; ``n_random`` seeds);
-* ``flatten``: ``w ← mean(w) + α (w − mean(w))`` for each ``α`` in ``alphas`` (``α = 0``: constant gain).
-
-Each edit is made on the pre-FFN norm (``ffn``, the test) and on the pre-attention norm (``attn``, the
-control). The statistic of every claim is the *excess left* by the edit,
-
-    c = (R̄_m(edited) − 1) / (R̄_m(unedited) − 1),   R̄_m = mean_b R_{m,b},
-    R_{l,b} = max_t ‖h_{l,b,t}‖ / mean_{t≠argmax} ‖h_{l,b,t}‖
-
-of layer ``m``'s output (an ordinary token has ``R ≈ 1``, so ``c = 1`` is untouched and ``c = 0`` an
-ordinary token; ``claims.excess_fraction``). An edit *removes* the massive activation
-when ``c`` is at most the table's ``removed`` fraction.
-
-Claims (:data:`SPECS`, declarative, judged by :func:`me_interp.claims.judge`):
-
-* claims (evidence): ``ffn_permutation_removes`` (random permutations of the pre-FFN gain),
-  ``top_dims_removes`` (moving its top-``k`` ``|w|`` dims) and ``flatten_removes`` (``α = 0``);
-* controls (they must come out as designed for the claims beside them to mean anything, and are
-  never counted): ``attn_permutation_keeps`` (the same permutations of the pre-attention gain: the
-  effect is specific to the pre-FFN norm) and ``other_dims_keep`` (as many dims moved outside the
-  top ``k``: the effect is specific to the large gains).
-
-The deterministic edit (flattening) is bootstrapped over prompts (edited and unedited means resampled
-together). The random edits are measured on prompts × seeds (``Result.seed_values``: per prompt and
-seed, ``(R_{m,b}(edited, seed) − 1) / (R̄_m(unedited) − 1)``, whose mean is the mean over seeds of
-``c``) and get a two-way (crossed) bootstrap over prompts and seeds (a seed is one edit of the model, shared by every prompt)
-(:class:`me_interp.claims.Nested`), so the interval carries both which prompts and which
-permutations were drawn (the unedited mean ``R̄_m`` is held fixed); they need at least
-:data:`me_interp.claims.MIN_SEEDS` seeds, else they are not applicable.
-
-    python -m me_interp.experiments.rmsnorm_permutation
     python -m me_interp.experiments.rmsnorm_permutation --n-random 10 --top-k 4 --alphas 0 0.5
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-import torch
-from jaxtyping import Float
 from plotly.subplots import make_subplots
 
 from me_interp import claims, terminal
 from me_interp.claims import excess_stat
-from me_interp.edits import (
-    NORMS,
-    flattened_gain,
-    gain,
-    permuted_gain,
-    random_permutation,
-    top_dims,
-    top_dims_permutation,
-)
+from me_interp.edits import NORMS, flattened_gain, gain, permuted_gain, random_permutation, top_dims
+from me_interp.edits.gains import other_dims_permutation, top_dims_permutation
 from me_interp.experiments._weights import (
     EDIT_COLUMNS,
     EditRow,
@@ -106,26 +67,6 @@ class Config(WeightConfig):
     top_k: int = checked(8, ge=1)
     alphas: tuple[float, ...] = checked((0.0, 0.5), ge=0, finite=True)  # below 0 inverts the gain
     norms: tuple[str, ...] = checked(("ffn", "attn"), choices=NORMS, nonempty=True)
-
-
-def other_dims_permutation(w: Float[torch.Tensor, " d"], k: int, seed: int) -> torch.Tensor:
-    """The control of :func:`~me_interp.edits.top_dims_permutation`: ``k`` transpositions among the
-    dims *outside* the ``k`` largest-``|w|`` ones (``2k`` dims move, as there; no large gain does).
-
-    Raises:
-        ValueError: ``k`` not in ``1..d//3`` (``2k`` other dims must exist beside the top ``k``).
-    """
-    d = w.numel()
-    if not 1 <= k <= d // 3:
-        raise ValueError(f"top_k must be in 1..{d // 3} (a third of d_model={d}), got {k}")
-    top = set(top_dims(w, k))
-    rest = torch.tensor([i for i in range(d) if i not in top])
-    gen = torch.Generator().manual_seed(seed)
-    pick = rest[torch.randperm(len(rest), generator=gen)[: 2 * k]].tolist()
-    perm = torch.arange(d)
-    for i, j in zip(pick[0::2], pick[1::2]):
-        perm[i], perm[j] = j, i
-    return perm
 
 
 @dataclass(frozen=True)
@@ -183,10 +124,6 @@ class Result(Headed):
         rows = self.select(norm, kind)
         return sum(r.survives for r in rows) / len(rows) if rows else None
 
-    def median_ratio(self, norm: str, kind: str) -> float | None:
-        rows = self.select(norm, kind)
-        return statistics.median(r.ratio_at_layer for r in rows) if rows else None
-
     def seed_changes(self, norm: str, kind: str) -> list[float]:
         """Per seed of a random edit: the excess ``c`` it leaves."""
         return [r.change for r in self.select(norm, kind)]
@@ -208,15 +145,13 @@ def _edits(model: LoadedModel, cfg: Config, layer: int) -> Iterator[tuple[str, s
     """(norm, kind, parameter, context manager) for every edit of the run."""
     for norm in cfg.norms:
         w = gain(model, layer, norm)
-        for i in range(cfg.n_random):
-            perm = random_permutation(w.numel(), cfg.seed + i)
-            yield norm, "random", cfg.seed + i, permuted_gain(model, layer, perm, norm)
-        for i in range(cfg.n_random):
-            perm = top_dims_permutation(w, cfg.top_k, cfg.seed + i)
-            yield norm, "top", cfg.seed + i, permuted_gain(model, layer, perm, norm)
-        for i in range(cfg.n_random):
-            perm = other_dims_permutation(w, cfg.top_k, cfg.seed + i)
-            yield norm, "other", cfg.seed + i, permuted_gain(model, layer, perm, norm)
+        for kind, perm in (
+            ("random", partial(random_permutation, w.numel())),
+            ("top", partial(top_dims_permutation, w, cfg.top_k)),
+            ("other", partial(other_dims_permutation, w, cfg.top_k)),
+        ):
+            for i in range(cfg.seed, cfg.seed + cfg.n_random):
+                yield norm, kind, i, permuted_gain(model, layer, perm(i), norm)
         for a in cfg.alphas:
             yield norm, "flatten", float(a), flattened_gain(model, layer, a, norm)
 
@@ -249,10 +184,6 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         prompt_lengths=s.batch.lengths,
     )
 
-
-# ------------------------------------------------------------------------------------------
-# claims
-# ------------------------------------------------------------------------------------------
 
 _STAT = (
     "c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean over "
@@ -418,37 +349,38 @@ SPECS: tuple[claims.Spec, ...] = (
 claims.check_specs(SPECS)
 
 
-# ------------------------------------------------------------------------------------------
-# figures and summary
-# ------------------------------------------------------------------------------------------
-
-
 def figures(result: Result) -> dict[str, go.Figure]:
+    """The excess ``c`` each edit left (bars from 0: 1 = untouched, 0 = an ordinary token; the
+    ratio itself in the hover), one panel per norm, and the flattening sweep."""
     norms = [n for n in NORMS if any(r.norm == n for r in result.rows)]
     titles = {"ffn": "pre-FFN gain (test)", "attn": "pre-attention gain (control)"}
+    removed = claims.threshold("removed")
     fig = make_subplots(
         rows=1, cols=len(norms), subplot_titles=[titles[n] for n in norms], shared_yaxes=True
     )
-    base = result.baseline.ratio_at(result.layer)
     for c, norm in enumerate(norms, start=1):
         rows = [r for r in result.rows if r.norm == norm]
         fig.add_trace(
             go.Bar(
                 x=[r.label().split(" ", 1)[1] for r in rows],
-                y=[r.ratio_at_layer for r in rows],
+                y=[r.change for r in rows],
+                customdata=[r.ratio_at_layer for r in rows],
                 marker_color=["seagreen" if r.survives else "firebrick" for r in rows],
-                name=titles[norm],
                 showlegend=False,
-                hovertemplate="%{x}<br>ratio at the ME layer %{y:.4g}<extra></extra>",
+                hovertemplate="%{x}<br>excess left c = %{y:.3g}<br>ratio at the ME layer "
+                "%{customdata:.4g}<extra></extra>",
             ),
             row=1,
             col=c,
         )
-        fig.add_hline(y=base, line_dash="dash", line_color="gray", row=1, col=c)
-    fig.update_yaxes(type="log", title_text="max token / mean others at the ME layer", col=1)
+        fig.add_hline(y=1.0, line_dash="dash", line_color="gray", row=1, col=c)
+        fig.add_hline(y=removed, line_dash="dot", line_color="firebrick", row=1, col=c)
+    fig.update_yaxes(rangemode="tozero", title_text="excess left c", col=1)
     fig.update_layout(
-        title=f"Massive ratio at layer {result.layer} after editing its RMSNorm gain — {result.model}"
-        "<br><sup>green: still massive; red: gone; dashed: unedited</sup>",
+        title=f"What editing layer {result.layer}'s RMSNorm gain leaves of the massive activation — "
+        f"{result.model}<br><sup>c = (R_m(edited) − 1) / (R_m(unedited) − 1), unedited R_m "
+        f"{result.baseline.ratio_at(result.layer):.4g}; dashed: unedited (c = 1); dotted: "
+        f"removed (c ≤ {removed:g}); green: still massive, red: gone</sup>",
         template="plotly_white",
     )
     flat = go.Figure()
@@ -457,7 +389,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
         flat.add_trace(
             go.Scatter(
                 x=[r.param for r in rows] + [1.0],
-                y=[r.ratio_at_layer for r in rows] + [base],
+                y=[r.change for r in rows] + [1.0],
                 mode="lines+markers",
                 name=titles[norm],
             )
@@ -465,8 +397,8 @@ def figures(result: Result) -> dict[str, go.Figure]:
     flat.update_layout(
         title=f"Flattening w → mean + α (w − mean) at layer {result.layer} — {result.model}",
         xaxis_title="α (1 = unchanged)",
-        yaxis_title="massive ratio at the ME layer",
-        yaxis_type="log",
+        yaxis_title="excess left c (1 = unedited)",
+        yaxis_rangemode="tozero",
         template="plotly_white",
     )
     return {"ratio_after_edit": fig, "flatten_sweep": flat}

@@ -1,42 +1,13 @@
 """Weight patching: copy one component's weights from a source layer (or model) into a target layer.
 
-``θ_target^part ← θ_source^part`` (:func:`me_interp.edits.patched_weights`) for each part
-(``me_interp.edits.PARTS``: ``ffn_path`` = pre-FFN RMSNorm + FFN, ``ffn_norm``, ``ffn``, ``attn_path`` =
-pre-attention RMSNorm + attention, ``attn_norm``, ``attn``, ``block``) and each target layer, then the
-massive activation is located again. On a sandwich-norm model (Gemma 2/3) ``ffn_path`` /
-``attn_path`` also copy the post-FFN / post-attention norm, and ``--parts`` also accepts
-``post_ffn_norm`` / ``post_attn_norm`` (reported, no claim); the result records the HF modules each
-part copied (``part_modules``). Unlike a swap, the source layer keeps its own weights, so this
-asks whether a component is *sufficient* to create the emergence where it is copied.
+``θ_target^part ← θ_source^part`` (:func:`me_interp.edits.patched_weights`) for each part (as in
+``weight_swap``) and each target layer, then the ME layer is located again. Unlike a swap the source
+keeps its weights: is a component *sufficient* to create the emergence where it is copied? One patch
+*copied* the emergence when the new ME layer is the target (else *kept*, *vanished*, *elsewhere*); a
+copy can only show up before the patched model's own ME layer ``m'``, so the claims (:data:`SPECS`,
+docs/claims.md) are judged on the *eligible* targets ``t < m'``; later ones are reported. The source
+is ``--layer`` (default: the ME layer of the source model, ``--source-model`` or the model itself).
 
-Outcome of one patch: *copied* (the new ME layer is the target), *kept* (it is the unpatched ME
-layer), *vanished* (no layer output is massive) or *elsewhere*. A copy can only show up as "copied" in
-a target layer *before* the patched model's own ME layer ``m'`` (from ``m'`` on, the model already made
-the massive activation itself), so the claims are judged on the *eligible* targets ``t < m'`` (every
-target when the patched model has no massive activation); later targets are measured and reported,
-not judged.
-
-Claims (:data:`SPECS`, declarative, judged by :func:`me_interp.claims.judge`, all of kind *claim*):
-``weight_patching.<part>`` for every part — "copying the ME layer's <part> into an earlier layer makes
-the emergence appear there": of the eligible targets, how many became the ME layer (k of n target
-layers, exact Clopper–Pearson interval, every target's outcome listed by its depth relative to the
-source layer ``m``, e.g. ``"layer 0 (m-2)"``); holds when the whole interval is ``≥``
-``moved_fraction``. One target's outcome is decided from its prompts by a majority: the ME layer is
-located on each prompt alone and the target counts as copied when it is the target on more than half
-of the prompts (target layers are the depths tried, not a sample; prompt variance enters only
-through the majority). The headline is ``weight_patching.ffn_path``; ``block`` is its own claim. With
-few eligible targets the interval is wide (2 of 2 give [0.16, 1]): at least 6 are needed to decide
-against ``moved_fraction`` = 0.5.
-
-The source is ``--layer`` (default: the ME layer of the source model; ``--source-model`` loads a
-second model of the same shape like ``--model``). Targets default to every layer before the patched
-model's ME layer (one model; ``max_targets`` spread over them) or to every layer (two models: copying
-into a model without a massive activation). A model without a massive activation and no ``--layer``
-is "not applicable". Measured per patch (one forward pass): the new ME layer, the massive ratio ``R_l``
-(max token / mean others) at the target, at the unpatched ME layer and at the last layer (also per
-prompt), and the downstream attention sink.
-
-    python -m me_interp.experiments.weight_patching
     python -m me_interp.experiments.weight_patching --model synthetic:twin --source-model synthetic:planted
 """
 
@@ -68,6 +39,7 @@ from me_interp.experiments._weights import (
 from me_interp.interventions.core import check_layers
 from me_interp.loading import load_model
 from me_interp.loading.loaded import LoadedModel
+from me_interp.plotting import outcome_heatmap
 from me_interp.probes.site import locate
 from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
 from me_interp.terminal import fmt_table
@@ -301,22 +273,12 @@ def run(
     for part, t in terminal.bar(todo, desc=f"{NAME} (source layer {source_layer})"):
         with patched_weights(target, source_layer, t, part, source_model=None if same else src):
             after = s.measure(start=t)
+        me, at_me = after.me_layer, None if me0 is None else after.ratio_at(me0)
+        ratios = (after.ratio_at(t), s.baseline.ratio_at(t), at_me, after.top_ratio[-1])
+        per = (after.prompt_ratio_at(t), after.prompt_me_layer)
+        tail = (after.sink_after(me0 if me0 is not None else t), after.top_ratio)
         rows.append(
-            PatchRow(
-                part=part,
-                target=t,
-                me_layer=after.me_layer,
-                outcome=outcome(after.me_layer, me0, t),
-                event_layers=after.event_layers,
-                ratio_at_target=after.ratio_at(t),
-                ratio_at_target_before=s.baseline.ratio_at(t),
-                ratio_at_me_before=None if me0 is None else after.ratio_at(me0),
-                ratio_last=after.top_ratio[-1],
-                ratio_at_target_per_prompt=after.prompt_ratio_at(t),
-                prompt_me_layer=after.prompt_me_layer,
-                sink_downstream=after.sink_after(me0 if me0 is not None else t),
-                top_ratio=after.top_ratio,
-            )
+            PatchRow(part, t, me, outcome(me, me0, t), after.event_layers, *ratios, *per, *tail)
         )
     return Result(
         header=run_header(cfg, target, len(s.batch), s.site),
@@ -331,11 +293,6 @@ def run(
         prompt_lengths=s.batch.lengths,
         part_modules=part_modules,
     )
-
-
-# ------------------------------------------------------------------------------------------
-# claims, figures, summary
-# ------------------------------------------------------------------------------------------
 
 
 def _details(result: Result, part: str) -> str:
@@ -384,11 +341,11 @@ def _spec(part: str) -> claims.Spec:
         PART_SECTION[part],
         "Copied into an earlier layer (or into a model without the emergence), the ME layer's "
         f"{PART_WHAT[part]} makes that layer the ME layer: it suffices to create the emergence",
-        f"fraction of eligible target layers t (before the patched model's own ME layer) for which "
-        f"the ME layer located after copying the source layer's {part} into t is t; a target "
-        "counts when the ME layer located on each prompt alone is t on more than half of the "
-        "prompts (k of n target layers, Clopper–Pearson: the targets are the depths tried, not a "
-        "sample, and prompt variance enters only through the majority)",
+        f"fraction of eligible target layers t for which copying the source layer's {part} into t "
+        "makes t the ME layer; eligible: before the patched model's own ME layer; a target counts "
+        "when the ME layer located on each prompt alone is t on more than half of the prompts (k "
+        "of n target layers, Clopper–Pearson: the targets are the depths tried, not a sample, and "
+        "prompt variance enters only through the majority)",
         ">=",
         "moved_fraction",
         control,
@@ -405,30 +362,20 @@ claims.check_specs(SPECS)
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    xs = [str(t) for t in result.targets]
     index = {(r.part, r.target): r for r in result.rows}
-    me = [[index[(p, t)].me_layer for t in result.targets] for p in result.parts]
-    ratio = [[index[(p, t)].ratio_at_target for t in result.targets] for p in result.parts]
+    cells = [[index[(p, t)] for t in result.targets] for p in result.parts]
     src = "" if result.source_model == result.model else f" of {result.source_model}"
-    fig = go.Figure(
-        go.Heatmap(
-            z=[[-1 if v is None else v for v in row] for row in me],
-            x=xs,
-            y=result.parts,
-            text=[["none" if v is None else str(v) for v in row] for row in me],
-            texttemplate="%{text}",
-            customdata=ratio,
-            colorscale="Viridis",
-            zmin=-1,
-            colorbar_title="ME layer<br>(-1: none)",
-            hovertemplate="copy %{y} into layer %{x}<br>ME layer after: %{text}<br>ratio at the target "
-            "%{customdata:.4g}<extra></extra>",
-        )
-    )
-    fig.update_layout(
-        title=f"ME layer after copying layer {result.source_layer}{src}'s part into the target — {result.model}"
-        f"<br><sup>unpatched ME layer {result.baseline.me_layer} (0-based); judged targets: "
-        f"{result.eligible}</sup>",
+    fig = outcome_heatmap(
+        [[r.me_layer for r in row] for row in cells],
+        result.targets,
+        result.parts,
+        "copy %{y} into layer %{x}<br>ME layer after: %{text}<br>ratio at the target "
+        "%{customdata:.4g}",
+        [[r.ratio_at_target for r in row] for row in cells],
+    ).update_layout(
+        title=f"ME layer after copying layer {result.source_layer}{src}'s part into the target — "
+        f"{result.model}<br><sup>unpatched ME layer {result.baseline.me_layer} (0-based); judged "
+        f"targets: {result.eligible}</sup>",
         xaxis_title="target layer (0-based)",
         yaxis_title="copied part",
         template="plotly_white",

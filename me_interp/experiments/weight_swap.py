@@ -1,51 +1,15 @@
 """Weight swap: exchange the ME layer's parameters with another layer's — does the emergence move?
 
-For each part and each partner layer ``p``, the part of the ME layer ``m`` and of ``p`` are exchanged
-(``θ_m ↔ θ_p``, :func:`me_interp.edits.swapped_layers`) and the ME layer is located again
-(``probes.massive``). Parts (``me_interp.edits.PARTS``): the single parts ``ffn_norm`` (pre-FFN RMSNorm
-gain), ``ffn``, ``attn_norm``, ``attn``; the composites ``ffn_path`` = ``ffn_norm`` + ``ffn`` (the
-paper's RMSNorm–FFN pair, §2.3) and ``attn_path`` = ``attn_norm`` + ``attn``; and the whole ``block``.
-On a sandwich-norm model (Gemma 2/3) ``ffn_path`` / ``attn_path`` also move the post-FFN /
-post-attention norm (the path ends where the residual contribution ``ffn_out`` / ``attn_out`` is
-read), and ``--parts`` also accepts the single parts ``post_ffn_norm`` / ``post_attn_norm`` (measured
-and reported; no claim is made about them). The result records the HF modules each part moved
-(``part_modules``).
+For each part (``me_interp.edits.PARTS``: ``ffn_path`` = pre-FFN RMSNorm + FFN, the paper's pair,
+§2.3; ``ffn_norm``, ``ffn``, ``attn_path``, ``attn_norm``, ``attn``, ``block``; on sandwich-norm models
+the paths carry their post-norm, and ``post_ffn_norm`` / ``post_attn_norm`` are measured without a
+claim) and each partner layer ``p``, the part of the ME layer ``m`` and of ``p`` are exchanged
+(:func:`me_interp.edits.swapped_layers`) and the ME layer is located again, on all prompts at once
+and on each prompt alone (``probes.measurement``). One swap *moved* the emergence when the new ME
+layer is ``p`` (else *stayed*, *vanished* or *elsewhere*). The claims (:data:`SPECS`,
+docs/claims.md) count partner layers, each decided by a majority of its prompts.
 
-Outcome of one swap: *moved* when the new ME layer is ``p``, *stayed* when it is ``m``, *vanished* when
-no layer output is massive, *elsewhere* otherwise. Also measured after each swap (one forward pass):
-the massive ratio ``R_l = median_prompts max_t ‖h_{l,t}‖ / mean_{t≠argmax} ‖h_{l,t}‖`` at the partner
-layer, the ME layer and the last layer (and per prompt), and the attention sink (attention mass on the
-baseline's massive position, largest head, mean over prompts) downstream of ``m``.
-
-Claims (:data:`SPECS`, declarative, judged by :func:`me_interp.claims.judge`), all of kind *claim*
-and each a k-of-n count over partner layers with an exact (Clopper–Pearson) interval, every partner's
-outcome listed by its depth relative to ``m`` (``"layer 3 (m-8)"``). Partner layers are the depths
-tried, not a random sample, and one partner's outcome is decided from its prompts by a majority: the ME
-layer is located on each prompt alone (:attr:`Measurement.prompt_me_layer`) and the partner counts
-when more than half of the prompts agree (the batch-level outcome above is reported beside it).
-
-* ``weight_swap.<part>`` for every part — "the emergence moves with the ME layer's <part>": the
-  partners whose swap moved the ME layer to the partner; holds when the whole interval is ``≥`` the
-  ``moved_fraction`` threshold. The headline is ``weight_swap.ffn_path`` (the paper's mechanism);
-  ``weight_swap.block`` is its own claim (it moves attention too); the single parts split the pair.
-* ``weight_swap.ffn_path_needed`` — the emergence needs the ME layer's own FFN path: the partners for
-  which, with the partner's ``ffn_path`` in its place, layer ``m`` no longer is the ME layer (moved or
-  vanished). Not applicable when ``m`` is not the unedited model's ME layer.
-
-With few layers the interval is wide: 4 of 4 partners give [0.40, 1] and 0 of 4 give [0, 0.60], so
-at least 6 partners are needed to decide against ``moved_fraction`` = 0.5 either way.
-
-A model without a massive activation is "not applicable" (:class:`me_interp.claims.NotApplicable`)
-unless ``--layer`` is given. Defaults run on the bundled model: the detected ME layer against
-``max_partners`` partners spread over the other layers, every part, ``n_prompts`` prompts spread over
-the set and cut to ``max_tokens`` tokens (each swap costs a forward pass).
-
-    python -m me_interp.experiments.weight_swap
     python -m me_interp.experiments.weight_swap --parts ffn_path block --partners 0 5 20
-    python -m me_interp.experiments.weight_swap --model synthetic:planted
-
-What the weight experiments share (:class:`WeightConfig`, :func:`prepare`, :func:`measure`) is in
-``me_interp.experiments._weights``; it is re-exported here.
 """
 
 from __future__ import annotations
@@ -69,23 +33,17 @@ from me_interp.experiments._weights import (
     WeightConfig,
     depth_label,
     majority,
-    measure,
     prepare,
-    short_batch,
     spread,
 )
 from me_interp.interventions.core import check_layers
 from me_interp.loading.loaded import LoadedModel
+from me_interp.plotting import interval_bars, outcome_heatmap
 from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
 from me_interp.terminal import fmt_table
 
 NAME = "weight_swap"
 OUTCOMES = ("moved", "stayed", "vanished", "elsewhere")
-
-
-# ------------------------------------------------------------------------------------------
-# the experiment
-# ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -181,15 +139,10 @@ class Result(Headed):
         """The rows of ``part``, in partner order."""
         return [r for r in self.rows if r.part == part]
 
-    def outcomes(self, part: str) -> list[str]:
-        """Per partner: the outcome of swapping ``part``."""
-        return [r.outcome for r in self.part_rows(part)]
-
     def fractions(self, part: str) -> list[float]:
         """Share of partners per outcome, in the order of :data:`OUTCOMES`."""
-        got = self.outcomes(part)
-        n = max(len(got), 1)
-        return [sum(g == o for g in got) / n for o in OUTCOMES]
+        got = [r.outcome for r in self.part_rows(part)]
+        return [sum(g == o for g in got) / max(len(got), 1) for o in OUTCOMES]
 
     def partners_with(self, part: str, outcome: str) -> list[int]:
         return [r.partner for r in self.part_rows(part) if r.outcome == outcome]
@@ -200,17 +153,9 @@ class Result(Headed):
         for r in self.part_rows(part):
             moved = [pl == r.partner for pl in r.prompt_me_layer]
             left = [pl != self.layer for pl in r.prompt_me_layer]
-            out.append(
-                PartnerOutcome(
-                    r.partner,
-                    depth_label(r.partner, self.layer),
-                    r.me_layer,
-                    sum(moved),
-                    sum(left),
-                    majority(moved),
-                    majority(left),
-                )
-            )
+            label = depth_label(r.partner, self.layer)
+            k, k_left, y, y_left = sum(moved), sum(left), majority(moved), majority(left)
+            out.append(PartnerOutcome(r.partner, label, r.me_layer, k, k_left, y, y_left))
         return out
 
     def partner_outcomes(self, part: str, what: str = "moved") -> claims.Outcomes:
@@ -269,23 +214,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     for part, p in terminal.bar(todo, desc=f"{NAME} (layer {m})"):
         with swapped_layers(s.model, m, p, part):
             after = s.measure(start=min(m, p))
+        ratios = (after.ratio_at(p), after.ratio_at(m), after.top_ratio[-1])
+        per = (after.prompt_ratio_at(p), after.prompt_ratio_at(m), after.prompt_me_layer)
+        me, tail = after.me_layer, (after.sink_after(m), after.top_ratio, after.sink)
         rows.append(
-            SwapRow(
-                part=part,
-                partner=p,
-                me_layer=after.me_layer,
-                outcome=outcome(after.me_layer, m, p),
-                event_layers=after.event_layers,
-                ratio_at_partner=after.ratio_at(p),
-                ratio_at_layer=after.ratio_at(m),
-                ratio_last=after.top_ratio[-1],
-                ratio_at_partner_per_prompt=after.prompt_ratio_at(p),
-                ratio_at_layer_per_prompt=after.prompt_ratio_at(m),
-                prompt_me_layer=after.prompt_me_layer,
-                sink_downstream=after.sink_after(m),
-                top_ratio=after.top_ratio,
-                sink=after.sink,
-            )
+            SwapRow(part, p, me, outcome(me, m, p), after.event_layers, *ratios, *per, *tail)
         )
     return Result(
         header=run_header(cfg, s.model, len(s.batch), s.site),
@@ -296,11 +229,6 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         prompt_lengths=s.batch.lengths,
         part_modules=part_modules,
     )
-
-
-# ------------------------------------------------------------------------------------------
-# claims
-# ------------------------------------------------------------------------------------------
 
 
 def _details(result: Result, part: str, what: str = "moved") -> str:
@@ -332,7 +260,7 @@ def _swapped(part: str):
 
 
 _MAJORITY = (
-    "; a partner counts when the ME layer located on each prompt alone is {what} on more than "
+    "; a partner counts when that holds for the ME layer located on each prompt alone on more than "
     "half of the prompts (k of n partner layers, Clopper–Pearson: the partners are the depths "
     "tried, not a sample, and prompt variance enters only through the majority)"
 )
@@ -351,8 +279,8 @@ def _part_spec(part: str) -> claims.Spec:
         PART_SECTION[part],
         f"The emergence moves with the ME layer's {PART_WHAT[part]}: exchanging that part with "
         "another layer's makes that layer the ME layer",
-        f"fraction of partner layers p for which the ME layer located after swapping {part} "
-        "of layers m ↔ p is p" + _MAJORITY.format(what="p"),
+        f"fraction of partner layers p for which swapping {part} of layers m ↔ p makes p the ME "
+        "layer" + _MAJORITY,
         ">=",
         "moved_fraction",
         _CONTROL.get(part, "ffn_path and block; the other single parts"),
@@ -382,7 +310,7 @@ NEEDED_SPEC = claims.Spec(
     "(+ post-FFN norm on sandwich models) in its place, the ME layer is no longer where the massive "
     "activation emerges",
     "fraction of partner layers p for which, after swapping ffn_path of layers m ↔ p, the ME "
-    "layer is not m (it moved or vanished)" + _MAJORITY.format(what="not m"),
+    "layer is not m (it moved or vanished)" + _MAJORITY,
     ">=",
     "moved_fraction",
     "the unedited model, whose ME layer is m; attn_path swaps (their own claim)",
@@ -395,39 +323,22 @@ SPECS: tuple[claims.Spec, ...] = (*PART_SPECS.values(), NEEDED_SPEC)
 claims.check_specs(SPECS)
 
 
-# ------------------------------------------------------------------------------------------
-# figures and summary
-# ------------------------------------------------------------------------------------------
-
-
 def _grid(result: Result, key: str) -> list[list[Any]]:
     index = {(r.part, r.partner): getattr(r, key) for r in result.rows}
     return [[index.get((part, p)) for p in result.partners] for part in result.parts]
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    xs = [str(p) for p in result.partners]
-    me = _grid(result, "me_layer")
-    z_me = [[-1 if v is None else v for v in row] for row in me]
-    text = [["none" if v is None else str(v) for v in row] for row in me]
-    fig_me = go.Figure(
-        go.Heatmap(
-            z=z_me,
-            x=xs,
-            y=result.parts,
-            text=text,
-            texttemplate="%{text}",
-            colorscale="Viridis",
-            zmin=-1,
-            colorbar_title="ME layer<br>(-1: none)",
-            hovertemplate="swap %{y} of layer "
-            + str(result.layer)
-            + " with layer %{x}<br>ME layer after: %{text}<extra></extra>",
-        )
-    )
-    fig_me.update_layout(
-        title=f"ME layer after swapping layer {result.layer}'s part with the partner layer — {result.model}"
-        f"<br><sup>baseline ME layer {result.baseline.me_layer} (0-based); 'moved' = ME layer equals the partner</sup>",
+    m, name = result.layer, result.model
+    fig_me = outcome_heatmap(
+        _grid(result, "me_layer"),
+        result.partners,
+        result.parts,
+        f"swap %{{y}} of layer {m} with layer %{{x}}<br>ME layer after: %{{text}}",
+    ).update_layout(
+        title=f"ME layer after swapping layer {m}'s part with the partner layer — {name}<br><sup>"
+        f"baseline ME layer {result.baseline.me_layer} (0-based); 'moved' = ME layer equals the "
+        "partner</sup>",
         xaxis_title="partner layer (0-based)",
         yaxis_title="swapped part",
         template="plotly_white",
@@ -436,7 +347,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
     fig_ratio = go.Figure(
         go.Heatmap(
             z=[[math.log10(v) if v and v > 0 else None for v in row] for row in ratio],
-            x=xs,
+            x=[str(p) for p in result.partners],
             y=result.parts,
             customdata=ratio,
             colorscale="Magma",
@@ -444,53 +355,36 @@ def figures(result: Result) -> dict[str, go.Figure]:
             hovertemplate="swap %{y} with layer %{x}<br>massive ratio at the partner layer: "
             "%{customdata:.4g}<extra></extra>",
         )
-    )
-    fig_ratio.update_layout(
-        title=f"Massive ratio (max token / mean others) at the partner layer after the swap — {result.model}"
-        f"<br><sup>baseline ratio at layer {result.layer}: {result.baseline.ratio_at(result.layer):.4g}</sup>",
+    ).update_layout(
+        title=f"Massive ratio (max token / mean others) at the partner layer after the swap — {name}"
+        f"<br><sup>baseline ratio at layer {m}: {result.baseline.ratio_at(m):.4g}</sup>",
         xaxis_title="partner layer (0-based)",
         yaxis_title="swapped part",
         template="plotly_white",
     )
-    return {
-        "me_layer_after_swap": fig_me,
-        "ratio_at_partner": fig_ratio,
-        "moved_fraction": _fraction_figure(result),
-    }
-
-
-def _fraction_figure(result: Result) -> go.Figure:
-    judged = [
-        c for c in claims.judge(SPECS, result) if c.estimate is not None and c.id != NEEDED_SPEC.id
-    ]
-    parts = [c.id.split(".", 1)[1] for c in judged]
-    est = [c.estimate for c in judged]
-    fig = go.Figure(
-        go.Bar(
-            x=parts,
-            y=[e.value for e in est],
-            error_y={
-                "type": "data",
-                "symmetric": False,
-                "array": [e.hi - e.value for e in est],
-                "arrayminus": [e.value - e.lo for e in est],
-            },
-            text=[c.verdict for c in judged],
-            hovertemplate="%{x}: moved for %{y:.0%} of partners (%{text})<extra></extra>",
-        )
+    judged = [c for c in claims.judge(SPECS, result) if c.estimate and c.id != NEEDED_SPEC.id]
+    fig_moved = interval_bars(
+        [c.id.split(".", 1)[1] for c in judged],
+        [(c.estimate.value, c.estimate.lo, c.estimate.hi) for c in judged],
+        [c.verdict for c in judged],
+        "%{x}: moved for %{y:.0%} of partners (%{text})",
     )
     thr = claims.threshold("moved_fraction")
-    fig.add_hline(y=thr, line_dash="dash", annotation_text=f"moved_fraction {thr:g}")
-    fig.update_layout(
-        title=f"Fraction of partner layers the emergence moved to, per swapped part — {result.model}"
-        f"<br><sup>layer {result.layer}, {len(result.partners)} partners (majority over prompts "
-        "each); 95% Clopper–Pearson interval over partner layers</sup>",
+    fig_moved.add_hline(y=thr, line_dash="dash", annotation_text=f"moved_fraction {thr:g}")
+    fig_moved.update_layout(
+        title=f"Fraction of partner layers the emergence moved to, per swapped part — {name}<br>"
+        f"<sup>layer {m}, {len(result.partners)} partners (majority over prompts each); 95% "
+        "Clopper–Pearson interval over partner layers</sup>",
         xaxis_title="swapped part",
         yaxis_title="moved fraction",
         yaxis_range=[0, 1.05],
         template="plotly_white",
     )
-    return fig
+    return {
+        "me_layer_after_swap": fig_me,
+        "ratio_at_partner": fig_ratio,
+        "moved_fraction": fig_moved,
+    }
 
 
 def summary(result: Result) -> str:
@@ -518,26 +412,3 @@ main = command(EXPERIMENT)
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-__all__ = [
-    "NAME",
-    "NEEDED_SPEC",
-    "PART_ORDER",
-    "PART_SPECS",
-    "SPECS",
-    "Config",
-    "Measurement",
-    "Result",
-    "Setup",
-    "WeightConfig",
-    "figures",
-    "main",
-    "measure",
-    "outcome",
-    "prepare",
-    "resolve_partners",
-    "run",
-    "short_batch",
-    "summary",
-]

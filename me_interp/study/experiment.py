@@ -169,7 +169,9 @@ def execute(
         return Outcome(None, claims.not_applicable(exp.specs, str(e)), {}, str(e))
     except PlacementError as e:
         raise PlacementError(f"{exp.name} is refused on {model.name} as placed: {e}") from None
-    drawn = dict(exp.figures(result)) if figures else {}
+    from me_interp.plotting import tidy  # plotly is imported only where figures are drawn
+
+    drawn = {k: tidy(f) for k, f in exp.figures(result).items()} if figures else {}
     return Outcome(result, exp.judged(result), drawn, attention=attention)
 
 

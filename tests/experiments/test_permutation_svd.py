@@ -13,6 +13,7 @@ import torch
 
 from me_interp import claims, io, load_model, names, synthetic
 from me_interp.claims import FAILS, HOLDS, NOT_APPLICABLE, NotApplicable
+from me_interp.edits import gains
 from me_interp.experiments import ffn_svd_ablation, rmsnorm_permutation
 from me_interp.study import execute, roundtrip
 
@@ -101,15 +102,15 @@ def _check_result(result, n_prompts):
 
 def test_other_dims_permutation_moves_only_small_gain_dims():
     w = torch.tensor([0.1, 5.0, 0.2, 0.3, 4.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1])
-    perm = rmsnorm_permutation.other_dims_permutation(w, 2, seed=3)
+    perm = gains.other_dims_permutation(w, 2, seed=3)
     assert sorted(perm.tolist()) == list(range(12))
     moved = [i for i in range(12) if perm[i] != i]
     assert len(moved) == 4 and not {1, 4} & set(moved)  # 2 transpositions, no top-|w| dim
     assert all(perm[int(perm[i])] == i for i in moved)  # transpositions
-    assert torch.equal(perm, rmsnorm_permutation.other_dims_permutation(w, 2, seed=3))
-    assert not torch.equal(perm, rmsnorm_permutation.other_dims_permutation(w, 2, seed=4))
+    assert torch.equal(perm, gains.other_dims_permutation(w, 2, seed=3))
+    assert not torch.equal(perm, gains.other_dims_permutation(w, 2, seed=4))
     with pytest.raises(ValueError, match="top_k"):
-        rmsnorm_permutation.other_dims_permutation(w, 5, seed=0)
+        gains.other_dims_permutation(w, 5, seed=0)
 
 
 def test_rmsnorm_permutation_planted(planted, prompt_file):

@@ -19,9 +19,10 @@ import torch
 from me_interp import claims, io, load_model, names, synthetic
 from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotApplicable
 from me_interp.experiments import _weights, weight_patching, weight_swap
-from me_interp.probes import Criterion
+from me_interp.probes import Criterion, measurement
 from me_interp.probes.attention import attention_stats
 from me_interp.probes.site import locate
+from me_interp.prompts import spread
 from me_interp.study import roundtrip
 
 # What the planted construction implies (synthetic.planted_llama: layer 2's pre-FFN gain is 8 on the
@@ -108,19 +109,19 @@ def _judge(module, res):
 
 
 def test_spread_is_even_and_keeps_the_ends():
-    assert _weights.spread(range(29), 15) == list(range(0, 29, 2))
-    assert _weights.spread([1, 2, 3], 0) == [1, 2, 3]
-    assert _weights.spread([1, 2, 3], 5) == [1, 2, 3]
-    assert _weights.spread("abcdef", 1) == ["a"]
-    assert _weights.spread("abcdef", 2) == ["a", "f"]
+    assert spread(range(29), 15) == list(range(0, 29, 2))
+    assert spread([1, 2, 3], 0) == [1, 2, 3]
+    assert spread([1, 2, 3], 5) == [1, 2, 3]
+    assert spread("abcdef", 1) == ["a"]
+    assert spread("abcdef", 2) == ["a", "f"]
     with pytest.raises(ValueError, match=">= 0"):
-        _weights.spread([1], -1)
+        spread([1], -1)
 
 
 def test_short_batch_spreads_and_cuts(planted, prompt_file):
     model, _ = planted
     prompts = weight_swap.Config(prompts=prompt_file).load_prompts()
-    batch = weight_swap.short_batch(model, prompts, 2, 3)
+    batch = measurement.short_batch(model, prompts, 2, 3)
     assert batch.prompts == (prompts[0], prompts[-1])  # spread over the set, not the first two
     assert batch.lengths == [3, 3] and batch.tokens[0, 0] == model.bos_token_id
 
@@ -134,9 +135,9 @@ def test_measure_matches_hand_computation(planted, prompt_file):
     """Per-prompt ratios and the sink of `measure` (one chunked forward) re-derived from raw residuals
     and attention patterns, and the sink equal to probes.attention_stats."""
     model, plant = planted
-    batch = weight_swap.short_batch(model, synthetic.planted_prompts(5), 0, 0)
+    batch = measurement.short_batch(model, synthetic.planted_prompts(5), 0, 0)
     positions = [[0]] * len(batch)
-    m = weight_swap.measure(model, batch, Criterion(), positions)
+    m = measurement.measure(model, batch, Criterion(), positions)
     store: dict = {}
     hooks = []
     for L in range(model.n_layers):
@@ -172,8 +173,8 @@ def test_prompt_me_layers_match_one_prompt_batches(planted, twin):
     alone (a separate forward per prompt)."""
     prompts = synthetic.planted_prompts(4)
     for model, want in ((planted[0], planted[1].layer), (twin[0], None)):
-        batch = weight_swap.short_batch(model, prompts, 0, 0)
-        got = weight_swap.measure(model, batch, Criterion(), sink=False).prompt_me_layer
+        batch = measurement.short_batch(model, prompts, 0, 0)
+        got = measurement.measure(model, batch, Criterion(), sink=False).prompt_me_layer
         alone = [
             locate(model, model.tokenize([p]), criterion=Criterion()).me_layer for p in prompts
         ]
@@ -547,8 +548,8 @@ def test_cli_on_the_twin_is_not_applicable(module, prompt_file, tmp_path, capsys
 
 def test_edit_row_per_prompt(planted, prompt_file):
     model, plant = planted
-    batch = weight_swap.short_batch(model, synthetic.planted_prompts(5), 0, 0)
-    m = weight_swap.measure(model, batch, Criterion(), sink=False)
+    batch = measurement.short_batch(model, synthetic.planted_prompts(5), 0, 0)
+    m = measurement.measure(model, batch, Criterion(), sink=False)
     assert m.sink == []
     row = _weights.EditRow.measured(m, m, plant.layer)
     assert row.ratio_at_layer_per_prompt == m.prompt_ratio[plant.layer]
