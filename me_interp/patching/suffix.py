@@ -214,22 +214,31 @@ def _check_positions(
     return why, None
 
 
-def _order(cells: list, per_fwd: int, layers: list[int], start_pos, last: int, T: int) -> list:
-    """The cells in the order whose chunks of ``per_fwd`` cost the least block × position work (a
-    cell's rows run blocks from its own layer to ``last``, at positions from its chunk's
-    ``start_pos``): layer-major, position-major, or layer blocks of 2–8 by position."""
-    if not cells:
-        return cells
+#: Row-positions (rows × positions run) per block call of a sweep, times ``d_model``: what a chunk
+#: holds when the caller gives no ``batch_size``. On one CPU thread a block call of the bundled model
+#: (d_model 576) reaches the FLOP rate of a plain 64-row forward from about 1,000 row-positions on;
+#: more only costs memory (benchmarks/bench_patching.py, docs/causal_experiments.md).
+ROW_POSITIONS_X_D = 4096 * 576
 
-    def cost(order: list) -> int:
-        total = 0
-        for i in range(0, len(order), per_fwd):
-            chunk = order[i : i + per_fwd]
-            blocks = sum(last - layers[c[0]] + 1 for c in chunk)  # each cell from its own layer
-            total += blocks * (T - start_pos(chunk))
-        return total
 
-    pos = lambda c: -1 if c[1] is None else c[1]  # noqa: E731
-    keys = [lambda c: (layers[c[0]], pos(c)), lambda c: (pos(c), layers[c[0]])]
-    keys += [lambda c, g=g: (layers[c[0]] // g, pos(c), layers[c[0]]) for g in (2, 4, 8)]
-    return min((sorted(cells, key=k) for k in keys), key=cost)
+def _schedule(cells: list, start_of, layers: list[int], budget: int, B: int, T: int) -> list:
+    """The chunks of a sweep: ``[(p, cells)]``, every cell of a chunk running positions ``p..``
+    (``start_of(cell)``), in layer order. Cells are grouped by their start position, so no cell
+    pays for an earlier one's positions; a group is split into chunks of at most ``budget``
+    row-positions (``B`` rows per cell, ``T − p`` positions each; at least one cell), of equal size,
+    in layer order (a cell's rows join at its own layer, so a chunk runs from its first layer)."""
+    groups: dict[int, list] = {}
+    for c in cells:
+        groups.setdefault(int(start_of(c)), []).append(c)
+    plan = []
+    for p in sorted(groups):
+        group = sorted(groups[p], key=lambda c: (layers[c[0]], c))
+        per = max(1, budget // (B * (T - p)))
+        n = -(-len(group) // per)  # chunks, then as even as they go
+        size, extra = divmod(len(group), n)
+        i = 0
+        for j in range(n):
+            k = size + (j < extra)
+            plan.append((p, group[i : i + k]))
+            i += k
+    return plan
