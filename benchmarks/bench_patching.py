@@ -130,17 +130,20 @@ def unembed_flops(model) -> float:
     return 2.0 * model.bridge.cfg.d_model * model.bridge.cfg.d_vocab
 
 
-def floor_flops(model, sw, B: int, T: int, last: int, changed, logits: bool = False) -> float:
+def floor_flops(model, sw, B: int, T: int, last: int, start, logits: bool = False) -> float:
     """The FLOPs the cells that can change the metrics cannot avoid: cell (L, p) needs blocks
-    L..last at positions p.. (per-head and whole-sequence cells: from position 0), and, where a
-    metric reads logits, the unembedding of each row's last token."""
+    L..last at positions p.., a cell patching every position (per-head, whole sequence) blocks
+    L..last from the first position where its clean and corrupt activations differ, and, where a
+    metric reads logits, the unembedding of each row's last token. ``start(li, pi, hi)`` is that
+    first position, ``None`` for a cell that cannot change the metrics."""
     per_tok, per_pair = block_flops(model, T)
     per_row = unembed_flops(model) if logits else 0.0
     total = 0.0
     for li, layer in enumerate(sw.layers):
-        for pi, p in enumerate(sw.positions or [0]):
+        for pi in range(len(sw.positions or [None])):
             for hi in range(len(sw.heads or [None])):
-                if not changed(li, pi, hi):
+                p = start(li, pi, hi)
+                if p is None:
                     continue
                 q = T - p  # queries that change
                 pairs = sum(range(p + 1, T + 1))  # each query q attends to q + 1 keys
@@ -229,7 +232,6 @@ def main(argv=None) -> int:
     setup = _pairs_setup if args.pairs else _massive_setup
     clean, corrupt, metrics, hooks, what = setup(model, args, ap)
     B, T = clean.tokens.shape
-    last = model.n_layers - 1
     layers = args.layers or list(range(model.n_layers))
     # the FLOP rate of a plain batched forward of the same prompts tiled to 64 rows (the fastest
     # of three), and one plain forward of the batch itself
@@ -319,7 +321,7 @@ def main(argv=None) -> int:
 
         run_cells = sw.n_cells_run
         # the cells that can change the metrics: the ones the skipping sweep runs
-        floor = _floor_of_run(model, sw, B, T, last, hooks, clean, corrupt, metrics)
+        floor = _floor_of_run(model, sw, B, T, hooks, clean, corrupt, metrics)
         floor_secs = floor / rate
         rho = {m: rank_agreement(attr, sw, m) for m in metrics}
         sampled = "" if len(cells) == n_cells else f" (timed on {len(cells)} random cells, scaled)"
@@ -368,28 +370,34 @@ def main(argv=None) -> int:
     return 0
 
 
-def _floor_of_run(model, sw, B, T, last, hooks, clean, corrupt, metrics) -> float:
-    """:func:`floor_flops` over the cells a skipping sweep runs (the others cannot change the
-    metrics: their clean and corrupt activations are equal, or they lie after the last layer read)."""
-    ran = set()
+def _floor_of_run(model, sw, B, T, hooks, clean, corrupt, metrics) -> float:
+    """:func:`floor_flops` over the cells that can change the metrics (the others: their clean
+    and corrupt activations are equal, or they lie after the last layer a metric reads), each from
+    the first position it changes — measured here, independently of the sweep."""
     names_ = {layer: site_hook(sw.site, layer) for layer in sw.layers}
     clean_acts = Activations(model, clean, list(names_.values()))
     record(model, clean, [clean_acts], last_layer=clean_acts.last_layer, max_tokens=None)
     corrupt_acts = Activations(model, corrupt, list(names_.values()))
     record(model, corrupt, [corrupt_acts], fwd_hooks=hooks, last_layer=corrupt_acts.last_layer)
+    reads = {n for m in metrics.values() for n in m.hook_names()}
+    last = max(hook_layer(n, model.n_layers) for n in reads)
     ar = torch.arange(B)
+    starts = {}
     for li, layer in enumerate(sw.layers):
         for pi in range(len(sw.positions or [None])):
             for hi in range(len(sw.heads or [None])):
                 pos = None if sw.positions is None else torch.full((B,), sw.positions[pi])
                 head = None if sw.heads is None else torch.full((B,), sw.heads[hi])
                 ix = _index(sw.site, ar, pos, head)
-                if not torch.equal(clean_acts[names_[layer]][ix], corrupt_acts[names_[layer]][ix]):
-                    ran.add((li, pi, hi))
-    reads = {n for m in metrics.values() for n in m.hook_names()}
-    last = max(hook_layer(n, model.n_layers) for n in reads)
-    changed = lambda li, pi, hi: (li, pi, hi) in ran and sw.layers[li] <= last  # noqa: E731
-    return floor_flops(model, sw, B, T, last, changed, logits=LOGITS in reads)
+                a, b = clean_acts[names_[layer]][ix], corrupt_acts[names_[layer]][ix]
+                if layer > last or torch.equal(a, b):
+                    continue
+                if sw.positions is not None:
+                    starts[li, pi, hi] = sw.positions[pi]
+                else:  # [B pos ...] after the index: the first position that differs
+                    differ = (a != b).reshape(B, a.shape[1], -1).any(-1).any(0)
+                    starts[li, pi, hi] = int(differ.nonzero()[0, 0])
+    return floor_flops(model, sw, B, T, last, lambda *c: starts.get(c), logits=LOGITS in reads)
 
 
 if __name__ == "__main__":

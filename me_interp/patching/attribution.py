@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from me_interp.models import Batch, LoadedModel
-from me_interp.patching.metrics import LOGITS, PatchMetric, metric_hooks
+from me_interp.patching.metrics import LOGITS, PatchMetric, hook_layer, metric_hooks
 from me_interp.patching.suffix import gather_last
 from me_interp.patching.sweep import (
     HEAD_SITES,
@@ -30,16 +30,28 @@ from me_interp.patching.sweep import (
     _Cells,
     _grid,
     _heads,
-    evaluate_metrics,
     site_hook,
 )
-from me_interp.probes.batching import save_hook
+from me_interp.probes.batching import stop_hook_name
 
 
-def _grad_forward(model: LoadedModel, batch: Batch, metrics, site_names, hooks):
-    """The corrupt forward with gradients: the site activations (grads retained) and each
-    metric's per-row values; the embedding output is made a leaf so every activation is in the
-    graph."""
+def _logits_at_last(model: LoadedModel, resid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The logits at each row's last real token from the last block's output, in the autograd
+    graph (:func:`~me_interp.patching.suffix.last_token_logits` runs without gradients): the final
+    norm and the unembedding of that position only, and a final soft-cap where the model has one."""
+    idx = mask.to(resid.device).long().sum(-1) - 1
+    x = resid[torch.arange(resid.shape[0], device=resid.device), idx][:, None]  # [batch 1 d]
+    logits = model.bridge.unembed(model.bridge.ln_final(x))[:, 0]
+    cap = getattr(model.hf.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def _forward(model: LoadedModel, batch: Batch, metrics, site_names, hooks, grad: bool):
+    """One forward of ``batch`` through the last block a metric or a site is in (the logits at
+    each row's last token only, where a metric reads them): the site activations and each metric's
+    per-row
+    values. With ``grad`` the activations are in the autograd graph (the embedding output made a
+    leaf, so they are also where the weights are frozen)."""
     acts: dict[str, torch.Tensor] = {}
     store: dict[str, torch.Tensor] = {}
 
@@ -47,28 +59,65 @@ def _grad_forward(model: LoadedModel, batch: Batch, metrics, site_names, hooks):
         return x.detach().requires_grad_(True)
 
     def keep(x, hook, *, key):
-        if x.requires_grad:
-            x.retain_grad()
-        acts[key] = x
+        acts[key] = x if grad else x.detach().clone()
         return x
 
     wanted = metric_hooks(metrics)
-    rec = [(n, partial(_record_grad, store=store, key=n)) for n in wanted if n != LOGITS]
-    fwd = [("hook_embed", leaf), *hooks, *[(n, partial(keep, key=n)) for n in site_names], *rec]
-    with torch.enable_grad():
-        logits = model.bridge.run_with_hooks(
-            batch.tokens, attention_mask=batch.attention_mask, fwd_hooks=fwd
-        )
-        mask = batch.attention_mask.bool()
+    last = max(hook_layer(n, model.n_layers) for n in [*wanted, *site_names])
+    rec = [(n, partial(_record, store=store, key=n)) for n in wanted if n != LOGITS]
+    fwd = [*hooks, *[(n, partial(keep, key=n)) for n in site_names], *rec]
+    if grad:
+        fwd.insert(0, ("hook_embed", leaf))
+    stop = stop_hook_name(model, last)  # the input of the next block or of the final norm
+    if stop is not None:
+        fwd.append((stop, _stop))
+    mask = batch.attention_mask.bool()
+    with torch.set_grad_enabled(grad):
+        try:
+            out = model.bridge.run_with_hooks(
+                batch.tokens, attention_mask=batch.attention_mask, fwd_hooks=fwd
+            )
+            logits = gather_last(out, mask)  # no stop hook: the full forward's logits
+        except _Stopped as e:
+            logits = _logits_at_last(model, e.resid, mask) if LOGITS in wanted else None
         if LOGITS in wanted:
-            store[LOGITS] = gather_last(logits, mask)
+            store[LOGITS] = logits
         values = {k: m(store, mask) for k, m in metrics.items()}
     return acts, values
 
 
-def _record_grad(x: torch.Tensor, hook, *, store: dict, key: str):
+class _Stopped(Exception):
+    """Raised with the residual stream once every block a forward needs has run."""
+
+    def __init__(self, resid: torch.Tensor):
+        super().__init__()
+        self.resid = resid
+
+
+def _stop(x: torch.Tensor, hook) -> torch.Tensor:
+    raise _Stopped(x)
+
+
+def _record(x: torch.Tensor, hook, *, store: dict, key: str):
     store[key] = x
     return x
+
+
+def _cell_sums(site: str, prod: torch.Tensor, grid: _Cells) -> torch.Tensor:
+    """``prod`` (one layer's ``(a_clean − a_corrupt) · ∂m/∂a``, ``[batch, ...]``) summed over
+    what each cell of the layer patches: ``[(pos), (head), batch]`` in the grid's order."""
+    per_pos = grid.positions is not None
+    if site not in HEAD_SITES:  # [batch pos d]
+        t = prod.sum(-1) if per_pos else prod.flatten(1).sum(-1)
+    elif site == "attn_head_pattern":  # [batch head query key]
+        t = prod.sum(-1).transpose(1, 2) if per_pos else prod.sum((2, 3))
+    else:  # [batch pos head d]
+        t = prod.sum(-1) if per_pos else prod.sum((1, 3))
+    if per_pos:
+        t = t[:, grid.positions]
+    if grid.heads is not None:
+        t = t[..., grid.heads]
+    return t.movedim(0, -1)
 
 
 def attribution_sweep(
@@ -85,41 +134,43 @@ def attribution_sweep(
 ) -> SweepResult:
     """The attribution-patching estimate of :func:`me_interp.patching.patch_sweep` (same arguments,
     same result shape): ``values`` hold ``m_corrupt + attribution`` per prompt, so normalising,
-    intervals and figures work unchanged; ``method`` is ``"attribution"``. The clean forward, one
-    corrupt forward with gradients and one backward per metric, whatever the number of cells.
+    intervals and figures work unchanged; ``method`` is ``"attribution"``.
+
+    The work, whatever the number of cells: the clean forward (without gradients), one corrupt
+    forward with gradients and, per metric, one vector-Jacobian product on that graph to the site
+    activations only (no weight gradients); both forwards stop at the last block a metric reads
+    and unembed only each row's last token.
     """
     if heads is not None and site not in HEAD_SITES:
         _heads(site, clean.tokens, heads)  # the error, before any forward
     layers, pos_list = _grid(model, clean, corrupt, site, metrics, layers, positions, per_position)
     B = clean.tokens.shape[0]
     hook_of = {layer: site_hook(site, layer) for layer in layers}
-    store: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(save_hook, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
-    clean_vals = evaluate_metrics(model, clean, metrics, rec)
-    clean_acts = {layer: store[hook_of[layer]].detach().clone() for layer in layers}
-    grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[layers[0]], heads))
     names_ = list(dict.fromkeys(hook_of.values()))
-    arange_b = torch.arange(B, device=clean.tokens.device)
+    clean_acts, clean_vals = _forward(model, clean, metrics, names_, (), grad=False)
+    acts, vals = _forward(model, corrupt, metrics, names_, corrupt_hooks, grad=True)
+    grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[names_[0]], heads))
+    # the activations the metrics depend on (later ones are not in the graph: attribution 0)
+    live = [n for n in names_ if n in acts and acts[n].requires_grad]
     values, corrupt_vals = {}, {}
-    acts, vals = _grad_forward(model, corrupt, metrics, names_, corrupt_hooks)
-    site_acts = [acts[n] for n in names_]
     for j, (k, v) in enumerate(vals.items()):
-        for a in site_acts:
-            a.grad = None
         # rows are independent prompts: row b's gradient is its own; one graph for every metric
-        v.sum().backward(retain_graph=j < len(vals) - 1)
+        grads = (
+            torch.autograd.grad(
+                v.sum(), [acts[n] for n in live], retain_graph=j < len(vals) - 1, allow_unused=True
+            )
+            if live
+            else []
+        )
+        grad_of = dict(zip(live, grads))
         corrupt_vals[k] = v.detach()
         out = v.detach().double().cpu().expand(*grid.shape, B).clone()
-        prods: dict[int, torch.Tensor] = {}
-        for c in grid.all():
-            layer = layers[c[0]]
-            a = acts[hook_of[layer]]
-            if a.grad is None:  # the metric does not depend on this activation
+        for li, layer in enumerate(layers):
+            g = grad_of.get(hook_of[layer])
+            if g is None:  # the metric does not depend on this activation
                 continue
-            if layer not in prods:
-                prods[layer] = ((clean_acts[layer] - a.detach()) * a.grad).double()  # [B, ...]
-            part = prods[layer][grid.index([c], arange_b, B)]  # [B, ...]: what the cell patches
-            out[grid.at(c)] += part.reshape(B, -1).sum(-1).cpu()
+            prod = (clean_acts[hook_of[layer]] - acts[hook_of[layer]].detach()).double() * g
+            out[li] += _cell_sums(site, prod, grid).cpu()
         values[k] = out
     return SweepResult(
         site=site,
