@@ -314,7 +314,7 @@ def test_fallback_to_full_forwards_is_recorded_and_warned(pair, monkeypatch):
 
 
 def test_fallback_after_an_error_is_recorded(pair, monkeypatch):
-    from me_interp.probes import batching
+    from me_interp.patching import suffix
 
     model, plant, clean, corrupt = pair
     monkeypatch.delenv(STRICT_ENV, raising=False)
@@ -322,7 +322,7 @@ def test_fallback_after_an_error_is_recorded(pair, monkeypatch):
     def broken(*args, **kwargs):
         raise TypeError("unexpected keyword argument 'position_embeddings'")
 
-    monkeypatch.setattr(batching, "run_blocks", broken)
+    monkeypatch.setattr(suffix, "_run_blocks", broken)
     with pytest.warns(RuntimeWarning, match="TypeError: unexpected keyword"):
         sw = patch_sweep(model, clean, corrupt, "resid_pre", _metrics(plant))
     assert not sw.prefix_skipped and sw.prefix_fallback.startswith("running blocks")

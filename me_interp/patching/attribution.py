@@ -16,14 +16,13 @@ massive activation itself are where it is least trustworthy.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from functools import partial
 
 import numpy as np
 import torch
 
 from me_interp.models import Batch, LoadedModel
-from me_interp.patching.metrics import LOGITS, PatchMetric, hook_layer, metric_hooks
-from me_interp.patching.suffix import gather_last
+from me_interp.patching.metrics import PatchMetric
+from me_interp.patching.suffix import forward_metrics
 from me_interp.patching.sweep import (
     HEAD_SITES,
     SweepResult,
@@ -32,75 +31,6 @@ from me_interp.patching.sweep import (
     _heads,
     site_hook,
 )
-from me_interp.probes.batching import stop_hook_name
-
-
-def _logits_at_last(model: LoadedModel, resid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The logits at each row's last real token from the last block's output, in the autograd
-    graph (:func:`~me_interp.patching.suffix.last_token_logits` runs without gradients): the final
-    norm and the unembedding of that position only, and a final soft-cap where the model has one."""
-    idx = mask.to(resid.device).long().sum(-1) - 1
-    x = resid[torch.arange(resid.shape[0], device=resid.device), idx][:, None]  # [batch 1 d]
-    logits = model.bridge.unembed(model.bridge.ln_final(x))[:, 0]
-    cap = getattr(model.hf.config, "final_logit_softcapping", None)
-    return torch.tanh(logits / cap) * cap if cap else logits
-
-
-def _forward(model: LoadedModel, batch: Batch, metrics, site_names, hooks, grad: bool):
-    """One forward of ``batch`` through the last block a metric or a site is in (the logits at
-    each row's last token only, where a metric reads them): the site activations and each metric's
-    per-row
-    values. With ``grad`` the activations are in the autograd graph (the embedding output made a
-    leaf, so they are also where the weights are frozen)."""
-    acts: dict[str, torch.Tensor] = {}
-    store: dict[str, torch.Tensor] = {}
-
-    def leaf(x, hook):
-        return x.detach().requires_grad_(True)
-
-    def keep(x, hook, *, key):
-        acts[key] = x if grad else x.detach().clone()
-        return x
-
-    wanted = metric_hooks(metrics)
-    last = max(hook_layer(n, model.n_layers) for n in [*wanted, *site_names])
-    rec = [(n, partial(_record, store=store, key=n)) for n in wanted if n != LOGITS]
-    fwd = [*hooks, *[(n, partial(keep, key=n)) for n in site_names], *rec]
-    if grad:
-        fwd.insert(0, ("hook_embed", leaf))
-    stop = stop_hook_name(model, last)  # the input of the next block or of the final norm
-    if stop is not None:
-        fwd.append((stop, _stop))
-    mask = batch.attention_mask.bool()
-    with torch.set_grad_enabled(grad):
-        try:
-            out = model.bridge.run_with_hooks(
-                batch.tokens, attention_mask=batch.attention_mask, fwd_hooks=fwd
-            )
-            logits = gather_last(out, mask)  # no stop hook: the full forward's logits
-        except _Stopped as e:
-            logits = _logits_at_last(model, e.resid, mask) if LOGITS in wanted else None
-        if LOGITS in wanted:
-            store[LOGITS] = logits
-        values = {k: m(store, mask) for k, m in metrics.items()}
-    return acts, values
-
-
-class _Stopped(Exception):
-    """Raised with the residual stream once every block a forward needs has run."""
-
-    def __init__(self, resid: torch.Tensor):
-        super().__init__()
-        self.resid = resid
-
-
-def _stop(x: torch.Tensor, hook) -> torch.Tensor:
-    raise _Stopped(x)
-
-
-def _record(x: torch.Tensor, hook, *, store: dict, key: str):
-    store[key] = x
-    return x
 
 
 def _cell_sums(site: str, prod: torch.Tensor, grid: _Cells) -> torch.Tensor:
@@ -147,8 +77,8 @@ def attribution_sweep(
     B = clean.tokens.shape[0]
     hook_of = {layer: site_hook(site, layer) for layer in layers}
     names_ = list(dict.fromkeys(hook_of.values()))
-    clean_acts, clean_vals = _forward(model, clean, metrics, names_, (), grad=False)
-    acts, vals = _forward(model, corrupt, metrics, names_, corrupt_hooks, grad=True)
+    clean_acts, clean_vals = forward_metrics(model, clean, metrics, names_, ())
+    acts, vals = forward_metrics(model, corrupt, metrics, names_, corrupt_hooks, grad=True)
     grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[names_[0]], heads))
     # the activations the metrics depend on (later ones are not in the graph: attribution 0)
     live = [n for n in names_ if n in acts and acts[n].requires_grad]

@@ -22,9 +22,15 @@ from typing import Any
 import torch
 from jaxtyping import Float
 
-from me_interp.models import LoadedModel
-from me_interp.patching.metrics import LOGITS, hook_layer
-from me_interp.probes.batching import final_logits, give_up, save_hook
+from me_interp.models import Batch, LoadedModel
+from me_interp.patching.metrics import LOGITS, hook_layer, metric_hooks
+from me_interp.probes.batching import (
+    _block_inputs,
+    final_logits,
+    give_up,
+    save_hook,
+    stop_hook_name,
+)
 from me_interp.probes.batching import run_blocks as _run_blocks
 
 
@@ -107,6 +113,120 @@ def _slice_kwargs(kwargs: Mapping[int, Mapping], p: int, T: int, device) -> dict
     return out
 
 
+def logits_at_last(model: LoadedModel, resid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`last_token_logits` in the autograd graph where gradients are on (the final norm and
+    the unembedding of each row's last real token only, and a final soft-cap where the model has
+    one)."""
+    idx = mask.to(resid.device).long().sum(-1) - 1
+    x = resid[torch.arange(resid.shape[0], device=resid.device), idx][:, None]  # [batch 1 d]
+    logits = model.bridge.unembed(model.bridge.ln_final(x))[:, 0]
+    cap = getattr(model.hf.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+class _Stopped(Exception):
+    """Raised with the residual stream once every block a forward needs has run."""
+
+    def __init__(self, resid: torch.Tensor):
+        super().__init__()
+        self.resid = resid
+
+
+def _stop(x: torch.Tensor, hook) -> torch.Tensor:
+    raise _Stopped(x)
+
+
+def _record(x: torch.Tensor, hook, *, store: dict, key: str):
+    store[key] = x
+    return x
+
+
+def forward_metrics(
+    model: LoadedModel, batch: Batch, metrics, site_names, hooks, grad: bool = False
+) -> tuple[dict, dict]:
+    """One forward of ``batch`` under ``hooks`` through the last block a metric or a site is in
+    (the logits at each row's last real token only, where a metric reads them): the activations
+    ``site_names`` (detached copies, or with ``grad`` the graph's own tensors, the embedding
+    output made a leaf so that they are in the graph also where the weights are frozen) and each
+    metric's per-row values."""
+    acts: dict[str, torch.Tensor] = {}
+    store: dict[str, torch.Tensor] = {}
+
+    def leaf(x, hook):
+        return x.detach().requires_grad_(True)
+
+    def keep(x, hook, *, key):
+        acts[key] = x if grad else x.detach().clone()
+        return x
+
+    wanted = metric_hooks(metrics)
+    last = max(hook_layer(n, model.n_layers) for n in [*wanted, *site_names])
+    rec = [(n, partial(_record, store=store, key=n)) for n in wanted if n != LOGITS]
+    fwd = [*hooks, *[(n, partial(keep, key=n)) for n in site_names], *rec]
+    if grad:
+        fwd.insert(0, ("hook_embed", leaf))
+    stop = stop_hook_name(model, last)  # the input of the next block or of the final norm
+    if stop is not None:
+        fwd.append((stop, _stop))
+    mask = batch.attention_mask.bool()
+    with torch.set_grad_enabled(grad):
+        try:
+            out = model.bridge.run_with_hooks(
+                batch.tokens, attention_mask=batch.attention_mask, fwd_hooks=fwd
+            )
+            logits = gather_last(out, mask)  # no stop hook: the full forward's logits
+        except _Stopped as e:
+            logits = logits_at_last(model, e.resid, mask) if LOGITS in wanted else None
+        if LOGITS in wanted:
+            store[LOGITS] = logits
+        values = {k: m(store, mask) for k, m in metrics.items()}
+    return acts, values
+
+
+def corrupt_prefix(model: LoadedModel, batch: Batch, hooks, starts: Sequence[int]):
+    """One forward of the corrupt ``batch`` under ``hooks`` (corruption and recording), stopped
+    before the unembedding: each block's keyword arguments (masks, rotary embeddings), the
+    residual stream entering each of ``starts``, and the last block's output."""
+    kwargs, store = _block_inputs(model, batch, hooks, starts)
+    last = store.pop(-1)
+    return kwargs, store, last
+
+
+def check_blocks(model, kwargs, resid_in, first: int, last: int, hooks, want, mask):
+    """Run blocks ``first..last`` directly from the corrupt run's residual stream entering
+    ``first`` (under the corruption ``hooks``), keeping their keys and values, and compare the
+    metric inputs with the full corrupt forward's ``want``. Returns ``(None, kv)`` (kv as
+    :func:`_capture_kv`'s) when they agree, else ``(why, None)`` with a warning (under
+    :func:`strict` a ``RuntimeError``): the sweep then runs full forwards."""
+    from transformers import DynamicCache
+
+    names_ = [n for n in want if n != LOGITS and hook_layer(n, model.n_layers) >= first]
+    got: dict[str, torch.Tensor] = {}
+    rec = [(n, partial(save_hook, store=got, key=n)) for n in names_]
+    why, err = None, None
+    try:
+        cache = DynamicCache()
+        kw = {i: {**v, "layer_past": cache} for i, v in kwargs.items()}
+        h = _run_blocks(model, resid_in[first], first, last, kw, [*hooks, *rec])
+        kv = {i: (cache.layers[i].keys, cache.layers[i].values) for i in range(first, last + 1)}
+        if LOGITS in want:
+            got[LOGITS] = last_token_logits(model, h, mask)
+        bad = _mismatch(got, {n: want[n] for n in got})
+        if bad is not None:
+            why = (
+                f"running blocks {first}..{last} directly gave {bad[0]} up to {bad[1]:.3g} away "
+                "from the full forward"
+            )
+    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, IndexError) as e:
+        why, err = f"running blocks {first}..{last} directly failed: {type(e).__name__}: {e}", e
+    if why is None:
+        return None, kv
+    give_up(
+        f"runs from the corrupt prefix fall back to full forwards (slower, same values): {why}", err
+    )
+    return why, None
+
+
 def _capture_kv(model: LoadedModel, resid_in, first: int, last: int, kwargs, hooks) -> dict:
     """The corrupt run's keys and values (after rotary embeddings, as attention caches them) of
     blocks ``first..last``: ``{layer: (keys, values)}``, each ``[batch, kv_head, pos, d_head]``."""
@@ -181,7 +301,7 @@ def _assemble(acts: dict, full: Mapping[str, torch.Tensor], p: int, n: int, rows
 
 
 def _check_positions(
-    model, suffix, first: int, last: int, p: int, B: int, want, mask
+    model, suffix, first: int, last: int, p: int, B: int, want, mask, kv=None
 ) -> tuple[str | None, dict | None]:
     """Capture the corrupt run's keys and values of blocks ``first..last`` (above every corruption
     hook), run those blocks at positions ``p..`` only from them, and compare the metric inputs with the full corrupt forward's. Returns
@@ -193,9 +313,8 @@ def _check_positions(
     rec = [(n, partial(save_hook, store=got, key=n)) for n in names_]
     why = None
     try:
-        kv = _capture_kv(
-            model, resid_in, first, last, kwargs, []
-        )  # no corruption hook from first on
+        if kv is None:  # no corruption hook from first on
+            kv = _capture_kv(model, resid_in, first, last, kwargs, [])
         h, rows_at = _run_suffix(model, (kwargs, resid_in, kv), [first], last, p, B, rec)
         _assemble(got, {n: want[n] for n in names_}, p, 1, rows_at, model.n_layers)
         if LOGITS in want:

@@ -51,10 +51,13 @@ from me_interp.patching.suffix import (
     _check_positions,
     _run_suffix,
     _schedule,
+    check_blocks,
+    corrupt_prefix,
+    forward_metrics,
     gather_last,
     last_token_logits,
 )
-from me_interp.probes.batching import capture_prefix, save_hook
+from me_interp.probes.batching import save_hook
 
 HEAD_SITES: dict[str, str] = {
     "attn_head_out": "z",
@@ -417,20 +420,39 @@ def patch_sweep(
     last_needed = max(hook_layer(n, n_layers) for n in mhooks)
     wants_logits = LOGITS in mhooks
     stop = None if wants_logits else max(last_needed, *layers) + 1  # no unembedding unless read
-    # clean run: the site's activations at every patched layer, and the clean metrics
-    store: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(save_hook, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
-    clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec], stop)
-    clean_acts = {layer: store[hook_of[layer]].clone() for layer in layers}  # [B T ...]
-    grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[layers[0]], heads))
-    # corrupt run: the metrics and their inputs, and the site's activations (to find cells where
-    # clean == corrupt)
+    site_names = list(dict.fromkeys(hook_of.values()))
+    hook_layers = [hook_layer(name, n_layers) for name, _ in corrupt_hooks]
+    mask_b = corrupt.attention_mask.bool()
     cstore: dict[str, torch.Tensor] = {}
     cstore_m: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(save_hook, store=cstore, key=n)) for n in dict.fromkeys(hook_of.values())]
+    rec = [(n, partial(save_hook, store=cstore, key=n)) for n in site_names]
     rec += [(n, partial(save_hook, store=cstore_m, key=n)) for n in mhooks if n != LOGITS]
-    corrupt_vals = evaluate_metrics(model, corrupt, metrics, [*corrupt_hooks, *rec], stop)
-    mask_b = corrupt.attention_mask.bool()
+    corrupt_logits = None
+    if skip_shared:
+        # clean run: the site's activations and the clean metrics, through the last block read
+        # (the unembedding of the last token only)
+        got, clean_vals = forward_metrics(model, clean, metrics, site_names, clean_hooks)
+        clean_acts = {layer: got[hook_of[layer]] for layer in layers}  # [B T ...]
+        # corrupt run: the metrics and their inputs, the site's activations (to find cells where
+        # clean == corrupt) and what running blocks directly needs (each block's keyword
+        # arguments, the residual stream entering each patched layer and the first block above
+        # every corruption hook), in one forward
+        starts = sorted({*layers, *(h + 1 for h in hook_layers if h + 1 < n_layers)})
+        block_kw, resid_in, last_out = corrupt_prefix(
+            model, corrupt, [*corrupt_hooks, *rec], starts
+        )
+        if wants_logits:
+            corrupt_logits = last_token_logits(model, last_out, mask_b)
+        corrupt_vals = {
+            k: m({**cstore_m, LOGITS: corrupt_logits}, mask_b) for k, m in metrics.items()
+        }
+    else:  # the plain reference: full forwards
+        store: dict[str, torch.Tensor] = {}
+        rec_c = [(n, partial(save_hook, store=store, key=n)) for n in site_names]
+        clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec_c], stop)
+        clean_acts = {layer: store[hook_of[layer]].clone() for layer in layers}  # [B T ...]
+        corrupt_vals = evaluate_metrics(model, corrupt, metrics, [*corrupt_hooks, *rec], stop)
+    grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[layers[0]], heads))
 
     out = {k: v.expand(*grid.shape, B).clone() for k, v in corrupt_vals.items()}
     arange_b = torch.arange(B, device=clean.tokens.device)
@@ -443,7 +465,6 @@ def patch_sweep(
         return not torch.equal(clean_acts[layer][idx], cstore[hook_of[layer]][idx])
 
     cells = [c for c in grid.all() if not skip_shared or changes(c)]
-    hook_layers = [hook_layer(name, n_layers) for name, _ in corrupt_hooks]
     T = clean.tokens.shape[1]
     d_model = int(clean_acts[layers[0]].shape[-1]) if site not in HEAD_SITES else model.d_model
     budget = batch_size * T if batch_size is not None else max(B * T, ROW_POSITIONS_X_D // d_model)
@@ -476,26 +497,25 @@ def patch_sweep(
     pos_ok = False
     pos_fallback: str | None = None
     if skip_shared and cells:
-        # run only blocks first_patched..last_needed, from the corrupt run's residual stream (its
-        # prefix, checked once when captured), else fall back to full forwards
+        # run only blocks first_patched..last_needed, from the corrupt run's residual stream,
+        # checked once (the same run keeps the keys and values the position suffix needs), else
+        # fall back to full forwards
         first0 = min(layers[c[0]] for c in cells)
         # the first layer a position-suffix run can start at: above every corruption hook
         first_p = max([first0, *(h + 1 for h in hook_layers)])
-        starts = sorted({layers[c[0]] for c in cells} | {first_p})
-        prefix = capture_prefix(model, corrupt, starts, max_tokens=None, fwd_hooks=corrupt_hooks)
-        fallback = prefix.why
+        want = {**cstore_m, **({LOGITS: corrupt_logits} if wants_logits else {})}
+        fallback, kv = check_blocks(
+            model, block_kw, resid_in, first0, last_needed, corrupt_hooks, want, mask_b
+        )
         if fallback is None:
-            kwargs, resid_in = prefix.kwargs[0], prefix.resid[0]
-            suffix = (kwargs, resid_in, None)
+            suffix = (block_kw, resid_in, None)
             if T > 1 and not corrupt.padded and first_p <= last_needed:
-                want = dict(cstore_m)
-                if wants_logits:
-                    want[LOGITS] = gather_last(model.run_with_hooks(corrupt, corrupt_hooks), mask_b)
+                kv = {i: kv[i] for i in range(first_p, last_needed + 1)}
                 pos_fallback, kv = _check_positions(
-                    model, suffix, first_p, last_needed, T // 2, B, want, mask_b
+                    model, suffix, first_p, last_needed, max(1, T - 2), B, want, mask_b, kv=kv
                 )
                 if pos_fallback is None:
-                    suffix = (kwargs, resid_in, kv)
+                    suffix = (block_kw, resid_in, kv)
                     pos_ok = True
     if suffix is not None:
         plan = _schedule(cells, start_pos, layers, budget, B, T)
