@@ -14,15 +14,27 @@ it prints, measured in one run:
   from position 0), summed over the cells that can change the metrics, at the FLOP rate of one plain
   batched forward measured here; 1.0 would be doing exactly that work at that rate;
 * the largest difference to TransformerLens (equality), and the attribution-patching estimate's
-  time and its Spearman rank agreement with exact patching over the cells.
+  time and its Spearman rank agreement with exact patching over the cells;
+* ``forward_seconds``: one plain forward of the same batch (every position's logits, the fastest of
+  three), measured in the same run, the unit attribution's cost is given in.
+
+``--pairs FILE --metric logit_diff`` patches user pairs instead (clean and corrupt texts, the logit
+metric at each pair's last token, no corruption hook; ``experiments/pairs/ioi32.jsonl``: 32 IOI
+pairs of 16 tokens), TransformerLens's reference being the same functions on the corrupt tokens
+with the clean cache. The FLOP rate is that of a blocks-only forward (stopped at the final norm) of
+the prompts tiled to 64 rows, the fastest of three; where a metric reads logits the floor also
+counts each row's last-token unembedding.
 
 TransformerLens runs every cell, or with ``--tl-cells N`` a random N of them (its time is then
 scaled to all cells, and equality is checked on those N) — for the longer benchmark, where one
-forward per cell takes an hour on this CPU.
+forward per cell takes an hour on this CPU; ``--all-layers N`` likewise times the full-forward sweep
+on N random layers.
 
     python benchmarks/bench_patching.py                                  # 4 prompts x 8 tokens
     python benchmarks/bench_patching.py --n-prompts 16 --n-tokens 64 --layers 4 12 20 29 \
         --positions 0 1 8 32 63 --tl-cells 8
+    python benchmarks/bench_patching.py --pairs experiments/pairs/ioi32.jsonl --metric logit_diff \
+        --tl-cells 24 --all-layers 3
     python benchmarks/bench_patching.py --sites resid_pre attn_head_out
     python benchmarks/bench_patching.py --device cuda --json patching.json
 """
@@ -243,6 +255,12 @@ def main(argv=None) -> int:
         "--positions", type=int, nargs="+", default=None, help="default: every position"
     )
     ap.add_argument("--tl-cells", type=int, default=None, help="time TL on this many random cells")
+    ap.add_argument(
+        "--all-layers",
+        type=int,
+        default=None,
+        help="time the full-forward sweep on this many random layers (scaled to all)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -295,6 +313,10 @@ def main(argv=None) -> int:
         if not head:
             kw["positions"] = args.positions
         got, secs = {}, {}
+        # the full-forward sweep costs the same per cell: timed on --all-layers random layers
+        all_layers = layers
+        if args.all_layers is not None and args.all_layers < len(layers):
+            all_layers = sorted(rng.choice(layers, args.all_layers, replace=False).tolist())
         for skip in (True, False):
             t = time.perf_counter()
             got[skip] = patch_sweep(
@@ -307,9 +329,10 @@ def main(argv=None) -> int:
                 progress=False,
                 skip_shared=skip,
                 **batch_kw,
-                **kw,
+                **{**kw, "layers": layers if skip else all_layers},
             )
             secs[skip] = time.perf_counter() - t
+        secs[False] *= len(layers) / len(all_layers)
         t = time.perf_counter()
         attr = attribution_sweep(model, clean, corrupt, s, metrics, corrupt_hooks=hooks, **kw)
         secs["attribution"] = time.perf_counter() - t
@@ -332,13 +355,18 @@ def main(argv=None) -> int:
         ]
         diff = max(
             float(
-                (torch.stack([got[k].values[m][i] for i in idx]).double() - ref[m].double())
+                (torch.stack([got[True].values[m][i] for i in idx]).double() - ref[m].double())
                 .abs()
                 .max()
             )
             for m in metrics
-            for k in (True, False)
         )
+        # the full-forward sweep on the TL cells of its layers
+        both = [(j, i) for j, i in enumerate(idx) if sw.layers[i[0]] in all_layers]
+        for m in metrics:
+            for j, (li, x) in both:
+                a = got[False].values[m][all_layers.index(sw.layers[li]), x].double()
+                diff = max(diff, float((a - ref[m][j].double()).abs().max()))
 
         run_cells = sw.n_cells_run
         # the cells that can change the metrics: the ones the skipping sweep runs
@@ -374,6 +402,7 @@ def main(argv=None) -> int:
             "tl_seconds": tl_secs,
             "seconds_skip": secs[True],
             "seconds_all": secs[False],
+            "all_layers_timed": len(all_layers),
             "floor_seconds": floor_secs,
             "attribution_seconds": secs["attribution"],
             "forward_seconds": forward_secs,
