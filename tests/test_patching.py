@@ -141,8 +141,10 @@ def test_chunking_does_not_change_values(pair):
     b = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=1000)
     c = patch_loop(model, clean, corrupt, "resid_pre", metrics)
     d = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=3)
-    # layer 0, positions 1..5: the same token embeddings in clean and corrupt -> skipped
-    assert (a.n_forwards, b.n_forwards, c.n_forwards, d.n_forwards) == (30, 1, 30, 25)
+    # layer 0, positions 1..5: the same token embeddings in clean and corrupt -> skipped; the 25
+    # other cells run grouped by position (b: one chunk per position), d in chunks of at most
+    # 3 x 6 row-positions: 5 + 4 + 4 cells of one each at positions 0..2, then 2 + 2 + 1 chunks
+    assert (a.n_forwards, b.n_forwards, c.n_forwards, d.n_forwards) == (30, 6, 30, 18)
     assert (a.prefix_skipped, b.prefix_skipped, c.prefix_skipped, d.prefix_skipped) == (
         False,
         True,
@@ -312,7 +314,7 @@ def test_fallback_to_full_forwards_is_recorded_and_warned(pair, monkeypatch):
 
 
 def test_fallback_after_an_error_is_recorded(pair, monkeypatch):
-    from me_interp.probes import batching
+    from me_interp.patching import suffix
 
     model, plant, clean, corrupt = pair
     monkeypatch.delenv(STRICT_ENV, raising=False)
@@ -320,7 +322,7 @@ def test_fallback_after_an_error_is_recorded(pair, monkeypatch):
     def broken(*args, **kwargs):
         raise TypeError("unexpected keyword argument 'position_embeddings'")
 
-    monkeypatch.setattr(batching, "run_blocks", broken)
+    monkeypatch.setattr(suffix, "_run_blocks", broken)
     with pytest.warns(RuntimeWarning, match="TypeError: unexpected keyword"):
         sw = patch_sweep(model, clean, corrupt, "resid_pre", _metrics(plant))
     assert not sw.prefix_skipped and sw.prefix_fallback.startswith("running blocks")
@@ -419,3 +421,32 @@ def test_position_suffix_on_every_architecture(arch):
     ref = patch_loop(model, clean, corrupt, "resid_pre", metrics)
     for k in metrics:
         torch.testing.assert_close(fast.values[k], ref.values[k], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("site", ["resid_pre", "attn_head_out", "attn_head_pattern", "v"])
+def test_cells_patching_every_position_run_from_the_first_changed_one(planted, monkeypatch, site):
+    """Pairs that differ from position 4 on: a cell patching every position changes nothing
+    before 4 (clean == corrupt there), so its rows run positions 4.. only, and the values equal the
+    plain loop; grouped by start position, no chunk runs earlier positions."""
+    import me_interp.patching.sweep as sweep_mod
+    from me_interp.patching import LogitDiff
+
+    model, plant = planted
+    clean = model.tokenize(["w1 w2 w3 w4 w5 w6", "w7 w8 w9 w10 w11 w12"])
+    t = clean.tokens.clone()
+    t[:, 4] = t.flip(0)[:, 4]
+    corrupt = Batch(t, clean.attention_mask.clone())
+    metrics = {**_metrics(plant), "ld": LogitDiff(torch.tensor([3, 4]), torch.tensor([5, 6]))}
+    starts: list[int] = []
+    real = sweep_mod._run_suffix
+
+    def spy(model, suffix, entry, last, p, B, hooks):
+        starts.append(p)
+        return real(model, suffix, entry, last, p, B, hooks)
+
+    monkeypatch.setattr(sweep_mod, "_run_suffix", spy)
+    fast = patch_sweep(model, clean, corrupt, site, metrics, per_position=False)
+    assert fast.positions_skipped and starts and set(starts) == {4}
+    ref = patch_loop(model, clean, corrupt, site, metrics, per_position=False)
+    for k in metrics:
+        torch.testing.assert_close(fast.values[k], ref.values[k], rtol=1e-4, atol=1e-5)

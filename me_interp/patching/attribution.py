@@ -16,59 +16,38 @@ massive activation itself are where it is least trustworthy.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from functools import partial
 
 import numpy as np
 import torch
 
 from me_interp.models import Batch, LoadedModel
-from me_interp.patching.metrics import LOGITS, PatchMetric, metric_hooks
-from me_interp.patching.suffix import gather_last
+from me_interp.patching.metrics import PatchMetric
+from me_interp.patching.suffix import forward_metrics
 from me_interp.patching.sweep import (
     HEAD_SITES,
     SweepResult,
     _Cells,
     _grid,
     _heads,
-    evaluate_metrics,
     site_hook,
 )
-from me_interp.probes.batching import save_hook
 
 
-def _grad_forward(model: LoadedModel, batch: Batch, metrics, site_names, hooks):
-    """The corrupt forward with gradients: the site activations (grads retained) and each
-    metric's per-row values; the embedding output is made a leaf so every activation is in the
-    graph."""
-    acts: dict[str, torch.Tensor] = {}
-    store: dict[str, torch.Tensor] = {}
-
-    def leaf(x, hook):
-        return x.detach().requires_grad_(True)
-
-    def keep(x, hook, *, key):
-        if x.requires_grad:
-            x.retain_grad()
-        acts[key] = x
-        return x
-
-    wanted = metric_hooks(metrics)
-    rec = [(n, partial(_record_grad, store=store, key=n)) for n in wanted if n != LOGITS]
-    fwd = [("hook_embed", leaf), *hooks, *[(n, partial(keep, key=n)) for n in site_names], *rec]
-    with torch.enable_grad():
-        logits = model.bridge.run_with_hooks(
-            batch.tokens, attention_mask=batch.attention_mask, fwd_hooks=fwd
-        )
-        mask = batch.attention_mask.bool()
-        if LOGITS in wanted:
-            store[LOGITS] = gather_last(logits, mask)
-        values = {k: m(store, mask) for k, m in metrics.items()}
-    return acts, values
-
-
-def _record_grad(x: torch.Tensor, hook, *, store: dict, key: str):
-    store[key] = x
-    return x
+def _cell_sums(site: str, prod: torch.Tensor, grid: _Cells) -> torch.Tensor:
+    """``prod`` (one layer's ``(a_clean − a_corrupt) · ∂m/∂a``, ``[batch, ...]``) summed over
+    what each cell of the layer patches: ``[(pos), (head), batch]`` in the grid's order."""
+    per_pos = grid.positions is not None
+    if site not in HEAD_SITES:  # [batch pos d]
+        t = prod.sum(-1) if per_pos else prod.flatten(1).sum(-1)
+    elif site == "attn_head_pattern":  # [batch head query key]
+        t = prod.sum(-1).transpose(1, 2) if per_pos else prod.sum((2, 3))
+    else:  # [batch pos head d]
+        t = prod.sum(-1) if per_pos else prod.sum((1, 3))
+    if per_pos:
+        t = t[:, grid.positions]
+    if grid.heads is not None:
+        t = t[..., grid.heads]
+    return t.movedim(0, -1)
 
 
 def attribution_sweep(
@@ -85,41 +64,43 @@ def attribution_sweep(
 ) -> SweepResult:
     """The attribution-patching estimate of :func:`me_interp.patching.patch_sweep` (same arguments,
     same result shape): ``values`` hold ``m_corrupt + attribution`` per prompt, so normalising,
-    intervals and figures work unchanged; ``method`` is ``"attribution"``. The clean forward, one
-    corrupt forward with gradients and one backward per metric, whatever the number of cells.
+    intervals and figures work unchanged; ``method`` is ``"attribution"``.
+
+    The work, whatever the number of cells: the clean forward (without gradients), one corrupt
+    forward with gradients and, per metric, one vector-Jacobian product on that graph to the site
+    activations only (no weight gradients); both forwards stop at the last block a metric reads
+    and unembed only each row's last token.
     """
     if heads is not None and site not in HEAD_SITES:
         _heads(site, clean.tokens, heads)  # the error, before any forward
     layers, pos_list = _grid(model, clean, corrupt, site, metrics, layers, positions, per_position)
     B = clean.tokens.shape[0]
     hook_of = {layer: site_hook(site, layer) for layer in layers}
-    store: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(save_hook, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
-    clean_vals = evaluate_metrics(model, clean, metrics, rec)
-    clean_acts = {layer: store[hook_of[layer]].detach().clone() for layer in layers}
-    grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[layers[0]], heads))
     names_ = list(dict.fromkeys(hook_of.values()))
-    arange_b = torch.arange(B, device=clean.tokens.device)
+    clean_acts, clean_vals = forward_metrics(model, clean, metrics, names_, ())
+    acts, vals = forward_metrics(model, corrupt, metrics, names_, corrupt_hooks, grad=True)
+    grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[names_[0]], heads))
+    # the activations the metrics depend on (later ones are not in the graph: attribution 0)
+    live = [n for n in names_ if n in acts and acts[n].requires_grad]
     values, corrupt_vals = {}, {}
-    acts, vals = _grad_forward(model, corrupt, metrics, names_, corrupt_hooks)
-    site_acts = [acts[n] for n in names_]
     for j, (k, v) in enumerate(vals.items()):
-        for a in site_acts:
-            a.grad = None
         # rows are independent prompts: row b's gradient is its own; one graph for every metric
-        v.sum().backward(retain_graph=j < len(vals) - 1)
+        grads = (
+            torch.autograd.grad(
+                v.sum(), [acts[n] for n in live], retain_graph=j < len(vals) - 1, allow_unused=True
+            )
+            if live
+            else []
+        )
+        grad_of = dict(zip(live, grads))
         corrupt_vals[k] = v.detach()
         out = v.detach().double().cpu().expand(*grid.shape, B).clone()
-        prods: dict[int, torch.Tensor] = {}
-        for c in grid.all():
-            layer = layers[c[0]]
-            a = acts[hook_of[layer]]
-            if a.grad is None:  # the metric does not depend on this activation
+        for li, layer in enumerate(layers):
+            g = grad_of.get(hook_of[layer])
+            if g is None:  # the metric does not depend on this activation
                 continue
-            if layer not in prods:
-                prods[layer] = ((clean_acts[layer] - a.detach()) * a.grad).double()  # [B, ...]
-            part = prods[layer][grid.index([c], arange_b, B)]  # [B, ...]: what the cell patches
-            out[grid.at(c)] += part.reshape(B, -1).sum(-1).cpu()
+            prod = (clean_acts[hook_of[layer]] - acts[hook_of[layer]].detach()).double() * g
+            out[li] += _cell_sums(site, prod, grid).cpu()
         values[k] = out
     return SweepResult(
         site=site,

@@ -190,10 +190,11 @@ class LogitDiff:
         return (LOGITS,)
 
     def __call__(self, acts, mask) -> Float[torch.Tensor, " batch"]:
-        logits = acts[LOGITS].double().cpu()  # [rows vocab]
-        rows = torch.arange(logits.shape[0])
-        a, w = tile_rows(self.answer, len(rows)), tile_rows(self.wrong, len(rows))
-        return logits[rows, a] - logits[rows, w]
+        logits = acts[LOGITS]  # [rows vocab]
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        a = tile_rows(self.answer, len(rows)).to(logits.device)
+        w = tile_rows(self.wrong, len(rows)).to(logits.device)
+        return (logits[rows, a].double() - logits[rows, w].double()).cpu()
 
 
 @dataclass(frozen=True, eq=False)

@@ -22,9 +22,15 @@ from typing import Any
 import torch
 from jaxtyping import Float
 
-from me_interp.models import LoadedModel
-from me_interp.patching.metrics import LOGITS, hook_layer
-from me_interp.probes.batching import final_logits, give_up, save_hook
+from me_interp.models import Batch, LoadedModel
+from me_interp.patching.metrics import LOGITS, hook_layer, metric_hooks
+from me_interp.probes.batching import (
+    _block_inputs,
+    final_logits,
+    give_up,
+    save_hook,
+    stop_hook_name,
+)
 from me_interp.probes.batching import run_blocks as _run_blocks
 
 
@@ -57,12 +63,16 @@ def _tile(v, n: int, B: int):
 
 def _mismatch(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]):
     """The first ``(name, largest gap)`` where ``got`` differs from ``want`` (another shape, or
-    beyond rtol 1e-4 / atol 1e-5; the gap is NaN for another shape), else ``None``."""
+    beyond rtol 1e-4 and atol 1e-5 plus 4e-6 of the tensor's largest magnitude; the gap is NaN for
+    another shape), else ``None``. The scaled atol: elements near zero carry float32 summation noise
+    of the tensor's scale (a massive activation, a vocabulary of logits) that changes with how the
+    positions are batched; a wrong cache or mask moves them by far more."""
     for n in got:
         a, b = got[n].float(), want[n].float()
         if a.shape != b.shape:
             return n, float("nan")
-        if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+        atol = 1e-5 + 4e-6 * float(b.abs().max())
+        if not torch.allclose(a, b, rtol=1e-4, atol=atol):
             return n, float((a - b).abs().max())
     return None
 
@@ -105,6 +115,120 @@ def _slice_kwargs(kwargs: Mapping[int, Mapping], p: int, T: int, device) -> dict
             out[i][k] = memo[key][1]
         out[i]["cache_position"] = cache_position
     return out
+
+
+def logits_at_last(model: LoadedModel, resid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`last_token_logits` in the autograd graph where gradients are on (the final norm and
+    the unembedding of each row's last real token only, and a final soft-cap where the model has
+    one)."""
+    idx = mask.to(resid.device).long().sum(-1) - 1
+    x = resid[torch.arange(resid.shape[0], device=resid.device), idx][:, None]  # [batch 1 d]
+    logits = model.bridge.unembed(model.bridge.ln_final(x))[:, 0]
+    cap = getattr(model.hf.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+class _Stopped(Exception):
+    """Raised with the residual stream once every block a forward needs has run."""
+
+    def __init__(self, resid: torch.Tensor):
+        super().__init__()
+        self.resid = resid
+
+
+def _stop(x: torch.Tensor, hook) -> torch.Tensor:
+    raise _Stopped(x)
+
+
+def _record(x: torch.Tensor, hook, *, store: dict, key: str):
+    store[key] = x
+    return x
+
+
+def forward_metrics(
+    model: LoadedModel, batch: Batch, metrics, site_names, hooks, grad: bool = False
+) -> tuple[dict, dict]:
+    """One forward of ``batch`` under ``hooks`` through the last block a metric or a site is in
+    (the logits at each row's last real token only, where a metric reads them): the activations
+    ``site_names`` (detached copies, or with ``grad`` the graph's own tensors, the embedding
+    output made a leaf so that they are in the graph also where the weights are frozen) and each
+    metric's per-row values."""
+    acts: dict[str, torch.Tensor] = {}
+    store: dict[str, torch.Tensor] = {}
+
+    def leaf(x, hook):
+        return x.detach().requires_grad_(True)
+
+    def keep(x, hook, *, key):
+        acts[key] = x if grad else x.detach().clone()
+        return x
+
+    wanted = metric_hooks(metrics)
+    last = max(hook_layer(n, model.n_layers) for n in [*wanted, *site_names])
+    rec = [(n, partial(_record, store=store, key=n)) for n in wanted if n != LOGITS]
+    fwd = [*hooks, *[(n, partial(keep, key=n)) for n in site_names], *rec]
+    if grad:
+        fwd.insert(0, ("hook_embed", leaf))
+    stop = stop_hook_name(model, last)  # the input of the next block or of the final norm
+    if stop is not None:
+        fwd.append((stop, _stop))
+    mask = batch.attention_mask.bool()
+    with torch.set_grad_enabled(grad):
+        try:
+            out = model.bridge.run_with_hooks(
+                batch.tokens, attention_mask=batch.attention_mask, fwd_hooks=fwd
+            )
+            logits = gather_last(out, mask)  # no stop hook: the full forward's logits
+        except _Stopped as e:
+            logits = logits_at_last(model, e.resid, mask) if LOGITS in wanted else None
+        if LOGITS in wanted:
+            store[LOGITS] = logits
+        values = {k: m(store, mask) for k, m in metrics.items()}
+    return acts, values
+
+
+def corrupt_prefix(model: LoadedModel, batch: Batch, hooks, starts: Sequence[int]):
+    """One forward of the corrupt ``batch`` under ``hooks`` (corruption and recording), stopped
+    before the unembedding: each block's keyword arguments (masks, rotary embeddings), the
+    residual stream entering each of ``starts``, and the last block's output."""
+    kwargs, store = _block_inputs(model, batch, hooks, starts)
+    last = store.pop(-1)
+    return kwargs, store, last
+
+
+def check_blocks(model, kwargs, resid_in, first: int, last: int, hooks, want, mask):
+    """Run blocks ``first..last`` directly from the corrupt run's residual stream entering
+    ``first`` (under the corruption ``hooks``), keeping their keys and values, and compare the
+    metric inputs with the full corrupt forward's ``want``. Returns ``(None, kv)`` (kv as
+    :func:`_capture_kv`'s) when they agree, else ``(why, None)`` with a warning (under
+    :func:`strict` a ``RuntimeError``): the sweep then runs full forwards."""
+    from transformers import DynamicCache
+
+    names_ = [n for n in want if n != LOGITS and hook_layer(n, model.n_layers) >= first]
+    got: dict[str, torch.Tensor] = {}
+    rec = [(n, partial(save_hook, store=got, key=n)) for n in names_]
+    why, err = None, None
+    try:
+        cache = DynamicCache()
+        kw = {i: {**v, "layer_past": cache} for i, v in kwargs.items()}
+        h = _run_blocks(model, resid_in[first], first, last, kw, [*hooks, *rec])
+        kv = {i: (cache.layers[i].keys, cache.layers[i].values) for i in range(first, last + 1)}
+        if LOGITS in want:
+            got[LOGITS] = last_token_logits(model, h, mask)
+        bad = _mismatch(got, {n: want[n] for n in got})
+        if bad is not None:
+            why = (
+                f"running blocks {first}..{last} directly gave {bad[0]} up to {bad[1]:.3g} away "
+                "from the full forward"
+            )
+    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, IndexError) as e:
+        why, err = f"running blocks {first}..{last} directly failed: {type(e).__name__}: {e}", e
+    if why is None:
+        return None, kv
+    give_up(
+        f"runs from the corrupt prefix fall back to full forwards (slower, same values): {why}", err
+    )
+    return why, None
 
 
 def _capture_kv(model: LoadedModel, resid_in, first: int, last: int, kwargs, hooks) -> dict:
@@ -181,7 +305,7 @@ def _assemble(acts: dict, full: Mapping[str, torch.Tensor], p: int, n: int, rows
 
 
 def _check_positions(
-    model, suffix, first: int, last: int, p: int, B: int, want, mask
+    model, suffix, first: int, last: int, p: int, B: int, want, mask, kv=None
 ) -> tuple[str | None, dict | None]:
     """Capture the corrupt run's keys and values of blocks ``first..last`` (above every corruption
     hook), run those blocks at positions ``p..`` only from them, and compare the metric inputs with the full corrupt forward's. Returns
@@ -193,9 +317,8 @@ def _check_positions(
     rec = [(n, partial(save_hook, store=got, key=n)) for n in names_]
     why = None
     try:
-        kv = _capture_kv(
-            model, resid_in, first, last, kwargs, []
-        )  # no corruption hook from first on
+        if kv is None:  # no corruption hook from first on
+            kv = _capture_kv(model, resid_in, first, last, kwargs, [])
         h, rows_at = _run_suffix(model, (kwargs, resid_in, kv), [first], last, p, B, rec)
         _assemble(got, {n: want[n] for n in names_}, p, 1, rows_at, model.n_layers)
         if LOGITS in want:
@@ -214,22 +337,31 @@ def _check_positions(
     return why, None
 
 
-def _order(cells: list, per_fwd: int, layers: list[int], start_pos, last: int, T: int) -> list:
-    """The cells in the order whose chunks of ``per_fwd`` cost the least block × position work (a
-    cell's rows run blocks from its own layer to ``last``, at positions from its chunk's
-    ``start_pos``): layer-major, position-major, or layer blocks of 2–8 by position."""
-    if not cells:
-        return cells
+#: Row-positions (rows × positions run) per block call of a sweep, times ``d_model``: what a chunk
+#: holds when the caller gives no ``batch_size``. On one CPU thread a block call of the bundled model
+#: (d_model 576) reaches the FLOP rate of a plain 64-row forward from about 1,000 row-positions on;
+#: more only costs memory (benchmarks/bench_patching.py, docs/causal_experiments.md).
+ROW_POSITIONS_X_D = 4096 * 576
 
-    def cost(order: list) -> int:
-        total = 0
-        for i in range(0, len(order), per_fwd):
-            chunk = order[i : i + per_fwd]
-            blocks = sum(last - layers[c[0]] + 1 for c in chunk)  # each cell from its own layer
-            total += blocks * (T - start_pos(chunk))
-        return total
 
-    pos = lambda c: -1 if c[1] is None else c[1]  # noqa: E731
-    keys = [lambda c: (layers[c[0]], pos(c)), lambda c: (pos(c), layers[c[0]])]
-    keys += [lambda c, g=g: (layers[c[0]] // g, pos(c), layers[c[0]]) for g in (2, 4, 8)]
-    return min((sorted(cells, key=k) for k in keys), key=cost)
+def _schedule(cells: list, start_of, layers: list[int], budget: int, B: int, T: int) -> list:
+    """The chunks of a sweep: ``[(p, cells)]``, every cell of a chunk running positions ``p..``
+    (``start_of(cell)``), in layer order. Cells are grouped by their start position, so no cell
+    pays for an earlier one's positions; a group is split into chunks of at most ``budget``
+    row-positions (``B`` rows per cell, ``T − p`` positions each; at least one cell), of equal size,
+    in layer order (a cell's rows join at its own layer, so a chunk runs from its first layer)."""
+    groups: dict[int, list] = {}
+    for c in cells:
+        groups.setdefault(int(start_of(c)), []).append(c)
+    plan = []
+    for p in sorted(groups):
+        group = sorted(groups[p], key=lambda c: (layers[c[0]], c))
+        per = max(1, budget // (B * (T - p)))
+        n = -(-len(group) // per)  # chunks, then as even as they go
+        size, extra = divmod(len(group), n)
+        i = 0
+        for j in range(n):
+            k = size + (j < extra)
+            plan.append((p, group[i : i + k]))
+            i += k
+    return plan

@@ -46,14 +46,18 @@ from me_interp import names, terminal
 from me_interp.models import Batch, LoadedModel
 from me_interp.patching.metrics import LOGITS, PatchMetric, hook_layer, metric_hooks, normalized
 from me_interp.patching.suffix import (
+    ROW_POSITIONS_X_D,
     _assemble,
     _check_positions,
-    _order,
     _run_suffix,
+    _schedule,
+    check_blocks,
+    corrupt_prefix,
+    forward_metrics,
     gather_last,
     last_token_logits,
 )
-from me_interp.probes.batching import capture_prefix, save_hook
+from me_interp.probes.batching import save_hook
 
 HEAD_SITES: dict[str, str] = {
     "attn_head_out": "z",
@@ -343,7 +347,7 @@ def patch_sweep(
     metrics: Mapping[str, PatchMetric],
     layers: Sequence[int] | None = None,
     positions: Sequence[int] | None = None,
-    batch_size: int = 64,
+    batch_size: int | None = None,
     corrupt_hooks: Sequence = (),
     clean_hooks: Sequence = (),
     progress: bool | None = None,
@@ -363,7 +367,11 @@ def patch_sweep(
         layers: layers to patch (default all).
         positions: positions to patch (default all); for ``attn_head_pattern`` the destination
             (query) positions.
-        batch_size: at most this many rows (patched prompts) per forward (at least one cell).
+        batch_size: the work of at most this many full-length rows (patched prompts) per forward,
+            counted in row-positions: a chunk of cells that runs positions ``p..`` of ``T`` holds
+            up to ``batch_size · T / (T − p)`` rows (at least one cell). ``None``: as many as
+            :data:`~me_interp.patching.suffix.ROW_POSITIONS_X_D` ``/ d_model`` row-positions,
+            where a block call runs at a plain forward's FLOP rate.
         corrupt_hooks: row-wise hooks that define the corruption (run before the patch hooks).
         clean_hooks: hooks of the clean run.
         progress: ``False``: no progress bar; else a tqdm bar on stderr when it is a terminal (off
@@ -386,9 +394,10 @@ def patch_sweep(
             change earlier positions: attention is causal), the earlier keys and values coming
             from the corrupt run's cache — when the prompts are unpadded and no corruption hook
             acts inside the run; checked once the same way, else every position
-            (``SweepResult.positions_skipped`` / ``positions_fallback``). Cells are ordered so
-            that the chunks' block × position work is least. ``False``: every cell, full
-            forwards (the plain reference).
+            (``SweepResult.positions_skipped`` / ``positions_fallback``). Cells are grouped by
+            the position they run from, so a chunk never runs a cell's rows at positions it
+            cannot change (the work is each cell's own: blocks ``L..`` at positions ``p..``).
+            ``False``: every cell, full forwards (the plain reference).
         heads: heads to patch at a per-head site (default all of that site: ``k``/``v`` have the
             key-value heads).
         per_position: ``False``: one cell per layer (and head) patching every position at once
@@ -398,7 +407,7 @@ def patch_sweep(
         ValueError: unknown site, layer/position/head out of range, mismatched batches, no metric.
         RuntimeError: the block suffix cannot be run while :data:`STRICT_ENV` is set.
     """
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if heads is not None and site not in HEAD_SITES:
         _heads(site, clean.tokens, heads)  # the error, before any forward
@@ -411,20 +420,39 @@ def patch_sweep(
     last_needed = max(hook_layer(n, n_layers) for n in mhooks)
     wants_logits = LOGITS in mhooks
     stop = None if wants_logits else max(last_needed, *layers) + 1  # no unembedding unless read
-    # clean run: the site's activations at every patched layer, and the clean metrics
-    store: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(save_hook, store=store, key=n)) for n in dict.fromkeys(hook_of.values())]
-    clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec], stop)
-    clean_acts = {layer: store[hook_of[layer]].clone() for layer in layers}  # [B T ...]
-    grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[layers[0]], heads))
-    # corrupt run: the metrics and their inputs, and the site's activations (to find cells where
-    # clean == corrupt)
+    site_names = list(dict.fromkeys(hook_of.values()))
+    hook_layers = [hook_layer(name, n_layers) for name, _ in corrupt_hooks]
+    mask_b = corrupt.attention_mask.bool()
     cstore: dict[str, torch.Tensor] = {}
     cstore_m: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(save_hook, store=cstore, key=n)) for n in dict.fromkeys(hook_of.values())]
+    rec = [(n, partial(save_hook, store=cstore, key=n)) for n in site_names]
     rec += [(n, partial(save_hook, store=cstore_m, key=n)) for n in mhooks if n != LOGITS]
-    corrupt_vals = evaluate_metrics(model, corrupt, metrics, [*corrupt_hooks, *rec], stop)
-    mask_b = corrupt.attention_mask.bool()
+    corrupt_logits = None
+    if skip_shared:
+        # clean run: the site's activations and the clean metrics, through the last block read
+        # (the unembedding of the last token only)
+        got, clean_vals = forward_metrics(model, clean, metrics, site_names, clean_hooks)
+        clean_acts = {layer: got[hook_of[layer]] for layer in layers}  # [B T ...]
+        # corrupt run: the metrics and their inputs, the site's activations (to find cells where
+        # clean == corrupt) and what running blocks directly needs (each block's keyword
+        # arguments, the residual stream entering each patched layer and the first block above
+        # every corruption hook), in one forward
+        starts = sorted({*layers, *(h + 1 for h in hook_layers if h + 1 < n_layers)})
+        block_kw, resid_in, last_out = corrupt_prefix(
+            model, corrupt, [*corrupt_hooks, *rec], starts
+        )
+        if wants_logits:
+            corrupt_logits = last_token_logits(model, last_out, mask_b)
+        corrupt_vals = {
+            k: m({**cstore_m, LOGITS: corrupt_logits}, mask_b) for k, m in metrics.items()
+        }
+    else:  # the plain reference: full forwards
+        store: dict[str, torch.Tensor] = {}
+        rec_c = [(n, partial(save_hook, store=store, key=n)) for n in site_names]
+        clean_vals = evaluate_metrics(model, clean, metrics, [*clean_hooks, *rec_c], stop)
+        clean_acts = {layer: store[hook_of[layer]].clone() for layer in layers}  # [B T ...]
+        corrupt_vals = evaluate_metrics(model, corrupt, metrics, [*corrupt_hooks, *rec], stop)
+    grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[layers[0]], heads))
 
     out = {k: v.expand(*grid.shape, B).clone() for k, v in corrupt_vals.items()}
     arange_b = torch.arange(B, device=clean.tokens.device)
@@ -437,20 +465,31 @@ def patch_sweep(
         return not torch.equal(clean_acts[layer][idx], cstore[hook_of[layer]][idx])
 
     cells = [c for c in grid.all() if not skip_shared or changes(c)]
-    per_fwd = max(1, batch_size // B)
-    hook_layers = [hook_layer(name, n_layers) for name, _ in corrupt_hooks]
     T = clean.tokens.shape[1]
+    d_model = int(clean_acts[layers[0]].shape[-1]) if site not in HEAD_SITES else model.d_model
+    budget = batch_size * T if batch_size is not None else max(B * T, ROW_POSITIONS_X_D // d_model)
 
-    def start_pos(chunk) -> int:
-        """The first position a chunk's run needs: its cells' first position, when positions
-        are patched one by one, the prompts are not padded (each row's last real token is then
-        in the run) and no corruption hook acts inside the run (it may index positions)."""
-        if not pos_ok or grid.positions is None or corrupt.padded:
+    def first_change(c) -> int:
+        """The first position cell ``c`` changes: its own one, or for a cell patching every
+        position the first where its clean and corrupt activations differ in some prompt (the
+        patch leaves the earlier ones bit-identical)."""
+        if grid.positions is not None:
+            return grid.positions[c[1]]
+        layer = layers[c[0]]
+        idx = grid.index([c], arange_b, B)
+        differ = clean_acts[layer][idx] != cstore[hook_of[layer]][idx]  # [B pos ...]
+        at = differ.reshape(B, differ.shape[1], -1).any(-1).any(0).nonzero()
+        return int(at[0, 0]) if len(at) else 0
+
+    def start_pos(c) -> int:
+        """The first position cell ``c``'s run needs: the first it changes, when the prompts are
+        not padded (each row's last real token is then in the run) and no corruption hook acts
+        inside its run (it may index positions)."""
+        if not pos_ok or corrupt.padded:
             return 0
-        first = min(layers[c[0]] for c in chunk)
-        if any(h >= first for h in hook_layers):
+        if any(h >= layers[c[0]] for h in hook_layers):
             return 0
-        return min(grid.positions[c[1]] for c in chunk)
+        return first_change(c)
 
     n_fwd = 0
     suffix = None
@@ -458,42 +497,39 @@ def patch_sweep(
     pos_ok = False
     pos_fallback: str | None = None
     if skip_shared and cells:
-        # run only blocks first_patched..last_needed, from the corrupt run's residual stream (its
-        # prefix, checked once when captured), else fall back to full forwards
+        # run only blocks first_patched..last_needed, from the corrupt run's residual stream,
+        # checked once (the same run keeps the keys and values the position suffix needs), else
+        # fall back to full forwards
         first0 = min(layers[c[0]] for c in cells)
         # the first layer a position-suffix run can start at: above every corruption hook
         first_p = max([first0, *(h + 1 for h in hook_layers)])
-        starts = sorted({layers[c[0]] for c in cells} | {first_p})
-        prefix = capture_prefix(model, corrupt, starts, max_tokens=None, fwd_hooks=corrupt_hooks)
-        fallback = prefix.why
+        want = {**cstore_m, **({LOGITS: corrupt_logits} if wants_logits else {})}
+        fallback, kv = check_blocks(
+            model, block_kw, resid_in, first0, last_needed, corrupt_hooks, want, mask_b
+        )
         if fallback is None:
-            kwargs, resid_in = prefix.kwargs[0], prefix.resid[0]
-            suffix = (kwargs, resid_in, None)
-            if (
-                grid.positions is not None
-                and T > 1
-                and not corrupt.padded
-                and first_p <= last_needed
-            ):
-                want = dict(cstore_m)
-                if wants_logits:
-                    want[LOGITS] = gather_last(model.run_with_hooks(corrupt, corrupt_hooks), mask_b)
+            suffix = (block_kw, resid_in, None)
+            if T > 1 and not corrupt.padded and first_p <= last_needed:
+                kv = {i: kv[i] for i in range(first_p, last_needed + 1)}
                 pos_fallback, kv = _check_positions(
-                    model, suffix, first_p, last_needed, T // 2, B, want, mask_b
+                    model, suffix, first_p, last_needed, max(1, T - 2), B, want, mask_b, kv=kv
                 )
                 if pos_fallback is None:
-                    suffix = (kwargs, resid_in, kv)
+                    suffix = (block_kw, resid_in, kv)
                     pos_ok = True
-    cells = _order(cells, per_fwd, layers, start_pos, last_needed, T)
-    chunks = range(0, len(cells), per_fwd)
-    bar = terminal.bar(chunks, desc=f"patching {site}") if progress is not False else chunks
-    for start in bar:
+    if suffix is not None:
+        plan = _schedule(cells, start_pos, layers, budget, B, T)
+    else:
+        per_fwd = max(1, budget // (B * T))
+        plan = [(0, cells[i : i + per_fwd]) for i in range(0, len(cells), per_fwd)]
+    bar = terminal.bar(plan, desc=f"patching {site}") if progress is not False else plan
+    max_rows = 0
+    for p0, chunk in bar:
         # in layer order: a cell's rows join the run at its own layer (_run_suffix)
-        chunk = sorted(cells[start : start + per_fwd], key=lambda c: layers[c[0]])
         n = len(chunk)
+        max_rows = max(max_rows, n * B)
         rows_batch = Batch(corrupt.tokens.repeat(n, 1), corrupt.attention_mask.repeat(n, 1), None)
         first = min(layers[c[0]] for c in chunk) if suffix is not None else 0
-        p0 = start_pos(chunk) if suffix is not None else 0
         patch_hooks = []
         for li in sorted({c[0] for c in chunk}):
             idx = [j for j, c in enumerate(chunk) if c[0] == li]
@@ -502,6 +538,8 @@ def patch_sweep(
             prompt = torch.arange(B, device=dev).repeat(len(idx))
             mine = [chunk[j] for j in idx]
             src = clean_acts[layers[li]][grid.index(mine, prompt, B)]
+            if grid.positions is None:  # every position of positions p0.. (the run's ones)
+                src = src[:, p0:]
             fn = partial(_patch, index=grid.index(mine, rows, B, shift=p0), src=src)
             patch_hooks.append((hook_of[layers[li]], fn))
         acts: dict[str, torch.Tensor] = {}
@@ -544,7 +582,7 @@ def patch_sweep(
         clean=clean_vals,
         corrupt=corrupt_vals,
         n_forwards=n_fwd,
-        batch_size=per_fwd * B,
+        batch_size=max_rows,
         metric_names=list(metrics),
         prefix_skipped=suffix is not None,
         prefix_fallback=fallback,
