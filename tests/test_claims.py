@@ -71,7 +71,6 @@ def _by_hand():
     was written before (sums and means of the rows, Python branches), and the width of its rows."""
     from me_interp import evaluation
     from me_interp.experiments import (
-        _layer_report,
         activation_patching,
         attention_sinks,
         mechanism,
@@ -105,7 +104,7 @@ def _by_hand():
     return [
         (claims.excess_stat, lambda a: (a[:, 0].mean() - 1) / (a[:, 1].mean() - 1), 2),
         (activation_patching._restore_stat, restore, 6),
-        (_layer_report.relative_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
+        (claims.relative_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
         (sink_causality._drop_stat, lambda a: 1 - a[:, 0].mean() / a[:, 1].mean(), 2),
         (
             transplant._share_stat,
