@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from me_interp import claims, io
+from me_interp.patching.cells import restore_stat
 
 SPEC = claims.Spec(
     "demo.moves",
@@ -71,7 +72,6 @@ def _by_hand():
     was written before (sums and means of the rows, Python branches), and the width of its rows."""
     from me_interp import evaluation
     from me_interp.experiments import (
-        activation_patching,
         attention_sinks,
         mechanism,
         sink_causality,
@@ -103,7 +103,7 @@ def _by_hand():
 
     return [
         (claims.excess_stat, lambda a: (a[:, 0].mean() - 1) / (a[:, 1].mean() - 1), 2),
-        (activation_patching._restore_stat, restore, 6),
+        (restore_stat, restore, 6),
         (claims.relative_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
         (sink_causality._drop_stat, lambda a: 1 - a[:, 0].mean() / a[:, 1].mean(), 2),
         (
