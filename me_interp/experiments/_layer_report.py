@@ -154,11 +154,15 @@ class LayerReport(Headed):
         )
         return f"{me} (1-based {me + 1}{given})"
 
-    def layer_table(self, columns: Sequence[str], cells: Callable[[Any], tuple]) -> str:
-        """A table with one row per layer: the layer, ``*`` at the ME layer, then ``cells(row)``."""
+    def layer_table(
+        self, head: Sequence[str], columns: Sequence[str], cells: Callable[[Any], tuple]
+    ) -> str:
+        """The summary: a line with the model, BOS, prompts and ``head``, then a table with one
+        row per layer: the layer, ``*`` at the ME layer, then ``cells(row)``."""
         layers = self.layers  # type: ignore[attr-defined]  # every report declares its rows
         rows = [(r.layer, "*" if r.layer == self.me_layer else "", *cells(r)) for r in layers]
-        return fmt_table(["layer", "ME", *columns], rows)
+        line = f"model: {self.model}   bos: {self.bos}   prompts: {self.n_prompts}   "
+        return line + "   ".join(head) + "\n\n" + fmt_table(["layer", "ME", *columns], rows)
 
     def peak(self, values: np.ndarray) -> claims.Outcomes:
         """:func:`peak_measure` of ``values[prompt, layer]`` at the selected layer.

@@ -417,11 +417,8 @@ def figures(result: Result) -> dict[str, go.Figure]:
 
 
 def summary(result: Result) -> str:
-    head = (
-        f"model: {result.model}   bos: {result.bos}   prompts: {result.n_prompts}   eps: {result.eps}"
-        "   ME layer: " + result.me_text()
-    )
-    table = result.layer_table(
+    return result.layer_table(
+        [f"eps: {result.eps}", f"ME layer: {result.me_text()}"],
         ["sink rate", "attn->m", "BOS", "entropy", "eff rank", "eff rank (others)"],
         lambda r: (
             r.sink_rate,
@@ -432,7 +429,6 @@ def summary(result: Result) -> str:
             r.effective_rank_others,
         ),
     )
-    return "\n\n".join([head, table])
 
 
 EXPERIMENT = Experiment(

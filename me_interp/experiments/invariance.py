@@ -40,6 +40,7 @@ from me_interp.probes.invariance import (
     InvarianceRecorder,
     InvarianceScan,
     UnitSumRecorder,
+    partner_mean,
     same_first_token_control,
 )
 from me_interp.probes.norms import NormRecorder
@@ -117,12 +118,6 @@ def _states(model: LoadedModel, batch: Batch, ref: list[int]) -> InvarianceRecor
     return rec
 
 
-def _partner_mean(mats: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """``[layer, prompt]`` mean of ``mats[l, a, b]`` over the partners ``b`` with ``pairs[a, b]``."""
-    p = pairs.to(mats.dtype)
-    return (mats * p).sum(-1) / p.sum(-1)  # NaN for a prompt without partners
-
-
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """Measure directional invariance at every layer. No printing, no files.
 
@@ -183,9 +178,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         for i in range(L)
     ]
     per_prompt = PerPrompt(
-        cos_to_inputs=_partner_mean(cm, sym(distinct)).T.tolist(),
-        others_cos_to_inputs=_partner_mean(om, sym(distinct)).T.tolist(),
-        control_cos_to_inputs=_partner_mean(ctrl.cos_matrices(), sym(every)).T.tolist(),
+        cos_to_inputs=partner_mean(cm, sym(distinct)).T.tolist(),
+        others_cos_to_inputs=partner_mean(om, sym(distinct)).T.tolist(),
+        control_cos_to_inputs=partner_mean(ctrl.cos_matrices(), sym(every)).T.tolist(),
         cos_to_me_layer=scan.cos_to_layers()[me].T.tolist(),
     )
     return Result(
@@ -398,57 +393,50 @@ SPECS: tuple[claims.Spec, ...] = (
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    me = result.me_layer
-    cos = plotting.layer_lines(
-        {
-            f"different first tokens ({result.n_pairs_distinct} pairs)": [
-                r.cos_across_inputs for r in result.layers
-            ],
-            "control: first token made identical": [
-                r.cos_across_inputs_control for r in result.layers
-            ],
-            "baseline: the other tokens, same pairs": [
-                r.others_cos_across_inputs for r in result.layers
-            ],
-        },
-        "Cosine of the massive token's layer output across inputs (mean over pairs)",
-        "cosine (1 = same direction)",
-        me,
-    )
-    kd = [r.key_cos_across_inputs for r in result.layers]
-    heads = len(kd[0]) if kd else 0
-    key = plotting.layer_lines(
-        {f"kv head {h}": [row[h] for row in kd] for h in range(heads)},
-        "Cosine of the massive token's key k_m across inputs with different first tokens, per key/value head",
-        "cosine (1 = same direction)",
-        me,
-    )
-    heat = plotting.layer_layer_heatmap(
-        result.cos_across_layers,
-        "Cosine of the massive token's state between layers (mean over prompts)"
-        + (f"; ME layer {me} (1-based {me + 1})" if me is not None else ""),
-    )
-    norm = plotting.layer_lines(
-        {"std / mean of ‖h_m‖ across inputs": [r.norm_cv for r in result.layers]},
-        "Norm stability of the massive token across inputs (coefficient of variation)",
-        "coefficient of variation (dimensionless)",
-        me,
-    )
+    me, rows = result.me_layer, result.layers
+    kd = [r.key_cos_across_inputs for r in rows]
     return {
-        "cos_across_inputs": cos,
-        "key_cos_across_inputs": key,
-        "cos_across_layers": heat,
-        "norm_stability": norm,
+        "cos_across_inputs": plotting.layer_lines(
+            {
+                f"different first tokens ({result.n_pairs_distinct} pairs)": [
+                    r.cos_across_inputs for r in rows
+                ],
+                "control: first token made identical": [r.cos_across_inputs_control for r in rows],
+                "baseline: the other tokens, same pairs": [
+                    r.others_cos_across_inputs for r in rows
+                ],
+            },
+            "Cosine of the massive token's layer output across inputs (mean over pairs)",
+            "cosine (1 = same direction)",
+            me,
+        ),
+        "key_cos_across_inputs": plotting.layer_lines(
+            {f"kv head {h}": [row[h] for row in kd] for h in range(len(kd[0]) if kd else 0)},
+            "Cosine of the massive token's key k_m across inputs with different first tokens, "
+            "per key/value head",
+            "cosine (1 = same direction)",
+            me,
+        ),
+        "cos_across_layers": plotting.layer_layer_heatmap(
+            result.cos_across_layers,
+            "Cosine of the massive token's state between layers (mean over prompts)"
+            + (f"; ME layer {me} (1-based {me + 1})" if me is not None else ""),
+        ),
+        "norm_stability": plotting.layer_lines(
+            {"std / mean of ‖h_m‖ across inputs": [r.norm_cv for r in rows]},
+            "Norm stability of the massive token across inputs (coefficient of variation)",
+            "coefficient of variation (dimensionless)",
+            me,
+        ),
     }
 
 
 def summary(result: Result) -> str:
-    head = (
-        f"model: {result.model}   bos: {result.bos}   prompts: {result.n_prompts}   "
-        f"pairs with different first tokens: {result.n_pairs_distinct}   ME layer: "
-        + result.me_text()
-    )
-    table = result.layer_table(
+    return result.layer_table(
+        [
+            f"pairs with different first tokens: {result.n_pairs_distinct}",
+            f"ME layer: {result.me_text()}",
+        ],
         ["cos inputs", "control", "min key cos", "cos next", "norm CV"],
         lambda r: (
             r.cos_across_inputs,
@@ -458,7 +446,6 @@ def summary(result: Result) -> str:
             r.norm_cv,
         ),
     )
-    return "\n\n".join([head, table])
 
 
 EXPERIMENT = Experiment(

@@ -544,11 +544,8 @@ def figures(result: Result) -> dict[str, go.Figure]:
 
 
 def summary(result: Result) -> str:
-    head = (
-        f"model: {result.model}   bos: {result.bos}   prompts: {result.n_prompts}   "
-        f"ME layer: {result.me_text()}   K = {result.k}"
-    )
     table = result.layer_table(
+        [f"ME layer: {result.me_text()}", f"K = {result.k}"],
         ["dFrac", "dKL", "dC gate", "dC up", "dC prod", "dC down", "magnif"],
         lambda r: (
             r.delta_frac,
@@ -564,7 +561,7 @@ def summary(result: Result) -> str:
         ["neuron", "share", "activation"],
         [(n.neuron, n.share, n.activation) for n in result.neurons.neurons],
     )
-    return "\n\n".join([head, table, f"top neurons of layer {result.neuron_layer}:\n{ntab}"])
+    return "\n\n".join([table, f"top neurons of layer {result.neuron_layer}:\n{ntab}"])
 
 
 EXPERIMENT = Experiment(
