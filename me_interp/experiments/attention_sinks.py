@@ -248,27 +248,27 @@ def _entropy_details(r: Result) -> str:
     )
 
 
-_Values = Callable[["PerPrompt"], list[list[float]]]
+def _ranks(r: Result, others: bool) -> np.ndarray:
+    """``[prompt, layer]`` effective rank, without the massive token when ``others``."""
+    return as_array(r.per_prompt.effective_rank_others if others else r.per_prompt.effective_rank)
 
 
-def _rank_rows(values: _Values) -> Callable[..., np.ndarray]:
-    def rows(r: Result, me: int | None = None) -> np.ndarray:
-        er, me = as_array(values(r.per_prompt)), r.me_layer if me is None else me
-        return claims.paired(er[:, :me].mean(1), er[:, me:].mean(1))
-
-    return rows
+def _rank_rows(r: Result, others: bool, split: int) -> np.ndarray:
+    """Per prompt, the mean effective rank over layers < ``split`` and over layers ≥ ``split``."""
+    er = _ranks(r, others)
+    return claims.paired(er[:, :split].mean(1), er[:, split:].mean(1))
 
 
 def _rank_others(r: Result, me: int | None = None) -> claims.Sample:
     """Layers ≤ ME against layers > ME: the other tokens meet the massive token only through the
     attention of the layers after it (the ME layer's own attention reads its input)."""
     me = r.me_layer if me is None else me
-    return claims.Sample(_rank_rows(_ranks_others)(r, me + 1), claims.relative_drop)
+    return claims.Sample(_rank_rows(r, True, me + 1), claims.relative_drop)
 
 
-def _rank_details(values: _Values, shift: int = 0) -> Callable[[Result], str]:
+def _rank_details(others: bool, shift: int = 0) -> Callable[[Result], str]:
     def details(r: Result) -> str:
-        er, me = as_array(values(r.per_prompt)), r.me_layer + shift
+        er, me = _ranks(r, others), r.me_layer + shift
         rb, ra = er[:, :me].mean(1).mean(), er[:, me:].mean(1).mean()
         return (
             f"ME layer {r.me_text()}; mean effective rank over layers < {me} {rb:.3g}, over layers "
@@ -277,14 +277,6 @@ def _rank_details(values: _Values, shift: int = 0) -> Callable[[Result], str]:
         )
 
     return details
-
-
-def _ranks_all(p: PerPrompt) -> list[list[float]]:
-    return p.effective_rank
-
-
-def _ranks_others(p: PerPrompt) -> list[list[float]]:
-    return p.effective_rank_others
 
 
 SPECS: tuple[claims.Spec, ...] = (
@@ -330,9 +322,9 @@ SPECS: tuple[claims.Spec, ...] = (
         threshold="relative_drop",
         control="rank_drop_others (without the massive token)",
         kind="sanity",
-        stat=lambda r: claims.Sample(_rank_rows(_ranks_all)(r), claims.relative_drop),
+        stat=lambda r: claims.Sample(_rank_rows(r, False, r.me_layer), claims.relative_drop),
         applies=_geometry_applies,
-        details=_rank_details(_ranks_all),
+        details=_rank_details(False),
     ),
     claims.Spec(
         "attention_sinks.rank_drop_others",
@@ -348,7 +340,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "every other layer",
         stat=_rank_others,
         applies=_attention_applies,
-        details=_rank_details(_ranks_others, 1),
+        details=_rank_details(True, 1),
         placebo=_placebo(_rank_others),
     ),
 )

@@ -1,15 +1,11 @@
 """ME-layer report: where are massive activations born, in which dims and positions, by which sub-layer?
 
-Runs the prompts once (``probes.batching``: length-sorted chunks, no logits), records token norms at
-every site of every layer (``probes.norms``), detects massive activations over all positions
-(``probes.massive``) and localises the ME layer and every emergence event (0-based and 1-based).
-Writes ``result.json``: the typed :class:`Result` (the run header, the ME-layer ``location`` with every
-event, the massive positions and dims and the per-layer ratios of every site, the Figure-1 norms, the
-per-prompt ratios behind the claims in ``per_prompt``; docs/me_layer.md) and the claims
-(``claims``, see :data:`SPECS`); and three figures: the Figure-1 view (massive-token norm vs the others
-at each site; on a sandwich-norm model, Gemma 2/3, also at the attention's and the FFN's own outputs
-before their post-norms, ``attn_own`` / ``ffn_own``, beside their residual contributions), a token ×
-dimension view of the ME layer's output, and the two ratios per layer.
+Runs the prompts once (``probes.batching``), records token norms at every site of every layer
+(``probes.norms``), detects massive activations over all positions (``probes.massive``) and
+localises the ME layer and every emergence event. Figures: the Figure-1 view (massive-token norm vs
+the others at each site; on a sandwich-norm model also at the sub-layers' own outputs before their
+post-norms), a token × dimension view of the ME layer's output, and the two ratios per layer
+(docs/me_layer.md).
 
 Claims: :data:`SPECS` (docs/claims.md). A model without a massive activation is a result, not an
 error: the existence claim ``sudden_birth`` fails there, the others are not applicable.
@@ -195,14 +191,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     site = locate(model, batch, scan=scan, criterion=crit, seed=cfg.seed)
     loc = site.location
     ref = torch.as_tensor(loc.reference_positions)
-    r = {
-        s: top_ratio(scan.site_norms(f"resid_{s}"), scan.mask).T.tolist()
-        for s in ("pre", "mid", "post")
-    }
     per_prompt = PerPrompt(
-        r_pre=r["pre"],
-        r_mid=r["mid"],
-        r_post=r["post"],
+        *(
+            top_ratio(scan.site_norms(f"resid_{s}"), scan.mask).T.tolist()
+            for s in ("pre", "mid", "post")
+        ),
         ref_ratio=ratio_to_others(scan.site_norms("resid_post"), scan.mask, ref).T.tolist(),
         massive=massive_tokens(scan, crit).any(-1).T.float().tolist(),
         ref_norm=scan.site_norms("resid_post")[:, torch.arange(len(ref)), ref].T.tolist(),
