@@ -1168,6 +1168,53 @@ def excess_stat(m: np.ndarray) -> np.ndarray | float:
     return divide(m[..., 0] - 1.0, m[..., 1] - 1.0)
 
 
+def pair_measure(
+    mats: np.ndarray,
+    pairs: np.ndarray,
+    reduce: Callable[[np.ndarray], Any],
+    keys: Sequence[str] | None = None,
+) -> Sample:
+    """``reduce`` (over the last axis) of the per-matrix mean of ``mats[k, a, b]`` over the pairs
+    ``pairs[a, b]`` (symmetric, false on the diagonal), as a sample over prompts (``keys``: what
+    makes two prompts distinct measurements).
+
+    A resample draws prompts with replacement; with multiplicities ``w`` the mean over the resampled
+    pairs is ``wᵀ (P ∘ M_k) w / wᵀ P w`` (copies of one prompt share their first token, so they never
+    pair). The sample's rows are the prompts' indicator vectors (the identity), so the column means
+    of a resample are its ``w / n`` and the bootstrap takes every resample at once
+    (``of_means``; the ratio does not depend on the scale of ``w``).
+    """
+    n = pairs.shape[0]
+    P = pairs.astype(np.float64)
+    M = np.where(pairs[None], mats, 0.0)  # [k n n]
+    flat = M.reshape(-1, n)  # [k*n n]
+
+    def of_weights(w: np.ndarray) -> np.ndarray | float:
+        den = ((w @ P) * w).sum(-1)  # [...]
+        num = ((w @ flat.T).reshape(*w.shape[:-1], -1, n) * w[..., None, :]).sum(-1)  # [... k]
+        return np.where(den != 0, reduce(divide(num, den[..., None])), np.nan)
+
+    return Sample(np.eye(n), of_means(of_weights), keys=keys)
+
+
+def lowest(x: np.ndarray) -> np.ndarray | float:
+    """The minimum over the last axis (a ``reduce`` of :func:`pair_measure`)."""
+    return x.min(-1)
+
+
+@of_means
+def relative_drop(m: np.ndarray) -> np.ndarray | float:
+    """``1 − mean(a[:, 1]) / mean(a[:, 0])`` of paired rows ``(reference, value)`` (``m``: their
+    column means): how far the value lies below the reference, as a fraction of it (a
+    :class:`Sample` statistic)."""
+    return 1.0 - m[..., 1] / m[..., 0]
+
+
+def paired(reference: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """``[n, 2]`` rows ``(reference, value)`` for :func:`relative_drop`."""
+    return np.stack([np.asarray(reference, float), np.asarray(value, float)], axis=1)
+
+
 def holm(claims: Sequence[Claim | Mapping[str, Any]], alpha: float = ALPHA) -> list[str]:
     """Holm-adjusted verdicts (one per claim, in order) over the family of claims of kind
     ``claim`` with a p-value: a decided verdict stays decided when its one-sided p-value passes

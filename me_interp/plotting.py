@@ -14,6 +14,13 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from me_interp.architecture import (
+    ATTN_OWN_SITE,
+    ATTN_RESIDUAL_SITE,
+    FFN_OWN_SITE,
+    FFN_RESIDUAL_SITE,
+)
+
 SITE_TITLES = {
     "resid_pre": "block input (resid_pre)",
     "attn_in": "pre-attention RMSNorm output",
@@ -102,6 +109,26 @@ def _pad_flat_range(fig: go.Figure, ys: Sequence[float | None]) -> None:
         fig.update_yaxes(range=[lo - pad, hi + pad])
 
 
+#: The sites of the Figure-1 view (:func:`site_norms_figure`), in forward order.
+FIGURE_SITES = ("attn_in", "attn_out", "ffn_in", "ffn_out", "resid_post")
+#: The sub-layer's own output drawn just before its residual contribution, where the scan recorded
+#: it (sandwich norms: ``Architecture.own_sites()``; on other blocks the two are one tensor).
+_OWN_BEFORE = {ATTN_RESIDUAL_SITE: ATTN_OWN_SITE, FFN_RESIDUAL_SITE: FFN_OWN_SITE}
+
+
+def figure_sites(recorded: Sequence[str]) -> list[str]:
+    """The panels of :func:`site_norms_figure` for a scan that recorded the sites ``recorded``:
+    :data:`FIGURE_SITES`, with ``attn_own`` / ``ffn_own`` before ``attn_out`` / ``ffn_out`` when
+    recorded (so on Gemma 2/3 one row is the attention, one the FFN, one the layer output)."""
+    out: list[str] = []
+    for s in FIGURE_SITES:
+        own = _OWN_BEFORE.get(s)
+        if own is not None and own in recorded:
+            out.append(own)
+        out.append(s)
+    return out
+
+
 def site_norms_figure(
     site_norms: Mapping[str, Mapping[str, Sequence[float]]],
     me_layer: int | None,
@@ -109,11 +136,11 @@ def site_norms_figure(
 ) -> go.Figure:
     """Figure-1 view: per-layer norm of the massive token vs the mean of the other tokens, per site.
 
-    One panel per key of ``site_norms`` (in its order, three per row); each trace carries its site
-    in ``meta``. On a sandwich-norm model the caller adds ``attn_own`` / ``ffn_own`` and the panels of
-    ``attn_out`` / ``ffn_out`` are titled as residual contributions (:func:`site_title`).
+    One panel per site of :func:`figure_sites` of the keys of ``site_norms`` (three per row); each
+    trace carries its site in ``meta``. On a sandwich-norm model the panels of ``attn_out`` /
+    ``ffn_out`` are titled as residual contributions (:func:`site_title`).
     """
-    sites = list(site_norms)
+    sites = figure_sites(list(site_norms))
     cols = 3
     rows = (len(sites) + cols - 1) // cols
     fig = make_subplots(
@@ -549,3 +576,48 @@ def interval_bars(
             hovertemplate=hover + "<extra></extra>",
         )
     )
+
+
+def layer_head_heatmap(
+    z: Sequence[Sequence[float]], title: str, cbar: str, me_layer: int | None, **kw: Any
+) -> go.Figure:
+    """A heatmap of ``z[layer][head]`` (heads on y, layers on x), the ME layer marked; ``kw``: more
+    ``go.Heatmap`` arguments (``zmin``, ``colorscale``, ...)."""
+    fig = go.Figure(
+        go.Heatmap(
+            z=[list(r) for r in zip(*z)],  # heads on y, layers on x
+            x=list(range(len(z))),
+            y=list(range(len(z[0]) if z else 0)),
+            colorbar_title=cbar,
+            hovertemplate="layer %{x}, head %{y}: %{z:.3g}<extra></extra>",
+            **kw,
+        )
+    )
+    fig.update_layout(
+        title=title, xaxis_title="layer (0-based)", yaxis_title="head", template="plotly_white"
+    )
+    return mark_layer(fig, me_layer)
+
+
+def layer_layer_heatmap(z: Sequence[Sequence[float]], title: str) -> go.Figure:
+    """A heatmap of the cosines ``z[layer][layer]`` between layers (from −1 to 1)."""
+    n = len(z)
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(range(n)),
+            y=list(range(n)),
+            zmin=-1,
+            zmax=1,
+            colorscale="RdBu",
+            colorbar_title="cos",
+            hovertemplate="layer %{y} vs layer %{x}: cos %{z:.4f}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=title,
+        xaxis_title="layer (0-based)",
+        yaxis_title="layer (0-based)",
+        template="plotly_white",
+    )
+    return fig

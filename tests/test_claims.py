@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from me_interp import claims, io
+from me_interp.patching.cells import restore_stat
 
 SPEC = claims.Spec(
     "demo.moves",
@@ -71,8 +72,6 @@ def _by_hand():
     was written before (sums and means of the rows, Python branches), and the width of its rows."""
     from me_interp import evaluation
     from me_interp.experiments import (
-        _layer_report,
-        activation_patching,
         attention_sinks,
         mechanism,
         sink_causality,
@@ -104,8 +103,8 @@ def _by_hand():
 
     return [
         (claims.excess_stat, lambda a: (a[:, 0].mean() - 1) / (a[:, 1].mean() - 1), 2),
-        (activation_patching._restore_stat, restore, 6),
-        (_layer_report.relative_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
+        (restore_stat, restore, 6),
+        (claims.relative_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
         (sink_causality._drop_stat, lambda a: 1 - a[:, 0].mean() / a[:, 1].mean(), 2),
         (
             transplant._share_stat,

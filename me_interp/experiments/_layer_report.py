@@ -1,23 +1,16 @@
 """What the per-layer reports (``me_layer``, ``mechanism``, ``invariance``, ``attention_sinks``) share.
 
-:class:`DetectConfig` holds the fields of the experiments that detect the ME layer and the massive
-token themselves, :func:`detect` turns a norm scan into a :class:`Detection`, :class:`LayerReport` is
-the common part of their results (one dict of measures per layer).
+:class:`DetectConfig` (their detection fields), :func:`detect` (a norm scan to a :class:`Detection`),
+:class:`LayerReport` (the common part of their results) and the statistics of their claims.
 
-**Units.** Every claim about the massive token is resampled over *distinct measurements of it*: the
-massive token's state depends only on its prefix ``x[: m + 1]`` (causal attention), so prompts whose
-massive token has the same prefix (e.g. every prompt starting with a shared BOS, the massive token at
-position 0) measure it once. :class:`Units` groups the prompts by that prefix; its keys are the
-``Sample.keys`` of the claims (the engine counts the distinct measurements, and a verdict resting on
-one is not decided), and its seeded halves (``claims.halves`` over the distinct prefixes) are what the
-held-out claims select on and test on.
+**Units.** The massive token's state depends only on its prefix ``x[: m + 1]`` (causal attention), so
+prompts whose massive token has the same prefix measure it once: the claims are resampled over those
+distinct prefixes (``Units``, the ``Sample.keys``), and the held-out claims select on one seeded half
+of them and test on the other.
 
-**Peaks.** "X peaks at the ME layer" (:func:`peak_measure`): the ME layer is chosen on the selection
-half (the ME layer detected on those prompts alone; ``me_layer.one_layer``: their largest mean jump),
-and each held-out unit is one outcome: is that layer the argmax of its per-layer curve (the mean over
-the unit's prompts)? Under the null of exchangeable layers the chance is 1 / L; the claims ask for
-``THRESHOLDS['peak_fraction']`` (Clopper–Pearson interval). With ``--layer`` the layer is given, not
-selected, and every unit is tested (the details say so).
+**Peaks** (:func:`peak_measure`): the ME layer is chosen on the selection half, and each held-out unit
+is one outcome: is that layer the argmax of its per-layer curve? Chance is 1 / L under exchangeable
+layers. With ``--layer`` the layer is given, not selected, and every unit is tested.
 """
 
 from __future__ import annotations
@@ -33,7 +26,6 @@ from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.massive import (
     Criterion,
     CriterionKind,
-    MELocation,
     locate_me_layer,
 )
 from me_interp.probes.norms import NormScan
@@ -86,17 +78,9 @@ class Detection:
     selected_layer: int | None
 
     @property
-    def location(self) -> MELocation:
-        return self.site.location
-
-    @property
     def me_layer(self) -> int:
         assert self.site.layer is not None  # detect raises otherwise
         return self.site.layer
-
-    @property
-    def given(self) -> bool:
-        return self.site.given
 
     @property
     def reference(self) -> list[int]:
@@ -106,17 +90,13 @@ class Detection:
     def massive_positions(self) -> list[list[int]]:
         return [list(p) for p in self.site.positions]
 
-    @property
-    def units(self) -> Units:
-        return self.site.units
-
     def report_fields(self, cfg: CommonConfig, model: LoadedModel, batch: Batch) -> dict[str, Any]:
         """The :class:`LayerReport` fields this detection fills (the run header with the Site)."""
         return {
             "header": run_header(cfg, model, len(batch), self.site),
             "bos_prepended": model.bos_prepended(batch),
-            "detected_me_layer": self.location.me_layer,
-            "units": self.units,
+            "detected_me_layer": self.site.location.me_layer,
+            "units": self.site.units,
             "selected_layer": self.selected_layer,
         }
 
@@ -174,11 +154,15 @@ class LayerReport(Headed):
         )
         return f"{me} (1-based {me + 1}{given})"
 
-    def layer_table(self, columns: Sequence[str], cells: Callable[[Any], tuple]) -> str:
-        """A table with one row per layer: the layer, ``*`` at the ME layer, then ``cells(row)``."""
+    def layer_table(
+        self, head: Sequence[str], columns: Sequence[str], cells: Callable[[Any], tuple]
+    ) -> str:
+        """The summary: a line with the model, BOS, prompts and ``head``, then a table with one
+        row per layer: the layer, ``*`` at the ME layer, then ``cells(row)``."""
         layers = self.layers  # type: ignore[attr-defined]  # every report declares its rows
         rows = [(r.layer, "*" if r.layer == self.me_layer else "", *cells(r)) for r in layers]
-        return fmt_table(["layer", "ME", *columns], rows)
+        line = f"model: {self.model}   bos: {self.bos}   prompts: {self.n_prompts}   "
+        return line + "   ".join(head) + "\n\n" + fmt_table(["layer", "ME", *columns], rows)
 
     def peak(self, values: np.ndarray) -> claims.Outcomes:
         """:func:`peak_measure` of ``values[prompt, layer]`` at the selected layer.
@@ -258,16 +242,3 @@ def peak_details(
         f"layers 1/{L} = {1 / L:.3g}; mean curve {at} at the tested layer, largest at layer {best} "
         f"({means[best]:.3g})"
     )
-
-
-@claims.of_means
-def relative_drop(m: np.ndarray) -> np.ndarray | float:
-    """``1 − mean(a[:, 1]) / mean(a[:, 0])`` of paired rows ``(reference, value)`` (``m``: their
-    column means): how far the value lies below the reference, as a fraction of it (a
-    ``claims.Sample`` statistic)."""
-    return 1.0 - m[..., 1] / m[..., 0]
-
-
-def paired(reference: np.ndarray, value: np.ndarray) -> np.ndarray:
-    """``[n, 2]`` rows ``(reference, value)`` for :func:`relative_drop`."""
-    return np.stack([np.asarray(reference, float), np.asarray(value, float)], axis=1)

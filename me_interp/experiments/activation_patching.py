@@ -1,22 +1,15 @@
 """Activation patching of the massive activation: what writes it, what carries it, what it causes.
 
-Clean run: the prompts (``--max-prompts`` of them, each cut to ``--max-tokens`` tokens). Corrupt run
-(``--corruption``; :mod:`me_interp.patching.corrupt`): one in which the massive activation *never
-forms* — ``first_token`` (token 0 replaced by token 1), ``remove_input`` (the massive token's input to
-the ME layer set to the other tokens' mean; on SmolLM2, massive at position 0 whatever the first
-token, this is the one that removes it), ``remove_ffn`` (the ME layer's FFN output there), or ``auto``.
-
-Each site of ``--sites`` is patched from the clean run at the massive position ``p``, every layer
-(``resid_pre`` up to the layer after the ME layer: later, patching the whole state restores it
-trivially; every layer and position with ``--all-positions``), by
-:func:`me_interp.patching.patch_sweep`. Metrics per prompt: ``projection``, the *signed* ``⟨h_p, u⟩``
-at ``--metric-layer`` onto the clean massive direction ``u`` (a norm cannot tell a write along ``u``
-from one against it: a late FFN that *erases* the activation inflates ``‖h_p‖`` but lowers the
-projection), and ``sink``, the mean attention to ``p`` in the layers after the ME layer. A patch's
-value is ``(m_patched − m_corrupt) / (m_clean − m_corrupt)`` on prompt means (clean = 1, corrupt =
-0), bootstrapped over prompts; above 1 is an *overshoot*, not a restore. No claim is decided by a
-cell the corruption overwrote. The sink-heads question: :mod:`me_interp.experiments.patching_heads`;
-your own pairs (``--pairs``, no claims): :mod:`me_interp.experiments.patching_pairs`.
+Clean run: the prompts (cut to ``--max-tokens``); corrupt run (``--corruption``,
+:mod:`me_interp.patching.corrupt`): one in which the massive activation never forms. Each site of
+``--sites`` is patched from the clean run at the massive position ``p``, every layer
+(:func:`me_interp.patching.patch_sweep`; every position too with ``--all-positions``). Metrics per
+prompt: ``projection``, the *signed* ``⟨h_p, u⟩`` at ``--metric-layer`` onto the clean massive
+direction ``u`` (a late FFN that erases the activation inflates ``‖h_p‖`` but lowers the projection),
+and ``sink``, the mean attention to ``p`` after the ME layer. A patch's value is normalised on prompt
+means (clean = 1, corrupt = 0); above 1 is an overshoot, not a restore. No claim is decided by a cell
+the corruption overwrote. The sink-heads question: :mod:`me_interp.experiments.patching_heads`; your
+own pairs (``--pairs``, no claims): :mod:`me_interp.experiments.patching_pairs`.
 
     python -m me_interp.experiments.activation_patching
     python -m me_interp.experiments.activation_patching --model synthetic:planted --prompts p.txt
@@ -45,7 +38,7 @@ from me_interp.patching import (
     SinkMass,
     patch_sweep,
 )
-from me_interp.patching.cells import Cells, columns
+from me_interp.patching.cells import Cells, columns, restore_stat
 from me_interp.patching.corrupt import corrupt, undo_cell
 from me_interp.patching.pairs import Pair, PairsLike, as_pairs
 from me_interp.patching.sinkheads import SinkHeads
@@ -76,14 +69,6 @@ SUBLAYERS = ("attn_out", "mlp_out")
 HEADLINE = (("ffn_writes", PROJECTION), ("state_causes_sink", "sink"))
 Cell = tuple[str, int, int]
 """A patched cell: (site, layer, position)."""
-
-
-@claims.of_means
-def _restore_stat(m: np.ndarray) -> np.ndarray | float:
-    """Columns ``[clean, corrupt, patched_1 … patched_k]`` → the largest restore over the cells, of
-    the column means ``m``."""
-    denom = m[..., 0] - m[..., 1]
-    return np.max(claims.divide(m[..., 2:] - m[..., 1:2], denom[..., None]), axis=-1)
 
 
 @dataclass(frozen=True)
@@ -134,7 +119,7 @@ class Result(Headed):
     def restore(self, cell: Cell, metric: str = PROJECTION) -> float:
         """Point estimate of the normalised value of one cell (NaN when not swept)."""
         rows = self.cell_rows([cell], metric)
-        return float("nan") if rows is None else _restore_stat(rows)
+        return float("nan") if rows is None else restore_stat(rows)
 
     def cells(self, key: str) -> list[Cell]:
         """The cells claim ``key`` is decided by (``undo``: the overwritten one)."""
@@ -232,7 +217,7 @@ def _cells_stat(key: str, metric: str):
                 f"the cells it needs ({shown}{', …' if len(cells) > 3 else ''}; metric {metric}) "
                 "were not swept (see --sites)"
             )
-        return claims.Sample(rows, _restore_stat)
+        return claims.Sample(rows, restore_stat)
 
     return stat
 
@@ -381,9 +366,8 @@ SPECS: tuple[claims.Spec, ...] = (
         applies=_why_later,
         details=_details("not_rewritten", PROJECTION),
     ),
-    *patching_heads.specs(NAME, _restore_stat, _why_removed),
+    *patching_heads.specs(NAME, restore_stat, _why_removed),
 )
-SPEC = claims.index(SPECS)
 
 
 @dataclass(frozen=True)
@@ -581,11 +565,7 @@ def summary(result: Result | patching_pairs.PairsResult) -> str:
         return patching_pairs.summary(result)
     rows = []
     for c, metric in ((sw, m) for sw in result.sweeps for m in sw.metric_names):
-        grid = c.normalized(metric)
-        if c.heads is None:  # at the massive position
-            grid[:, np.arange(grid.shape[1]) != c.positions.index(result.header.position)] = np.nan
-        flat = int(np.nanargmax(np.where(np.isfinite(grid), grid, -np.inf)))
-        v, top = float(grid.ravel()[flat]), c.label(flat, result.tokens)
+        v, top = c.largest(metric, result.tokens, result.header.position)  # at the massive p
         rows.append((c.site, metric, top, v, "overshoot" if v > OVERSHOOT else "", c.n_forwards))
     heads = result.sink_heads.details() if result.sink_heads else str(result.sink_heads_why)
     return "\n".join(

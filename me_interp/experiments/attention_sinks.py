@@ -16,12 +16,8 @@ Cost: one forward over every prompt records the norms (detection), the attention
 every key position and the geometry without position 0; prompts whose massive token is elsewhere are
 re-run for the geometry without it (``probes.batching``).
 
-Claims (:data:`SPECS`, judged by ``claims.judge``; thresholds from ``claims.THRESHOLDS``; intervals
-bootstrapped over prompts), stated in the paper's direction: the sink *appears* downstream of the ME
-layer, the attention entropy *drops*, the other tokens' effective rank *drops*; ``rank_drop_all`` is a
-sanity check (one huge token makes the states low-rank by construction). The attention claims are not
-applicable when the ME layer is the last layer (no attention reads it), the geometry claims when it
-is layer 0. On a model without a massive activation ``run`` raises ``claims.NotApplicable``.
+Claims: :data:`SPECS` (docs/claims.md), intervals bootstrapped over prompts. On a model without a
+massive activation ``run`` raises ``claims.NotApplicable``.
 
     python -m me_interp.experiments.attention_sinks            # bundled model, built-in prompts
 
@@ -44,8 +40,6 @@ from me_interp.experiments._layer_report import (
     LayerReport,
     as_array,
     detect,
-    paired,
-    relative_drop,
 )
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.geometry import METRICS
@@ -239,11 +233,11 @@ def _sink_details(r: Result) -> str:
 
 def _entropy_rows(r: Result, me: int | None = None) -> np.ndarray:
     ent, me = as_array(r.per_prompt.attn_entropy), r.me_layer if me is None else me
-    return paired(ent[:, : me + 1].mean(1), ent[:, me + 1 :].mean(1))
+    return claims.paired(ent[:, : me + 1].mean(1), ent[:, me + 1 :].mean(1))
 
 
 def _entropy(r: Result, me: int | None = None) -> claims.Sample:
-    return claims.Sample(_entropy_rows(r, me), relative_drop)
+    return claims.Sample(_entropy_rows(r, me), claims.relative_drop)
 
 
 def _entropy_details(r: Result) -> str:
@@ -254,27 +248,27 @@ def _entropy_details(r: Result) -> str:
     )
 
 
-_Values = Callable[["PerPrompt"], list[list[float]]]
+def _ranks(r: Result, others: bool) -> np.ndarray:
+    """``[prompt, layer]`` effective rank, without the massive token when ``others``."""
+    return as_array(r.per_prompt.effective_rank_others if others else r.per_prompt.effective_rank)
 
 
-def _rank_rows(values: _Values) -> Callable[..., np.ndarray]:
-    def rows(r: Result, me: int | None = None) -> np.ndarray:
-        er, me = as_array(values(r.per_prompt)), r.me_layer if me is None else me
-        return paired(er[:, :me].mean(1), er[:, me:].mean(1))
-
-    return rows
+def _rank_rows(r: Result, others: bool, split: int) -> np.ndarray:
+    """Per prompt, the mean effective rank over layers < ``split`` and over layers ≥ ``split``."""
+    er = _ranks(r, others)
+    return claims.paired(er[:, :split].mean(1), er[:, split:].mean(1))
 
 
 def _rank_others(r: Result, me: int | None = None) -> claims.Sample:
     """Layers ≤ ME against layers > ME: the other tokens meet the massive token only through the
     attention of the layers after it (the ME layer's own attention reads its input)."""
     me = r.me_layer if me is None else me
-    return claims.Sample(_rank_rows(_ranks_others)(r, me + 1), relative_drop)
+    return claims.Sample(_rank_rows(r, True, me + 1), claims.relative_drop)
 
 
-def _rank_details(values: _Values, shift: int = 0) -> Callable[[Result], str]:
+def _rank_details(others: bool, shift: int = 0) -> Callable[[Result], str]:
     def details(r: Result) -> str:
-        er, me = as_array(values(r.per_prompt)), r.me_layer + shift
+        er, me = _ranks(r, others), r.me_layer + shift
         rb, ra = er[:, :me].mean(1).mean(), er[:, me:].mean(1).mean()
         return (
             f"ME layer {r.me_text()}; mean effective rank over layers < {me} {rb:.3g}, over layers "
@@ -283,14 +277,6 @@ def _rank_details(values: _Values, shift: int = 0) -> Callable[[Result], str]:
         )
 
     return details
-
-
-def _ranks_all(p: PerPrompt) -> list[list[float]]:
-    return p.effective_rank
-
-
-def _ranks_others(p: PerPrompt) -> list[list[float]]:
-    return p.effective_rank_others
 
 
 SPECS: tuple[claims.Spec, ...] = (
@@ -336,9 +322,9 @@ SPECS: tuple[claims.Spec, ...] = (
         threshold="relative_drop",
         control="rank_drop_others (without the massive token)",
         kind="sanity",
-        stat=lambda r: claims.Sample(_rank_rows(_ranks_all)(r), relative_drop),
+        stat=lambda r: claims.Sample(_rank_rows(r, False, r.me_layer), claims.relative_drop),
         applies=_geometry_applies,
-        details=_rank_details(_ranks_all),
+        details=_rank_details(False),
     ),
     claims.Spec(
         "attention_sinks.rank_drop_others",
@@ -354,102 +340,77 @@ SPECS: tuple[claims.Spec, ...] = (
         "every other layer",
         stat=_rank_others,
         applies=_attention_applies,
-        details=_rank_details(_ranks_others, 1),
+        details=_rank_details(True, 1),
         placebo=_placebo(_rank_others),
     ),
 )
 
 
-def _head_heatmap(z: list[list[float]], title: str, cbar: str, me: int | None, **kw) -> go.Figure:
-    fig = go.Figure(
-        go.Heatmap(
-            z=[list(r) for r in zip(*z)],  # heads on y, layers on x
-            x=list(range(len(z))),
-            y=list(range(len(z[0]) if z else 0)),
-            colorbar_title=cbar,
-            hovertemplate="layer %{x}, head %{y}: %{z:.3g}<extra></extra>",
-            **kw,
-        )
-    )
-    fig.update_layout(
-        title=title, xaxis_title="layer (0-based)", yaxis_title="head", template="plotly_white"
-    )
-    return plotting.mark_layer(fig, me)
-
-
 def figures(result: Result) -> dict[str, go.Figure]:
-    me = result.me_layer
+    me, rows = result.me_layer, result.layers
     lines = {
         f"sink rate (share of heads with mean attention ≥ {result.eps:g})": [
-            r.sink_rate for r in result.layers
+            r.sink_rate for r in rows
         ],
-        "mean attention to the massive token": [r.attn_to_massive for r in result.layers],
-        "BOS metric: 2nd-half queries → position 0": [r.bos_attention for r in result.layers],
+        "mean attention to the massive token": [r.attn_to_massive for r in rows],
+        "BOS metric: 2nd-half queries → position 0": [r.bos_attention for r in rows],
     }
     if len(result.attn_to_each_position) > 1:  # several massive positions: one line each
         for p, ys in result.attn_to_each_position.items():
             lines[f"mean attention to massive position {p}"] = ys
-    sink = plotting.layer_lines(
-        lines,
-        "Attention sink on the massive token per layer (mean over prompts and heads)",
-        "share / attention probability (0–1)",
-        me,
-    )
-    to = _head_heatmap(
-        [r.head_attn_to_massive for r in result.layers],
-        "Mean attention to the massive token per layer and head (mean over prompts and queries)",
-        "attention",
-        me,
-        zmin=0,
-        zmax=1,
-        colorscale="Viridis",
-    )
-    ent = _head_heatmap(
-        [r.head_attn_entropy for r in result.layers],
-        "Attention entropy per layer and head (nats; mean over prompts and queries)",
-        "nats",
-        me,
-        colorscale="Cividis",
-    )
-    rank = plotting.layer_lines(
-        {
-            "effective rank, all tokens": [r.effective_rank for r in result.layers],
-            "effective rank, without the massive token": [
-                r.effective_rank_others for r in result.layers
-            ],
-            "participation ratio, all tokens": [r.participation_ratio for r in result.layers],
-            "participation ratio, without the massive token": [
-                r.participation_ratio_others for r in result.layers
-            ],
-        },
-        "Effective dimension of the token states (layer output) per layer, mean over prompts",
-        "effective rank / participation ratio (number of dims)",
-        me,
-    )
-    cos = plotting.layer_lines(
-        {
-            "all tokens": [r.mean_cos for r in result.layers],
-            "without the massive token": [r.mean_cos_others for r in result.layers],
-        },
-        "Mean pairwise cosine of the token states (layer output) per layer",
-        "cosine (1 = all tokens parallel)",
-        me,
-    )
     return {
-        "sink_rate": sink,
-        "attn_to_massive_heads": to,
-        "attn_entropy_heads": ent,
-        "rank_curves": rank,
-        "mean_cosine": cos,
+        "sink_rate": plotting.layer_lines(
+            lines,
+            "Attention sink on the massive token per layer (mean over prompts and heads)",
+            "share / attention probability (0–1)",
+            me,
+        ),
+        "attn_to_massive_heads": plotting.layer_head_heatmap(
+            [r.head_attn_to_massive for r in rows],
+            "Mean attention to the massive token per layer and head (mean over prompts and queries)",
+            "attention",
+            me,
+            zmin=0,
+            zmax=1,
+            colorscale="Viridis",
+        ),
+        "attn_entropy_heads": plotting.layer_head_heatmap(
+            [r.head_attn_entropy for r in rows],
+            "Attention entropy per layer and head (nats; mean over prompts and queries)",
+            "nats",
+            me,
+            colorscale="Cividis",
+        ),
+        "rank_curves": plotting.layer_lines(
+            {
+                "effective rank, all tokens": [r.effective_rank for r in rows],
+                "effective rank, without the massive token": [
+                    r.effective_rank_others for r in rows
+                ],
+                "participation ratio, all tokens": [r.participation_ratio for r in rows],
+                "participation ratio, without the massive token": [
+                    r.participation_ratio_others for r in rows
+                ],
+            },
+            "Effective dimension of the token states (layer output) per layer, mean over prompts",
+            "effective rank / participation ratio (number of dims)",
+            me,
+        ),
+        "mean_cosine": plotting.layer_lines(
+            {
+                "all tokens": [r.mean_cos for r in rows],
+                "without the massive token": [r.mean_cos_others for r in rows],
+            },
+            "Mean pairwise cosine of the token states (layer output) per layer",
+            "cosine (1 = all tokens parallel)",
+            me,
+        ),
     }
 
 
 def summary(result: Result) -> str:
-    head = (
-        f"model: {result.model}   bos: {result.bos}   prompts: {result.n_prompts}   eps: {result.eps}"
-        "   ME layer: " + result.me_text()
-    )
-    table = result.layer_table(
+    return result.layer_table(
+        [f"eps: {result.eps}", f"ME layer: {result.me_text()}"],
         ["sink rate", "attn->m", "BOS", "entropy", "eff rank", "eff rank (others)"],
         lambda r: (
             r.sink_rate,
@@ -460,7 +421,6 @@ def summary(result: Result) -> str:
             r.effective_rank_others,
         ),
     )
-    return "\n\n".join([head, table])
 
 
 EXPERIMENT = Experiment(

@@ -11,20 +11,11 @@ Cost: one forward over every prompt (norms for the detection and the other token
 two forwards over the prefixes ``x[: m + 1]`` only (the massive token's state depends on nothing after
 it): the prompts and the control.
 
-Claims (:data:`SPECS`, judged by ``claims.judge``; thresholds from ``claims.THRESHOLDS``). Intervals
-are bootstrapped over prompts (:func:`pair_measure`): a resample of prompts keeps the pairs of
-resampled prompts with different first tokens, so the pairwise statistics are resampled by their units,
-not by pairs; the distinct measurements are the distinct massive-token prefixes. If every prompt starts
-with the same token (e.g. ``--bos yes``), the cross-input claims are not applicable (the cosine would be
-1 by construction). ``created_at_me`` is measured on ``1 − cos``: the fraction of the remaining
-non-alignment that is gone from the ME layer on (:func:`removed_misalignment`), so it can hold when the
-cosine before the ME layer is already high. ``invariance.control`` is a control (kind ``control``):
-with the massive token first it is one measurement repeated, and not decided. ``key`` is not applicable
-when the ME layer is the last layer, ``created_at_me`` when it is layer 0. On a model without a massive
-activation ``run`` raises ``claims.NotApplicable``.
-The direction across layers (``cos_to_me_layer``, ``cos_across_layers``) is reported, not judged: any
-token's residual direction drifts slowly, so it is no evidence by itself (``me_layer.carried`` judges
-whether the massive activation is carried).
+Claims: :data:`SPECS` (docs/claims.md), bootstrapped over prompts (``claims.pair_measure``: the
+pairwise statistics are resampled by their units, not by pairs). With every prompt starting with the
+same token (e.g. ``--bos yes``) the cross-input claims are not applicable: the cosine would be 1 by
+construction. The direction across layers is reported, not judged (any token's residual direction
+drifts slowly). On a model without a massive activation ``run`` raises ``claims.NotApplicable``.
 
     python -m me_interp.experiments.invariance                 # bundled model, built-in prompts
 
@@ -49,6 +40,7 @@ from me_interp.probes.invariance import (
     InvarianceRecorder,
     InvarianceScan,
     UnitSumRecorder,
+    partner_mean,
     same_first_token_control,
 )
 from me_interp.probes.norms import NormRecorder
@@ -126,12 +118,6 @@ def _states(model: LoadedModel, batch: Batch, ref: list[int]) -> InvarianceRecor
     return rec
 
 
-def _partner_mean(mats: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """``[layer, prompt]`` mean of ``mats[l, a, b]`` over the partners ``b`` with ``pairs[a, b]``."""
-    p = pairs.to(mats.dtype)
-    return (mats * p).sum(-1) / p.sum(-1)  # NaN for a prompt without partners
-
-
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """Measure directional invariance at every layer. No printing, no files.
 
@@ -192,9 +178,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         for i in range(L)
     ]
     per_prompt = PerPrompt(
-        cos_to_inputs=_partner_mean(cm, sym(distinct)).T.tolist(),
-        others_cos_to_inputs=_partner_mean(om, sym(distinct)).T.tolist(),
-        control_cos_to_inputs=_partner_mean(ctrl.cos_matrices(), sym(every)).T.tolist(),
+        cos_to_inputs=partner_mean(cm, sym(distinct)).T.tolist(),
+        others_cos_to_inputs=partner_mean(om, sym(distinct)).T.tolist(),
+        control_cos_to_inputs=partner_mean(ctrl.cos_matrices(), sym(every)).T.tolist(),
         cos_to_me_layer=scan.cos_to_layers()[me].T.tolist(),
     )
     return Result(
@@ -210,40 +196,6 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         scan=scan,
         control=ctrl,
     )
-
-
-def pair_measure(
-    mats: np.ndarray,
-    pairs: np.ndarray,
-    reduce: Callable[[np.ndarray], Any],
-    keys: Sequence[str] | None = None,
-) -> claims.Sample:
-    """``reduce`` (over the last axis) of the per-matrix mean of ``mats[k, a, b]`` over the pairs
-    ``pairs[a, b]`` (symmetric, false on the diagonal), as a sample over prompts (``keys``: what
-    makes two prompts distinct measurements).
-
-    A resample draws prompts with replacement; with multiplicities ``w`` the mean over the resampled
-    pairs is ``wᵀ (P ∘ M_k) w / wᵀ P w`` (copies of one prompt share their first token, so they never
-    pair). The sample's rows are the prompts' indicator vectors (the identity), so the column means
-    of a resample are its ``w / n`` and the bootstrap takes every resample at once
-    (``claims.of_means``; the ratio does not depend on the scale of ``w``).
-    """
-    n = pairs.shape[0]
-    P = pairs.astype(np.float64)
-    M = np.where(pairs[None], mats, 0.0)  # [k n n]
-    flat = M.reshape(-1, n)  # [k*n n]
-
-    def of_weights(w: np.ndarray) -> np.ndarray | float:
-        den = ((w @ P) * w).sum(-1)  # [...]
-        num = ((w @ flat.T).reshape(*w.shape[:-1], -1, n) * w[..., None, :]).sum(-1)  # [... k]
-        return np.where(den != 0, reduce(claims.divide(num, den[..., None])), np.nan)
-
-    return claims.Sample(np.eye(n), claims.of_means(of_weights), keys=keys)
-
-
-def lowest(x: np.ndarray) -> np.ndarray | float:
-    """The minimum over the last axis (a ``reduce`` of :func:`pair_measure`)."""
-    return x.min(-1)
 
 
 def _sym(m: torch.Tensor) -> np.ndarray:
@@ -268,17 +220,17 @@ def _distinct_applies(r: Result) -> str | None:
 
 def _cross(r: Result, mats: np.ndarray, reduce: Callable[[np.ndarray], Any]) -> claims.Sample:
     scan, _ = _scans(r)
-    return pair_measure(mats, _sym(scan.pairs(False)), reduce, r.units.keys)
+    return claims.pair_measure(mats, _sym(scan.pairs(False)), reduce, r.units.keys)
 
 
 def _state(r: Result) -> claims.Sample:
-    return _cross(r, _scans(r)[0].cos_matrices().numpy()[r.me_layer :], lowest)
+    return _cross(r, _scans(r)[0].cos_matrices().numpy()[r.me_layer :], claims.lowest)
 
 
 def _beyond(r: Result) -> claims.Sample:
     scan, _ = _scans(r)
     gap = scan.cos_matrices().numpy() - scan.others_cos_matrices().numpy()
-    return _cross(r, gap[r.me_layer :], lowest)
+    return _cross(r, gap[r.me_layer :], claims.lowest)
 
 
 def _key_applies(r: Result) -> str | None:
@@ -289,7 +241,7 @@ def _key_applies(r: Result) -> str | None:
 
 def _key(r: Result) -> claims.Sample:
     km = _scans(r)[0].key_cos_matrices().numpy()[r.me_layer + 1 :]
-    return _cross(r, km.reshape(-1, *km.shape[-2:]), lowest)
+    return _cross(r, km.reshape(-1, *km.shape[-2:]), claims.lowest)
 
 
 def _created_applies(r: Result) -> str | None:
@@ -313,8 +265,11 @@ def _created(r: Result) -> claims.Sample:
 
 def _control(r: Result) -> claims.Sample:
     _, ctrl = _scans(r)
-    return pair_measure(
-        ctrl.cos_matrices().numpy()[r.me_layer :], _sym(ctrl.pairs(True)), lowest, r.control_keys
+    return claims.pair_measure(
+        ctrl.cos_matrices().numpy()[r.me_layer :],
+        _sym(ctrl.pairs(True)),
+        claims.lowest,
+        r.control_keys,
     )
 
 
@@ -438,72 +393,50 @@ SPECS: tuple[claims.Spec, ...] = (
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    me = result.me_layer
-    cos = plotting.layer_lines(
-        {
-            f"different first tokens ({result.n_pairs_distinct} pairs)": [
-                r.cos_across_inputs for r in result.layers
-            ],
-            "control: first token made identical": [
-                r.cos_across_inputs_control for r in result.layers
-            ],
-            "baseline: the other tokens, same pairs": [
-                r.others_cos_across_inputs for r in result.layers
-            ],
-        },
-        "Cosine of the massive token's layer output across inputs (mean over pairs)",
-        "cosine (1 = same direction)",
-        me,
-    )
-    kd = [r.key_cos_across_inputs for r in result.layers]
-    heads = len(kd[0]) if kd else 0
-    key = plotting.layer_lines(
-        {f"kv head {h}": [row[h] for row in kd] for h in range(heads)},
-        "Cosine of the massive token's key k_m across inputs with different first tokens, per key/value head",
-        "cosine (1 = same direction)",
-        me,
-    )
-    n = len(result.cos_across_layers)
-    heat = go.Figure(
-        go.Heatmap(
-            z=result.cos_across_layers,
-            x=list(range(n)),
-            y=list(range(n)),
-            zmin=-1,
-            zmax=1,
-            colorscale="RdBu",
-            colorbar_title="cos",
-            hovertemplate="layer %{y} vs layer %{x}: cos %{z:.4f}<extra></extra>",
-        )
-    )
-    heat.update_layout(
-        title="Cosine of the massive token's state between layers (mean over prompts)"
-        + (f"; ME layer {me} (1-based {me + 1})" if me is not None else ""),
-        xaxis_title="layer (0-based)",
-        yaxis_title="layer (0-based)",
-        template="plotly_white",
-    )
-    norm = plotting.layer_lines(
-        {"std / mean of ‖h_m‖ across inputs": [r.norm_cv for r in result.layers]},
-        "Norm stability of the massive token across inputs (coefficient of variation)",
-        "coefficient of variation (dimensionless)",
-        me,
-    )
+    me, rows = result.me_layer, result.layers
+    kd = [r.key_cos_across_inputs for r in rows]
     return {
-        "cos_across_inputs": cos,
-        "key_cos_across_inputs": key,
-        "cos_across_layers": heat,
-        "norm_stability": norm,
+        "cos_across_inputs": plotting.layer_lines(
+            {
+                f"different first tokens ({result.n_pairs_distinct} pairs)": [
+                    r.cos_across_inputs for r in rows
+                ],
+                "control: first token made identical": [r.cos_across_inputs_control for r in rows],
+                "baseline: the other tokens, same pairs": [
+                    r.others_cos_across_inputs for r in rows
+                ],
+            },
+            "Cosine of the massive token's layer output across inputs (mean over pairs)",
+            "cosine (1 = same direction)",
+            me,
+        ),
+        "key_cos_across_inputs": plotting.layer_lines(
+            {f"kv head {h}": [row[h] for row in kd] for h in range(len(kd[0]) if kd else 0)},
+            "Cosine of the massive token's key k_m across inputs with different first tokens, "
+            "per key/value head",
+            "cosine (1 = same direction)",
+            me,
+        ),
+        "cos_across_layers": plotting.layer_layer_heatmap(
+            result.cos_across_layers,
+            "Cosine of the massive token's state between layers (mean over prompts)"
+            + (f"; ME layer {me} (1-based {me + 1})" if me is not None else ""),
+        ),
+        "norm_stability": plotting.layer_lines(
+            {"std / mean of ‖h_m‖ across inputs": [r.norm_cv for r in rows]},
+            "Norm stability of the massive token across inputs (coefficient of variation)",
+            "coefficient of variation (dimensionless)",
+            me,
+        ),
     }
 
 
 def summary(result: Result) -> str:
-    head = (
-        f"model: {result.model}   bos: {result.bos}   prompts: {result.n_prompts}   "
-        f"pairs with different first tokens: {result.n_pairs_distinct}   ME layer: "
-        + result.me_text()
-    )
-    table = result.layer_table(
+    return result.layer_table(
+        [
+            f"pairs with different first tokens: {result.n_pairs_distinct}",
+            f"ME layer: {result.me_text()}",
+        ],
         ["cos inputs", "control", "min key cos", "cos next", "norm CV"],
         lambda r: (
             r.cos_across_inputs,
@@ -513,7 +446,6 @@ def summary(result: Result) -> str:
             r.norm_cv,
         ),
     )
-    return "\n\n".join([head, table])
 
 
 EXPERIMENT = Experiment(

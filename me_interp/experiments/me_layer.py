@@ -1,24 +1,14 @@
 """ME-layer report: where are massive activations born, in which dims and positions, by which sub-layer?
 
-Runs the prompts once (``probes.batching``: length-sorted chunks, no logits), records token norms at
-every site of every layer (``probes.norms``), detects massive activations over all positions
-(``probes.massive``) and localises the ME layer and every emergence event (0-based and 1-based).
-Writes ``result.json``: the typed :class:`Result` (the run header, the ME-layer ``location`` with every
-event, the massive positions and dims and the per-layer ratios of every site, the Figure-1 norms, the
-per-prompt ratios behind the claims in ``per_prompt``; docs/me_layer.md) and the claims
-(``claims``, see :data:`SPECS`); and three figures: the Figure-1 view (massive-token norm vs the others
-at each site; on a sandwich-norm model, Gemma 2/3, also at the attention's and the FFN's own outputs
-before their post-norms, ``attn_own`` / ``ffn_own``, beside their residual contributions), a token ×
-dimension view of the ME layer's output, and the two ratios per layer.
+Runs the prompts once (``probes.batching``), records token norms at every site of every layer
+(``probes.norms``), detects massive activations over all positions (``probes.massive``) and
+localises the ME layer and every emergence event. Figures: the Figure-1 view (massive-token norm vs
+the others at each site; on a sandwich-norm model also at the sub-layers' own outputs before their
+post-norms), a token × dimension view of the ME layer's output, and the two ratios per layer
+(docs/me_layer.md).
 
-Claims (paper.md §2.1, :data:`SPECS`, judged by ``claims.judge``; thresholds from
-``claims.THRESHOLDS``): ``me_layer.sudden_birth`` (the existence claim: the median birth jump; it
-*fails* on a model without a massive activation, where no layer makes a token's norm jump),
-``me_layer.one_layer`` (a held-out peak: the largest-jump layer of the selection half of the prompts,
-tested on the other half, one outcome per distinct massive-token prefix; ``_layer_report.peak_measure``),
-``me_layer.ffn_creates`` (the FFN's factor over the attention's) and ``me_layer.carried`` (not
-applicable without an ME layer; ``ffn_creates`` also when the ME event's site is ``"unknown"``, a scan
-without ``resid_pre``/``resid_mid``; ``carried`` also when the ME layer is the last layer).
+Claims: :data:`SPECS` (docs/claims.md). A model without a massive activation is a result, not an
+error: the existence claim ``sudden_birth`` fails there, the others are not applicable.
 
     python -m me_interp.experiments.me_layer                # bundled model, built-in prompts
     python -m me_interp.experiments.me_layer --model Qwen/Qwen3-4B --device cuda --criterion either
@@ -26,7 +16,6 @@ without ``resid_pre``/``resid_mid``; ``carried`` also when the ME layer is the l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -34,12 +23,6 @@ import numpy as np
 import torch
 
 from me_interp import claims, names, plotting
-from me_interp.architecture import (
-    ATTN_OWN_SITE,
-    ATTN_RESIDUAL_SITE,
-    FFN_OWN_SITE,
-    FFN_RESIDUAL_SITE,
-)
 from me_interp.backends import check_backend
 from me_interp.experiments._layer_report import peak_details, peak_measure, unit_curves
 from me_interp.loading.loaded import LoadedModel
@@ -50,7 +33,7 @@ from me_interp.probes.massive import (
     massive_tokens,
     site_text,
 )
-from me_interp.probes.norms import NormScan, ratio_to_others, scan_norms, top_ratio
+from me_interp.probes.norms import ratio_to_others, reference_medians, scan_norms, top_ratio
 from me_interp.probes.site import Units, locate, no_massive_why
 from me_interp.study import (
     CommonConfig,
@@ -192,21 +175,6 @@ class Result(Headed):
         return int(np.argmax(self.log_jumps()[list(rows)].mean(0)))
 
 
-def _site_norms(scan: NormScan, reference: Sequence[int]) -> dict[str, SiteNorms]:
-    """Median over prompts of the reference token's norm and of the other tokens' mean norm."""
-    ref = torch.as_tensor(list(reference))
-    idx = torch.arange(len(ref))
-    others = scan.mask.clone()
-    others[idx, ref] = False
-    out = {}
-    for s in scan.sites:
-        n = scan.site_norms(s)  # [layer batch pos]
-        mass = n[:, idx, ref]
-        other = torch.where(others, n, torch.zeros(())).sum(-1) / others.sum(-1).clamp(min=1)
-        out[s] = SiteNorms(mass.median(-1).values.tolist(), other.median(-1).values.tolist())
-    return out
-
-
 def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     """Scan the prompts and localise the ME layer. No printing, no files.
 
@@ -223,14 +191,11 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     site = locate(model, batch, scan=scan, criterion=crit, seed=cfg.seed)
     loc = site.location
     ref = torch.as_tensor(loc.reference_positions)
-    r = {
-        s: top_ratio(scan.site_norms(f"resid_{s}"), scan.mask).T.tolist()
-        for s in ("pre", "mid", "post")
-    }
     per_prompt = PerPrompt(
-        r_pre=r["pre"],
-        r_mid=r["mid"],
-        r_post=r["post"],
+        *(
+            top_ratio(scan.site_norms(f"resid_{s}"), scan.mask).T.tolist()
+            for s in ("pre", "mid", "post")
+        ),
         ref_ratio=ratio_to_others(scan.site_norms("resid_post"), scan.mask, ref).T.tolist(),
         massive=massive_tokens(scan, crit).any(-1).T.float().tolist(),
         ref_norm=scan.site_norms("resid_post")[:, torch.arange(len(ref)), ref].T.tolist(),
@@ -242,7 +207,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         header=run_header(cfg, model, len(prompts), site),
         bos_prepended=model.bos_prepended(batch),
         location=loc,
-        site_norms=_site_norms(scan, loc.reference_positions),
+        site_norms={
+            s: SiteNorms(*v) for s, v in reference_medians(scan, loc.reference_positions).items()
+        },
         heatmap_tokens=tokens,
         heatmap_values=scan.kept_resid[layer].tolist(),
         heatmap_layer=layer,
@@ -252,54 +219,33 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     )
 
 
-#: The sites of the Figure-1 view (``norms_by_site``), in forward order.
-FIGURE_SITES = ("attn_in", "attn_out", "ffn_in", "ffn_out", "resid_post")
-#: The sub-layer's own output drawn just before its residual contribution, where the scan recorded
-#: it (sandwich norms: ``Architecture.own_sites()``; on other blocks the two are one tensor).
-_OWN_BEFORE = {ATTN_RESIDUAL_SITE: ATTN_OWN_SITE, FFN_RESIDUAL_SITE: FFN_OWN_SITE}
-
-
-def figure_sites(recorded: Sequence[str]) -> list[str]:
-    """The panels of ``norms_by_site`` for a scan that recorded the sites ``recorded``:
-    :data:`FIGURE_SITES`, with ``attn_own`` / ``ffn_own`` before ``attn_out`` / ``ffn_out`` when
-    recorded (so on Gemma 2/3 one row is the attention, one the FFN, one the layer output)."""
-    out: list[str] = []
-    for s in FIGURE_SITES:
-        own = _OWN_BEFORE.get(s)
-        if own is not None and own in recorded:
-            out.append(own)
-        out.append(s)
-    return out
-
-
 def figures(result: Result) -> dict[str, Any]:
-    loc = result.location
-    sites = figure_sites(list(result.site_norms))
-    fig1 = plotting.site_norms_figure(
-        {s: vars(result.site_norms[s]) for s in sites}, loc.me_layer, result.model
-    )
+    loc, layer = result.location, result.heatmap_layer
     what = (
         "ME layer"
         if loc.me_layer is not None
         else "layer with the largest norm ratio (no ME layer)"
     )
-    heat = plotting.token_dim_heatmap(
-        result.heatmap_values,
-        result.heatmap_tokens,
-        f"|layer output| of prompt 0 at the {what} {result.heatmap_layer} "
-        f"(1-based {result.heatmap_layer + 1})",
-    )
-    ratio = plotting.layer_lines(
-        {
-            "max token / mean of others (layer output)": loc.top_ratio,
-            "max |a| / median |a| (layer output)": loc.max_over_median,
-        },
-        "Massive-activation ratios per layer (median over prompts)",
-        "ratio",
-        loc.me_layer,
-        log_y=True,
-    )
-    return {"norms_by_site": fig1, "me_layer_tokens_by_dim": heat, "ratios": ratio}
+    return {
+        "norms_by_site": plotting.site_norms_figure(
+            {s: vars(n) for s, n in result.site_norms.items()}, loc.me_layer, result.model
+        ),
+        "me_layer_tokens_by_dim": plotting.token_dim_heatmap(
+            result.heatmap_values,
+            result.heatmap_tokens,
+            f"|layer output| of prompt 0 at the {what} {layer} (1-based {layer + 1})",
+        ),
+        "ratios": plotting.layer_lines(
+            {
+                "max token / mean of others (layer output)": loc.top_ratio,
+                "max |a| / median |a| (layer output)": loc.max_over_median,
+            },
+            "Massive-activation ratios per layer (median over prompts)",
+            "ratio",
+            loc.me_layer,
+            log_y=True,
+        ),
+    }
 
 
 def summary(result: Result) -> str:

@@ -11,20 +11,9 @@ Cost: one forward over every prompt records the norms (detection), the alignment
 statistics of every token together (``probes.batching``); a second forward over the prefixes
 ``x[: m + 1]`` reads the massive token's neuron activations once ``m`` is known.
 
-Claims (:data:`SPECS`, judged by ``claims.judge``; thresholds from ``claims.THRESHOLDS``):
-
-* ``frac_aligned``, ``kl_aligned`` — the massive token against the other tokens of the same prompts at
-  the ME layer (bootstrap over prompts); ``frac_aligned`` also compares after the gain with the
-  standardised ``h / rms`` before it, so it says what the gain does.
-* ``*_peak`` — held-out peaks (``_layer_report.peak_measure``): the ME layer detected on the selection
-  half of the prompts, each held-out prompt (one per distinct massive-token prefix) one outcome, "is
-  that layer the argmax of its curve?", against ``peak_fraction`` (chance 1 / L). With ``--layer``
-  the layer is given and every prompt is tested.
-* ``few_neurons`` — the top-3 neurons chosen on the selection half, their share scored on the
-  held-out half minus the share of 3 random neurons; resampled by distinct massive-token prefixes
-  (the massive token's FFN output depends on nothing else), so a shared BOS is one measurement.
-
-On a model without a massive activation ``run`` raises ``claims.NotApplicable``.
+Claims: :data:`SPECS` (docs/claims.md). The ``*_peak`` claims and ``few_neurons`` select on one half of
+the distinct massive-token prefixes and test on the other (``_layer_report``). On a model without a
+massive activation ``run`` raises ``claims.NotApplicable``.
 
     python -m me_interp.experiments.mechanism                      # bundled model, built-in prompts
     python -m me_interp.experiments.mechanism --k-frac 0.05 --neuron-layer 11
@@ -47,8 +36,6 @@ from me_interp.experiments._layer_report import (
     LayerReport,
     as_array,
     detect,
-    paired,
-    relative_drop,
 )
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.alignment import (
@@ -155,7 +142,7 @@ def _frac(r: Result, layer: int | None = None) -> claims.Sample:
 def _kl(r: Result, layer: int | None = None) -> claims.Sample:
     layer = r.me_layer if layer is None else layer
     kl = (as_array(r.per_prompt.kl_others)[:, layer], as_array(r.per_prompt.kl_massive)[:, layer])
-    return claims.Sample(paired(*kl), relative_drop)
+    return claims.Sample(claims.paired(*kl), claims.relative_drop)
 
 
 def _at_layers(stat: Callable[[Result, int], claims.Measure]) -> Callable[[Result], claims.Placebo]:
@@ -469,9 +456,9 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         chosen_as="given" if cfg.neuron_layer >= 0 else "ME layer",
     )
     shares = neuron_contributions(fs.act_at_ref[nl], model.ffn_weights(nl).down)  # [batch d_mlp]
-    sel = det.units.prompts(det.units.select)
+    sel = det.site.units.prompts(det.site.units.select)
     chosen = shares[sel].mean(0).argsort(descending=True)[:N_TOP].tolist()  # on the selection half
-    loc = det.location
+    loc = det.site.location
     dims = list(loc.massive_dims[:4])
     ranks = massive_dim_gain_ranks(model, dims, al.k) if dims else {"ffn": [], "attn": []}
     return Result(
@@ -496,84 +483,69 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
 
 
 def figures(result: Result) -> dict[str, go.Figure]:
-    me = result.me_layer
+    me, nl, rows, top = result.me_layer, result.neuron_layer, result.layers, result.neurons.neurons
     k = f"K = {result.k} of {result.d_model} dims"
-    frac = plotting.layer_lines(
-        {
-            "pre-FFN RMSNorm output (after gain)": [r.delta_frac_ffn_in for r in result.layers],
-            "pre-FFN standardised h/rms (before gain)": [
-                r.delta_frac_ffn_normalized for r in result.layers
-            ],
-            "pre-attention RMSNorm output (after gain)": [
-                r.delta_frac_attn_in for r in result.layers
-            ],
-        },
-        f"ΔFrac: share of energy on the top-|w| dims, massive token minus others ({k})",
-        "ΔFrac (fraction, > 0: massive token more aligned)",
-        me,
-    )
-    kl = plotting.layer_lines(
-        {
-            "pre-FFN RMSNorm output (after gain)": [r.delta_kl_ffn_in for r in result.layers],
-            "pre-FFN standardised h/rms (before gain)": [
-                r.delta_kl_ffn_normalized for r in result.layers
-            ],
-            "pre-attention RMSNorm output (after gain)": [
-                r.delta_kl_attn_in for r in result.layers
-            ],
-        },
-        "ΔKL(p‖g): energy distribution vs gain distribution, massive token minus others",
-        "ΔKL (nats, < 0: massive token closer to the gains)",
-        me,
-    )
-    dc = plotting.layer_lines(
-        {STAGE_LABELS[s]: [getattr(r.delta_c, s) for r in result.layers] for s in STAGES},
-        "ΔC: Herfindahl concentration of the massive token minus the others, per FFN stage",
-        "ΔC (dimensionless, 1 = one-hot)",
-        me,
-    )
-    mag = plotting.layer_lines(
-        {
-            "massive token": [r.magnification for r in result.layers],
-            "mean of other tokens": [r.magnification_others for r in result.layers],
-        },
-        "FFN magnification ‖FFN(ĥ)‖ / ‖ĥ‖ per layer (mean over prompts)",
-        "magnification (ratio, log scale)",
-        me,
-        log_y=True,
-    )
-    rows = result.neurons.neurons
-    nl = result.neuron_layer
-    neurons = plotting.neuron_shares(
-        [r.neuron for r in rows],
-        [r.share for r in rows],
-        f"Top FFN neurons of layer {nl} (1-based {nl + 1}, {result.neurons.chosen_as}) by share of "
-        "the massive token's FFN output",
-    )
-    gl = result.me_layer if result.me_layer is not None else nl
+    gl = me if me is not None else nl
     marks = [(g.dim, g.rank, g.abs_gain) for g in (result.gain_ranks.ffn or [[]] * (gl + 1))[gl]]
-    gfig = plotting.sorted_gains(
-        result.ffn_gain_at_me,
-        marks,
-        result.k,
-        f"Pre-FFN RMSNorm gains |w| of layer {gl} (1-based {gl + 1}) sorted, massive dims marked",
-    )
     return {
-        "delta_frac": frac,
-        "delta_kl": kl,
-        "delta_c": dc,
-        "ffn_magnification": mag,
-        "top_neurons": neurons,
-        "massive_dim_gains": gfig,
+        "delta_frac": plotting.layer_lines(
+            {
+                "pre-FFN RMSNorm output (after gain)": [r.delta_frac_ffn_in for r in rows],
+                "pre-FFN standardised h/rms (before gain)": [
+                    r.delta_frac_ffn_normalized for r in rows
+                ],
+                "pre-attention RMSNorm output (after gain)": [r.delta_frac_attn_in for r in rows],
+            },
+            f"ΔFrac: share of energy on the top-|w| dims, massive token minus others ({k})",
+            "ΔFrac (fraction, > 0: massive token more aligned)",
+            me,
+        ),
+        "delta_kl": plotting.layer_lines(
+            {
+                "pre-FFN RMSNorm output (after gain)": [r.delta_kl_ffn_in for r in rows],
+                "pre-FFN standardised h/rms (before gain)": [
+                    r.delta_kl_ffn_normalized for r in rows
+                ],
+                "pre-attention RMSNorm output (after gain)": [r.delta_kl_attn_in for r in rows],
+            },
+            "ΔKL(p‖g): energy distribution vs gain distribution, massive token minus others",
+            "ΔKL (nats, < 0: massive token closer to the gains)",
+            me,
+        ),
+        "delta_c": plotting.layer_lines(
+            {STAGE_LABELS[s]: [getattr(r.delta_c, s) for r in rows] for s in STAGES},
+            "ΔC: Herfindahl concentration of the massive token minus the others, per FFN stage",
+            "ΔC (dimensionless, 1 = one-hot)",
+            me,
+        ),
+        "ffn_magnification": plotting.layer_lines(
+            {
+                "massive token": [r.magnification for r in rows],
+                "mean of other tokens": [r.magnification_others for r in rows],
+            },
+            "FFN magnification ‖FFN(ĥ)‖ / ‖ĥ‖ per layer (mean over prompts)",
+            "magnification (ratio, log scale)",
+            me,
+            log_y=True,
+        ),
+        "top_neurons": plotting.neuron_shares(
+            [n.neuron for n in top],
+            [n.share for n in top],
+            f"Top FFN neurons of layer {nl} (1-based {nl + 1}, {result.neurons.chosen_as}) by share "
+            "of the massive token's FFN output",
+        ),
+        "massive_dim_gains": plotting.sorted_gains(
+            result.ffn_gain_at_me,
+            marks,
+            result.k,
+            f"Pre-FFN RMSNorm gains |w| of layer {gl} (1-based {gl + 1}) sorted, massive dims marked",
+        ),
     }
 
 
 def summary(result: Result) -> str:
-    head = (
-        f"model: {result.model}   bos: {result.bos}   prompts: {result.n_prompts}   "
-        f"ME layer: {result.me_text()}   K = {result.k}"
-    )
     table = result.layer_table(
+        [f"ME layer: {result.me_text()}", f"K = {result.k}"],
         ["dFrac", "dKL", "dC gate", "dC up", "dC prod", "dC down", "magnif"],
         lambda r: (
             r.delta_frac,
@@ -589,7 +561,7 @@ def summary(result: Result) -> str:
         ["neuron", "share", "activation"],
         [(n.neuron, n.share, n.activation) for n in result.neurons.neurons],
     )
-    return "\n\n".join([head, table, f"top neurons of layer {result.neuron_layer}:\n{ntab}"])
+    return "\n\n".join([table, f"top neurons of layer {result.neuron_layer}:\n{ntab}"])
 
 
 EXPERIMENT = Experiment(

@@ -139,6 +139,18 @@ class Cells:
             lo[ok], hi[ok] = np.nanquantile(boot[ok], [alpha, 1 - alpha], axis=1)
         return lo.reshape(self.shape), hi.reshape(self.shape)
 
+    def largest(
+        self, metric: str, tokens: Sequence[str], position: int | None = None
+    ) -> tuple[float, str]:
+        """The largest normalised value and the :meth:`label` of its cell; with ``position``, of
+        the cells at that position only (a per-position, not a per-head, sweep)."""
+        grid = self.normalized(metric)
+        if position is not None and self.heads is None:
+            assert self.positions is not None
+            grid[:, np.arange(grid.shape[1]) != self.positions.index(position)] = np.nan
+        flat = int(np.nanargmax(np.where(np.isfinite(grid), grid, -np.inf)))
+        return float(grid.ravel()[flat]), self.label(flat, tokens)
+
     def label(self, flat: int, tokens: Sequence[str]) -> str:
         """``L3 p5 'John' h7``-style name of flat cell ``flat`` (``tokens`` label positions)."""
         at = np.unravel_index(flat, self.shape)
@@ -150,6 +162,14 @@ class Cells:
         if self.heads is not None:
             parts.append(f"h{self.heads[at[k]]}")
         return " ".join(parts)
+
+
+@claims.of_means
+def restore_stat(m: np.ndarray) -> np.ndarray | float:
+    """Columns ``[clean, corrupt, patched_1 … patched_k]`` → the largest normalised value
+    (clean = 1, corrupt = 0) over the cells, of the column means ``m``."""
+    denom = m[..., 0] - m[..., 1]
+    return np.max(claims.divide(m[..., 2:] - m[..., 1:2], denom[..., None]), axis=-1)
 
 
 def columns(

@@ -53,6 +53,14 @@ def mean_pair_cosine(x: Float[torch.Tensor, "n d"], pairs: Bool[torch.Tensor, "n
     return float(cosine_matrix(x)[pairs.to(x.device)].mean())
 
 
+def partner_mean(
+    mats: Float[torch.Tensor, "layer n n"], pairs: Bool[torch.Tensor, "n n"]
+) -> Float[torch.Tensor, "layer n"]:
+    """``[layer, prompt]`` mean of ``mats[l, a, b]`` over the partners ``b`` with ``pairs[a, b]``."""
+    p = pairs.to(mats.dtype)
+    return (mats * p).sum(-1) / p.sum(-1)  # NaN for a prompt without partners
+
+
 def norm_cv(x: Float[torch.Tensor, "n d"]) -> float:
     """``std(‖x_a‖) / mean(‖x_a‖)`` over the rows (population std)."""
     n = x.double().norm(dim=-1)

@@ -24,6 +24,7 @@ holds it (:func:`_kth_smallest`). What remains is mostly ``torch.topk``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -367,3 +368,21 @@ def top_ratio(
         )
     total = torch.where(mask, norms, torch.zeros(())).sum(-1)
     return ref_norm / ((total - ref_norm) / n_others)
+
+
+def reference_medians(
+    scan: NormScan, reference: Sequence[int]
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Per site of ``scan``, per layer: the median over prompts of the reference token's norm and
+    of the other tokens' mean norm (real tokens only)."""
+    ref = torch.as_tensor(list(reference))
+    idx = torch.arange(len(ref))
+    others = scan.mask.clone()
+    others[idx, ref] = False
+    out = {}
+    for s in scan.sites:
+        n = scan.site_norms(s)  # [layer batch pos]
+        mass = n[:, idx, ref]
+        other = torch.where(others, n, torch.zeros(())).sum(-1) / others.sum(-1).clamp(min=1)
+        out[s] = (mass.median(-1).values.tolist(), other.median(-1).values.tolist())
+    return out

@@ -66,9 +66,9 @@ def test_run_on_planted(planted, word_prompts):
     figs = me_layer.figures(res)
     assert set(figs) == {"norms_by_site", "me_layer_tokens_by_dim", "ratios"}
     # no sandwich norms: the five panels of the paper's Figure 1, nothing else
-    assert _panel_sites(figs["norms_by_site"]) == list(me_layer.FIGURE_SITES)
+    assert _panel_sites(figs["norms_by_site"]) == list(plotting.FIGURE_SITES)
     titles = [a.text for a in figs["norms_by_site"].layout.annotations]
-    assert titles == [plotting.SITE_TITLES[s] for s in me_layer.FIGURE_SITES]
+    assert titles == [plotting.SITE_TITLES[s] for s in plotting.FIGURE_SITES]
     heat = figs["me_layer_tokens_by_dim"].data[0]
     row0 = list(heat.z[0])
     assert row0.index(max(row0)) == plant.massive_dim  # the massive dim lights up on token 0

@@ -324,10 +324,9 @@ def test_peak_measure_tests_held_out_units_by_hand():
 
 
 def test_relative_drop_gain_alignment_and_sink_shift_by_hand():
-    from me_interp.experiments import _layer_report
 
     a = np.array([[2.0, 1.5], [4.0, 2.5]])
-    assert _layer_report.relative_drop(a) == pytest.approx(1 - 2.0 / 3.0)
+    assert claims.relative_drop(a) == pytest.approx(1 - 2.0 / 3.0)
     rows = np.array([[0.4, 0.1, 0.2, 0.1], [0.6, 0.1, 0.2, 0.1]])  # F_m, F_o, before the gain
     e, e0 = 0.5 - 0.1, 0.2 - 0.1
     want = min(1 - 0.1 / 0.5, (e - e0) / e)
@@ -352,12 +351,12 @@ def test_pair_measure_resamples_prompts_not_pairs():
     first = np.arange(n) % 4  # 4 first tokens: pairs with equal first tokens are excluded
     pairs = first[:, None] != first[None, :]
     mats = np.stack([np.full((n, n), 0.5), np.add.outer(first, first) / 10.0])
-    m = invariance.pair_measure(mats, pairs, invariance.lowest, keys=[str(f) for f in first])
+    m = claims.pair_measure(mats, pairs, claims.lowest, keys=[str(f) for f in first])
     est, *_ = claims.measure_estimate(m, "prompts", ">=", 0.3)
     want = min(mt[pairs].mean() for mt in mats)
     assert est.value == pytest.approx(want) and est.n == n and est.n_eff == 4
     assert est.lo <= est.value <= est.hi
-    single = invariance.pair_measure(mats[:1], pairs, invariance.lowest)
+    single = claims.pair_measure(mats[:1], pairs, claims.lowest)
     est1, *_ = claims.measure_estimate(single, "prompts", ">=", 0.3)
     assert est1.lo == est1.hi == pytest.approx(0.5)  # a constant: every resample agrees
 
@@ -373,7 +372,7 @@ def test_pair_measure_bootstrap_equals_the_pairs_of_each_resample():
     pairs = first[:, None] != first[None, :]
     mats = rng.uniform(-1, 1, size=(k, n, n))
     mats = (mats + mats.transpose(0, 2, 1)) / 2
-    m = invariance.pair_measure(mats, pairs, invariance.lowest)
+    m = claims.pair_measure(mats, pairs, claims.lowest)
     idx = rng.integers(0, n, size=(50, n))
     got = m.statistic.of_means(claims._resample_means(np.asarray(m.values), idx))
     for g, i in zip(got, idx, strict=True):

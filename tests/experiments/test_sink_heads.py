@@ -14,6 +14,7 @@ from me_interp import claims, falsifiability, load_model, names, synthetic
 from me_interp.experiments import activation_patching as ap
 from me_interp.patching import KLToClean
 from me_interp.patching import sinkheads as ph
+from me_interp.patching.cells import restore_stat
 from me_interp.patching.corrupt import corrupt_for, first_token_corrupt
 from me_interp.patching.heads import patch_head_sets
 from me_interp.study.result import roundtrip
@@ -156,7 +157,7 @@ def test_selection_and_statistics_equal_hand_computations(runs):
     c, x, s = (np.asarray(v) for v in (sh.kl_clean, sh.kl_corrupt, sh.kl_top))
     assert len(c) == len(test)  # the head sets are patched on the held-out prompts only
     want = (s.mean() - x.mean()) / (c.mean() - x.mean())
-    assert ap._restore_stat(sh.rows()) == pytest.approx(want)
+    assert restore_stat(sh.rows()) == pytest.approx(want)
     rand = np.asarray(sh.kl_random)
     gap = np.mean([(x.mean() - rand[:, j].mean()) / (x.mean() - c.mean()) for j in range(10)])
     assert float(sh.excess().mean()) == pytest.approx(want - gap)
