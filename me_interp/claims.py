@@ -332,9 +332,9 @@ class Estimate:
 
 def unit_text(n: int, unit: str) -> str:
     """``unit`` (a plural noun such as ``"partner layers"``) in the singular when ``n`` is 1."""
-    if n == 1 and "×" not in unit and unit.endswith("s") and not unit.endswith("ss"):
-        return unit[:-1]
-    return unit
+    if n != 1 or "×" in unit or not unit.endswith("s") or unit.endswith("ss"):
+        return unit
+    return unit[:-3] + "y" if unit.endswith("ies") else unit[:-1]
 
 
 def fmt_num(x: float, digits: int = 3) -> str:

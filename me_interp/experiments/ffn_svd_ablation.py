@@ -45,11 +45,18 @@ KINDS = ("svd", "svd_random", "neurons", "neurons_random")  # the edits, in tabl
 
 @dataclass(frozen=True)
 class Config(WeightConfig):
-    """FFN-ablation settings: the ``matrices`` to ablate; ``ks`` the sweep (how many top singular
-    directions to remove, each separately); ``claim_k`` how many the claims remove (run even when
-    not in ``ks``; at most half the rank, the random control draws as many of the others);
-    ``n_neurons`` top neurons ablated (each alone, then together; the control draws as many);
-    ``n_random`` seeds (``seed, seed+1, …``) of each random control (a control needs 5)."""
+    """FFN-ablation settings.
+
+    Attributes:
+        matrices: which FFN matrices to ablate.
+        ks: the sweep: how many top singular directions to remove (each value separately).
+        claim_k: how many top singular directions the claims remove (the paper's "a few"; run even
+            when not in ``ks``); the random control removes as many of the others (at most half the
+            rank).
+        n_neurons: how many of the top-scoring neurons to ablate (each alone, then all together);
+            the random control ablates as many others.
+        n_random: seeds (``seed, seed+1, …``) of each random control (the claims need at least 5).
+    """
 
     matrices: tuple[str, ...] = checked(("down", "up", "gate"), choices=MATRICES)
     ks: tuple[int, ...] = checked((1, 2, 4, 8, 16, 32), ge=1)

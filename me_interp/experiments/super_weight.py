@@ -47,12 +47,23 @@ N_TEXT = 3
 
 @dataclass(frozen=True)
 class Config(WeightConfig):
-    """Super-weight settings: ``top_k`` candidates kept per layer and prompt; ``texts`` (one a line;
-    ``None``: the prompts), ``max_texts`` of them (``0``: all) cut to ``text_tokens`` tokens, for the
-    perplexities; ``n_random`` seeds (``seed, seed+1, …``; the control needs 5) of the random
-    control, each zeroing ``control_weights`` of the ``pool`` largest other weights of the super
-    weight's matrix; ``weight``: ``layer row col`` of a ``W_down`` weight to test instead of the
-    detected super weight (e.g. one of Yu et al.'s published coordinates)."""
+    """Super-weight settings.
+
+    Attributes:
+        top_k: candidates kept per layer and prompt (the largest writes ``s``), at least 1.
+        texts: text file (one text per line) for the perplexities; ``None``: the prompts themselves.
+        max_texts: how many texts, spread evenly over the file or the prompts (``0`` = all); the
+            perplexity claims' intervals are over texts.
+        text_tokens: cut every text to its first ``text_tokens`` tokens (at least 2).
+        n_random: seeds (``seed, seed+1, …``) of the random-weight control (the control needs at
+            least 5).
+        pool: the random control draws from this many of the largest-magnitude other weights of the
+            super weight's matrix (every weight at least as large as it comes first).
+        control_weights: how many pool weights each random draw zeroes (1: as many as the super
+            weight).
+        weight: ``layer row col`` of a ``W_down`` weight to test instead of the detected super
+            weight (e.g. one of Yu et al.'s published coordinates); empty: the detected one.
+    """
 
     n_prompts: int = checked(16, ge=0)
     sink: bool = False
