@@ -87,7 +87,9 @@ def prompts(model: str) -> list[str]:
 def overrides(model: str, root: Path) -> dict[str, dict[str, Any]]:
     """The per-experiment settings of constructed ``model``'s battery: WeMask on the word texts (each
     opening with a starter word on the models without BOS, so that position 0, which WeMask masks,
-    is the massive token) and MC items (written to ``root``) and :data:`WEMASK_SETTINGS`."""
+    is the massive token) and MC items (written to ``root``) and :data:`WEMASK_SETTINGS`; the
+    conditions experiment on all :data:`N_PROMPTS` prompts (its default 8 cannot decide a k-of-n
+    claim at the 0.75 threshold: 8 of 8 has the lower bound 0.63)."""
     root.mkdir(parents=True, exist_ok=True)
     texts, items = root / "texts.txt", root / "mc_items.json"
     starter = CONSTRUCTED[model][1] == DISTINCT_FIRST  # position 0 is the massive starter word
@@ -95,7 +97,10 @@ def overrides(model: str, root: Path) -> dict[str, dict[str, Any]]:
     texts.write_text("\n".join(text) + "\n", encoding="utf-8")
     items.write_text(json.dumps(synthetic.word_mc_items(N_ITEMS)), encoding="utf-8")
     wemask = {"texts": str(texts), "mc_items": str(items), "max_texts": N_TEXTS}
-    return {"wemask": {**wemask, **WEMASK_SETTINGS.get(model, {})}}
+    return {
+        "wemask": {**wemask, **WEMASK_SETTINGS.get(model, {})},
+        "conditions": {"max_prompts": N_PROMPTS},
+    }
 
 
 def battery_state(

@@ -337,14 +337,15 @@ def _one_layer_details(result: Result) -> str:
     me = result.me_layer
     others = np.delete(means, me)
     second = int(np.argmax(np.where(np.arange(len(means)) == me, -np.inf, means)))
-    growth = np.clip(means, 0, None)
+    growth = float(np.clip(means, 0, None).sum())
+    share = f"{means[me] / growth:.3g}" if growth > 0 else "undefined (no layer grows it)"
     return (
         f"{_where(result)}; "
         + peak_details(logj, result.selected_jump_layer(), result.units, False, str(me))
         + f"; mean log jump at the ME layer {means[me]:.3g}, other layers {others.mean():.3g} "
         f"± {others.std(ddof=1):.3g}; the largest other jump is at layer {second} "
         f"(×{np.exp(means[second]):.3g}, 'jump' = {claims.threshold('jump'):g}); the ME layer's "
-        f"share of the total log growth {means[me] / growth.sum():.3g}"
+        f"share of the total log growth {share}"
     )
 
 
