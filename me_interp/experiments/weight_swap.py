@@ -318,6 +318,8 @@ NEEDED_SPEC = claims.Spec(
     unit="partner layers",
     applies=_needed_applies,
     details=lambda r: _details(r, "ffn_path", "left_layer"),
+    # the ME layer's FFN makes the activation (ffn_creates): taking that FFN away moves it
+    implied_by="me_layer.ffn_creates",
 )
 SPECS: tuple[claims.Spec, ...] = (*PART_SPECS.values(), NEEDED_SPEC)
 claims.check_specs(SPECS)
