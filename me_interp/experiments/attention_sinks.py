@@ -16,9 +16,6 @@ Cost: one forward over every prompt records the norms (detection), the attention
 every key position and the geometry without position 0; prompts whose massive token is elsewhere are
 re-run for the geometry without it (``probes.batching``).
 
-Claims: :data:`SPECS` (docs/claims.md), intervals bootstrapped over prompts. On a model without a
-massive activation ``run`` raises ``claims.NotApplicable``.
-
     python -m me_interp.experiments.attention_sinks            # bundled model, built-in prompts
 
 ``result.json`` keys are documented in docs/probes.md.

@@ -11,13 +11,9 @@ over heads and queries ``q > p``) and the next-token NLL of every real token (pe
 ``mean_dims`` (Sun et al.: perplexity unchanged), each defined in
 :mod:`me_interp.interventions.conditions`.
 
-The specs (:data:`SPECS`) are judged where the edit did not write: on the **last layer's** norm
-ratio (``R − 1`` of the massive token falls to at most the ``removed`` fraction of the unedited
-excess) and on **perplexity** (``ppl_damage``, ``ppl_unchanged``), bootstrapped over prompts. A
-perplexity claim about a removal (``cap_ffn_hurts``, ``zero_dims_hurts``) is judged only where the
-edit *is* a removal: the edited token ordinary afterwards at the ME layer and the last layer
-(:mod:`me_interp.probes.removal`, threshold ``ordinary_ratio``). ``normalize_product`` and
-``scale_product`` are measured and shown, with no spec: ``W_down`` is linear, so rescaling the
+The claims are judged where the edit did not write (the last layer's norm ratio, perplexity); one
+about a removal only where the edited token is ordinary afterwards (:mod:`me_interp.probes.removal`).
+``normalize_product`` and ``scale_product`` have no claim: ``W_down`` is linear, so rescaling the
 product is the cap again, with another factor.
 
     python -m me_interp.experiments.component_ablation

@@ -11,11 +11,8 @@ Cost: one forward over every prompt (norms for the detection and the other token
 two forwards over the prefixes ``x[: m + 1]`` only (the massive token's state depends on nothing after
 it): the prompts and the control.
 
-Claims: :data:`SPECS` (docs/claims.md), bootstrapped over prompts (``claims.pair_measure``: the
-pairwise statistics are resampled by their units, not by pairs). With every prompt starting with the
-same token (e.g. ``--bos yes``) the cross-input claims are not applicable: the cosine would be 1 by
-construction. The direction across layers is reported, not judged (any token's residual direction
-drifts slowly). On a model without a massive activation ``run`` raises ``claims.NotApplicable``.
+The pairwise statistics are resampled by their units, not by pairs (``claims.pair_measure``). The
+direction across layers is reported, not judged (any token's residual direction drifts slowly).
 
     python -m me_interp.experiments.invariance                 # bundled model, built-in prompts
 

@@ -7,8 +7,7 @@ the others at each site; on a sandwich-norm model also at the sub-layers' own ou
 post-norms), a token × dimension view of the ME layer's output, and the two ratios per layer
 (docs/me_layer.md).
 
-Claims: :data:`SPECS` (docs/claims.md). A model without a massive activation is a result, not an
-error: the existence claim ``sudden_birth`` fails there, the others are not applicable.
+A model without a massive activation is a result, not an error: ``sudden_birth`` fails there.
 
     python -m me_interp.experiments.me_layer                # bundled model, built-in prompts
     python -m me_interp.experiments.me_layer --model Qwen/Qwen3-4B --device cuda --criterion either

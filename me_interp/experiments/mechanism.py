@@ -11,9 +11,8 @@ Cost: one forward over every prompt records the norms (detection), the alignment
 statistics of every token together (``probes.batching``); a second forward over the prefixes
 ``x[: m + 1]`` reads the massive token's neuron activations once ``m`` is known.
 
-Claims: :data:`SPECS` (docs/claims.md). The ``*_peak`` claims and ``few_neurons`` select on one half of
-the distinct massive-token prefixes and test on the other (``_layer_report``). On a model without a
-massive activation ``run`` raises ``claims.NotApplicable``.
+The ``*_peak`` claims and ``few_neurons`` select on one half of the distinct massive-token prefixes
+and test on the other (``_layer_report``).
 
     python -m me_interp.experiments.mechanism                      # bundled model, built-in prompts
     python -m me_interp.experiments.mechanism --k-frac 0.05 --neuron-layer 11

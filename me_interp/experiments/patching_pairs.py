@@ -11,14 +11,11 @@ or dicts; :func:`me_interp.patching.pairs.as_pairs`)::
                                                  "When Mary and John went out, Mary gave it to",
                                                  " Mary", " John")])
 
-Every site of ``--sites`` is swept over every layer and position (per-head sites: every layer and
-head, over all positions at once or, with ``--head-positions each``, by position), batched
-(:func:`me_interp.patching.patch_sweep`), and scored by ``--metric``: ``logit_diff`` (``logit(answer)
+Every site of ``--sites`` is swept over every layer and position
+(:func:`me_interp.patching.patch_sweep`) and scored by ``--metric``: ``logit_diff`` (``logit(answer)
 − logit(wrong)`` at each pair's last real token), ``prob`` (the answer's probability there), ``kl``
 (``KL(clean ‖ patched)`` there), or the massive-activation metrics ``projection`` / ``sink`` /
-``norm_ratio`` at the massive token located on the clean texts. ``--method attribution`` estimates
-every cell from one forward and one backward pass instead; ``--method both`` runs both and reports
-their rank correlation over the cells of each site.
+``norm_ratio`` at the massive token located on the clean texts.
 
 A cell's value is normalised ``(m_patched − m_corrupt) / (m_clean − m_corrupt)`` on pair means
 (clean = 1, corrupt = 0), with a percentile bootstrap over pairs. Two guards keep the top cells

@@ -297,11 +297,6 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     )
 
 
-# ------------------------------------------------------------------------------------------
-# claims
-# ------------------------------------------------------------------------------------------
-
-
 def _need_sw(r: Result) -> str | None:
     if r.super_weight is not None:
         return None
@@ -330,13 +325,11 @@ def _need_damage(r: Result) -> str | None:
     if why := _need_texts(r):
         return why
     thr, damage = claims.threshold("ppl_damage"), r.ppl("zeroed") / r.ppl("unedited")
+    if damage >= thr:
+        return None
     return (
-        None
-        if damage >= thr
-        else (
-            f"zeroing the super weight does not hurt (perplexity × {damage:.3g} < {thr:g}, threshold "
-            "'ppl_damage'): there is no damage for the restored activation to take back"
-        )
+        f"zeroing the super weight does not hurt (perplexity × {damage:.3g} < {thr:g}, threshold "
+        "'ppl_damage'): there is no damage for the restored activation to take back"
     )
 
 
@@ -531,11 +524,6 @@ SPECS: tuple[claims.Spec, ...] = (
     ),
 )
 claims.check_specs(SPECS)
-
-
-# ------------------------------------------------------------------------------------------
-# figures and summary
-# ------------------------------------------------------------------------------------------
 
 
 def figures(result: Result) -> dict[str, go.Figure]:

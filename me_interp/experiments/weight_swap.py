@@ -6,8 +6,8 @@ the paths carry their post-norm, and ``post_ffn_norm`` / ``post_attn_norm`` are 
 claim) and each partner layer ``p``, the part of the ME layer ``m`` and of ``p`` are exchanged
 (:func:`me_interp.edits.swapped_layers`) and the ME layer is located again, on all prompts at once
 and on each prompt alone (``probes.measurement``). One swap *moved* the emergence when the new ME
-layer is ``p`` (else *stayed*, *vanished* or *elsewhere*). The claims (:data:`SPECS`,
-docs/claims.md) count partner layers, each decided by a majority of its prompts.
+layer is ``p`` (else *stayed*, *vanished* or *elsewhere*); a partner is decided by a majority of
+its prompts.
 
     python -m me_interp.experiments.weight_swap --parts ffn_path block --partners 0 5 20
 """
