@@ -66,6 +66,11 @@ CONSTRUCTED[f"synthetic:{synthetic.SINKRESID}"] = (
     "planted, with its sink carried by a residual outside the massive dims (the <s> marker)",
     SHARED_BOS,
 )
+CONSTRUCTED[f"synthetic:{synthetic.WASHOUT}"] = (
+    "planted, with a head that writes on every token once BOS's share of attention falls with "
+    "length: at 1,024 tokens BOS is no longer massive (conditions.long_first)",
+    SHARED_BOS,
+)
 
 N_TEXTS, TEXT_LENGTH, N_ITEMS = 32, 12, 128
 """The WeMask texts (at least 32: its intervals are over texts) and MC items of every battery."""
@@ -88,8 +93,9 @@ def overrides(model: str, root: Path) -> dict[str, dict[str, Any]]:
     """The per-experiment settings of constructed ``model``'s battery: WeMask on the word texts (each
     opening with a starter word on the models without BOS, so that position 0, which WeMask masks,
     is the massive token) and MC items (written to ``root``) and :data:`WEMASK_SETTINGS`; the
-    conditions experiment on all :data:`N_PROMPTS` prompts (its default 8 cannot decide a k-of-n
-    claim at the 0.75 threshold: 8 of 8 has the lower bound 0.63)."""
+    conditions experiment on all :data:`N_PROMPTS` prompts and as many long inputs per length (its
+    default 8 prompts and 1 long input cannot decide a k-of-n claim at the 0.75 threshold: 8 of 8
+    has the lower bound 0.63)."""
     root.mkdir(parents=True, exist_ok=True)
     texts, items = root / "texts.txt", root / "mc_items.json"
     starter = CONSTRUCTED[model][1] == DISTINCT_FIRST  # position 0 is the massive starter word
@@ -99,7 +105,7 @@ def overrides(model: str, root: Path) -> dict[str, dict[str, Any]]:
     wemask = {"texts": str(texts), "mc_items": str(items), "max_texts": N_TEXTS}
     return {
         "wemask": {**wemask, **WEMASK_SETTINGS.get(model, {})},
-        "conditions": {"max_prompts": N_PROMPTS},
+        "conditions": {"max_prompts": N_PROMPTS, "long_rows": N_PROMPTS},
     }
 
 
@@ -130,7 +136,7 @@ def claims_of(model: str, state: Mapping[str, Any]) -> list[dict[str, Any]]:
     failed = {n: e.get("error") for n, e in exps.items() if e["status"] not in FINISHED}
     if failed:
         raise RuntimeError(f"{model}: experiments failed: {failed}")
-    return [c for n in NAMES for c in exps[n]["claims"]]
+    return [c for n in NAMES if n in exps for c in exps[n]["claims"]]  # those that were run
 
 
 def table(by_model: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:

@@ -60,6 +60,12 @@ starts at −7 % of the massive value, so the ME layer's FFN output is 107 % of 
 state itself, and removing it removes the activation (``primed``; with the sink apart:
 ``primedapart``).
 
+**Beyond the first token.** ``synthetic:planted`` and ``synthetic:decoy-later`` carry a chat template
+(:data:`CHAT_TEMPLATE`, opening with ``<s>``: massive in the first, ordinary in the second);
+:func:`planted_washout` (``synthetic:planted-washout``) is planted with a head whose writes on the
+other tokens grow as BOS's share of its attention falls with length, so that BOS is no longer
+massive at 1,024 tokens (its own state unchanged: the other tokens rise to it).
+
 **A language model that needs its sink.** The planted model's language model is random, so no
 WeMask changes its perplexity. :func:`planted_needsink` (:data:`NEEDSINK`:
 ``synthetic:planted-needsink``, ``planted-needsink-wide``, ``planted-needsink-mild``) gives it a
@@ -747,6 +753,7 @@ def decoy(kind: str, layer: int = 2, seed: int = 0):
         return fading_decoy(layer, seed)
     if kind == "later":
         hf, tok, p = planted("llama", layer, 5, True, seed, add_bos=False, marked=(DELIMITER_ID,))
+        with_chat_template(tok)  # its first token <s> is ordinary; the delimiter is massive
         rec = Decoy(
             kind=kind,
             made_by="ffn",
@@ -1377,7 +1384,7 @@ def describe_models() -> dict[str, str]:
     layer, n = (inspect.signature(planted).parameters[k].default for k in ("layer", "n_layers"))
     where = f"planted at layer {layer} of {n}"
     out = {
-        "planted": f"the mechanism {where}; BOS is the massive token",
+        "planted": f"the mechanism {where}; BOS is the massive token (and the chat template's first)",
         "twin": "the planted model's twin: its weights without the mechanism, no massive activation",
         "tiny-llama": "random weights (llama)",
         "tiny-qwen3": "random weights (qwen3)",
@@ -1399,6 +1406,10 @@ def describe_models() -> dict[str, str]:
     out[SINKRESID] = (
         f"the mechanism {where}; its sink heads read a residual of BOS outside the massive dims, "
         "not the massive dim"
+    )
+    out[WASHOUT] = (
+        f"the mechanism {where}; a layer-{WASHOUT_LAYER} head that writes on every other token "
+        "once BOS's attention share falls: at 1,024 tokens BOS is no longer massive"
     )
     for name, keep in SPREAD.items():
         back = "nearly all" if keep > 0 else "none"
@@ -1596,4 +1607,65 @@ def planted_sinkresid(seed: int = 0):
         h = hf(input_ids=ids, output_hidden_states=True).hidden_states[plant.layer + 1]
     value = float(h[0, 0, plant.massive_dim])
     _sink_on_marker(hf, plant, range(plant.layer + 1, hf.config.num_hidden_layers), key=value)
+    return hf, tok, plant
+
+
+# --- beyond the first token: a chat template, and a planted model washed out by long inputs -----
+
+CHAT_TEMPLATE = (
+    "<s>{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+"""The chat template of ``synthetic:planted`` and ``synthetic:decoy-later``: ``<s>``, then each turn
+as its role, its content and ``</s>`` (the roles and the system turn are ``<unk>`` words), then the
+generation prompt. Its first token is ``<s>``: massive in the planted model (the marker), ordinary in
+``decoy-later`` (whose massive token is the delimiter of the user turn)."""
+
+
+def with_chat_template(tok):
+    """``tok`` with :data:`CHAT_TEMPLATE` as its chat template (in place; returned)."""
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+WASHOUT = "planted-washout"
+"""The planted model whose other tokens grow with the context length (:func:`planted_washout`,
+``synthetic:planted-washout``)."""
+WASHOUT_LAYER, WASHOUT_GAP, WASHOUT_WRITE = 1, 4.6, 5.0
+"""``planted-washout``: the layer of its washing head, that head's score on ``<s>`` above every
+other key, and what it writes on each unprotected dim where it attends to no ``<s>``."""
+
+
+def planted_washout(seed: int = 0):
+    """:func:`planted_llama` (BOS, 5 layers, planted at layer 2; prompts: :func:`planted_prompts`)
+    with a *washing head*, head 2 of layer :data:`WASHOUT_LAYER` (the other head of its KV group
+    silenced): its query reads the bias dim and its key the marker of ``<s>``, so query ``t`` gives
+    ``<s>`` the share ``s_t = 1 / (1 + t e^{−Δ})`` (``Δ`` = :data:`WASHOUT_GAP`: 0.93 at 8 tokens,
+    0.09 at 1,024); its value is ``ĥ_bias − (ĥ_3 + ĥ_11) / 2`` divided by the gains, exactly 0 for
+    ``<s>`` (bias and marker 1) and ``1 / rms`` for every other token; its output writes
+    :data:`WASHOUT_WRITE` times that on every unprotected dim. While ``<s>`` takes the attention
+    (short inputs) the head writes almost nothing; in long inputs the share falls and every token
+    gets about 4.5 on 28 of 32 dims, so the median ``|a|`` of a row passes ``<s>``'s massive value
+    over 1,000 (the Sun criterion): ``<s>``'s own state is the same (causal attention), but it is
+    no longer massive at 1,024 tokens. ``(hf_model, tokenizer, plant)``."""
+    hf, tok, plant = planted_llama(seed=seed)
+    cfg = hf.config
+    lay = _Layer(hf.model.layers[WASHOUT_LAYER], cfg)
+    hd, group = lay.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    slow, q, kv = hd // 2 - 1, _WRITER_HEAD * hd, (_WRITER_HEAD // group) * hd
+    gain = lay.attn_norm.weight.detach() + lay.offset  # the effective pre-attention gains
+    G, B = list(plant.gain_dims), plant.bias_dim
+    protected = [B, *G, plant.massive_dim]
+    with torch.no_grad():
+        for w, start in ((lay.q, q), (lay.k, kv), (lay.v, kv)):
+            w[start : start + hd] = 0.0
+        lay.o[:, kv * group : kv * group + group * hd] = 0.0  # the heads of its KV group
+        # q·k / sqrt(hd) = Δ on <s> (ĥ_B = g_B / rms, Σ_G ĥ = Σ_G g / rms; rms of <s> and a query ≈ 1)
+        lay.q[q + slow, B] = hd**0.25 / float(gain[B])
+        lay.k[kv + slow, G] = WASHOUT_GAP * hd**0.25 / float(gain[G].sum())
+        lay.v[kv, B] = 1.0 / float(gain[B])
+        lay.v[kv, G] = -0.5 / gain[G]
+        out = torch.full((cfg.hidden_size,), WASHOUT_WRITE)
+        out[protected] = 0.0
+        lay.o[:, q] = out
     return hf, tok, plant

@@ -4,8 +4,8 @@ The paper studies the first token of short prompts and warns against generalisin
 is always the first token". This experiment scans **every position** of the prompts under each
 condition (``probes.positions.scan_positions``, the Site's one detection rule): as they are; with and
 without BOS; in the chat template (a system and a user turn); left-padded in one mixed-length batch
-(with the mask); long (the prompts concatenated to each of ``long_tokens``, at most the model's
-window); packed (two prompts joined by EOS, and BOS where the model adds one), built by
+(with the mask); long (``long_rows`` inputs of each of ``long_tokens``, the prompts concatenated,
+at most the model's window); packed (two prompts joined by EOS, and BOS where the model adds one), built by
 ``loading.layouts``; a condition with the rows of ``as_is`` reuses its forward. For every massive
 token: position, token, birth layer, lifetime and eraser, dims and their overlap with the first
 token's, cosine to the first token's state, sink share.
@@ -25,7 +25,7 @@ import plotly.graph_objects as go
 from me_interp import claims, study
 from me_interp.loading import layouts
 from me_interp.plotting import counts_bar, heatmap_menu
-from me_interp.probes.positions import MassiveToken, PositionScan, scan_positions, state_differences
+from me_interp.probes.positions import Condition, scan_positions, state_differences
 from me_interp.prompts import spread
 from me_interp.study import CommonConfig, Experiment, RunHeader, checked
 from me_interp.study.result import Headed
@@ -44,6 +44,8 @@ class Config(CommonConfig):
         max_prompts: prompts per condition, spread over the prompt set (``None``: all).
         long_tokens: the lengths of the long inputs, each cut to the model's window (2048 too:
             about twice the default run's cost).
+        long_rows: long inputs per length, input ``i`` opening with prompt ``i`` (each one more
+            forward of that length; 13 can decide ``long_first`` at 0.75).
     """
 
     conditions: tuple[str, ...] = checked(
@@ -51,36 +53,7 @@ class Config(CommonConfig):
     )
     max_prompts: int | None = checked(8, ge=2)
     long_tokens: tuple[int, ...] = checked((1024,), ge=2, nonempty=True, unique=True)
-
-
-@dataclass(frozen=True)
-class Condition:
-    """One condition's massive tokens (positions from each row's first real token).
-
-    Attributes:
-        name: the condition (``long`` is ``long_<n>``); note: why it was skipped, or a remark.
-        n_rows: its rows; layer: the Site's layer on them (``None``: no massive activation).
-        positions: per row, the massive positions at that layer; units: the distinct prefixes.
-        tokens: every massive token at any layer (:class:`MassiveToken`); ratios: row 0's norm
-            over the median norm, per layer and position (the figure), after its ``pads``.
-    """
-
-    name: str
-    note: str
-    n_rows: int
-    layer: int | None
-    positions: list[list[int]]
-    units: list[list[int]]
-    tokens: list[MassiveToken]
-    ratios: list[list[float]]
-    pads: int = 0
-
-    @classmethod
-    def of(cls, name: str, note: str, scan: PositionScan, rows: list[list[int]], left: bool):
-        pads, site = max(map(len, rows)) - len(rows[0]) if left else 0, scan.site
-        positions, units = [list(p) for p in site.positions], [list(g) for g in site.units.groups]
-        ratios = scan.ratios(0).tolist()
-        return cls(name, note, len(rows), site.layer, positions, units, scan.tokens, ratios, pads)
+    long_rows: int = checked(1, ge=1)
 
 
 @dataclass(frozen=True)
@@ -118,32 +91,30 @@ class Result(Headed):
     def sinks(self) -> claims.Outcomes:
         return self._secondaries(lambda t: t.sink >= claims.threshold("sink_attention"))
 
+    def chat_first(self) -> claims.Outcomes:
+        """Per chat prompt: are its massive positions at the Site's layer exactly position 0?"""
+        c = next((c for c in self.conditions if c.name == "chat"), None)
+        if c is None or not c.n_rows:
+            raise claims.NotApplicable(c.note if c else "no chat condition")
+        if c.layer is None:
+            raise claims.NotApplicable("no massive activation under the chat template")
+        labels = [f"chat prompt {b}" for b in range(c.n_rows)]
+        return claims.Outcomes([p == [0] for p in c.positions], labels, unit="chat prompts")
+
+    def long_first(self) -> claims.Outcomes:
+        """Per long input of the longest length: is its first token massive at the Site's layer?"""
+        longs = [c for c in self.conditions if c.name.startswith("long_") and c.n_rows]
+        if not longs or 0 not in {p for r in self.condition("as_is").positions for p in r}:
+            why = "no long condition" if not longs else "the first token is not massive as it is"
+            raise claims.NotApplicable(why)
+        c = max(longs, key=lambda c: int(c.name.removeprefix("long_")))
+        yes = [0 in p for p in c.positions]  # all False where the Site finds nothing massive
+        return claims.Outcomes(yes, [f"{c.name} input {b}" for b in range(c.n_rows)], "long inputs")
+
     def padding(self) -> claims.Sample:
         if not self.padding_diffs:
             raise claims.NotApplicable("no left-padded condition (or no massive activation)")
         return claims.Sample(np.array(self.padding_diffs), statistic=lambda a: float(np.max(a)))
-
-
-def _jobs(cfg: Config, model, prompts) -> list[tuple[str, list[list[int]], str]]:
-    """``(name, rows, note)`` per condition, before any forward; rows ``[]``: skipped, the note says
-    why. A condition asked for by ``--conditions`` that cannot run is refused (``ValueError``)."""
-    explicit = set(cfg.conditions) != set(CONDITIONS)
-    limit = model.context_length or max(cfg.long_tokens)
-    jobs = []
-    for name in dict.fromkeys(("as_is", *cfg.conditions)):
-        for n in sorted({min(k, limit) for k in cfg.long_tokens}) if name == "long" else [0]:
-            label = f"long_{n}" if n else name
-            try:
-                rows = layouts.layout_rows(model, name.replace("left_pad", "as_is"), prompts, n)
-            except ValueError as e:
-                if explicit:
-                    raise ValueError(f"--conditions {name}: {e}") from e
-                jobs.append((label, [], f"skipped: {e}"))
-                continue
-            same = name not in ("as_is", "left_pad") and rows == jobs[0][1]
-            note = "the rows of as_is" if same else layouts.window_note(model, n)
-            jobs.append((label, rows, note))
-    return jobs
 
 
 def run(cfg: Config, model=None) -> Result:
@@ -151,12 +122,14 @@ def run(cfg: Config, model=None) -> Result:
     model = study.model_for(cfg, model)
     prompts = spread(cfg.load_prompts(), cfg.max_prompts or 0)
     out, scans = [], {}
-    for name, rows, note in _jobs(cfg, model, prompts):
+    explicit = set(cfg.conditions) != set(CONDITIONS)
+    args = (cfg.conditions, prompts, cfg.long_tokens, cfg.long_rows, explicit)
+    for name, rows, note in layouts.condition_rows(model, *args):
         left = name == "left_pad"
         if not rows:
             out.append(Condition(name, note, 0, None, [], [], [], []))
             continue
-        if note != "the rows of as_is":  # else as_is's forward, not run twice
+        if note != layouts.SAME:  # else as_is's forward, not run twice
             batch = model.batch_from_ids(rows, side="left" if left else "right")
             scans[name] = scan_positions(model, batch)
         out.append(Condition.of(name, note, scans.get(name, scans["as_is"]), rows, left))
@@ -213,6 +186,32 @@ SPECS = (
         "a secondary massive token off the dim the sink heads read (decoy-secondary-apart)",
         stat=lambda r: r.sinks(),
         unit="secondary massive tokens",
+    ),
+    claims.Spec(
+        f"{NAME}.chat_first",
+        "paper's limitations (chat-template system tokens)",
+        "Under the chat template the massive token is the template's first token",
+        "fraction of the chat prompts (system + user turn) whose massive positions at the Site's "
+        "layer are exactly the first token (its state is one, shared; the prompts differ after it)",
+        ">=",
+        "first_token",
+        "the template's first token ordinary, the delimiter of the user turn massive (decoy-later)",
+        stat=lambda r: r.chat_first(),
+        unit="chat prompts",
+    ),
+    claims.Spec(
+        f"{NAME}.long_first",
+        "paper's limitations (long context)",
+        "At the longest length run (2,048 tokens, cut to the model's window) the first token is "
+        "still massive",
+        "fraction of the long inputs of the longest length whose first token is massive at the "
+        "Site's layer on them (--long-rows inputs, each opening with another prompt)",
+        ">=",
+        "first_token",
+        "other tokens that grow with length until the first is not 1,000× the median "
+        "(planted-washout)",
+        stat=lambda r: r.long_first(),
+        unit="long inputs",
     ),
 )
 claims.check_specs(SPECS)

@@ -8,10 +8,12 @@ pads them, on the right or, as batched inference does, on the left):
 * :func:`bos_rows`: every row with its first token BOS, or with a leading BOS removed;
 * :func:`long_row`: the prompts concatenated (blank lines between) to ``n_tokens``, one row, the
   model's BOS rule at its start (refused beyond the model's ``max_position_embeddings``);
+  :func:`long_rows`: several, row ``i`` opening with prompt ``i``;
 * :func:`packed_rows`: pairs of prompts joined as pre-training packs them: the first document, the
   tokenizer's EOS, BOS when the model's rule adds one, the second document;
 * :func:`layout_rows`: one of :data:`LAYOUTS` by name (the conditions experiment's inputs), and
-  :func:`window_note`: what a long input means for sliding-window layers.
+  :func:`window_note`: what a long input means for sliding-window layers;
+* :func:`condition_rows`: the rows of every condition of the conditions experiment.
 """
 
 from __future__ import annotations
@@ -93,6 +95,15 @@ def long_row(model: Any, prompts: Sequence[str], n_tokens: int) -> list[int]:
     return row[:n_tokens]
 
 
+def long_rows(
+    model: Any, prompts: Sequence[str], n_tokens: int, n_rows: int = 1
+) -> list[list[int]]:
+    """``min(n_rows, len(prompts))`` long rows (:func:`long_row`), row ``i`` opening with prompt
+    ``i`` (the prompts rotated), so that the rows differ from their first prompt on."""
+    k = min(n_rows, len(prompts))
+    return [long_row(model, [*prompts[i:], *prompts[:i]], n_tokens) for i in range(k)]
+
+
 def packed_rows(model: Any, prompts: Sequence[str]) -> list[list[int]]:
     """Prompts ``2i`` and ``2i + 1`` packed into row ``i``: the first, EOS (and BOS where the model's
     rule starts a document with it), the second.
@@ -117,10 +128,11 @@ LAYOUTS = ("as_is", "bos", "no_bos", "chat", "long", "packed")
 
 
 def layout_rows(
-    model: Any, layout: str, prompts: Sequence[str], n_tokens: int = 0
+    model: Any, layout: str, prompts: Sequence[str], n_tokens: int = 0, n_rows: int = 1
 ) -> list[list[int]]:
-    """The token rows of ``prompts`` in ``layout`` (:data:`LAYOUTS`; ``long``: one row of
-    ``n_tokens``), as the model's rule tokenises them (``as_is``) or rearranged as above.
+    """The token rows of ``prompts`` in ``layout`` (:data:`LAYOUTS`; ``long``: ``n_rows`` rows of
+    ``n_tokens``, :func:`long_rows`), as the model's rule tokenises them (``as_is``) or rearranged
+    as above.
 
     Raises:
         ValueError: an unknown layout, or one this model's tokenizer cannot build (the reason).
@@ -130,12 +142,49 @@ def layout_rows(
     if layout == "packed":
         return packed_rows(model, prompts)
     if layout == "long":
-        return [long_row(model, prompts, n_tokens)]
+        return long_rows(model, prompts, n_tokens, n_rows)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
     batch = model.tokenize(prompts)
     rows = [batch.tokens[i, :n].tolist() for i, n in enumerate(batch.lengths)]
     return rows if layout == "as_is" else bos_rows(model, rows, layout == "bos")
+
+
+SAME = "the rows of as_is"
+"""The note of a condition whose rows are those of ``as_is`` (:func:`condition_rows`)."""
+
+
+def condition_rows(
+    model: Any,
+    names: Sequence[str],
+    prompts: Sequence[str],
+    long_tokens: Sequence[int] = (),
+    n_rows: int = 1,
+    explicit: bool = False,
+) -> list[tuple[str, list[list[int]], str]]:
+    """``(name, rows, note)`` per condition (``as_is`` first, then ``names``; ``left_pad``: the rows
+    of ``as_is``, to be padded on the left; ``long``: ``long_<n>`` per length of ``long_tokens``,
+    each cut to the model's window, ``n_rows`` rows), before any forward. Rows ``[]``: skipped,
+    the note says why; note :data:`SAME`: the rows of ``as_is`` (``bos`` where the model adds BOS).
+
+    Raises:
+        ValueError: ``explicit`` (asked for by name) and a condition this model cannot build.
+    """
+    limit = model.context_length or max(long_tokens, default=0)
+    out: list[tuple[str, list[list[int]], str]] = []
+    for name in dict.fromkeys(("as_is", *names)):
+        for n in sorted({min(k, limit) for k in long_tokens}) if name == "long" else [0]:
+            label = f"long_{n}" if n else name
+            try:
+                rows = layout_rows(model, name.replace("left_pad", "as_is"), prompts, n, n_rows)
+            except ValueError as e:
+                if explicit:
+                    raise ValueError(f"--conditions {name}: {e}") from e
+                out.append((label, [], f"skipped: {e}"))
+                continue
+            same = name not in ("as_is", "left_pad") and rows == out[0][1]
+            out.append((label, rows, SAME if same else window_note(model, n)))
+    return out
 
 
 def window_note(model: Any, n_tokens: int) -> str:
@@ -148,12 +197,15 @@ def window_note(model: Any, n_tokens: int) -> str:
 
 __all__ = [
     "LAYOUTS",
+    "SAME",
     "SYSTEM",
     "bos_rows",
     "chat_rows",
+    "condition_rows",
     "has_chat_template",
     "layout_rows",
     "long_row",
+    "long_rows",
     "packed_rows",
     "window_note",
 ]

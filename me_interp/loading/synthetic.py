@@ -30,6 +30,7 @@ SYNTHETIC_MODELS = (
     "superweight-spread",
     "superweight-spread-mild",
     "planted-sinkresid",
+    "planted-washout",
 )
 """The historical names, the no-BOS planted model and twin, the deep planted models (8 layers,
 :data:`me_interp.synthetic.DEEP`: enough partner layers for a k-of-n claim to be decided), the
@@ -46,7 +47,8 @@ def build(spec: str):
     ``planted-deep-late`` (:func:`me_interp.synthetic.planted_deep`), ``planted-needsink`` /
     ``planted-needsink-wide`` / ``planted-needsink-mild``
     (:func:`me_interp.synthetic.planted_needsink`), ``superweight-spread`` /
-    ``superweight-spread-mild`` (:func:`me_interp.synthetic.superweight_spread`), ``decoy-<kind>``
+    ``superweight-spread-mild`` (:func:`me_interp.synthetic.superweight_spread`),
+    ``planted-washout`` (:func:`me_interp.synthetic.planted_washout`), ``decoy-<kind>``
     (:func:`me_interp.synthetic.decoy`; its ``-deep`` kinds go to
     :func:`me_interp.synthetic.decoy_deep`), and ``planted-<arch>`` / ``twin-<arch>`` /
     ``tiny-<arch>`` for every architecture of :data:`me_interp.synthetic.ARCHS`: ``(hf, tokenizer)``.
@@ -69,8 +71,11 @@ def build(spec: str):
         return synthetic.decoy(kind.removeprefix("decoy-"))[:2]
     if kind == synthetic.SINKRESID:
         return synthetic.planted_sinkresid()[:2]
-    if kind == "planted":
-        return synthetic.planted_llama()[:2]
+    if kind == synthetic.WASHOUT:
+        return synthetic.planted_washout()[:2]
+    if kind == "planted":  # with a chat template that opens with <s>
+        hf, tok, _ = synthetic.planted_llama()
+        return hf, synthetic.with_chat_template(tok)
     if kind == "twin":
         return synthetic.planted_llama(plant=False)[:2]
     if kind == "tiny-llama":

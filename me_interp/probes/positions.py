@@ -145,6 +145,38 @@ class PositionScan:
         return norms / norms.median(-1, keepdim=True).values
 
 
+@dataclass(frozen=True)
+class Condition:
+    """The massive tokens of one set of rows, one condition of the inputs (the conditions
+    experiment; positions from each row's first real token), from a :class:`PositionScan`.
+
+    Attributes:
+        name: the condition (``long`` is ``long_<n>``); note: why it was skipped, or a remark.
+        n_rows: its rows; layer: the Site's layer on them (``None``: no massive activation).
+        positions: per row, the massive positions at that layer; units: the distinct prefixes.
+        tokens: every massive token at any layer (:class:`MassiveToken`); ratios: row 0's norm
+            over the median norm, per layer and position (the figure), after its ``pads``.
+    """
+
+    name: str
+    note: str
+    n_rows: int
+    layer: int | None
+    positions: list[list[int]]
+    units: list[list[int]]
+    tokens: list[MassiveToken]
+    ratios: list[list[float]]
+    pads: int = 0
+
+    @classmethod
+    def of(cls, name: str, note: str, scan: PositionScan, rows: list[list[int]], left: bool):
+        """``scan`` of ``rows`` (``left``: padded on the left) as condition ``name``."""
+        pads, site = max(map(len, rows)) - len(rows[0]) if left else 0, scan.site
+        positions, units = [list(p) for p in site.positions], [list(g) for g in site.units.groups]
+        ratios = scan.ratios(0).tolist()
+        return cls(name, note, len(rows), site.layer, positions, units, scan.tokens, ratios, pads)
+
+
 def state_differences(scan: PositionScan, other: PositionScan) -> list[float]:
     """Per row, ``‖h' − h‖ / ‖h‖`` of its massive token's state at ``scan``'s Site layer, ``h`` in
     ``scan`` and ``h'`` in ``other`` (the same rows, e.g. left-padded); rows whose state was not kept
@@ -217,6 +249,7 @@ def scan_positions(
 
 
 __all__ = [
+    "Condition",
     "KeyAttentionRecorder",
     "MassiveToken",
     "PositionScan",

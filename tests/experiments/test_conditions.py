@@ -4,12 +4,15 @@ CLI, bad input."""
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from me_interp import claims, io, load_model, study, synthetic
 from me_interp.experiments import conditions
+from me_interp.loading import layouts
 
 H, F, NA = claims.HOLDS, claims.FAILS, claims.NOT_APPLICABLE
 EXPECTED = {
@@ -35,9 +38,8 @@ def prompt_file(tmp_path_factory):
 
 
 def _run(name, prompt_file, **kw):
-    cfg = conditions.Config(
-        model=name, prompts=prompt_file, max_prompts=None, long_tokens=(64,), **kw
-    )
+    kw = {"long_tokens": (64,), **kw}
+    cfg = conditions.Config(model=name, prompts=prompt_file, max_prompts=None, **kw)
     model = load_model(name, device="cpu")
     return study.execute(conditions.EXPERIMENT, cfg, model)
 
@@ -63,6 +65,93 @@ def test_claims_on_constructed_models(name, prompt_file):
     assert len(r.padding_diffs) == r.condition("left_pad").n_rows and max(r.padding_diffs) < 1e-4
     assert r.condition("long_64").n_rows == 1 and r.condition("packed").n_rows == 8
     assert set(conditions.figures(r)) == {"ratios", "secondary_tokens"}
+
+
+LONG = 512  # planted-washout: BOS's share of the washing head 0.16 at 512 tokens
+EXPECTED_BEYOND = {
+    # <s> is the chat template's first token and the marker: massive, alone, at every length
+    "synthetic:planted": {"chat_first": H, "long_first": H},
+    # the template's <s> ordinary, the user turn's delimiter massive; token 0 never massive
+    "synthetic:decoy-later": {"chat_first": F, "long_first": NA},
+    # no chat template; the other tokens rise with length until <s> is not 1,000x the median
+    "synthetic:planted-washout": {"chat_first": NA, "long_first": F},
+}
+
+BUILD = {
+    "synthetic:planted": synthetic.planted_llama,
+    "synthetic:decoy-later": lambda: synthetic.decoy("later"),
+    "synthetic:planted-washout": synthetic.planted_washout,
+}
+
+
+def _massive_at(hf, rows, layer):
+    """Independent of the scan: per row, its massive positions at ``layer``'s output by the Sun
+    rule (|a| > 100 and >= 1000 x the median |a| of the row), from the HF model's hidden states."""
+    out = []
+    for r in rows:
+        with torch.no_grad():
+            h = hf(input_ids=torch.tensor([r]), output_hidden_states=True).hidden_states[layer + 1]
+        a = h[0].abs()
+        top = a.amax(-1)
+        out.append(torch.nonzero((top > 100) & (top >= 1000 * a.median())).flatten().tolist())
+    return out
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_BEYOND))
+def test_chat_and_long_claims_on_constructed_models(name, prompt_file):
+    out = _run(name, prompt_file, long_tokens=(LONG,), long_rows=16)
+    got = {c.id.removeprefix("conditions."): c for c in out.claims}
+    assert {k: got[k].verdict for k in EXPECTED_BEYOND[name]} == EXPECTED_BEYOND[name]
+    r, model = out.result, load_model(name, device="cpu")
+    hf = BUILD[name]()[0]  # the HF model itself, not through the bridge
+    long = r.condition(f"long_{LONG}")
+    assert long.n_rows == 16 and r.condition("as_is").layer == 2
+    rows = layouts.long_rows(model, synthetic.distinct_first_prompts(16), LONG, 16)
+    assert len({tuple(x) for x in rows}) == 16 and {len(x) for x in rows} == {LONG}
+    want = _massive_at(hf, rows[:3], 2)  # the scan's rule, recomputed by hand
+    if long.layer == 2:
+        assert long.positions[:3] == want
+    if name == "synthetic:planted-washout":
+        assert want == [[], [], []] and got["long_first"].estimate.n == 16
+        assert "no chat template" in got["chat_first"].why
+        return
+    chat = r.condition("chat")
+    ids = layouts.chat_rows(model, synthetic.distinct_first_prompts(16))
+    assert chat.n_rows == 16 and {x[0] for x in ids} == {synthetic.BOS_ID}  # the template's <s>
+    hand = _massive_at(hf, ids[:3], 2)
+    assert chat.positions[:3] == hand
+    if name == "synthetic:planted":
+        assert hand == [[0]] * 3 and want == [[0]] * 3
+    else:  # decoy-later: the delimiter of the user turn, never the template's first token
+        assert all(
+            p and 0 not in p and ids[b][p[0]] == synthetic.DELIMITER_ID for b, p in enumerate(hand)
+        )
+        assert got["long_first"].why == "the first token is not massive as it is"
+
+
+def test_planted_washout_keeps_bos_state_but_not_its_margin():
+    """Causal attention: <s>'s state is the same at every length; the washing head's share on it
+    falls as 1 / (1 + t e^-gap), so the other tokens rise until <s> is no longer 1,000x the median."""
+    hf, tok, plant = synthetic.planted_washout()
+    ids = tok(" ".join(synthetic.planted_prompts(16) * 20))["input_ids"]
+    states = {}
+    for n in (10, 1024):
+        with torch.no_grad():
+            o = hf(
+                input_ids=torch.tensor([ids[:n]]), output_hidden_states=True, output_attentions=True
+            )
+        h = o.hidden_states[plant.layer + 1][0]
+        states[n] = (h[0], float(h[0].abs().max() / h.abs().median()))
+        share = o.attentions[synthetic.WASHOUT_LAYER][0, 2, -1, 0]
+        gap = synthetic.WASHOUT_GAP
+        assert float(share) == pytest.approx(1 / (1 + (n - 1) * math.exp(-gap)), rel=0.25)
+    torch.testing.assert_close(states[10][0], states[1024][0], atol=1e-2, rtol=1e-4)
+    assert states[10][1] > 2000 and states[1024][1] < 700
+    # the unwashed planted model keeps the margin at 1,024 tokens
+    hf0, _, _ = synthetic.planted_llama()
+    with torch.no_grad():
+        h = hf0(input_ids=torch.tensor([ids[:1024]]), output_hidden_states=True).hidden_states[3]
+    assert float(h[0, 0].abs().max() / h[0].abs().median()) > 2000
 
 
 def test_cli_and_bad_input(tmp_path, prompt_file, capsys):
@@ -92,8 +181,6 @@ def test_cli_and_bad_input(tmp_path, prompt_file, capsys):
     with pytest.raises(ValueError, match="at least one"):
         conditions.Config(conditions=())
     model = load_model("synthetic:planted-nobos", device="cpu")
-    from me_interp.loading import layouts
-
     with pytest.raises(ValueError, match="no chat template"):
         layouts.chat_rows(model, ["w0 w1"])
     with pytest.raises(ValueError, match="beyond the 1024 positions"):
@@ -103,6 +190,10 @@ def test_cli_and_bad_input(tmp_path, prompt_file, capsys):
     assert layouts.layout_rows(model, "long", ["w0 w1 w2"], 5) == [
         layouts.long_row(model, ["w0 w1 w2"], 5)
     ]
+    assert layouts.layout_rows(model, "long", ["w0 w1", "w2 w3"], 5, n_rows=3) == [
+        layouts.long_row(model, ["w0 w1", "w2 w3"], 5),
+        layouts.long_row(model, ["w2 w3", "w0 w1"], 5),
+    ]  # one row per prompt at most, row i opening with prompt i
     windowed = SimpleNamespace(hf=SimpleNamespace(config=SimpleNamespace(sliding_window=512)))
     assert (
         layouts.window_note(windowed, 1024) == "beyond the sliding window (512) of the local layers"
