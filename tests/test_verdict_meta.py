@@ -94,6 +94,15 @@ PLANTED = {
     "activation_patching.ffn_writes": NA,
     "activation_patching.ffn_is_state": HOLDS,
     "activation_patching.state_causes_sink": HOLDS,
+    # beyond the first token: every prompt starts with <s> (one unit: first_only undecided), no
+    # secondary massive token; the template's first token <s> and position 0 of the long inputs
+    # are massive
+    "conditions.first_only": INC,
+    "conditions.padding_invariant": HOLDS,
+    "conditions.secondary_shares": NA,
+    "conditions.secondary_sink": NA,
+    "conditions.chat_first": HOLDS,
+    "conditions.long_first": HOLDS,
     "activation_patching.not_rewritten": INC,  # one shared-<s> state: fewer units than min_units
     "activation_patching.sink_heads_restore": HOLDS,
     "activation_patching.sink_heads_beat_random": HOLDS,

@@ -734,7 +734,7 @@ def test_bundled_activation_patching(bundled):
     r = activation_patching.run(activation_patching.Config(), bundled)
     # the massive activation appears at position 0 whatever the first token: auto falls back
     assert r.corruption == "remove_input"
-    assert (r.site.layer, r.site.position) == (11, 0) and 507 in r.site.dims
+    assert (r.header.layer, r.header.position) == (11, 0) and 507 in r.header.dims
     assert 100 < np.mean(r.me_ratio_clean) < 300 and np.mean(r.me_ratio_corrupt) < 2
     assert 0.85 < r.restore(("mlp_out", 11, 0)) < 1.05
     assert 0.85 < r.restore(("resid_pre", 12, 0), "sink") < 1.1
