@@ -275,17 +275,38 @@ class Progress:
         """Experiment ``name`` ended with battery entry ``entry`` (``skipped``: finished earlier)."""
 
 
-FORWARDS: dict[str, float] = {}
-"""The cost model of a first battery: each experiment's wall time in units of one plain forward of
-the prompt batch on the same model and machine (its default settings). Measured on the bundled
-model (docs/performance.md, "The battery's first estimate"); an experiment missing here counts as
-the median of the others."""
+CALIBRATION_PROMPTS = 8
+"""The cost model's unit: one plain forward of the first this many prompts (a second or less on the
+bundled model; the whole prompt set in one batch would take most of a minute)."""
+FORWARDS: dict[str, float] = {
+    "me_layer": 12,
+    "mechanism": 17,
+    "invariance": 13,
+    "attention_sinks": 15,
+    "conditions": 12,
+    "wemask": 109,
+    "activation_patching": 34,
+    "rmsnorm_permutation": 11,
+    "ffn_svd_ablation": 14,
+    "super_weight": 38,
+    "weight_patching": 31,
+    "weight_swap": 37,
+    "weight_input_cross": 13,
+    "transplant": 13,
+    "component_ablation": 24,
+    "sink_causality": 19,
+}
+"""The cost model of a first battery: each experiment's wall time at its default settings in units
+of :func:`forward_seconds`, measured on the bundled model at 7d63bb8 (a whole battery of 4 min 10 s,
+the calibration forward 0.581 s, two threads, the machine otherwise idle; docs/performance.md). An
+experiment missing here counts as the median of the others. Earlier runs on the same model, device
+and dtype replace it (``battery_seconds.json``)."""
 
 
-def forward_seconds(model: Any, common: CommonConfig, repeats: int = 2) -> float:
-    """Seconds of one plain forward (no gradients) of ``common``'s prompt batch on ``model``: the
-    fastest of ``repeats`` (the first pays one-off set-up)."""
-    batch = model.tokenize(common.load_prompts())
+def forward_seconds(model: Any, common: CommonConfig, repeats: int = 3) -> float:
+    """Seconds of one plain forward (no gradients) of the first :data:`CALIBRATION_PROMPTS` of
+    ``common``'s prompts on ``model``: the fastest of ``repeats`` (the first pays one-off set-up)."""
+    batch = model.tokenize(common.load_prompts()[:CALIBRATION_PROMPTS])
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
