@@ -74,6 +74,7 @@ BAD: dict[str, list[str]] = {
     "batch_tokens": ["0"],
     "max_tokens": ["1", "x"],
     "long_tokens": ["1", "x"],
+    "long_rows": ["0", "x"],
     "max_prompts": ["0"],
     "batch_size": ["0"],
     "n_prompts": ["-1"],

@@ -130,7 +130,7 @@ def test_battery_prints_as_it_goes_records_cost_and_estimates_time(tmp_path, cap
     argv = ["run", "me_layer", "transplant", "--model", MODEL, "--out", str(tmp_path / "b")]
     assert cli.main(argv) == 0
     first = capsys.readouterr()
-    assert "[1/2] me_layer … (0.0 s elapsed)" in first.err  # no estimate yet
+    assert "[1/2] me_layer … (0.0 s elapsed; about " in first.err  # from the cost model
     heads = [ln for ln in first.out.splitlines() if ln.startswith(("me_layer  ", "transplant  "))]
     assert len(heads) == 2 and all(" done in " in h and "MiB" in h for h in heads)
     state = json.loads((tmp_path / "b" / report.STATE_FILE).read_text())

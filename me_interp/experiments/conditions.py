@@ -132,6 +132,8 @@ def run(cfg: Config, model=None) -> Result:
         if note != layouts.SAME:  # else as_is's forward, not run twice
             batch = model.batch_from_ids(rows, side="left" if left else "right")
             scans[name] = scan_positions(model, batch)
+            if name == "as_is":  # no massive activation: nothing to follow (one reason)
+                scans[name].site.require(hint="")
         out.append(Condition.of(name, note, scans.get(name, scans["as_is"]), rows, left))
     diffs = state_differences(scans["as_is"], scans["left_pad"]) if "left_pad" in scans else []
     return Result(study.run_header(cfg, model, len(prompts), scans["as_is"].site), out, diffs)
