@@ -767,7 +767,7 @@ def test_bundled_activation_patching(bundled):
     assert sh.k == 18 and sh.layers == list(range(12, 30)) and sh.n_heads == 9
     assert 1.0 < np.mean(sh.kl_corrupt) < 2.0
     assert 0.35 < sh.restore(sh.kl_top) < 0.6
-    assert -0.1 < np.mean(sh.random_restores()) < 0.2
+    assert sh.random_restores() == []  # no non-sink head after the ME layer to draw from
 
 
 @pytest.mark.slow
