@@ -755,7 +755,7 @@ def with_units(m: Measure, result: Any) -> Measure:
     """``m`` with the run header's unit keys (distinct massive-token prefixes) where a
     :class:`Sample` has none: the one effective-n rule for statistics of the massive token's state.
     Other measurements, and samples with their own keys, are returned as they are."""
-    if not isinstance(m, Sample) or m.keys is not None:
+    if not isinstance(m, Sample | Nested) or m.keys is not None:
         return m
     keys = tuple(getattr(getattr(result, "header", None), "unit_keys", ()) or ())
     if not keys:
@@ -817,6 +817,9 @@ class Nested:
             statistic is then (the mean, or ``statistic``, of the cells) / the mean of ``den`` over
             the same resampled units, so the denominator is resampled with its numerators instead
             of held fixed.
+        keys, prompts: as :class:`Sample`'s: what makes two units distinct measurements (all rows
+            of a drawn key are resampled together), and for a spec with ``massive_state`` the
+            prompt of each row.
     """
 
     values: Any
@@ -825,6 +828,8 @@ class Nested:
     inner: str = "seeds"
     crossed: bool = True
     den: Any = None
+    keys: Sequence[Any] | None = None
+    prompts: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -858,6 +863,15 @@ def _distinct(arr: np.ndarray) -> int:
     scale = float(np.max(np.abs(flat))) or 1.0
     q = np.round(flat / (scale * DISTINCT_RTOL))
     return len(np.unique(q, axis=0))
+
+
+def _rows_distinct(arr: np.ndarray) -> int:
+    """The effective n of rows without keys: every row is its own measurement (distinct inputs),
+    unless all rows agree (one measurement repeated: nothing about variation). A statistic that is
+    a function of a shared prefix declares it (``Spec(massive_state=True)``: its units are the
+    distinct massive-token prefixes), so values that merely agree closely across distinct prompts
+    are not mistaken for fewer measurements."""
+    return 1 if len(arr) and _distinct(arr) == 1 else len(arr)
 
 
 def _norm_sf(z: float) -> float:
@@ -952,23 +966,41 @@ def _boot_stats(m: Sample | Nested, seed: int) -> tuple[float, np.ndarray, int, 
         if n == 0 or s == 0:
             return float("nan"), np.array([]), 0, 0
         stat = m.statistic or (lambda a: float(a.mean()))
+        keys = None if m.keys is None else [k for k, f in zip(m.keys, ok, strict=True) if f]
         iu = rng.integers(0, n, size=(N_BOOTSTRAP, n))
+        if keys is not None and len(set(keys)) < n:  # whole units drawn: all rows of a key
+            order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+            codes = np.array([order[k] for k in keys])
+            members = [np.flatnonzero(codes == u) for u in range(len(order))]
+            draws = rng.integers(0, len(order), size=(N_BOOTSTRAP, len(order)))
+            iu = [np.concatenate([members[u] for u in d]) for d in draws]  # rows per replicate
         if m.crossed:  # one seed resample per replicate, shared by its units
             iseed = np.broadcast_to(
                 rng.integers(0, s, size=(N_BOOTSTRAP, 1, s)), (N_BOOTSTRAP, n, s)
             )
         else:
             iseed = rng.integers(0, s, size=(N_BOOTSTRAP, n, s))
-        res = arr[iu[..., None], iseed]  # [boot unit seed]
-        if m.statistic is None:
-            stats = res.mean(axis=(1, 2))
+        if isinstance(iu, list):  # units of unequal size: one replicate at a time
+            stats = np.array(
+                [stat(arr[r][:, iseed[b, 0]]) for b, r in enumerate(iu)]
+                if m.crossed
+                else [stat(arr[r[:, None], rng.integers(0, s, size=(len(r), s))]) for r in iu],
+                dtype=np.float64,
+            )
+            den_means = None if den is None else np.array([den[r].mean() for r in iu])
         else:
-            stats = np.array([stat(r) for r in res])
+            res = arr[iu[..., None], iseed]  # [boot unit seed]
+            if m.statistic is None:
+                stats = res.mean(axis=(1, 2))
+            else:
+                stats = np.array([stat(r) for r in res])
+            den_means = None if den is None else den[iu].mean(axis=1)
         value = float(stat(arr))
         if den is not None:  # the denominator resampled with its units
-            stats = divide(stats, den[iu].mean(axis=1))
+            stats = divide(stats, den_means)
             value = float(divide(value, den.mean()))
-        return value, stats, n, _distinct(arr.mean(1))
+        n_eff = len(set(keys)) if keys is not None else _rows_distinct(arr.mean(1))
+        return value, stats, n, n_eff
     finite = np.isfinite(arr).reshape(len(arr), -1).all(axis=1)
     keys = None if m.keys is None else [k for k, f in zip(m.keys, finite, strict=True) if f]
     arr = arr[finite]
@@ -1004,7 +1036,7 @@ def _boot_stats(m: Sample | Nested, seed: int) -> tuple[float, np.ndarray, int, 
                 stats = np.asarray(f(_resample_means(arr, idx)), dtype=np.float64)
         else:
             stats = np.array([m.statistic(arr[i]) for i in idx], dtype=np.float64)
-    n_eff = len(set(keys)) if keys is not None else _distinct(arr)
+    n_eff = len(set(keys)) if keys is not None else _rows_distinct(arr)
     return value, stats, n, n_eff
 
 

@@ -230,12 +230,13 @@ def test_claim_line_names_statistic_interval_n_rule_and_control():
         "§2.1",
         "fraction moved",
         "95% CI",
-        "n = 5 prompts, 2 distinct",
+        "n = 5 prompts",
         "0.5",
         "an unplanted twin",
         "layer 11",
     ):
         assert part in line, part
+    assert "distinct" not in line  # five prompts are five measurements, whatever their values
 
 
 def test_not_applicable_and_counts():
@@ -376,7 +377,9 @@ def test_a_corollary_is_shown_and_never_counted():
     assert "corollary of demo.x" in cs[1].line() and cs[1].implied_by == "demo.x"
     t = claims.tally(cs)
     assert t["raw"][claims.HOLDS] == 1 and t["holm"][claims.HOLDS] == 1
-    assert t["corollary"][claims.HOLDS] == 1 and "1 corollary: 1 holds (never counted)" in claims.tally_text(t)
+    assert t["corollary"][
+        claims.HOLDS
+    ] == 1 and "1 corollary: 1 holds (never counted)" in claims.tally_text(t)
     assert claims.tally([c.to_dict() for c in cs]) == t
 
 
@@ -411,6 +414,27 @@ def test_a_denominator_is_resampled_with_its_units():
     cells = num[iu[..., None], np.broadcast_to(iseed, (claims.N_BOOTSTRAP, 30, 5))]
     assert stats == pytest.approx(cells.mean((1, 2)) / den[iu].mean(1))
     assert claims.point(m) == pytest.approx(value)
+
+
+def test_a_nested_measure_of_the_massive_state_resamples_whole_units():
+    rng = np.random.default_rng(5)
+    num, den = rng.normal(1.0, 0.3, (12, 4)), rng.normal(4.0, 1.0, 12)
+    header = _Result(unit_keys=tuple(f"k{b % 3}" for b in range(12)), seed=0)
+    spec = _spec(lambda r: claims.Nested(num, den=den), massive_state=True)
+    (c,) = claims.judge([spec], _Result(header=header))
+    assert c.estimate.n == 12 and c.estimate.n_eff == 3  # three prefixes, however many prompts
+    assert c.verdict == claims.INCONCLUSIVE and "min_units" in c.why
+    m = claims.with_units(claims.Nested(num, den=den), _Result(header=header))
+    value, stats, _, n_eff = claims._boot_stats(m, 0)
+    assert n_eff == 3 and value == pytest.approx(num.mean() / den.mean())
+    r = np.random.default_rng(0)  # by hand: whole units drawn, one seed resample per replicate
+    r.integers(0, 12, size=(claims.N_BOOTSTRAP, 12))
+    draws = r.integers(0, 3, size=(claims.N_BOOTSTRAP, 3))
+    iseed = r.integers(0, 4, size=(claims.N_BOOTSTRAP, 1, 4))
+    members = [np.arange(u, 12, 3) for u in range(3)]
+    rows = [np.concatenate([members[u] for u in d]) for d in draws]
+    by_hand = [num[w][:, iseed[b, 0]].mean() / den[w].mean() for b, w in enumerate(rows)]
+    assert stats == pytest.approx(by_hand)
 
 
 def test_two_way_bootstrap_carries_unit_and_seed_variance():

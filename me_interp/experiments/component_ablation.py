@@ -210,6 +210,7 @@ def _spec(key: str, section: str, statement: str, statistic: str, op: str, thr: 
         op,
         thr,
         stat=stat,
+        massive_state=thr == "removed",  # R of the massive token: a function of its prefix
         applies=_why(key),
         details=_details(key),
         **kw,

@@ -142,16 +142,17 @@ class Result(Headed):
         """The smallest swept ``k`` whose removal leaves no massive activation at the layer."""
         return min((r.k for r in self.select("svd", matrix) if not r.survives), default=None)
 
-    def seed_values(
+    def seed_measure(
         self, kind: str, matrix: str | None = None, prompts: Sequence[int] | None = None
-    ) -> np.ndarray:
-        """``[prompt, seed]`` cells of a random control's :class:`~me_interp.claims.Nested` over
-        ``prompts`` (``None``: all; the statistic of the ``_keeps`` claims)."""
+    ) -> claims.Nested:
+        """A random control's cells ``R_{m,b}(edited) − 1`` ``[prompt, seed]`` over ``prompts``
+        (``None``: all), over the unedited ``R_{m,b} − 1`` of the same prompts (``den``, resampled
+        with them): the statistic of the ``_keeps`` claims."""
         rows = self.select(kind, matrix)
         idx = list(range(self.n_prompts)) if prompts is None else list(prompts)
-        base = float(np.mean(np.asarray(self.baseline.prompt_ratio_at(self.layer))[idx])) - 1.0
+        base = np.asarray(self.baseline.prompt_ratio_at(self.layer), dtype=np.float64)[idx]
         edited = np.asarray([r.ratio_at_layer_per_prompt for r in rows], dtype=np.float64)
-        return ((edited[:, idx] - 1.0) / base).T  # [prompt seed]
+        return claims.Nested(edited[:, idx].T - 1.0, den=base - 1.0, prompts=idx)
 
     @property
     def neuron_prompts(self) -> list[int]:
@@ -230,7 +231,7 @@ _STAT = (
     "c = (R_m(edited) − 1) / (R_m(unedited) − 1), R_m the ME layer's output norm ratio (mean "
     "over prompts)"
 )
-_DET = "; bootstrap over prompts (edited and unedited means together)"
+_DET = "; bootstrap over the distinct massive-token prefixes (edited and unedited means together)"
 _HELD = (
     "; the neurons chosen on the selection half of the prompts (one unit per distinct "
     "massive-token prefix), the edit scored on the held-out half; bootstrap over held-out "
@@ -241,8 +242,9 @@ _NO_MASSIVE = (
     "there is nothing for the ablations to remove"
 )
 _SEEDS = (
-    ", mean over the random draws (seeds); two-way (crossed) bootstrap over prompts × seeds "
-    "of (R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed"
+    ", mean over the random draws (seeds); two-way (crossed) bootstrap over the distinct "
+    "massive-token prefixes × seeds of R_m,b(edited) − 1 over R_m,b(unedited) − 1, the "
+    "unedited excess resampled with its prompts"
 )
 
 
@@ -260,10 +262,9 @@ def _removes(name, statement, section, control, row, missing, extra, held_out=Fa
         pairs = np.column_stack([r.ratio_at_layer_per_prompt, base])
         if not held_out:
             return claims.Sample(pairs, excess_stat)
-        # c depends on every token of a prompt (the others' norms), so each prompt is its own
-        # measurement even when prompts share the massive token's prefix
         unit = "held-out prompts" if result.units.held_out else "prompts (nothing held out)"
-        return claims.Sample(pairs[result.neuron_prompts], excess_stat, unit=unit)
+        rows = result.neuron_prompts
+        return claims.Sample(pairs[rows], excess_stat, unit=unit, prompts=rows)
 
     def details(result: Result) -> str:
         r, held, rows = row(result), "", result.neuron_prompts
@@ -280,7 +281,9 @@ def _removes(name, statement, section, control, row, missing, extra, held_out=Fa
         )
 
     what = (f"{NAME}.{name}", section, statement, _STAT + (_HELD if held_out else _DET), "<=")
-    return claims.Spec(*what, "removed", control, stat=stat, applies=_massive, details=details)
+    return claims.Spec(
+        *what, "removed", control, stat=stat, applies=_massive, details=details, massive_state=True
+    )
 
 
 def _keeps(name, statement, section, control, kind, matrix, missing, extra, held_out=False):
@@ -298,10 +301,12 @@ def _keeps(name, statement, section, control, kind, matrix, missing, extra, held
         )
 
     def stat(r: Result) -> claims.Nested:
-        return claims.Nested(r.seed_values(kind, matrix, r.neuron_prompts if held_out else None))
+        return r.seed_measure(kind, matrix, r.neuron_prompts if held_out else None)
 
     what = (f"{NAME}.{name}", section, statement, _STAT + _SEEDS, ">", "removed", control)
-    return claims.Spec(*what, kind="control", stat=stat, applies=applies, details=details)
+    return claims.Spec(
+        *what, kind="control", stat=stat, applies=applies, details=details, massive_state=True
+    )
 
 
 def _fmt_list(xs) -> str:

@@ -188,6 +188,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         n_pairs_same=scan.n_pairs(True),
         layers=layers,
         cos_across_layers=cal.tolist(),
+        # the control batch's own massive-token prefixes (the header's are the prompts')
         control_keys=list(massive_units(ctrl_batch.tokens, ref, cfg.seed).keys),
         per_prompt=per_prompt,
         scan=scan,
@@ -217,7 +218,7 @@ def _distinct_applies(r: Result) -> str | None:
 
 def _cross(r: Result, mats: np.ndarray, reduce: Callable[[np.ndarray], Any]) -> claims.Sample:
     scan, _ = _scans(r)
-    return claims.pair_measure(mats, _sym(scan.pairs(False)), reduce, r.units.keys)
+    return claims.pair_measure(mats, _sym(scan.pairs(False)), reduce)
 
 
 def _state(r: Result) -> claims.Sample:
@@ -328,6 +329,7 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_state,
         applies=_distinct_applies,
         details=_state_details,
+        massive_state=True,  # h_m and k_m are functions of the massive token's prefix
     ),
     claims.Spec(
         "invariance.beyond_others",
@@ -341,6 +343,7 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_beyond,
         applies=_distinct_applies,
         details=_beyond_details,
+        massive_state=True,  # h_m and k_m are functions of the massive token's prefix
     ),
     claims.Spec(
         "invariance.key",
@@ -356,6 +359,7 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_key,
         applies=_key_applies,
         details=_key_details,
+        massive_state=True,  # h_m and k_m are functions of the massive token's prefix
     ),
     claims.Spec(
         "invariance.created_at_me",
@@ -371,6 +375,7 @@ SPECS: tuple[claims.Spec, ...] = (
         stat=_created,
         applies=_created_applies,
         details=_created_details,
+        massive_state=True,  # h_m and k_m are functions of the massive token's prefix
     ),
     claims.Spec(
         "invariance.control",

@@ -128,14 +128,14 @@ class Result(Headed):
         """Per seed of a random edit: the excess ``c`` it leaves."""
         return [r.change for r in self.select(norm, kind)]
 
-    def seed_values(self, norm: str, kind: str) -> np.ndarray:
-        """``[prompt, seed]`` of a random edit: ``(R_{m,b}(edited) − 1) / (R̄_m(unedited) − 1)``,
-        whose mean over prompts is that seed's ``c`` (the cells of a :class:`~me_interp.claims.Nested`
-        measurement)."""
+    def seed_measure(self, norm: str, kind: str) -> claims.Nested:
+        """A random edit's cells ``R_{m,b}(edited) − 1`` ``[prompt, seed]`` over the unedited
+        ``R_{m,b} − 1`` of the same prompts (``den``, resampled with them): the mean over prompts
+        of a seed's cells over the denominators' mean is that seed's ``c``."""
         rows = self.select(norm, kind)
-        base = float(np.mean(self.baseline.prompt_ratio_at(self.layer))) - 1.0
         edited = np.asarray([r.ratio_at_layer_per_prompt for r in rows], dtype=np.float64)
-        return ((edited - 1.0) / base).T  # [prompt seed]
+        base = np.asarray(self.baseline.prompt_ratio_at(self.layer), dtype=np.float64)
+        return claims.Nested(edited.T - 1.0, den=base - 1.0)
 
     def flatten_row(self, norm: str, alpha: float) -> GainEdit | None:
         return next((r for r in self.select(norm, "flatten") if math.isclose(r.param, alpha)), None)
@@ -190,8 +190,9 @@ _STAT = (
     "prompts)"
 )
 _SEEDS = (
-    ", mean over the random {what} (seeds); two-way (crossed) bootstrap over prompts × seeds of "
-    "(R_m,b(edited) − 1) / (R_m(unedited) − 1), the unedited mean held fixed"
+    ", mean over the random {what} (seeds); two-way (crossed) bootstrap over the distinct "
+    "massive-token prefixes × seeds of R_m,b(edited) − 1 over R_m,b(unedited) − 1, the "
+    "unedited excess resampled with its prompts"
 )
 _NO_MASSIVE = (
     "no massive activation at layer {m} of the unedited model (the layer was given, not detected): "
@@ -251,8 +252,9 @@ def _seeded(name, section, statement, what, op, norm, kind, other, control, spec
         "removed",
         control,
         kind=spec_kind,
-        stat=lambda r: claims.Nested(r.seed_values(norm, kind)),
+        stat=lambda r: r.seed_measure(norm, kind),
         unit="prompts",
+        massive_state=True,
         applies=_seeded_applies(norm, kind),
         details=_seeded_details(norm, kind, other),
     )
@@ -336,12 +338,14 @@ SPECS: tuple[claims.Spec, ...] = (
         f"{NAME}.flatten_removes",
         "§2 claim 2; §3 flattening",
         "Flattening the ME layer's pre-FFN gain to its mean (α = 0) removes the massive activation",
-        f"{_STAT} with w ← mean(w); bootstrap over prompts (edited and unedited means together)",
+        f"{_STAT} with w ← mean(w); bootstrap over the distinct massive-token prefixes (edited and "
+        "unedited means together)",
         "<=",
         "removed",
         "the same flattening of the pre-attention gain (in details)",
         stat=_flatten_stat,
         unit="prompts",
+        massive_state=True,
         applies=_massive,
         details=_flatten_details,
     ),

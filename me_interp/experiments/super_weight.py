@@ -365,7 +365,7 @@ def _text_details(r: Result) -> str:
 
 def _removes(r: Result) -> claims.Sample:
     pairs = np.column_stack([r.ratio_zeroed, r.ratio_unedited])
-    return claims.Sample(pairs, excess_stat, keys=list(r.units.keys))
+    return claims.Sample(pairs, excess_stat)
 
 
 def _removes_details(r: Result) -> str:
@@ -392,7 +392,7 @@ def _beats(r: Result) -> claims.Sample:
     if me.all() or not me.any():
         raise claims.NotApplicable("no candidate outside (or in) the ME layer to compare with")
     cols = np.column_stack([r.layer_pairs(c) for c in r.layers])
-    return claims.Sample(cols, claims.of_means(partial(_me_share, me=me)), keys=list(r.units.keys))
+    return claims.Sample(cols, claims.of_means(partial(_me_share, me=me)))
 
 
 def _layer_details(r: Result) -> str:
@@ -401,7 +401,7 @@ def _layer_details(r: Result) -> str:
 
     pre, by = r.precursor, sorted(r.layers, key=r.left)
     if pre is not None:  # the excess it leaves, with its interval over the prompts
-        m = claims.Sample(r.layer_pairs(pre), excess_stat, keys=list(r.units.keys))
+        m = claims.with_units(claims.Sample(r.layer_pairs(pre), excess_stat), r)
         est = claims.measure_estimate(m, "prompts", "<=", claims.threshold("removed"), r.seed)[0]
         left = f"leaves {est.text().split(' (')[0]} of the excess at layer {pre.check_layer}"
     each = "; ".join(f"{c.label()} ({c.why}): {fmt_value(r.left(c))}{ppl(c)}" for c in by[:6])
@@ -448,6 +448,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "random_weights_harmless",
         stat=_removes,
         unit="prompts",
+        massive_state=True,
         applies=_need_massive,
         details=_removes_details,
     ),
@@ -517,6 +518,7 @@ SPECS: tuple[claims.Spec, ...] = (
         "every other layer's top candidates zeroed alone on the same prompts (0.5: a tie)",
         stat=_beats,
         unit="prompts",
+        massive_state=True,
         details=_layer_details,
         applies=lambda r: (
             _need_sw(replace(r, given=None)) or (None if r.layers else "no layer candidates")

@@ -54,8 +54,10 @@ PLANTED = {
     "transplant.second_sink": H,  # two equal keys: the sink splits 0.5 / 0.5
     "transplant.state_follows": H,  # sanity: the whole state moved
     "component_ablation.cap_site": H,  # sanity
-    "component_ablation.cap_removes": H,  # control (was the claim cap_ffn)
-    "component_ablation.flatten_gain": H,  # the neuron reads the boosted gain dims
+    # R of the massive token (control and claim): one shared-<s> state, one unit ('min_units';
+    # planted-nobos decides them, docs/falsifiability.json)
+    "component_ablation.cap_removes": INC,
+    "component_ablation.flatten_gain": INC,
     "component_ablation.cap_ffn_hurts": F,  # the random LM does not use the sink
     "component_ablation.mean_dims_harmless": NA,  # control; BOS everywhere: the mean is the identity
     "component_ablation.zero_dims_hurts": F,
@@ -634,7 +636,7 @@ def test_me_layer_at_the_last_layer_is_not_applicable_where_a_later_layer_is_nee
         "activation_patching.removal": H,
         "activation_patching.ffn_is_state": H,
         "component_ablation.cap_site": H,
-        "component_ablation.flatten_gain": H,
+        "component_ablation.flatten_gain": INC,  # one shared-<s> state: one unit
         "component_ablation.cap_ffn_hurts": F,
     }
     for k, v in judged.items():

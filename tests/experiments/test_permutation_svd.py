@@ -5,6 +5,7 @@ CLI smoke and bad inputs, and the bundled model with two-sided bounds."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -55,6 +56,21 @@ PLANTED_SVD = {
 def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "planted.txt"
     path.write_text("\n".join(synthetic.planted_prompts(8)) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def nobos():
+    """planted-nobos: the planted mechanism with token 0 distinct in every prompt, so that the
+    massive token's state is a distinct measurement per prompt (the claims' units)."""
+    hf, tok, plant = synthetic.planted_nobos()
+    return load_model(hf, tokenizer=tok, device="cpu"), plant
+
+
+@pytest.fixture(scope="module")
+def nobos_prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "distinct.txt"
+    path.write_text("\n".join(synthetic.distinct_first_prompts(8)) + "\n")
     return str(path)
 
 
@@ -113,9 +129,9 @@ def test_other_dims_permutation_moves_only_small_gain_dims():
         gains.other_dims_permutation(w, 5, seed=0)
 
 
-def test_rmsnorm_permutation_planted(planted, prompt_file):
-    model, plant = planted
-    cfg = rmsnorm_permutation.Config(prompts=prompt_file, n_prompts=0, top_k=2)
+def test_rmsnorm_permutation_planted(nobos, nobos_prompts):
+    model, plant = nobos
+    cfg = rmsnorm_permutation.Config(prompts=nobos_prompts, n_prompts=0, top_k=2)
     res = rmsnorm_permutation.run(cfg, model)
     L = plant.layer
     assert res.layer == L and not res.header.layer_given and res.massive_at_layer
@@ -152,39 +168,48 @@ def test_rmsnorm_permutation_planted(planted, prompt_file):
     assert " c" in rmsnorm_permutation.summary(res)
 
 
-def test_seed_values_by_hand_and_the_nested_interval(planted, prompt_file):
-    """The random controls' cells [prompt, seed] = (R_b(edited) − 1) / (mean_b R_b(unedited) − 1),
-    whose mean is the mean over seeds of c; and the two-way crossed bootstrap (prompts, and seeds
-    shared by every prompt: a seed is one edit of the model) rebuilt by hand with the engine's seed."""
-    model, plant = planted
-    cfg = rmsnorm_permutation.Config(prompts=prompt_file, n_prompts=0, top_k=2, alphas=())
+def test_seed_measure_by_hand_and_the_nested_interval(nobos, nobos_prompts, planted, prompt_file):
+    """The random controls' cells [prompt, seed] = R_b(edited) − 1 over the unedited R_b − 1 of the
+    same prompts, whose ratio of means is the mean over seeds of c; the two-way crossed bootstrap
+    (prompts with their denominators, and seeds shared by every prompt: a seed is one edit of the
+    model) rebuilt by hand with the engine's seed; on prompts that share <s> one unit."""
+    model, plant = nobos
+    cfg = rmsnorm_permutation.Config(prompts=nobos_prompts, n_prompts=0, top_k=2, alphas=())
     res = rmsnorm_permutation.run(cfg, model)
     rows = res.select("attn", "random")
-    before = np.mean(res.baseline.prompt_ratio_at(plant.layer))
-    want = np.array(
-        [[(r.ratio_at_layer_per_prompt[b] - 1) / (before - 1) for r in rows] for b in range(8)]
-    )
-    got = res.seed_values("attn", "random")
-    np.testing.assert_allclose(got, want, rtol=1e-12)
-    assert got.mean() == pytest.approx(np.mean([r.change for r in rows]))
+    before = np.asarray(res.baseline.prompt_ratio_at(plant.layer))
+    want = np.array([[r.ratio_at_layer_per_prompt[b] - 1 for r in rows] for b in range(8)])
+    m = res.seed_measure("attn", "random")
+    np.testing.assert_allclose(m.values, want, rtol=1e-12)
+    np.testing.assert_allclose(m.den, before - 1, rtol=1e-12)
+    assert m.values.mean() / m.den.mean() == pytest.approx(np.mean([r.change for r in rows]))
     rng = np.random.default_rng(res.seed)
-    n, k = got.shape
+    n, k = m.values.shape
     iu = rng.integers(0, n, size=(claims.N_BOOTSTRAP, n))
     iseed = rng.integers(0, k, size=(claims.N_BOOTSTRAP, k))  # one seed draw per replicate
-    boot = [got[iu[i]][:, iseed[i]].mean() for i in range(claims.N_BOOTSTRAP)]
+    boot = [m.values[iu[i]][:, iseed[i]].mean() / m.den[iu[i]].mean() for i in range(len(iu))]
     lo, hi = np.quantile(boot, [0.025, 0.975])
     c = {c.id: c for c in _judge(rmsnorm_permutation, res)}[
         "rmsnorm_permutation.attn_permutation_keeps"
     ]
+    assert c.estimate.n == c.estimate.n_eff == 8  # eight distinct first tokens: eight units
     assert (c.estimate.lo, c.estimate.hi) == pytest.approx((lo, hi))
     assert c.kind == "control" and c.verdict == HOLDS
     assert "c per seed" in c.details
+    # every prompt starts with <s>: the massive token's state is one measurement, not decided
+    shared = rmsnorm_permutation.run(replace(cfg, prompts=prompt_file), planted[0])
+    for c in _judge(rmsnorm_permutation, shared):
+        if c.verdict == NOT_APPLICABLE:  # the flattening was not run (alphas=())
+            continue
+        assert c.estimate.n == 8 and c.estimate.n_eff == 1, c.id
+        assert c.verdict == claims.INCONCLUSIVE and "1 distinct measurement" in c.why, c.id
 
 
-def test_me_layer_at_the_last_layer(prompt_file):
+def test_me_layer_at_the_last_layer(nobos_prompts):
     """A plant at the last layer: the edits act on it, nothing needs a later layer."""
-    hf, tok, plant = synthetic.planted_llama(layer=4)
+    hf, tok, plant = synthetic.planted_nobos(layer=4)
     model = load_model(hf, tokenizer=tok, device="cpu")
+    prompt_file = nobos_prompts
     cfg = rmsnorm_permutation.Config(prompts=prompt_file, top_k=2, norms=("ffn",), alphas=(0.0,))
     res = rmsnorm_permutation.run(cfg, model)
     assert res.layer == 4
@@ -229,9 +254,11 @@ def test_rmsnorm_permutation_explicit_layer_on_twin(twin, prompt_file, snap_hf):
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
-def test_rmsnorm_permutation_too_few_seeds_is_not_judged(planted, prompt_file):
-    model, _ = planted
-    cfg = rmsnorm_permutation.Config(prompts=prompt_file, n_random=2, alphas=(0.0,), norms=("ffn",))
+def test_rmsnorm_permutation_too_few_seeds_is_not_judged(nobos, nobos_prompts):
+    model, _ = nobos
+    cfg = rmsnorm_permutation.Config(
+        prompts=nobos_prompts, n_random=2, alphas=(0.0,), norms=("ffn",)
+    )
     cs = {c.id: c for c in _judge(rmsnorm_permutation, rmsnorm_permutation.run(cfg, model))}
     for name in ("ffn_permutation_removes", "top_dims_removes", "other_dims_keep"):
         c = cs[f"rmsnorm_permutation.{name}"]
@@ -259,9 +286,9 @@ def _grab(x, hook, *, store, key):
     return x
 
 
-def test_ffn_svd_ablation_planted(planted, prompt_file):
-    model, plant = planted
-    cfg = ffn_svd_ablation.Config(prompts=prompt_file, n_prompts=0, ks=(1, 4), n_neurons=2)
+def test_ffn_svd_ablation_planted(nobos, nobos_prompts):
+    model, plant = nobos
+    cfg = ffn_svd_ablation.Config(prompts=nobos_prompts, n_prompts=0, ks=(1, 4), n_neurons=2)
     res = ffn_svd_ablation.run(cfg, model)
     assert res.layer == plant.layer and res.massive_at_layer
     assert res.neurons[0] == plant.neuron and plant.massive_dim in res.massive_dims
@@ -331,8 +358,9 @@ CLI = [
 
 
 @pytest.mark.parametrize("module,args", CLI, ids=[m.NAME for m, _ in CLI])
-def test_cli_smoke(module, args, prompt_file, tmp_path, capsys):
-    argv = ["--model", "synthetic:planted", "--prompts", prompt_file, "--out", str(tmp_path)]
+def test_cli_smoke(module, args, nobos_prompts, tmp_path, capsys):
+    argv = ["--model", "synthetic:planted-nobos", "--prompts", nobos_prompts]
+    argv += ["--out", str(tmp_path)]
     rc = module.main(argv + ["--device", "cpu", "--verbose", *args])
     out = capsys.readouterr().out
     assert rc == 0, out
