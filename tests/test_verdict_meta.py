@@ -46,21 +46,24 @@ PLANTED = {
     "wemask.activation_like_weight": HOLDS,
     "wemask.full_mask_collapses": FAILS,
     "wemask.full_mask_removes_sink": HOLDS,  # the sink head reads the masked attention input
-    # the mechanism needs the gain on dims 3, 11 and neuron 5: moving either away kills it
-    "rmsnorm_permutation.ffn_permutation_removes": HOLDS,
-    "rmsnorm_permutation.attn_permutation_keeps": HOLDS,
-    "rmsnorm_permutation.top_dims_removes": HOLDS,
-    "rmsnorm_permutation.other_dims_keep": HOLDS,
-    "rmsnorm_permutation.flatten_removes": HOLDS,
-    "ffn_svd_ablation.svd_gate_removes": HOLDS,
-    "ffn_svd_ablation.svd_up_removes": HOLDS,
-    "ffn_svd_ablation.svd_down_removes": HOLDS,
-    "ffn_svd_ablation.svd_gate_random_keeps": HOLDS,
-    "ffn_svd_ablation.svd_up_random_keeps": HOLDS,
-    "ffn_svd_ablation.svd_down_random_keeps": HOLDS,
-    "ffn_svd_ablation.top_neuron_removes": HOLDS,
-    "ffn_svd_ablation.top_neurons_remove": HOLDS,
-    "ffn_svd_ablation.random_neurons_keep": HOLDS,
+    # the mechanism needs the gain on dims 3, 11 and neuron 5 (moving either away kills it), but
+    # every prompt starts with <s>: the edits' effect on the massive token is one measurement
+    # (one massive-token prefix, fewer units than 'min_units'), so none is decided here;
+    # planted-nobos decides each of them (docs/falsifiability.json)
+    "rmsnorm_permutation.ffn_permutation_removes": INC,
+    "rmsnorm_permutation.attn_permutation_keeps": INC,
+    "rmsnorm_permutation.top_dims_removes": INC,
+    "rmsnorm_permutation.other_dims_keep": INC,
+    "rmsnorm_permutation.flatten_removes": INC,
+    "ffn_svd_ablation.svd_gate_removes": INC,
+    "ffn_svd_ablation.svd_up_removes": INC,
+    "ffn_svd_ablation.svd_down_removes": INC,
+    "ffn_svd_ablation.svd_gate_random_keeps": INC,
+    "ffn_svd_ablation.svd_up_random_keeps": INC,
+    "ffn_svd_ablation.svd_down_random_keeps": INC,
+    "ffn_svd_ablation.top_neuron_removes": INC,
+    "ffn_svd_ablation.top_neurons_remove": INC,
+    "ffn_svd_ablation.random_neurons_keep": INC,
     # one shared BOS: the removal and the layer rest on one measurement; the random language
     # model needs no super weight (zeroing it hurts nothing), so there is no damage to restore
     "super_weight.zeroing_removes": INC,
@@ -110,8 +113,8 @@ PLANTED = {
     "transplant.second_sink": HOLDS,
     "transplant.state_follows": HOLDS,  # sanity: the whole state moved
     "component_ablation.cap_site": HOLDS,
-    "component_ablation.cap_removes": HOLDS,
-    "component_ablation.flatten_gain": HOLDS,
+    "component_ablation.cap_removes": INC,  # R of the massive token: one <s> state, one unit
+    "component_ablation.flatten_gain": INC,
     "component_ablation.cap_ffn_hurts": FAILS,
     "component_ablation.mean_dims_harmless": NA,
     "component_ablation.zero_dims_hurts": FAILS,
