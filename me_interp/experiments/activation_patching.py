@@ -548,7 +548,7 @@ def figures(result: Result | patching_pairs.PairsResult) -> dict[str, go.Figure]
         )
         for c in result.sweeps:  # the per-head sweeps, and every position with --all-positions
             if c.heads is not None or len(c.positions) > 2:
-                figs[f"patching_{metric}_{c.site}"] = patching_pairs.heatmap(
+                figs[f"patching_{metric}_{c.site}"] = plotting.cells_heatmap(
                     c,
                     c.normalized(metric),
                     result.tokens,
@@ -556,7 +556,7 @@ def figures(result: Result | patching_pairs.PairsResult) -> dict[str, go.Figure]
                     f"— {sub}",
                 )
     if result.sink_heads is not None:
-        figs["sink_heads"] = patching_heads.figure(result.sink_heads, sub)
+        figs["sink_heads"] = plotting.sink_heads(result.sink_heads, sub)
     return figs
 
 

@@ -38,7 +38,7 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from me_interp import claims, names
+from me_interp import claims, names, plotting
 from me_interp.loading.loaded import LoadedModel
 from me_interp.patching import (
     HEAD_SITES,
@@ -251,44 +251,10 @@ def run(cfg, model: LoadedModel | None = None, pairs: PairsLike | None = None) -
     )
 
 
-def heatmap(cells: Cells, grid: np.ndarray, tokens: list[str], title: str) -> go.Figure:
-    """The normalised ``grid`` of one sweep: layer × position, layer × head, or (layer, head) ×
-    position (``tokens`` label the positions)."""
-    pos_labels = None
-    if cells.positions is not None:
-        pos_labels = [f"{p}: {tokens[p]!r}" if p < len(tokens) else str(p) for p in cells.positions]
-    if cells.heads is None:  # [layer pos]
-        z, x, y, xt, yt = grid.T, cells.layers, pos_labels, "layer (0-based)", "position"
-    elif cells.positions is None:  # [layer head]
-        z, x, y = grid.T, cells.layers, [f"head {h}" for h in cells.heads]
-        xt, yt = "layer (0-based)", "head (all positions patched)"
-    else:  # [layer pos head] -> rows (layer, head), columns positions
-        z = grid.transpose(0, 2, 1).reshape(-1, grid.shape[1])
-        y = [f"L{ly} h{h}" for ly in cells.layers for h in cells.heads]
-        x, xt, yt = pos_labels, "position", "layer, head"
-    fig = go.Figure(
-        go.Heatmap(
-            z=np.where(np.isfinite(z), z, None).tolist(),
-            x=x,
-            y=y,
-            zmid=0,
-            colorscale="RdBu",
-            reversescale=True,
-            colorbar={"title": "normalised"},
-            hovertemplate="%{x}<br>%{y}<br>normalised %{z:.3f}<extra>" + cells.site + "</extra>",
-        )
-    )
-    fig.update_yaxes(title_text=yt, autorange="reversed")
-    fig.update_xaxes(title_text=xt)
-    height = max(380, min(1600, 18 * len(y or []) + 200))
-    fig.update_layout(title=title, template="plotly_white", height=height)
-    return fig
-
-
 def figures(result: PairsResult) -> dict[str, go.Figure]:
     """One heat map per site (all pairs)."""
     return {
-        f"pairs_{s.cells.site}": heatmap(
+        f"pairs_{s.cells.site}": plotting.cells_heatmap(
             s.cells,
             s.cells.normalized(result.metric),
             result.tokens,
