@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import plotly.graph_objects as go
 import torch
 
@@ -51,7 +50,7 @@ from me_interp.patching import (
     patch_sweep,
     rank_agreement,
 )
-from me_interp.patching.cells import Cells, Separation, separation
+from me_interp.patching.cells import TOP, Cells, Separation, TopCell, separation, top_cells
 from me_interp.patching.pairs import (
     LOGIT_METRICS,
     Pair,
@@ -69,8 +68,6 @@ from me_interp.terminal import fmt_table
 
 MASSIVE_METRICS = ("projection", "sink", "norm_ratio")
 METRICS = (*LOGIT_METRICS, *MASSIVE_METRICS)
-TOP = 5
-"""How many top cells of each site are chosen and reported."""
 
 
 @dataclass(frozen=True)
@@ -81,20 +78,6 @@ class SiteCells:
     cells: Cells
     attribution: Cells | None = None
     agreement: float | None = None
-
-
-@dataclass(frozen=True)
-class TopCell:
-    """A top cell: chosen by ``|normalised|`` on the selection pairs (``selected``), reported on
-    the held-out pairs (``normalised``, interval ``lo``..``hi``)."""
-
-    site: str
-    cell: str
-    flat: int
-    selected: float
-    normalised: float
-    lo: float
-    hi: float
 
 
 @dataclass(frozen=True)
@@ -162,27 +145,6 @@ def _metric(name: str, cfg, model: LoadedModel, pb: PairBatch) -> tuple[PatchMet
     return Projection(last, h.float().mean(0).cpu(), p), note + f"; projection at layer {last}"
 
 
-def top_cells(
-    sites: list[SiteCells], metric: str, select: list[int], test: list[int], tokens, seed: int
-) -> tuple[list[TopCell], int]:
-    """Each site's :data:`TOP` cells by ``|normalised|`` on the pairs ``select``, with their value
-    and interval on the pairs ``test``; and the number of finite cells searched."""
-    out, searched = [], 0
-    for s in sites:
-        c = s.cells
-        chosen = c.normalized(metric, select).ravel()
-        ok = np.flatnonzero(np.isfinite(chosen))
-        searched += len(ok)
-        best = ok[np.argsort(-np.abs(chosen[ok]), kind="stable")][:TOP]
-        held = c.normalized(metric, test).ravel()
-        lo, hi = (g.ravel() for g in c.bootstrap(metric, seed, test))
-        out += [
-            TopCell(c.site, c.label(int(i), tokens), int(i), chosen[i], held[i], lo[i], hi[i])
-            for i in best
-        ]
-    return out, searched
-
-
 def run(cfg, model: LoadedModel | None = None, pairs: PairsLike | None = None) -> PairsResult:
     """Sweep every site of ``cfg.sites`` on the pairs (``pairs``, else ``cfg.pairs``). No printing,
     no files.
@@ -234,7 +196,7 @@ def run(cfg, model: LoadedModel | None = None, pairs: PairsLike | None = None) -
     select, test = everyone, everyone
     if len(pb) >= 2:
         select, test = (h.tolist() for h in claims.halves(len(pb), cfg.seed))
-    top, searched = top_cells(sites, name, select, test, tokens, cfg.seed)
+    top, searched = top_cells([s.cells for s in sites], name, select, test, tokens, cfg.seed)
     return PairsResult(
         run_header(cfg, model, len(pb)),
         name,
