@@ -67,12 +67,6 @@ STAGE_LABELS = {
     "product": "σ(gate)·up",
     "down": "after W_down (FFN output)",
 }
-ALIGN_LINES = {
-    "pre-FFN RMSNorm output (after gain)": "ffn_in",
-    "pre-FFN standardised h/rms (before gain)": "ffn_normalized",
-    "pre-attention RMSNorm output (after gain)": "attn_in",
-}
-"""The lines of the ΔFrac and ΔKL figures: label → site (``Layer.delta_frac_<site>``)."""
 N_TOP = 3
 """The "few" neurons of ``mechanism.few_neurons`` (the top-3 of ``THRESHOLDS['concentration_share']``)."""
 
@@ -481,18 +475,27 @@ def figures(result: Result) -> dict[str, go.Figure]:
     gl = me if me is not None else nl
     marks = [(g.dim, g.rank, g.abs_gain) for g in (result.gain_ranks.ffn or [[]] * (gl + 1))[gl]]
 
-    def align(stat: str) -> dict[str, list[float]]:
-        return {k: [getattr(r, f"{stat}_{s}") for r in rows] for k, s in ALIGN_LINES.items()}
-
     return {
         "delta_frac": plotting.layer_lines(
-            align("delta_frac"),
+            {
+                "pre-FFN RMSNorm output (after gain)": [r.delta_frac_ffn_in for r in rows],
+                "pre-FFN standardised h/rms (before gain)": [
+                    r.delta_frac_ffn_normalized for r in rows
+                ],
+                "pre-attention RMSNorm output (after gain)": [r.delta_frac_attn_in for r in rows],
+            },
             f"ΔFrac: share of energy on the top-|w| dims, massive token minus others ({k})",
             "ΔFrac (fraction, > 0: massive token more aligned)",
             me,
         ),
         "delta_kl": plotting.layer_lines(
-            align("delta_kl"),
+            {
+                "pre-FFN RMSNorm output (after gain)": [r.delta_kl_ffn_in for r in rows],
+                "pre-FFN standardised h/rms (before gain)": [
+                    r.delta_kl_ffn_normalized for r in rows
+                ],
+                "pre-attention RMSNorm output (after gain)": [r.delta_kl_attn_in for r in rows],
+            },
             "ΔKL(p‖g): energy distribution vs gain distribution, massive token minus others",
             "ΔKL (nats, < 0: massive token closer to the gains)",
             me,
