@@ -533,8 +533,8 @@ def panel_lines(
 
 
 def cells_heatmap(cells: Cells, grid: np.ndarray, tokens: list[str], title: str) -> go.Figure:
-    """The normalised ``grid`` of one sweep: layer × position, layer × head, or (layer, head) ×
-    position (``tokens`` label the positions)."""
+    """The normalised ``grid`` of one patching sweep (``me_interp.patching.cells.Cells``): layer ×
+    position, layer × head, or (layer, head) × position (``tokens`` label the positions)."""
     pos_labels = None
     if cells.positions is not None:
         pos_labels = [f"{p}: {tokens[p]!r}" if p < len(tokens) else str(p) for p in cells.positions]
@@ -567,8 +567,9 @@ def cells_heatmap(cells: Cells, grid: np.ndarray, tokens: list[str], title: str)
 
 
 def sink_heads(sh: SinkHeads, subtitle: str) -> go.Figure:
-    """Layer × head: each head's clean attention to ``p`` (mean over the selection prompts) and its
-    own restore (patched alone), the sink heads marked."""
+    """The sink-heads measurement (``me_interp.patching.sinkheads.SinkHeads``), layer × head: each
+    head's clean attention to ``p`` (mean over the selection prompts) and its own restore (patched
+    alone), the sink heads marked."""
     title = (
         "Sink heads: attention to the massive token and restore of the output (KL), per head — "
         f"{subtitle.removesuffix('</sup>')}; the {sh.k} sink heads (red) patched together restore "
