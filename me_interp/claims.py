@@ -1247,6 +1247,15 @@ def paired(reference: np.ndarray, value: np.ndarray) -> np.ndarray:
     return np.stack([np.asarray(reference, float), np.asarray(value, float)], axis=1)
 
 
+def rise_after(curve: np.ndarray, layer: int) -> np.ndarray | float:
+    """``(mean after − max before) / max(both)`` of per-layer values ``curve [..., layer]`` (0 when
+    both are 0), before = layers ≤ ``layer``, after = layers > ``layer``; vectorised over the leading
+    axes (for the bootstrap: :func:`of_means`)."""
+    before, after = curve[..., : layer + 1].max(-1), curve[..., layer + 1 :].mean(-1)
+    top = np.maximum(before, after)
+    return divide(after - before, top, fill=0.0)
+
+
 def holm(claims: Sequence[Claim | Mapping[str, Any]], alpha: float = ALPHA) -> list[str]:
     """Holm-adjusted verdicts (one per claim, in order) over the family of claims of kind
     ``claim`` with a p-value: a decided verdict stays decided when its one-sided p-value passes

@@ -140,6 +140,13 @@ def text_nll(
     return TextNLL(nll=nll.sum(-1).tolist(), n=[int(v) for v in valid.sum(-1)])
 
 
+def forward_nll(model: LoadedModel, batch: Batch, hooks: Sequence = (), **prefix) -> TextNLL:
+    """:func:`text_nll` of one forward of ``batch`` under ``hooks`` (``prefix``, ``start``: blocks
+    ``start..`` only, from a captured prefix: :func:`me_interp.probes.batching.record`)."""
+    logits = record(model, batch, [], fwd_hooks=hooks, logits=True, **prefix)
+    return text_nll(logits, batch.tokens, batch.attention_mask)
+
+
 def pooled_perplexity(nll: Sequence[int | float], n: Sequence[int | float]) -> float:
     """``exp(Σ_b nll_b / Σ_b n_b)``: the perplexity of a set of texts from per-text sums.
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -20,6 +21,10 @@ from me_interp.architecture import (
     FFN_OWN_SITE,
     FFN_RESIDUAL_SITE,
 )
+
+if TYPE_CHECKING:
+    from me_interp.patching.cells import Cells
+    from me_interp.patching.sinkheads import SinkHeads
 
 SITE_TITLES = {
     "resid_pre": "block input (resid_pre)",
@@ -350,8 +355,6 @@ def quartile_lines(
 ) -> go.Figure:
     """Per named ``[sample][x]`` series (array-like), its median over samples with the interquartile range as
     error bars, on a log y axis."""
-    import numpy as np
-
     fig = go.Figure()
     for name, vals in series.items():
         q1, q2, q3 = np.quantile(np.asarray(vals, dtype=float), [0.25, 0.5, 0.75], axis=0)
@@ -479,6 +482,146 @@ def lines(
     fig.update_layout(title=title, xaxis_title=xaxis_title, yaxis_title=yaxis_title)
     fig.update_layout(
         yaxis_type="log", xaxis_type="log" if log_x else None, template="plotly_white"
+    )
+    return fig
+
+
+SELECTION_STYLES = {  # no line hides another where they coincide
+    "weight": ("firebrick", "solid", "circle"),
+    "activation": ("darkorange", "dash", "diamond-open"),
+    "random": ("gray", "dot", "square-open"),
+    "magnitude": ("steelblue", "dashdot", "x"),
+}
+"""One colour, dash and marker per WeMask dim selection (``me_interp.interventions.wemask``)."""
+
+
+def panel_lines(
+    panels: Mapping[str, Mapping[str, Sequence[tuple[float, float]]]],
+    xaxis_title: str,
+    title: str,
+    log_panels: Collection[str] = (),
+    styles: Mapping[str, tuple[str | None, str, str]] = SELECTION_STYLES,
+) -> go.Figure:
+    """One panel per key of ``panels`` (its title), three to a row, each with one line per named
+    series of ``(x, y)`` points (a series keeps its colour, dash and marker, ``styles``, and one
+    legend entry across panels); ``log_panels``: the panels on a log y axis."""
+    cols, nrows = 3, (len(panels) + 2) // 3
+    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=list(panels))
+    for i, (name, series) in enumerate(panels.items()):
+        at = {"row": i // cols + 1, "col": i % cols + 1}
+        for v, points in series.items():
+            x, y = zip(*points) if points else ((), ())
+            color, dash, symbol = styles.get(v, (None, "solid", "circle"))
+            fig.add_trace(
+                go.Scatter(
+                    x=x,
+                    y=y,
+                    mode="lines+markers",
+                    name=v,
+                    legendgroup=v,
+                    showlegend=i == 0,
+                    line={"color": color, "dash": dash},
+                    marker={"symbol": symbol, "size": 8},
+                ),
+                **at,
+            )
+        fig.update_xaxes(title_text=xaxis_title, **at)
+        if name in log_panels:
+            fig.update_yaxes(type="log", **at)
+    fig.update_layout(title=title, template="plotly_white", height=330 * nrows + 120)
+    return fig
+
+
+def cells_heatmap(cells: Cells, grid: np.ndarray, tokens: list[str], title: str) -> go.Figure:
+    """The normalised ``grid`` of one patching sweep (``me_interp.patching.cells.Cells``): layer ×
+    position, layer × head, or (layer, head) × position (``tokens`` label the positions)."""
+    pos_labels = None
+    if cells.positions is not None:
+        pos_labels = [f"{p}: {tokens[p]!r}" if p < len(tokens) else str(p) for p in cells.positions]
+    if cells.heads is None:  # [layer pos]
+        z, x, y, xt, yt = grid.T, cells.layers, pos_labels, "layer (0-based)", "position"
+    elif cells.positions is None:  # [layer head]
+        z, x, y = grid.T, cells.layers, [f"head {h}" for h in cells.heads]
+        xt, yt = "layer (0-based)", "head (all positions patched)"
+    else:  # [layer pos head] -> rows (layer, head), columns positions
+        z = grid.transpose(0, 2, 1).reshape(-1, grid.shape[1])
+        y = [f"L{ly} h{h}" for ly in cells.layers for h in cells.heads]
+        x, xt, yt = pos_labels, "position", "layer, head"
+    fig = go.Figure(
+        go.Heatmap(
+            z=np.where(np.isfinite(z), z, None).tolist(),
+            x=x,
+            y=y,
+            zmid=0,
+            colorscale="RdBu",
+            reversescale=True,
+            colorbar={"title": "normalised"},
+            hovertemplate="%{x}<br>%{y}<br>normalised %{z:.3f}<extra>" + cells.site + "</extra>",
+        )
+    )
+    fig.update_yaxes(title_text=yt, autorange="reversed")
+    fig.update_xaxes(title_text=xt)
+    height = max(380, min(1600, 18 * len(y or []) + 200))
+    fig.update_layout(title=title, template="plotly_white", height=height)
+    return fig
+
+
+def sink_heads(sh: SinkHeads, subtitle: str) -> go.Figure:
+    """The sink-heads measurement (``me_interp.patching.sinkheads.SinkHeads``), layer × head: each
+    head's clean attention to ``p`` (mean over the selection prompts) and its own restore (patched
+    alone), the sink heads marked."""
+    title = (
+        "Sink heads: attention to the massive token and restore of the output (KL), per head — "
+        f"{subtitle.removesuffix('</sup>')}; the {sh.k} sink heads (red) patched together restore "
+        f"{sh.restore(sh.kl_top):.3g}, random non-sink heads "
+        f"{np.mean(sh.random_restores() or [np.nan]):.3g}</sup>"
+    )
+    panels = [("attention to p (selection prompts)", sh.selection_attention().T, 0.0, 1.0)]
+    if sh.single is not None:
+        single = np.asarray(sh.single, dtype=np.float64).T
+        # symmetric around 0 at the largest |restore| (single heads restore little: a ±1 scale
+        # would show a blank panel), never narrower than ±0.05
+        top = float(np.nanmax(np.abs(single), initial=0.0))
+        top = max(top if np.isfinite(top) else 1.0, 0.05)
+        panels.append(("restore, head alone (attribution estimate)", single, -top, top))
+    fig = make_subplots(
+        rows=1, cols=len(panels), subplot_titles=[p[0] for p in panels], shared_yaxes=True
+    )
+    for i, (name, z, lo, hi) in enumerate(panels):
+        fig.add_trace(
+            go.Heatmap(
+                z=z.tolist(),
+                x=sh.layers,
+                y=list(range(sh.n_heads)),
+                zmin=lo,
+                zmax=hi,
+                colorscale="Viridis" if i == 0 else "RdBu",
+                reversescale=i > 0,
+                colorbar={"x": 0.46 if len(panels) > 1 and i == 0 else 1.02, "len": 0.9},
+                hovertemplate="layer %{x}<br>head %{y}<br>%{z:.3f}<extra>" + name + "</extra>",
+            ),
+            row=1,
+            col=i + 1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[la for la, _ in sh.top],
+                y=[h for _, h in sh.top],
+                mode="markers",
+                marker={"symbol": "square-open", "size": 14, "color": "red", "line": {"width": 2}},
+                name="sink heads (chosen on the selection prompts)",
+                showlegend=i == 0,
+            ),
+            row=1,
+            col=i + 1,
+        )
+        fig.update_xaxes(title_text="layer (0-based)", row=1, col=i + 1)
+    fig.update_yaxes(title_text="head", autorange="reversed", row=1, col=1)
+    fig.update_layout(
+        title=title,
+        template="plotly_white",
+        height=max(380, 22 * sh.n_heads + 220),
+        legend={"orientation": "h", "y": -0.2},
     )
     return fig
 

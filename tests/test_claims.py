@@ -72,7 +72,6 @@ def _by_hand():
     was written before (sums and means of the rows, Python branches), and the width of its rows."""
     from me_interp import evaluation
     from me_interp.experiments import (
-        attention_sinks,
         mechanism,
         sink_causality,
         super_weight,
@@ -117,7 +116,7 @@ def _by_hand():
         (evaluation.ratio_change, lambda a: a[:, 1].mean() / a[:, 0].mean() - 1, 2),
         (super_weight._recovered, recovered, 4),
         (mechanism._gain_alignment, gain, 4),
-        (claims.of_means(lambda m: attention_sinks._shift(m, 2)), shift, 6),
+        (claims.of_means(lambda m: claims.rise_after(m, 2)), shift, 6),
     ]
 
 

@@ -38,7 +38,14 @@ from me_interp.patching import (
     SinkMass,
     patch_sweep,
 )
-from me_interp.patching.cells import Cells, columns, restore_stat
+from me_interp.patching.cells import (
+    OVERSHOOT,
+    Cells,
+    cells_sample,
+    cells_text,
+    columns,
+    restore_stat,
+)
 from me_interp.patching.corrupt import corrupt, undo_cell
 from me_interp.patching.pairs import Pair, PairsLike, as_pairs
 from me_interp.patching.sinkheads import SinkHeads
@@ -61,8 +68,6 @@ from me_interp.terminal import fmt_table
 NAME = "activation_patching"
 FFN_SITES = ("mlp_out", "ffn_out")
 PROJECTION = "projection"
-OVERSHOOT = 1 + 1e-6
-"""A normalised value above this (1 up to float noise) is an overshoot, not a restore."""
 RESTORE = "normalised {metric} (clean = 1, corrupt = 0; ratio of prompt means; above 1: overshoot)"
 _PROJ = "signed projection ⟨h_p, u⟩ at the metric layer onto the clean massive direction u"
 SUBLAYERS = ("attn_out", "mlp_out")
@@ -205,21 +210,8 @@ def _why_later(r: Result) -> str | None:
 
 
 def _cells_stat(key: str, metric: str):
-    """The statistic of a claim decided by the cells ``Result.cells(key)``: per prompt
-    ``[clean, corrupt, patched …]``, the largest normalised value over the cells."""
-
-    def stat(r: Result) -> claims.Sample:
-        cells = r.cells(key)
-        rows = r.cell_rows(cells, metric)
-        if rows is None:
-            shown = ", ".join(f"{c} at layer {x}" for c, x, _ in cells[:3])
-            raise claims.NotApplicable(
-                f"the cells it needs ({shown}{', …' if len(cells) > 3 else ''}; metric {metric}) "
-                "were not swept (see --sites)"
-            )
-        return claims.Sample(rows, restore_stat)
-
-    return stat
+    """The statistic of a claim decided by the cells ``Result.cells(key)`` (:func:`cells_sample`)."""
+    return lambda r: cells_sample(r.cell_rows(r.cells(key), metric), r.cells(key), metric)
 
 
 def _details(key: str, metric: str):
@@ -246,22 +238,7 @@ def _details(key: str, metric: str):
             )
         if key in ("ffn_writes", "ffn_is_state"):
             out += f"; {r.ffn.text()}"
-        norm = (m[2:] - m[1]) / (m[0] - m[1]) if m[0] != m[1] else np.full(len(m) - 2, np.nan)
-        cells = r.cells(key)
-        if len(cells) > 1 and np.isfinite(norm).any():
-            hi, lo = int(np.nanargmax(norm)), int(np.nanargmin(norm))
-            out += f"; largest {norm[hi]:.3g} at {cells[hi][0]} of layer {cells[hi][1]}"
-            if norm[lo] < 0:
-                out += f"; most negative {norm[lo]:.3g} at {cells[lo][0]} of layer {cells[lo][1]}"
-                if norm[lo] <= -claims.threshold("restore"):
-                    out += " (it writes against the massive direction: it erases it)"
-        best = float(np.nanmax(norm)) if np.isfinite(norm).any() else float("nan")
-        if best > OVERSHOOT:
-            out += (
-                f"; overshoot: {best:.3g} > 1 — the patched run has more along the massive direction "
-                "than the clean run, which is not a restore"
-            )
-        return out
+        return out + cells_text(m, r.cells(key))
 
     return details
 
@@ -548,7 +525,7 @@ def figures(result: Result | patching_pairs.PairsResult) -> dict[str, go.Figure]
         )
         for c in result.sweeps:  # the per-head sweeps, and every position with --all-positions
             if c.heads is not None or len(c.positions) > 2:
-                figs[f"patching_{metric}_{c.site}"] = patching_pairs.heatmap(
+                figs[f"patching_{metric}_{c.site}"] = plotting.cells_heatmap(
                     c,
                     c.normalized(metric),
                     result.tokens,
@@ -556,7 +533,7 @@ def figures(result: Result | patching_pairs.PairsResult) -> dict[str, go.Figure]
                     f"— {sub}",
                 )
     if result.sink_heads is not None:
-        figs["sink_heads"] = patching_heads.figure(result.sink_heads, sub)
+        figs["sink_heads"] = plotting.sink_heads(result.sink_heads, sub)
     return figs
 
 

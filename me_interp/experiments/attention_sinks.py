@@ -173,21 +173,6 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     )
 
 
-def sink_shift(a: np.ndarray, me: int) -> float:
-    """``(mean after − max before) / max(both)`` of the per-layer mean (over prompts, the rows of
-    ``a[prompt, layer]``) of a sink measure (0 when both are 0); before = layers ≤ ME (their
-    attention runs before the ME layer's FFN), after = layers > ME."""
-    return float(_shift(np.asarray(a, dtype=np.float64).mean(0), me))
-
-
-def _shift(curve: np.ndarray, me: int) -> np.ndarray | float:
-    """:func:`sink_shift` of per-layer means ``curve [..., layer]`` (vectorised over the leading
-    axes, for the bootstrap: ``claims.of_means``)."""
-    before, after = curve[..., : me + 1].max(-1), curve[..., me + 1 :].mean(-1)
-    top = np.maximum(before, after)
-    return claims.divide(after - before, top, fill=0.0)
-
-
 def _attention_applies(r: Result) -> str | None:
     if r.me_layer == len(r.layers) - 1:
         return "the ME layer is the last layer: no attention reads the massive activation"
@@ -203,7 +188,7 @@ def _geometry_applies(r: Result) -> str | None:
 def _sink(r: Result, me: int | None = None) -> claims.Sample:
     me = r.me_layer if me is None else me
     return claims.Sample(
-        as_array(r.per_prompt.attn_to_massive), claims.of_means(lambda m: _shift(m, me))
+        as_array(r.per_prompt.attn_to_massive), claims.of_means(lambda m: claims.rise_after(m, me))
     )
 
 

@@ -26,6 +26,7 @@ from me_interp.backends import check_backend
 from me_interp.experiments._layer_report import peak_details, peak_measure, unit_curves
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import (
+    EVENT_COLUMNS,
     Criterion,
     CriterionKind,
     MELocation,
@@ -262,23 +263,8 @@ def summary(result: Result) -> str:
             f"{site_text(ev.site)}; jump x{ev.jump:.3g}; dims {loc.massive_dims[:8]}; positions "
             f"{sorted({p for ps in loc.massive_positions for p in ps})}"
         )
-    rows = [
-        (
-            e.layer,
-            e.layer_1based,
-            e.last_layer,
-            "yes" if e.persists_to_end else "no",
-            e.site,
-            e.jump,
-            str(e.dims[:4]),
-        )
-        for e in loc.events
-    ]
-    if rows:
-        lines.append("")
-        lines.append(
-            fmt_table(["start", "start(1b)", "last", "to end", "site", "jump", "dims"], rows)
-        )
+    if loc.events:
+        lines += ["", fmt_table(EVENT_COLUMNS, [e.cells() for e in loc.events])]
     return "\n".join(lines)
 
 

@@ -418,34 +418,22 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
         per["magnification_residual"] = mag_res
         per[f"delta_c_{RESIDUAL_STAGE}"] = fs.delta_c(RESIDUAL_STAGE)
 
-    def stages(c: Callable[[str], torch.Tensor], L: int, residual: float | None = None) -> Stages:
-        return Stages(*(_mean(c(s)[L]) for s in STAGES), residual=residual)  # type: ignore[misc]
-
-    layers = []
-    for L in range(model.n_layers):
-        align = {}
-        for s in ALIGN_SITES:
-            align[f"delta_frac_{s}"] = _mean(al.delta_frac(s)[L])
-            align[f"delta_kl_{s}"] = _mean(al.delta_kl(s)[L])
-        for m in ("frac", "kl", "weight_norm"):
-            align[f"{m}_massive"] = _mean(al.massive(m, "ffn_in")[L])
-            align[f"{m}_others"] = _mean(al.others(m, "ffn_in")[L])
-        res = None if mag_res is None else _mean(per[f"delta_c_{RESIDUAL_STAGE}"][L])
-        layers.append(
-            Layer(
-                layer=L,
-                layer_1based=L + 1,
-                delta_frac=_mean(per["delta_frac"][L]),
-                delta_kl=_mean(per["delta_kl"][L]),
-                **align,
-                delta_c=stages(fs.delta_c, L, res),
-                c_massive=stages(fs.massive_c, L),
-                c_others=stages(fs.others_c, L),
-                magnification=_mean(mag[L]),
-                magnification_others=_mean(mag_o[L]),
-                magnification_residual=None if mag_res is None else _mean(mag_res[L]),
-            )
+    layers = [
+        Layer(
+            layer=L,
+            layer_1based=L + 1,
+            delta_frac=_mean(per["delta_frac"][L]),
+            delta_kl=_mean(per["delta_kl"][L]),
+            **al.layer_means(L),
+            delta_c=fs.stage_means("delta", L),
+            c_massive=fs.stage_means("massive", L),
+            c_others=fs.stage_means("others", L),
+            magnification=_mean(mag[L]),
+            magnification_others=_mean(mag_o[L]),
+            magnification_residual=None if mag_res is None else _mean(mag_res[L]),
         )
+        for L in range(model.n_layers)
+    ]
     table = top_neurons(model, fs, nl, cfg.top_neurons)
     neurons = Neurons(
         layer=table.layer,
@@ -486,6 +474,7 @@ def figures(result: Result) -> dict[str, go.Figure]:
     k = f"K = {result.k} of {result.d_model} dims"
     gl = me if me is not None else nl
     marks = [(g.dim, g.rank, g.abs_gain) for g in (result.gain_ranks.ffn or [[]] * (gl + 1))[gl]]
+
     return {
         "delta_frac": plotting.layer_lines(
             {

@@ -17,9 +17,10 @@ construction, so the output distribution is the outcome. With the ``first_token`
 0 differs in every layer, so part of ``KL(clean ‖ corrupt)`` comes from layers before the ME layer,
 which no head after it can restore; ``remove_input`` leaves them clean.
 
-The figure (``sink_heads``) maps each head's clean attention to ``p`` and its own restore (patched
-alone, estimated by attribution patching: exact patching of every head costs minutes on the bundled
-model), the sink heads marked. The claims use exact patching.
+The figure (``sink_heads``, :func:`me_interp.plotting.sink_heads`) maps each head's clean
+attention to ``p`` and its own restore (patched alone, estimated by attribution patching: exact
+patching of every head costs minutes on the bundled model), the sink heads marked. The claims use
+exact patching.
 """
 
 from __future__ import annotations
@@ -27,13 +28,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-import numpy as np
-import plotly.graph_objects as go
-from plotly.subplots import make_subplots
-
 from me_interp import claims
 from me_interp.patching.corrupt import Corrupted, corrupt_for
-from me_interp.patching.sinkheads import SinkHeads, measure
+from me_interp.patching.sinkheads import measure
 
 _HEADS = (
     "the clean outputs (hook_z, every position) of the k sink heads — the heads after the ME layer "
@@ -136,62 +133,3 @@ def measured(cfg, model, clean, cx: Corrupted, layer: int, position: int):
         ), None
     except claims.NotApplicable as e:
         return None, str(e)
-
-
-def figure(sh: SinkHeads, subtitle: str) -> go.Figure:
-    """Layer × head: each head's clean attention to ``p`` (mean over the selection prompts) and its
-    own restore (patched alone), the sink heads marked."""
-    title = (
-        "Sink heads: attention to the massive token and restore of the output (KL), per head — "
-        f"{subtitle.removesuffix('</sup>')}; the {sh.k} sink heads (red) patched together restore "
-        f"{sh.restore(sh.kl_top):.3g}, random non-sink heads "
-        f"{np.mean(sh.random_restores() or [np.nan]):.3g}</sup>"
-    )
-    panels = [("attention to p (selection prompts)", sh.selection_attention().T, 0.0, 1.0)]
-    if sh.single is not None:
-        single = np.asarray(sh.single, dtype=np.float64).T
-        # symmetric around 0 at the largest |restore| (single heads restore little: a ±1 scale
-        # would show a blank panel), never narrower than ±0.05
-        top = float(np.nanmax(np.abs(single), initial=0.0))
-        top = max(top if np.isfinite(top) else 1.0, 0.05)
-        panels.append(("restore, head alone (attribution estimate)", single, -top, top))
-    fig = make_subplots(
-        rows=1, cols=len(panels), subplot_titles=[p[0] for p in panels], shared_yaxes=True
-    )
-    for i, (name, z, lo, hi) in enumerate(panels):
-        fig.add_trace(
-            go.Heatmap(
-                z=z.tolist(),
-                x=sh.layers,
-                y=list(range(sh.n_heads)),
-                zmin=lo,
-                zmax=hi,
-                colorscale="Viridis" if i == 0 else "RdBu",
-                reversescale=i > 0,
-                colorbar={"x": 0.46 if len(panels) > 1 and i == 0 else 1.02, "len": 0.9},
-                hovertemplate="layer %{x}<br>head %{y}<br>%{z:.3f}<extra>" + name + "</extra>",
-            ),
-            row=1,
-            col=i + 1,
-        )
-        fig.add_trace(
-            go.Scatter(
-                x=[la for la, _ in sh.top],
-                y=[h for _, h in sh.top],
-                mode="markers",
-                marker={"symbol": "square-open", "size": 14, "color": "red", "line": {"width": 2}},
-                name="sink heads (chosen on the selection prompts)",
-                showlegend=i == 0,
-            ),
-            row=1,
-            col=i + 1,
-        )
-        fig.update_xaxes(title_text="layer (0-based)", row=1, col=i + 1)
-    fig.update_yaxes(title_text="head", autorange="reversed", row=1, col=1)
-    fig.update_layout(
-        title=title,
-        template="plotly_white",
-        height=max(380, 22 * sh.n_heads + 220),
-        legend={"orientation": "h", "y": -0.2},
-    )
-    return fig

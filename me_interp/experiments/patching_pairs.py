@@ -34,11 +34,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from me_interp import claims, names
+from me_interp import claims, names, plotting
 from me_interp.loading.loaded import LoadedModel
 from me_interp.patching import (
     HEAD_SITES,
@@ -51,7 +50,7 @@ from me_interp.patching import (
     patch_sweep,
     rank_agreement,
 )
-from me_interp.patching.cells import Cells, Separation, separation
+from me_interp.patching.cells import TOP, Cells, Separation, TopCell, separation, top_cells
 from me_interp.patching.pairs import (
     LOGIT_METRICS,
     Pair,
@@ -69,8 +68,6 @@ from me_interp.terminal import fmt_table
 
 MASSIVE_METRICS = ("projection", "sink", "norm_ratio")
 METRICS = (*LOGIT_METRICS, *MASSIVE_METRICS)
-TOP = 5
-"""How many top cells of each site are chosen and reported."""
 
 
 @dataclass(frozen=True)
@@ -81,20 +78,6 @@ class SiteCells:
     cells: Cells
     attribution: Cells | None = None
     agreement: float | None = None
-
-
-@dataclass(frozen=True)
-class TopCell:
-    """A top cell: chosen by ``|normalised|`` on the selection pairs (``selected``), reported on
-    the held-out pairs (``normalised``, interval ``lo``..``hi``)."""
-
-    site: str
-    cell: str
-    flat: int
-    selected: float
-    normalised: float
-    lo: float
-    hi: float
 
 
 @dataclass(frozen=True)
@@ -162,27 +145,6 @@ def _metric(name: str, cfg, model: LoadedModel, pb: PairBatch) -> tuple[PatchMet
     return Projection(last, h.float().mean(0).cpu(), p), note + f"; projection at layer {last}"
 
 
-def top_cells(
-    sites: list[SiteCells], metric: str, select: list[int], test: list[int], tokens, seed: int
-) -> tuple[list[TopCell], int]:
-    """Each site's :data:`TOP` cells by ``|normalised|`` on the pairs ``select``, with their value
-    and interval on the pairs ``test``; and the number of finite cells searched."""
-    out, searched = [], 0
-    for s in sites:
-        c = s.cells
-        chosen = c.normalized(metric, select).ravel()
-        ok = np.flatnonzero(np.isfinite(chosen))
-        searched += len(ok)
-        best = ok[np.argsort(-np.abs(chosen[ok]), kind="stable")][:TOP]
-        held = c.normalized(metric, test).ravel()
-        lo, hi = (g.ravel() for g in c.bootstrap(metric, seed, test))
-        out += [
-            TopCell(c.site, c.label(int(i), tokens), int(i), chosen[i], held[i], lo[i], hi[i])
-            for i in best
-        ]
-    return out, searched
-
-
 def run(cfg, model: LoadedModel | None = None, pairs: PairsLike | None = None) -> PairsResult:
     """Sweep every site of ``cfg.sites`` on the pairs (``pairs``, else ``cfg.pairs``). No printing,
     no files.
@@ -234,7 +196,7 @@ def run(cfg, model: LoadedModel | None = None, pairs: PairsLike | None = None) -
     select, test = everyone, everyone
     if len(pb) >= 2:
         select, test = (h.tolist() for h in claims.halves(len(pb), cfg.seed))
-    top, searched = top_cells(sites, name, select, test, tokens, cfg.seed)
+    top, searched = top_cells([s.cells for s in sites], name, select, test, tokens, cfg.seed)
     return PairsResult(
         run_header(cfg, model, len(pb)),
         name,
@@ -251,44 +213,10 @@ def run(cfg, model: LoadedModel | None = None, pairs: PairsLike | None = None) -
     )
 
 
-def heatmap(cells: Cells, grid: np.ndarray, tokens: list[str], title: str) -> go.Figure:
-    """The normalised ``grid`` of one sweep: layer × position, layer × head, or (layer, head) ×
-    position (``tokens`` label the positions)."""
-    pos_labels = None
-    if cells.positions is not None:
-        pos_labels = [f"{p}: {tokens[p]!r}" if p < len(tokens) else str(p) for p in cells.positions]
-    if cells.heads is None:  # [layer pos]
-        z, x, y, xt, yt = grid.T, cells.layers, pos_labels, "layer (0-based)", "position"
-    elif cells.positions is None:  # [layer head]
-        z, x, y = grid.T, cells.layers, [f"head {h}" for h in cells.heads]
-        xt, yt = "layer (0-based)", "head (all positions patched)"
-    else:  # [layer pos head] -> rows (layer, head), columns positions
-        z = grid.transpose(0, 2, 1).reshape(-1, grid.shape[1])
-        y = [f"L{ly} h{h}" for ly in cells.layers for h in cells.heads]
-        x, xt, yt = pos_labels, "position", "layer, head"
-    fig = go.Figure(
-        go.Heatmap(
-            z=np.where(np.isfinite(z), z, None).tolist(),
-            x=x,
-            y=y,
-            zmid=0,
-            colorscale="RdBu",
-            reversescale=True,
-            colorbar={"title": "normalised"},
-            hovertemplate="%{x}<br>%{y}<br>normalised %{z:.3f}<extra>" + cells.site + "</extra>",
-        )
-    )
-    fig.update_yaxes(title_text=yt, autorange="reversed")
-    fig.update_xaxes(title_text=xt)
-    height = max(380, min(1600, 18 * len(y or []) + 200))
-    fig.update_layout(title=title, template="plotly_white", height=height)
-    return fig
-
-
 def figures(result: PairsResult) -> dict[str, go.Figure]:
     """One heat map per site (all pairs)."""
     return {
-        f"pairs_{s.cells.site}": heatmap(
+        f"pairs_{s.cells.site}": plotting.cells_heatmap(
             s.cells,
             s.cells.normalized(result.metric),
             result.tokens,

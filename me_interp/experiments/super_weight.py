@@ -16,7 +16,6 @@ removes most.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -28,11 +27,10 @@ from me_interp.claims import excess_fraction, excess_stat
 from me_interp.edits import down_weights_zeroed
 from me_interp.experiments._weights import WeightConfig, fmt_value, prepare, short_batch
 from me_interp.interventions.causal import set_ffn_own_at
-from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.loading.loaded import LoadedModel
 from me_interp.probes import down_proj as dp
-from me_interp.probes.batching import capture_prefix, record
-from me_interp.probes.down_proj import Candidate, LayerCandidate, survey_text  # noqa: F401
-from me_interp.probes.massive import Criterion
+from me_interp.probes.batching import capture_prefix
+from me_interp.probes.down_proj import Candidate, LayerCandidate
 from me_interp.probes.site import Units
 from me_interp.prompts import read_prompts
 from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
@@ -82,23 +80,6 @@ class Config(WeightConfig):
             raise ValueError(
                 f"control_weights must be <= pool ({self.pool}), got {self.control_weights}"
             )
-
-
-def survey_entry(
-    model: LoadedModel, prompts: Sequence[str], criterion: Criterion | None = None, n: int = 16
-) -> dp.SurveyCell:
-    """The survey's super-weight column (:func:`me_interp.probes.down_proj.survey`, no perplexity)
-    on ``n`` prompts spread over ``prompts``, cut to 16 tokens."""
-    return dp.survey(model, short_batch(model, prompts, n, 16), criterion)
-
-
-def text_nll(
-    model: LoadedModel, batch: Batch, hooks: Sequence = (), **prefix
-) -> evaluation.TextNLL:
-    """Per-text next-token NLL sums and counts under ``hooks`` (one forward; ``prefix``, ``start``:
-    blocks ``start..`` only, ``probes.batching.record``)."""
-    logits = record(model, batch, [], fwd_hooks=hooks, logits=True, **prefix)
-    return evaluation.text_nll(logits, batch.tokens, batch.attention_mask)
 
 
 @dataclass(frozen=True)
@@ -273,7 +254,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     clean = evaluation.text_nll(logits, tb.tokens, tb.attention_mask)
     pool = dp.control_pool(model, sw.layer, sw.row, sw.col, cfg.pool)
     draws = [dp.draw(pool, cfg.control_weights, cfg.seed + i) for i in range(cfg.n_random)]
-    nll = partial(text_nll, model, tb, prefix=tp, start=sw.layer)
+    nll = partial(evaluation.forward_nll, model, tb, prefix=tp, start=sw.layer)
     with down_weights_zeroed(model, [sw.coord]):
         zero, rest = nll(), nll(set_ffn_own_at(sw.layer, sw.row, sa.positions, sa.values))
     rand = []

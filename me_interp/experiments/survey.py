@@ -8,7 +8,7 @@ loading the next, so a GPU holds one model at a time. Writes ``<out>/survey/<run
 one figure, ``ratios_by_model`` (per model, the massive token's norm over the others' mean per layer).
 
 The table's columns (:func:`table`) come from each model's scan (:class:`Row`), with the verdict of
-``me_layer.sudden_birth`` and the super weight (:func:`me_interp.experiments.super_weight.survey_entry`:
+``me_layer.sudden_birth`` and the super weight (:func:`me_interp.probes.down_proj.survey`:
 detection only, on 16 prompts cut to 16 tokens). A model that cannot be loaded (no hub, a missing
 package, an unsupported architecture) or whose scan crashes gives a row with the error, and the
 survey goes on.
@@ -42,13 +42,15 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, io, plotting, terminal
-from me_interp.experiments import me_layer, super_weight
+from me_interp.experiments import me_layer
 from me_interp.experiments.me_layer import Result as Scan
 from me_interp.loading import load_model
 from me_interp.loading.devices import resolve_device
 from me_interp.loading.errors import ModelLoadError
 from me_interp.loading.loaded import LoadedModel
+from me_interp.probes import down_proj
 from me_interp.probes.massive import Criterion, Event
+from me_interp.probes.measurement import short_batch
 from me_interp.study.cli import BAD_INPUT, build_parser, config_from_args, is_bad_input
 from me_interp.study.config import checked, placement_kwargs
 from me_interp.study.experiment import apply_threads, seed_everything
@@ -111,7 +113,7 @@ class SuperWeightCell:
 
     def text(self) -> str:
         entry = io.to_jsonable(self)
-        return super_weight.survey_text({k: v for k, v in entry.items() if v is not None})
+        return down_proj.survey_text({k: v for k, v in entry.items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -278,7 +280,9 @@ def run(
             if nnsight_backend:  # super weights need TL hooks on W_down: not measured (empty cell)
                 continue
             try:  # detection only (two short forwards); its failure must not lose the scan
-                entry = super_weight.survey_entry(model, prompts, cfg.detection())
+                entry = down_proj.survey(
+                    model, short_batch(model, prompts, 16, 16), cfg.detection()
+                )
                 cell = io.from_jsonable(SuperWeightCell, entry)
             except Exception as e:
                 cell = SuperWeightCell(error=f"{type(e).__name__}: {e}")

@@ -23,9 +23,8 @@ from typing import Any, Literal
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
-from me_interp import claims, evaluation, terminal
+from me_interp import claims, evaluation, plotting, terminal
 from me_interp.backends import check_backend
 from me_interp.evaluation import Metrics
 from me_interp.experiments._weights import short_batch, spread
@@ -472,55 +471,18 @@ SPECS: tuple[claims.Spec, ...] = (
 claims.check_specs(SPECS)
 
 
-STYLES = {  # one colour, dash and marker per selection: no line hides another where they coincide
-    "weight": ("firebrick", "solid", "circle"),
-    "activation": ("darkorange", "dash", "diamond-open"),
-    "random": ("gray", "dot", "square-open"),
-    "magnitude": ("steelblue", "dashdot", "x"),
-}
-
-
-def _grid(metrics: list[str], series: list[str], points, xtitle: str, title: str):
-    """One panel per metric, one line per series (``points(series, metric)`` → (x, y) pairs)."""
-    cols, nrows = 3, (len(metrics) + 2) // 3
-    titles = [evaluation.METRIC_TITLES[m] for m in metrics]
-    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=titles)
-    for i, m in enumerate(metrics):
-        at = {"row": i // cols + 1, "col": i % cols + 1}
-        for v in series:
-            x, y = zip(*points(v, m)) if points(v, m) else ((), ())
-            color, dash, symbol = STYLES.get(v, (None, "solid", "circle"))
-            fig.add_trace(
-                go.Scatter(
-                    x=x,
-                    y=y,
-                    mode="lines+markers",
-                    name=v,
-                    legendgroup=v,
-                    showlegend=i == 0,
-                    line={"color": color, "dash": dash},
-                    marker={"symbol": symbol, "size": 8},
-                ),
-                **at,
-            )
-        fig.update_xaxes(title_text=xtitle, **at)
-        if m == "perplexity":
-            fig.update_yaxes(type="log", **at)
-    fig.update_layout(title=title, template="plotly_white", height=330 * nrows + 120)
-    return fig
-
-
 def figures(result: Result) -> dict[str, go.Figure]:
     metrics = [m for m in (*METRICS, "mc_accuracy") if getattr(result.baseline, m) is not None]
     variants = [v for v in VARIANTS if any(r.condition.variant == v for r in result.rows)]
-    rate_fig = _grid(
-        metrics,
-        variants,
-        result.rate_curve,
+    titles = evaluation.METRIC_TITLES
+    log = {titles["perplexity"]}
+    rate_fig = plotting.panel_lines(
+        {titles[m]: {v: result.rate_curve(v, m) for v in variants} for m in metrics},
         "mask rate r",
         f"WeMask mask-rate study — {result.model}<br><sup>masked positions: "
         f"{positions_label(result.positions)}; layers {result.layers[0]}..{result.layers[-1]} (ME layer "
         f"{result.me_layer}, start '{result.start}'); {result.n_texts} texts</sup>",
+        log,
     )
     rand = result.random_rows(result.claim_rate)
     for i, m in enumerate(metrics):
@@ -540,12 +502,11 @@ def figures(result: Result) -> dict[str, go.Figure]:
         for k in ("dim_projection", "direction_projection")
         if any(r.condition.kind == k for r in result.rows)
     ]
-    soft_fig = _grid(
-        metrics,
-        kinds,
-        result.alpha_curve,
+    soft_fig = plotting.panel_lines(
+        {titles[m]: {k: result.alpha_curve(k, m) for k in kinds} for m in metrics},
         "α",
         f"Soft alternatives: h − α P_S h (weight dims) and h − α proj_v h — {result.model}",
+        log,
     )
     return {"mask_rate": rate_fig, "soft_alpha": soft_fig}
 

@@ -195,6 +195,85 @@ def columns(
     return np.column_stack([m.clean, m.corrupt, *found]).astype(np.float64)
 
 
+def cells_sample(
+    rows: np.ndarray | None, cells: Sequence[tuple[str, int, int]], metric: str
+) -> claims.Sample:
+    """The :class:`~me_interp.claims.Sample` of a claim decided by ``cells``: per prompt ``rows``
+    ``[clean, corrupt, patched …]`` (:func:`columns`), the largest normalised value over the cells
+    (:func:`restore_stat`); ``NotApplicable`` when ``rows`` is ``None`` (not swept)."""
+    if rows is None:
+        shown = ", ".join(f"{c} at layer {x}" for c, x, _ in cells[:3])
+        raise claims.NotApplicable(
+            f"the cells it needs ({shown}{', …' if len(cells) > 3 else ''}; metric {metric}) "
+            "were not swept (see --sites)"
+        )
+    return claims.Sample(rows, restore_stat)
+
+
+OVERSHOOT = 1 + 1e-6
+"""A normalised value above this (1 up to float noise) is an overshoot, not a restore."""
+
+
+def cells_text(m: np.ndarray, cells: Sequence[tuple[str, int, int]]) -> str:
+    """What the prompt means ``m`` ``[clean, corrupt, patched at each of cells]`` say, each part
+    after ``"; "``: with several cells, the largest normalised value and the most negative one (one
+    at ``−restore`` or below erases the clean value); an overshoot above 1 (not a restore)."""
+    out = ""
+    norm = (m[2:] - m[1]) / (m[0] - m[1]) if m[0] != m[1] else np.full(len(m) - 2, np.nan)
+    if len(cells) > 1 and np.isfinite(norm).any():
+        hi, lo = int(np.nanargmax(norm)), int(np.nanargmin(norm))
+        out += f"; largest {norm[hi]:.3g} at {cells[hi][0]} of layer {cells[hi][1]}"
+        if norm[lo] < 0:
+            out += f"; most negative {norm[lo]:.3g} at {cells[lo][0]} of layer {cells[lo][1]}"
+            if norm[lo] <= -claims.threshold("restore"):
+                out += " (it writes against the massive direction: it erases it)"
+    best = float(np.nanmax(norm)) if np.isfinite(norm).any() else float("nan")
+    if best > OVERSHOOT:
+        out += (
+            f"; overshoot: {best:.3g} > 1 — the patched run has more along the massive direction "
+            "than the clean run, which is not a restore"
+        )
+    return out
+
+
+TOP = 5
+"""How many top cells of each site :func:`top_cells` chooses and reports."""
+
+
+@dataclass(frozen=True)
+class TopCell:
+    """A top cell: chosen by ``|normalised|`` on the selection pairs (``selected``), reported on
+    the held-out pairs (``normalised``, interval ``lo``..``hi``)."""
+
+    site: str
+    cell: str
+    flat: int
+    selected: float
+    normalised: float
+    lo: float
+    hi: float
+
+
+def top_cells(
+    sweeps: Sequence[Cells], metric: str, select: list[int], test: list[int], tokens, seed: int
+) -> tuple[list[TopCell], int]:
+    """Each sweep's :data:`TOP` cells by ``|normalised|`` on the pairs ``select``, with their value
+    and interval on the pairs ``test``; and the number of finite cells searched."""
+    out, searched = [], 0
+    for c in sweeps:
+        chosen = c.normalized(metric, select).ravel()
+        ok = np.flatnonzero(np.isfinite(chosen))
+        searched += len(ok)
+        best = ok[np.argsort(-np.abs(chosen[ok]), kind="stable")][:TOP]
+        held = c.normalized(metric, test).ravel()
+        lo, hi = (g.ravel() for g in c.bootstrap(metric, seed, test))
+        out += [
+            TopCell(c.site, c.label(int(i), tokens), int(i), chosen[i], held[i], lo[i], hi[i])
+            for i in best
+        ]
+    return out, searched
+
+
 def _weights(n: int, seed: int) -> np.ndarray:
     """``[N_BOOTSTRAP, n]`` resample weights: each row the counts of a draw with replacement / n."""
     idx = np.random.default_rng(seed).integers(0, n, size=(claims.N_BOOTSTRAP, n))

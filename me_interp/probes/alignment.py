@@ -282,6 +282,19 @@ class AlignmentScan:
         """Mean of ``metric`` over the other real tokens, per layer and prompt."""
         return mean_except_reference(getattr(self._site(site), metric), self.mask, self.reference)
 
+    def layer_means(self, layer: int) -> dict[str, float]:
+        """The means over prompts (NaN-skipping) at ``layer``: ``delta_frac_<site>`` and
+        ``delta_kl_<site>`` of every scanned site, ``<metric>_massive`` and ``<metric>_others``
+        (``frac``, ``kl``, ``weight_norm``) at ``ffn_in``."""
+        out = {}
+        for s in self.sites:
+            out[f"delta_frac_{s}"] = float(self.delta_frac(s)[layer].nanmean())
+            out[f"delta_kl_{s}"] = float(self.delta_kl(s)[layer].nanmean())
+        for m in ("frac", "kl", "weight_norm"):
+            out[f"{m}_massive"] = float(self.massive(m, "ffn_in")[layer].nanmean())
+            out[f"{m}_others"] = float(self.others(m, "ffn_in")[layer].nanmean())
+        return out
+
 
 class AlignmentRecorder:
     """Records ``WeightNorm``, ``Frac`` and ``KL(p‖g)`` of every token at ``sites`` of every layer,

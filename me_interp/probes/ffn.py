@@ -113,6 +113,14 @@ class FFNScan:
             return None
         return self._at_reference(self.residual_norm / self.in_norm)
 
+    def stage_means(self, which: str, layer: int) -> Stages:
+        """The means over prompts (NaN-skipping) at ``layer`` of :meth:`delta_c` (``which="delta"``;
+        with ``residual`` on sandwich-norm models), :meth:`massive_c` or :meth:`others_c` per stage."""
+        c = {"delta": self.delta_c, "massive": self.massive_c, "others": self.others_c}[which]
+        res = which == "delta" and self.residual_norm is not None
+        residual = float(c(RESIDUAL_STAGE)[layer].nanmean()) if res else None
+        return Stages(*(float(c(s)[layer].nanmean()) for s in STAGES), residual=residual)  # type: ignore[misc]
+
 
 class FFNRecorder:
     """Records the concentration of every token at every FFN stage and the FFN's input and output

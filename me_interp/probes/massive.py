@@ -147,6 +147,16 @@ class Event:
     dims: list[int]
     prompt_fraction: float
 
+    def cells(self) -> tuple:
+        """The summary-table cells (:data:`EVENT_COLUMNS`)."""
+        end = "yes" if self.persists_to_end else "no"
+        first = (self.layer, self.layer_1based, self.last_layer, end)
+        return (*first, self.site, self.jump, str(self.dims[:4]))
+
+
+EVENT_COLUMNS = ("start", "start(1b)", "last", "to end", "site", "jump", "dims")
+"""The columns of :meth:`Event.cells`."""
+
 
 @dataclass(frozen=True)
 class MELocation:

@@ -335,8 +335,8 @@ def test_relative_drop_gain_alignment_and_sink_shift_by_hand():
     assert mechanism._gain_alignment(flat) == 0.0
     sink = np.array([[0.1, 0.2, 0.6, 0.8], [0.1, 0.4, 0.6, 0.6]])
     # per-layer means 0.1, 0.3, 0.6, 0.7: max over layers <= 1 is 0.3, mean over layers > 1 is 0.65
-    assert attention_sinks.sink_shift(sink, 1) == pytest.approx((0.65 - 0.3) / 0.65)
-    assert attention_sinks.sink_shift(np.zeros((2, 4)), 1) == 0.0
+    assert claims.rise_after(sink.mean(0), 1) == pytest.approx((0.65 - 0.3) / 0.65)
+    assert claims.rise_after(np.zeros(4), 1) == 0.0
 
 
 def test_removed_misalignment_is_measured_on_one_minus_cos():

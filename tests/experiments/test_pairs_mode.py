@@ -12,6 +12,7 @@ from me_interp import claims, io, synthetic
 from me_interp.experiments import activation_patching as ap
 from me_interp.experiments import patching_pairs
 from me_interp.patching import LogitDiff, patch_sweep
+from me_interp.patching.cells import TOP
 from me_interp.patching.pairs import as_pairs, read_pairs, tokenize_pairs
 from me_interp.study.result import roundtrip
 
@@ -66,7 +67,7 @@ def test_run_equals_the_sweep_and_its_intervals_the_bootstrap(planted, pairs_fil
     select, test = claims.halves(len(pb), 3)
     assert (r.select, r.test) == (select.tolist(), test.tolist())
     assert {t.site for t in r.top} == {"resid_pre", "attn_head_out"}
-    assert len(r.top) == 2 * patching_pairs.TOP and r.top[0].cell.startswith("L")
+    assert len(r.top) == 2 * TOP and r.top[0].cell.startswith("L")
     t = r.top[0]
     assert t.selected == pytest.approx(sw.normalized("logit_diff", select.tolist()).ravel()[t.flat])
     assert t.normalised == pytest.approx(sw.normalized("logit_diff", test.tolist()).ravel()[t.flat])

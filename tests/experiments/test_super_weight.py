@@ -24,6 +24,7 @@ from me_interp.edits import down_weights_zeroed
 from me_interp.experiments import super_weight as sw
 from me_interp.packaged import GEMMA_3_270M
 from me_interp.probes import down_proj as dp
+from me_interp.probes.measurement import short_batch
 from me_interp.study import execute, roundtrip
 
 THR = claims.threshold("super_weight_spike")
@@ -281,18 +282,23 @@ def test_config_checks():
             sw.Config(**bad)
 
 
+def survey_column(model, prompts):
+    """The super-weight column as the survey experiment reads it: 16 prompts cut to 16 tokens."""
+    return dp.survey(model, short_batch(model, prompts, 16, 16))
+
+
 def test_survey_column(planted, twin):
     model, plant = planted
-    entry = sw.survey_entry(model, synthetic.planted_prompts(8))
+    entry = survey_column(model, synthetic.planted_prompts(8))
     assert entry["super_weight"]["layer"] == plant.layer
     assert (entry["super_weight"]["row"], entry["super_weight"]["col"]) == (
         plant.massive_dim,
         plant.neuron,
     )
-    assert sw.survey_text(entry) == "2 [7, 5] (ME layer; top on 100%)"
-    none = sw.survey_entry(twin[0], synthetic.planted_prompts(8))
-    assert none["me_layer"] is None and none["super_weight"] is None and sw.survey_text(none) == ""
-    assert sw.survey_text({"error": "X: y"}) == "error: X: y"
+    assert dp.survey_text(entry) == "2 [7, 5] (ME layer; top on 100%)"
+    none = survey_column(twin[0], synthetic.planted_prompts(8))
+    assert none["me_layer"] is None and none["super_weight"] is None and dp.survey_text(none) == ""
+    assert dp.survey_text({"error": "X: y"}) == "error: X: y"
 
 
 # ---------------------------------------------------------------------------- command line
