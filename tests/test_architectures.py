@@ -554,7 +554,9 @@ def test_battery_on_planted_model_finds_what_was_planted(arch, tmp_path):
         want.update(GEMMA2_VS_GEMMA3)
     # only synthetic:planted's tokenizer has a chat template, and the CLI's one long input (the
     # default --long-rows 1) cannot decide a k-of-n claim; test_verdict_meta runs 16 on Llama
-    want.update({"conditions.chat_first": "not applicable", "conditions.long_first": "inconclusive"})
+    want.update(
+        {"conditions.chat_first": "not applicable", "conditions.long_first": "inconclusive"}
+    )
     wrong = {i: (got.get(i), v) for i, v in want.items() if got.get(i) != v}
     assert not wrong, f"(got, expected): {wrong}"
     from me_interp.experiments import me_layer, mechanism

@@ -376,7 +376,9 @@ def test_a_corollary_is_shown_and_never_counted():
     assert "corollary of demo.x" in cs[1].line() and cs[1].implied_by == "demo.x"
     t = claims.tally(cs)
     assert t["raw"][claims.HOLDS] == 1 and t["holm"][claims.HOLDS] == 1
-    assert t["corollary"][claims.HOLDS] == 1 and "1 corollary: 1 holds (never counted)" in claims.tally_text(t)
+    assert t["corollary"][
+        claims.HOLDS
+    ] == 1 and "1 corollary: 1 holds (never counted)" in claims.tally_text(t)
     assert claims.tally([c.to_dict() for c in cs]) == t
 
 

@@ -168,6 +168,14 @@ class Setup:
     sink_mass: torch.Tensor | None = None
     unedited: dict[str, Unedited] = field(default_factory=dict, compare=False, repr=False)
 
+    @classmethod
+    def at(cls, model: LoadedModel, site: Site, criterion: Criterion, sink: bool = True) -> Setup:
+        """Measure the unedited model on the batch ``site`` was located on (its massive tokens'
+        sink too, with ``sink``): the set-up of an edit experiment."""
+        batch = site.batch
+        baseline, _, scan, mass = _measure(model, batch, criterion, site.token_positions, sink)
+        return cls(model, batch, criterion, baseline, site, sink, scan, mass)
+
     @property
     def layer(self) -> int | None:
         """The layer to edit: ``--layer`` if given, else the detected ME layer."""
