@@ -53,7 +53,6 @@ from me_interp.study import (
     checked,
     command,
     prepare,
-    prompt_inputs,
     run_header,
 )
 from me_interp.terminal import fmt_table
@@ -450,11 +449,6 @@ def patch_pairs(model: LoadedModel, pairs: PairsLike, **config: Any) -> patching
     return run(cfg, model)  # type: ignore[return-value]  # a run on pairs
 
 
-def inputs(cfg: Config, model: LoadedModel) -> Any:
-    """The prompts the Site is located on; with ``cfg.pairs``, :func:`patching_pairs.inputs`."""
-    return prompt_inputs(cfg, model) if cfg.pairs is None else patching_pairs.inputs(cfg, model)
-
-
 def run(
     cfg: Config, model: LoadedModel | None = None, site: Site | None = None
 ) -> Result | patching_pairs.PairsResult:
@@ -467,10 +461,9 @@ def run(
     model, site = prepare(EXPERIMENT, cfg, model, site)
     if cfg.pairs is not None:
         return patching_pairs.run(cfg, model, site)
-    pb = site.inputs
     site.require("pass --layer to intervene anyway")
     p, L = site.position, site.layer
-    pb = pb.at_least(p + 2)  # a query after the massive token
+    pb = site.inputs.at_least(p + 2)  # a query after the massive token
     clean = pb.batch
     last = model.n_layers - 1
     metric_layer = last if cfg.metric_layer is None else model.check_layer(cfg.metric_layer)
@@ -598,7 +591,7 @@ EXPERIMENT = Experiment(
     specs_for=specs_for,
     key_figures=("patching_projection", "sink_heads"),
     result_type=Result,  # a --pairs run: io.read_result(patching_pairs.PairsResult, run_dir)
-    inputs=inputs,
+    inputs=patching_pairs.inputs,
 )
 main = command(EXPERIMENT)
 

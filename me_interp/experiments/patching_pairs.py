@@ -39,6 +39,7 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, names
+from me_interp.interventions.causal import PromptBatch
 from me_interp.loading.loaded import LoadedModel
 from me_interp.patching import (
     HEAD_SITES,
@@ -64,7 +65,15 @@ from me_interp.patching.pairs import (
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
 from me_interp.probes.site import Site
-from me_interp.study import Headed, Inputs, RunHeader, locate_inputs, model_for, run_header
+from me_interp.study import (
+    Headed,
+    Inputs,
+    RunHeader,
+    locate_inputs,
+    model_for,
+    prompt_inputs,
+    run_header,
+)
 from me_interp.terminal import fmt_table
 
 MASSIVE_METRICS = ("projection", "sink", "norm_ratio")
@@ -137,9 +146,12 @@ class PairsResult(Headed):
         )
 
 
-def inputs(cfg, model: LoadedModel, pairs: PairsLike | None = None) -> Inputs | None:
-    """The tokenised pairs (``pairs``, else ``cfg.pairs``), the Site located on their clean texts;
-    ``None`` (no Site) for a metric on the logits."""
+def inputs(cfg, model: LoadedModel, pairs: PairsLike | None = None) -> PromptBatch | Inputs | None:
+    """What ``activation_patching`` locates its Site on: its prompts (``study.prompt_inputs``);
+    with pairs (``pairs``, else ``cfg.pairs``) the tokenised pairs, the Site located on their clean
+    texts, or ``None`` (no Site) for a metric on the logits."""
+    if pairs is None and cfg.pairs is None:
+        return prompt_inputs(cfg, model)
     if (cfg.metric or "logit_diff") in LOGIT_METRICS:
         return None
     pb = tokenize_pairs(model, as_pairs(cfg.pairs if pairs is None else pairs))

@@ -35,17 +35,9 @@ from me_interp.probes.massive import Criterion
 from me_interp.probes.measurement import short_batch
 from me_interp.probes.site import Site, Units
 from me_interp.prompts import read_prompts
-from me_interp.study import (
-    Experiment,
-    Headed,
-    RunHeader,
-    WeightConfig,
-    checked,
-    command,
-    run_header,
-    weights,
-)
-from me_interp.study.weights import fmt_value
+from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
+from me_interp.study.config import WeightConfig
+from me_interp.study.weights import fmt_value, inputs, setup
 from me_interp.terminal import fmt_table
 
 NAME = "super_weight"
@@ -233,7 +225,7 @@ def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None)
     """Detect the super weight and every layer's top candidate, zero them, restore the super
     activation, draw the controls (``NotApplicable`` without a massive activation and no
     ``layer``; ``ValueError`` on a layer out of range)."""
-    s = weights.setup(EXPERIMENT, cfg, model, site)
+    s = setup(EXPERIMENT, cfg, model, site)
     m, model = s.layer, s.model
     positions = list(s.site.reference)
     spikes = dp.down_proj_spikes(model, s.batch, positions)
@@ -599,15 +591,7 @@ def summary(result: Result) -> str:
 
 
 EXPERIMENT = Experiment(
-    NAME,
-    Config,
-    run,
-    SPECS,
-    figures,
-    summary,
-    __doc__,
-    key_figures=("down_proj_spikes",),
-    inputs=weights.inputs,
+    NAME, Config, run, SPECS, figures, summary, __doc__, ("down_proj_spikes",), inputs=inputs
 )
 main = command(EXPERIMENT)
 
