@@ -12,7 +12,7 @@ statistics of every token together (``probes.batching``); a second forward over 
 ``x[: m + 1]`` reads the massive token's neuron activations once ``m`` is known.
 
 The ``*_peak`` claims and ``few_neurons`` select on one half of the distinct massive-token prefixes
-and test on the other (``_layer_report``).
+and test on the other (``study.layer_report``).
 
     python -m me_interp.experiments.mechanism                      # bundled model, built-in prompts
     python -m me_interp.experiments.mechanism --k-frac 0.05 --neuron-layer 11

@@ -109,7 +109,7 @@ class PatchRow:
 class TargetOutcome:
     """One target layer of one part, as the claim counts it: its depth label, the new ME layer (all
     prompts at once), whether it is eligible, how many prompts' own ME layer is the target, and the
-    majority outcome ``copied`` (:func:`~me_interp.experiments._weights.majority`)."""
+    majority outcome ``copied`` (:func:`~me_interp.study.weights.majority`)."""
 
     target: int
     label: str

@@ -45,7 +45,7 @@ class Measurement:
             on the reference positions (empty without ``sink``).
         prompt_ratio: ``[layer][prompt]`` the per-prompt ``R_{l,b}`` behind ``top_ratio``.
         prompt_me_layer: per prompt, the ME layer located on that prompt alone (``None``: none);
-            the units of a per-prompt majority (``experiments._weights.majority``).
+            the units of a per-prompt majority (``study.weights.majority``).
     """
 
     me_layer: int | None
