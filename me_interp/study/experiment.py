@@ -53,8 +53,9 @@ class Inputs:
     Attributes:
         batch: the prompts the Site is located on.
         scan: their norm scan when the hook ran one (the Site is located on it: one forward).
-        made: what else the hook made for ``run`` (recorders read in the same forward, the prompt
-            list, tokenised pairs), in the order ``run`` unpacks them.
+        made: what else the hook made for ``run`` (recorders read in the same forward, the number
+            of prompts given, tokenised pairs), in the order ``run`` unpacks them from
+            ``site.inputs.made``.
     """
 
     batch: Batch
