@@ -95,7 +95,6 @@ def load_run(run_dir: str | Path, experiment: str | None = None) -> Any:
         ValueError: an unknown experiment, or a run that was not applicable (no Result).
         FileNotFoundError: an unfinished run (no ``result.json``).
     """
-    import typing
 
     name = Path(run_dir).resolve().parent.name if experiment is None else experiment
     if name not in BY_NAME:
@@ -104,7 +103,7 @@ def load_run(run_dir: str | Path, experiment: str | None = None) -> Any:
             "experiment="
         )
     exp = BY_NAME[name]
-    tp = exp.result_type or typing.get_type_hints(exp.run)["return"]
+    tp = exp.result_type
     return io.load_run(run_dir, tp)
 
 

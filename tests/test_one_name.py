@@ -63,9 +63,19 @@ def test_topk_abs_callers_agree():
     assert top_dims(w, 4) == [1, 2, 4, 5]
 
 
-@pytest.mark.parametrize("name", ["DetectConfig", "Detection", "LayerReport", "detect"])
-def test_shared_report_pieces_live_in_shared_module(name):
-    """The pieces the per-layer reports share live in a shared module, not in one experiment that
-    its siblings import."""
+@pytest.mark.parametrize(
+    ("name", "module"),
+    [
+        ("DetectConfig", "config"),
+        ("WeightConfig", "config"),
+        ("Detection", "layer_report"),
+        ("LayerReport", "layer_report"),
+        ("detect", "layer_report"),
+        ("PART_ORDER", "weights"),
+    ],
+)
+def test_shared_report_pieces_live_in_the_framework(name, module):
+    """The pieces the per-layer reports and the weight experiments share live in the framework
+    (``me_interp/study``), not in one experiment that its siblings import."""
     where = [str(p.relative_to(ROOT)) for p in SOURCES if name in _top_level_definitions(p)]
-    assert where == ["me_interp/experiments/_layer_report.py"]
+    assert where == [f"me_interp/study/{module}.py"]

@@ -33,7 +33,7 @@ def test_an_out_that_cannot_be_written_is_one_line_before_any_work(tmp_path, cap
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
-    def interrupted(cfg, model=None):
+    def interrupted(cfg, model=None, site=None):
         raise KeyboardInterrupt
 
     stopped = dataclasses.replace(me_layer.EXPERIMENT, run=interrupted)

@@ -169,7 +169,7 @@ def test_battery_resumes_after_a_crash(args, monkeypatch, capsys):
     argv, out = args
     from me_interp.experiments import mechanism
 
-    def crash(cfg, model=None):
+    def crash(cfg, model=None, site=None):
         raise RuntimeError("simulated crash")
 
     only = ["--only", "me_layer", "mechanism", "invariance"]

@@ -28,7 +28,6 @@ import torch
 
 from me_interp import claims, names, plotting
 from me_interp.experiments import patching_heads, patching_pairs
-from me_interp.interventions import causal
 from me_interp.loading.loaded import LoadedModel
 from me_interp.patching import (
     HEAD_SITES,
@@ -52,7 +51,7 @@ from me_interp.patching.sinkheads import SinkHeads
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
 from me_interp.probes.ffn import FfnShare, ffn_share
-from me_interp.probes.site import locate
+from me_interp.probes.site import Site
 from me_interp.study import (
     CommonConfig,
     Experiment,
@@ -60,7 +59,7 @@ from me_interp.study import (
     RunHeader,
     checked,
     command,
-    model_for,
+    prepare,
     run_header,
 )
 from me_interp.terminal import fmt_table
@@ -424,24 +423,24 @@ def patch_pairs(model: LoadedModel, pairs: PairsLike, **config: Any) -> patching
     wrong])`` tuples or of dicts ``{"clean", "corrupt", "answer", "wrong"}``; ``config``: fields of
     :class:`Config` (``metric="logit_diff"``, ``sites``, ``method``, ``seed``, ...)."""
     cfg = Config(model=model.name, pairs=tuple(as_pairs(pairs)), **config)
-    return patching_pairs.run(cfg, model)
+    return run(cfg, model)  # type: ignore[return-value]  # a run on pairs
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result | patching_pairs.PairsResult:
+def run(
+    cfg: Config, model: LoadedModel | None = None, site: Site | None = None
+) -> Result | patching_pairs.PairsResult:
     """Build the clean/corrupt pair and sweep every site (with ``cfg.pairs``: the user's pairs,
     :func:`me_interp.experiments.patching_pairs.run`). No printing, no files.
 
     Raises:
         claims.NotApplicable: no massive activation on this model and no ``layer`` given.
     """
+    model, site = prepare(EXPERIMENT, cfg, model, site)
     if cfg.pairs is not None:
-        return patching_pairs.run(cfg, model)
-    model = model_for(cfg, model)
-    pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
-    site = locate(model, pb.batch, layer=cfg.layer, position=None, seed=cfg.seed)
+        return patching_pairs.run(cfg, model, site)
     site.require("pass --layer to intervene anyway")
     p, L = site.position, site.layer
-    pb = pb.at_least(p + 2)  # a query after the massive token
+    pb = site.inputs.at_least(p + 2)  # a query after the massive token
     clean = pb.batch
     last = model.n_layers - 1
     metric_layer = last if cfg.metric_layer is None else model.check_layer(cfg.metric_layer)
@@ -569,6 +568,7 @@ EXPERIMENT = Experiment(
     specs_for=specs_for,
     key_figures=("patching_projection", "sink_heads"),
     result_type=Result,  # a --pairs run: io.read_result(patching_pairs.PairsResult, run_dir)
+    inputs=patching_pairs.inputs,
 )
 main = command(EXPERIMENT)
 

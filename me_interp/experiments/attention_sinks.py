@@ -32,16 +32,12 @@ import plotly.graph_objects as go
 
 from me_interp import claims, plotting
 from me_interp.backends import check_backend
-from me_interp.experiments._layer_report import (
-    DetectConfig,
-    LayerReport,
-    as_array,
-    detect,
-)
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.geometry import METRICS
 from me_interp.probes.sinks import sink_scan
-from me_interp.study import Experiment, command, model_for
+from me_interp.probes.site import Site
+from me_interp.study import DetectConfig, Experiment, Inputs, command, prepare
+from me_interp.study.layer_report import LayerReport, as_array, detect
 
 NAME = "attention_sinks"
 
@@ -116,17 +112,23 @@ class Result(LayerReport):
     per_prompt: PerPrompt
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
+def inputs(cfg: Config, model: LoadedModel) -> Inputs:
+    """The prompts and one forward pass: norms, attention statistics and geometry (``made``)."""
+    batch = model.tokenize(cfg.load_prompts())
+    sc = sink_scan(model, batch)
+    return Inputs(batch, sc.norms, made=(sc,))
+
+
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
     """Measure sinks, entropy and geometry at every layer. No printing, no files.
 
     Raises:
         claims.NotApplicable: the model has no massive activation and ``cfg.layer`` is not given.
     """
-    model = model_for(cfg, model)
-    batch = model.tokenize(cfg.load_prompts())
+    model, site = prepare(EXPERIMENT, cfg, model, site)
+    batch, (sc,) = site.batch, site.inputs.made
     eps = claims.threshold("sink_attention")
-    sc = sink_scan(model, batch)  # one forward: norms, attention statistics, geometry
-    det = detect(cfg, model, sc.norms, batch)
+    det = detect(site)
     ref = det.reference
     att = sc.attention
     gs = sc.geometry(ref)  # "others" without each prompt's massive token
@@ -414,7 +416,7 @@ EXPERIMENT = Experiment(
     summary,
     __doc__,
     key_figures=("sink_rate",),
-    result_type=Result,
+    inputs=inputs,
 )
 main = command(EXPERIMENT)
 

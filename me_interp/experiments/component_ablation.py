@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from me_interp import claims, evaluation, names, plotting
-from me_interp.interventions import causal
 from me_interp.interventions.causal import PromptsUsed
 from me_interp.interventions.conditions import (
     COMPONENTS,
@@ -41,11 +40,11 @@ from me_interp.patching import NormRatio, SinkMass
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
 from me_interp.probes.removal import not_ordinary
-from me_interp.probes.site import locate
+from me_interp.probes.site import Site
 from me_interp.probes.to_position import read_metrics
 from me_interp.study.cli import command
 from me_interp.study.config import SiteConfig, checked
-from me_interp.study.experiment import Experiment, model_for
+from me_interp.study.experiment import Experiment, prepare, prompt_inputs
 from me_interp.study.result import Headed, RunHeader, run_header
 from me_interp.terminal import fmt_table
 
@@ -322,15 +321,14 @@ def measure(name: str, model, batch, metrics, hooks=(), edit_size=()) -> Conditi
     )
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
     """Measure every condition. No printing, no files.
 
     Raises:
         claims.NotApplicable: no massive activation on this model and no ``layer`` given.
     """
-    model = model_for(cfg, model)
-    pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
-    site = locate(model, pb.batch, layer=cfg.layer, position=cfg.position, seed=cfg.seed)
+    model, site = prepare(EXPERIMENT, cfg, model, site)
+    pb = site.inputs
     site.require("pass --layer to intervene anyway")
     p, L, last = site.position, site.layer, model.n_layers - 1
     pb = pb.at_least(p + 2)  # a token after the massive one
@@ -407,7 +405,7 @@ EXPERIMENT = Experiment(
     summary,
     __doc__,
     key_figures=("norm_ratios",),
-    result_type=Result,
+    inputs=prompt_inputs,
 )
 main = command(EXPERIMENT)
 

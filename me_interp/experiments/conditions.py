@@ -117,8 +117,9 @@ class Result(Headed):
         return claims.Sample(np.array(self.padding_diffs), statistic=lambda a: float(np.max(a)))
 
 
-def run(cfg: Config, model=None) -> Result:
-    """Scan every position under each condition (see the module docstring)."""
+def run(cfg: Config, model=None, site: None = None) -> Result:
+    """Scan every position under each condition (see the module docstring). No Site is given
+    (``site`` is None): each layout locates its own (``probes.positions.scan_positions``)."""
     model = study.model_for(cfg, model)
     prompts = spread(cfg.load_prompts(), cfg.max_prompts or 0)
     out, scans = [], {}
@@ -243,7 +244,7 @@ def summary(result: Result) -> str:
 
 
 EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("ratios",), result_type=Result
+    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("ratios",)
 )
 main = study.command(EXPERIMENT)
 

@@ -24,19 +24,21 @@ import torch
 from me_interp import claims, edits, plotting, terminal
 from me_interp.claims import excess_stat
 from me_interp.edits import MATRICES, SVD, ffn_matrix, random_others
-from me_interp.experiments._weights import (
-    EDIT_COLUMNS,
-    EditRow,
-    Measurement,
-    WeightConfig,
-    fmt_value,
-    prepare,
-    where_edited,
-)
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.ffn import neuron_scores
-from me_interp.probes.site import Units, massive_units
-from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
+from me_interp.probes.measurement import EDIT_COLUMNS, EditRow, Measurement
+from me_interp.probes.site import Site, Units, massive_units
+from me_interp.study import (
+    Experiment,
+    Headed,
+    RunHeader,
+    WeightConfig,
+    checked,
+    command,
+    run_header,
+    weights,
+)
+from me_interp.study.weights import fmt_value, where_edited
 from me_interp.terminal import fmt_table
 
 NAME = "ffn_svd_ablation"
@@ -163,11 +165,11 @@ class Result(Headed):
         return next((r for r in self.select("neurons") if r.neurons == list(neurons)), None)
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
     """Ablate singular directions and neurons of the ME layer's FFN and measure (``NotApplicable``
     without a massive activation and no ``layer``; ``ValueError`` on a ``k``, ``claim_k`` or
     ``n_neurons`` too large for the matrices, checked before any forward)."""
-    s = prepare(cfg, model)
+    s = weights.setup(EXPERIMENT, cfg, model, site)
     m, k_max = s.layer, max(cfg.sweep())
     for mat in cfg.matrices:
         rank = min(ffn_matrix(s.model, m, mat).shape)
@@ -453,7 +455,15 @@ def summary(result: Result) -> str:
 
 
 EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("svd_sweep",)
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    key_figures=("svd_sweep",),
+    inputs=weights.inputs,
 )
 main = command(EXPERIMENT)
 

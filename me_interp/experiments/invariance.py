@@ -30,7 +30,6 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, io, names, plotting
-from me_interp.experiments._layer_report import DetectConfig, LayerReport, detect
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.batching import record
 from me_interp.probes.invariance import (
@@ -41,8 +40,9 @@ from me_interp.probes.invariance import (
     same_first_token_control,
 )
 from me_interp.probes.norms import NormRecorder
-from me_interp.probes.site import massive_units
-from me_interp.study import Experiment, command, model_for
+from me_interp.probes.site import Site, massive_units
+from me_interp.study import DetectConfig, Experiment, Inputs, command, prepare
+from me_interp.study.layer_report import LayerReport, detect
 
 NAME = "invariance"
 
@@ -115,21 +115,31 @@ def _states(model: LoadedModel, batch: Batch, ref: list[int]) -> InvarianceRecor
     return rec
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Measure directional invariance at every layer. No printing, no files.
+def inputs(cfg: Config, model: LoadedModel) -> Inputs:
+    """The prompts and one forward pass: their norm scan and unit sums (``made``).
 
     Raises:
         ValueError: fewer than 2 prompts.
-        claims.NotApplicable: the model has no massive activation and ``cfg.layer`` is not given.
     """
-    model = model_for(cfg, model)
     batch = model.tokenize(cfg.load_prompts())
     if len(batch) < 2:
         raise ValueError("the invariance experiment compares inputs: give at least 2 prompts")
     norms = NormRecorder(model, batch, names.SITES)
     units = UnitSumRecorder(model, batch)
     record(model, batch, [norms, units])
-    det = detect(cfg, model, norms.result(), batch)
+    return Inputs(batch, norms.result(), made=(units,))
+
+
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
+    """Measure directional invariance at every layer. No printing, no files.
+
+    Raises:
+        ValueError: fewer than 2 prompts.
+        claims.NotApplicable: the model has no massive activation and ``cfg.layer`` is not given.
+    """
+    model, site = prepare(EXPERIMENT, cfg, model, site)
+    batch, (units,) = site.batch, site.inputs.made
+    det = detect(site)
     me, ref = det.me_layer, det.reference
     rec = _states(model, batch, ref)
     first = [int(t) for t in batch.tokens[:, 0].tolist()]
@@ -459,7 +469,7 @@ EXPERIMENT = Experiment(
     summary,
     __doc__,
     key_figures=("cos_across_inputs",),
-    result_type=Result,
+    inputs=inputs,
 )
 main = command(EXPERIMENT)
 

@@ -23,7 +23,6 @@ import torch
 
 from me_interp import claims, names, plotting
 from me_interp.backends import check_backend
-from me_interp.experiments._layer_report import peak_details, peak_measure, unit_curves
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import (
     EVENT_COLUMNS,
@@ -34,17 +33,19 @@ from me_interp.probes.massive import (
     site_text,
 )
 from me_interp.probes.norms import ratio_to_others, reference_medians, scan_norms, top_ratio
-from me_interp.probes.site import Units, locate, no_massive_why
+from me_interp.probes.site import Site, Units, no_massive_why
 from me_interp.study import (
     CommonConfig,
     Experiment,
     Headed,
+    Inputs,
     RunHeader,
     checked,
     command,
-    model_for,
+    prepare,
     run_header,
 )
+from me_interp.study.layer_report import peak_details, peak_measure, unit_curves
 from me_interp.terminal import fmt_table
 
 NAME = "me_layer"
@@ -175,20 +176,25 @@ class Result(Headed):
         return int(np.argmax(self.log_jumps()[list(rows)].mean(0)))
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
+def inputs(cfg: Config, model: LoadedModel) -> Inputs:
+    """The prompts and their norm scan (chunked; with sandwich norms, Gemma 2/3, the sub-layers'
+    own outputs too, before their post-norms); ``made``: the number of prompts given."""
+    prompts = cfg.load_prompts()
+    batch = model.tokenize(prompts)
+    sites = (*names.SITES, *model.arch.own_sites())
+    scan = scan_norms(model, batch, sites, top_k=cfg.top_k, keep_prompt=0)  # chunked
+    return Inputs(batch, scan, made=(len(prompts),))
+
+
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
     """Scan the prompts and localise the ME layer. No printing, no files.
 
     A model without a massive activation is a result (``me_layer`` None; the existence claim fails),
     not an error.
     """
-    model = model_for(cfg, model)
-    prompts = cfg.load_prompts()
-    batch = model.tokenize(prompts)
-    # sandwich norms (Gemma 2/3): the sub-layers' own outputs too, before their post-norms
-    sites = (*names.SITES, *model.arch.own_sites())
-    scan = scan_norms(model, batch, sites, top_k=cfg.top_k, keep_prompt=0)  # chunked
+    model, site = prepare(EXPERIMENT, cfg, model, site)
+    batch, scan, (n_prompts,) = site.batch, site.scan, site.inputs.made
     crit = cfg.detection()
-    site = locate(model, batch, scan=scan, criterion=crit, seed=cfg.seed)
     loc = site.location
     ref = torch.as_tensor(loc.reference_positions)
     per_prompt = PerPrompt(
@@ -204,7 +210,7 @@ def run(cfg: Config, model: LoadedModel | None = None) -> Result:
     n0 = batch.lengths[0]
     tokens = [model.tokenizer.decode([int(t)]) for t in batch.tokens[0, :n0]]
     return Result(
-        header=run_header(cfg, model, len(prompts), site),
+        header=run_header(cfg, model, n_prompts, site),
         bos_prepended=model.bos_prepended(batch),
         location=loc,
         site_norms={
@@ -503,7 +509,7 @@ EXPERIMENT = Experiment(
     __doc__,
     attention="sdpa",
     key_figures=("ratios",),
-    result_type=Result,
+    inputs=inputs,
 )
 main = command(EXPERIMENT)
 

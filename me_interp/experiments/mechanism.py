@@ -12,7 +12,7 @@ statistics of every token together (``probes.batching``); a second forward over 
 ``x[: m + 1]`` reads the massive token's neuron activations once ``m`` is known.
 
 The ``*_peak`` claims and ``few_neurons`` select on one half of the distinct massive-token prefixes
-and test on the other (``_layer_report``).
+and test on the other (``study.layer_report``).
 
     python -m me_interp.experiments.mechanism                      # bundled model, built-in prompts
     python -m me_interp.experiments.mechanism --k-frac 0.05 --neuron-layer 11
@@ -30,12 +30,6 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, names, plotting
-from me_interp.experiments._layer_report import (
-    DetectConfig,
-    LayerReport,
-    as_array,
-    detect,
-)
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.alignment import (
     ALIGN_SITES,
@@ -56,7 +50,9 @@ from me_interp.probes.ffn import (
     top_neurons,
 )
 from me_interp.probes.norms import NormRecorder
-from me_interp.study import Experiment, checked, command, model_for
+from me_interp.probes.site import Site
+from me_interp.study import DetectConfig, Experiment, Inputs, checked, command, prepare
+from me_interp.study.layer_report import LayerReport, as_array, detect
 from me_interp.terminal import fmt_table
 
 NAME = "mechanism"
@@ -380,19 +376,25 @@ def _mean(x) -> float:
     return float(x.nanmean())
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Measure alignment and concentration at every layer. No printing, no files.
-
-    Raises:
-        claims.NotApplicable: the model has no massive activation and ``cfg.layer`` is not given.
-    """
-    model = model_for(cfg, model)
+def inputs(cfg: Config, model: LoadedModel) -> Inputs:
+    """The prompts and one forward pass: their norm scan, alignment and FFN recorders (``made``)."""
     batch = model.tokenize(cfg.load_prompts())
     norms = NormRecorder(model, batch, names.SITES)
     align = AlignmentRecorder(model, batch, k=cfg.k(), sites=ALIGN_SITES)
     ffn = FFNRecorder(model, batch)
     record(model, batch, [norms, align, ffn])
-    det = detect(cfg, model, norms.result(), batch)
+    return Inputs(batch, norms.result(), made=(align, ffn))
+
+
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
+    """Measure alignment and concentration at every layer. No printing, no files.
+
+    Raises:
+        claims.NotApplicable: the model has no massive activation and ``cfg.layer`` is not given.
+    """
+    model, site = prepare(EXPERIMENT, cfg, model, site)
+    batch, (align, ffn) = site.batch, site.inputs.made
+    det = detect(site)
     me, ref = det.me_layer, det.reference
     nl = model.check_layer(cfg.neuron_layer) if cfg.neuron_layer >= 0 else me
     at = FFNAtRecorder(model, batch, ref, last_layer=max(me, nl))
@@ -561,7 +563,7 @@ EXPERIMENT = Experiment(
     summary,
     __doc__,
     key_figures=("delta_frac", "delta_c"),
-    result_type=Result,
+    inputs=inputs,
 )
 main = command(EXPERIMENT)
 

@@ -38,6 +38,7 @@ import plotly.graph_objects as go
 import torch
 
 from me_interp import claims, names, plotting
+from me_interp.interventions.causal import PromptBatch
 from me_interp.loading.loaded import LoadedModel
 from me_interp.patching import (
     HEAD_SITES,
@@ -62,8 +63,16 @@ from me_interp.patching.pairs import (
 )
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
-from me_interp.probes.site import locate
-from me_interp.study import Headed, RunHeader, model_for, run_header
+from me_interp.probes.site import Site
+from me_interp.study import (
+    Headed,
+    Inputs,
+    RunHeader,
+    locate_inputs,
+    model_for,
+    prompt_inputs,
+    run_header,
+)
 from me_interp.terminal import fmt_table
 
 MASSIVE_METRICS = ("projection", "sink", "norm_ratio")
@@ -120,14 +129,28 @@ class PairsResult(Headed):
         )
 
 
-def _metric(name: str, cfg, model: LoadedModel, pb: PairBatch) -> tuple[PatchMetric, str]:
+def inputs(cfg, model: LoadedModel, pairs: PairsLike | None = None) -> PromptBatch | Inputs | None:
+    """What ``activation_patching`` locates its Site on: its prompts (``study.prompt_inputs``);
+    with pairs (``pairs``, else ``cfg.pairs``) the tokenised pairs, the Site located on their clean
+    texts, or ``None`` (no Site) for a metric on the logits."""
+    if pairs is None and cfg.pairs is None:
+        return prompt_inputs(cfg, model)
+    if (cfg.metric or "logit_diff") in LOGIT_METRICS:
+        return None
+    pb = tokenize_pairs(model, as_pairs(cfg.pairs if pairs is None else pairs))
+    return Inputs(pb.clean, made=(pb,))
+
+
+def _metric(
+    name: str, model: LoadedModel, pb: PairBatch, site: Site | None
+) -> tuple[PatchMetric, str]:
     if name in LOGIT_METRICS:
         clean_logits = None
         if name == "kl":
             logits = model.run_with_hooks(pb.clean)
             clean_logits = logits[torch.arange(len(pb)), pb.clean.attention_mask.sum(-1) - 1]
         return logit_metric(name, pb, clean_logits), f"{name} at each pair's last real token"
-    site = locate(model, pb.clean, layer=cfg.layer, position=None, seed=cfg.seed)
+    assert site is not None  # inputs locates one for every metric but the logits
     site.require("pass --layer to intervene anyway")
     p, L, last = site.position, site.layer, model.n_layers - 1
     note = f"massive token at position {p}, ME layer {L} (located on the clean texts)"
@@ -145,17 +168,27 @@ def _metric(name: str, cfg, model: LoadedModel, pb: PairBatch) -> tuple[PatchMet
     return Projection(last, h.float().mean(0).cpu(), p), note + f"; projection at layer {last}"
 
 
-def run(cfg, model: LoadedModel | None = None, pairs: PairsLike | None = None) -> PairsResult:
+def run(
+    cfg,
+    model: LoadedModel | None = None,
+    site: Site | None = None,
+    pairs: PairsLike | None = None,
+) -> PairsResult:
     """Sweep every site of ``cfg.sites`` on the pairs (``pairs``, else ``cfg.pairs``). No printing,
-    no files.
+    no files. ``site``: the Site located on :func:`inputs` (located here when not given).
 
     Raises:
         ValueError: the metric does not separate clean from corrupt (one line, with the numbers).
     """
     model = model_for(cfg, model)
-    pb = tokenize_pairs(model, as_pairs(cfg.pairs if pairs is None else pairs))
+    if site is None:
+        site = locate_inputs(cfg, model, inputs(cfg, model, pairs))
+    if site is None:  # a metric on the logits: no Site
+        pb = tokenize_pairs(model, as_pairs(cfg.pairs if pairs is None else pairs))
+    else:
+        (pb,) = site.inputs.made
     name = cfg.metric or "logit_diff"
-    metric, note = _metric(name, cfg, model, pb)
+    metric, note = _metric(name, model, pb, site)
     ends = [
         evaluate_metrics(model, b, {name: metric})[name].tolist() for b in (pb.clean, pb.corrupt)
     ]

@@ -29,18 +29,12 @@ from me_interp import claims, terminal
 from me_interp.claims import excess_stat
 from me_interp.edits import NORMS, flattened_gain, gain, permuted_gain, random_permutation, top_dims
 from me_interp.edits.gains import other_dims_permutation, top_dims_permutation
-from me_interp.experiments._weights import (
-    EDIT_COLUMNS,
-    EditRow,
-    Measurement,
-    WeightConfig,
-    fmt_value,
-    prepare,
-    where_edited,
-)
 from me_interp.loading.loaded import LoadedModel
-from me_interp.study import Experiment, Headed, checked, command
+from me_interp.probes.measurement import EDIT_COLUMNS, EditRow, Measurement
+from me_interp.probes.site import Site
+from me_interp.study import Experiment, Headed, WeightConfig, checked, command, weights
 from me_interp.study.result import RunHeader, run_header
+from me_interp.study.weights import fmt_value, where_edited
 from me_interp.terminal import fmt_table
 
 NAME = "rmsnorm_permutation"
@@ -156,14 +150,14 @@ def _edits(model: LoadedModel, cfg: Config, layer: int) -> Iterator[tuple[str, s
             yield norm, "flatten", float(a), flattened_gain(model, layer, a, norm)
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
     """Permute / flatten the ME layer's RMSNorm gains and measure. No printing, no files.
 
     Raises:
         NotApplicable: no ``layer`` given and the model has no massive activation.
         ValueError: ``top_k`` above a third of ``d_model``, a layer out of range.
     """
-    s = prepare(cfg, model)
+    s = weights.setup(EXPERIMENT, cfg, model, site)
     m = s.layer
     d = s.model.d_model
     if cfg.top_k > d // 3:
@@ -422,7 +416,15 @@ def summary(result: Result) -> str:
 
 
 EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("ratio_after_edit",)
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    key_figures=("ratio_after_edit",),
+    inputs=weights.inputs,
 )
 main = command(EXPERIMENT)
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from me_interp import claims, names, plotting
-from me_interp.interventions import causal
 from me_interp.interventions.causal import PromptsUsed
 from me_interp.interventions.conditions import REMOVALS, condition_hooks
 from me_interp.loading.loaded import LoadedModel
@@ -33,7 +32,7 @@ from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
 from me_interp.probes.ffn import FfnShare, ffn_share
 from me_interp.probes.removal import not_ordinary
-from me_interp.probes.site import locate
+from me_interp.probes.site import Site
 from me_interp.probes.to_position import (
     ToPosition,
     heads_mean,
@@ -43,7 +42,7 @@ from me_interp.probes.to_position import (
 )
 from me_interp.study.cli import command
 from me_interp.study.config import SiteConfig, checked
-from me_interp.study.experiment import Experiment, model_for
+from me_interp.study.experiment import Experiment, prepare, prompt_inputs
 from me_interp.study.result import Headed, RunHeader, run_header
 from me_interp.terminal import fmt_table
 
@@ -303,15 +302,14 @@ def _condition(name: str, m: ToPosition, heads: list[tuple[int, int]], layer: in
     )
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
     """Measure the sink with and without the massive activation. No printing, no files.
 
     Raises:
         claims.NotApplicable: no massive activation on this model and no ``layer`` given.
     """
-    model = model_for(cfg, model)
-    pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
-    site = locate(model, pb.batch, layer=cfg.layer, position=cfg.position, seed=cfg.seed)
+    model, site = prepare(EXPERIMENT, cfg, model, site)
+    pb = site.inputs
     site.require("pass --layer to intervene anyway")
     p, L = site.position, site.layer
     pb = pb.at_least(p + 2)  # a query after the massive token
@@ -404,7 +402,7 @@ EXPERIMENT = Experiment(
     summary,
     __doc__,
     key_figures=("attention_to_massive",),
-    result_type=Result,
+    inputs=prompt_inputs,
 )
 main = command(EXPERIMENT)
 

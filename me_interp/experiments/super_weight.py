@@ -25,15 +25,17 @@ import plotly.graph_objects as go
 from me_interp import claims, evaluation, plotting, terminal
 from me_interp.claims import excess_fraction, excess_stat
 from me_interp.edits import down_weights_zeroed
-from me_interp.experiments._weights import WeightConfig, fmt_value, prepare, short_batch
 from me_interp.interventions.causal import set_ffn_own_at
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes import down_proj as dp
 from me_interp.probes.batching import capture_prefix
 from me_interp.probes.down_proj import Candidate, LayerCandidate
-from me_interp.probes.site import Units
+from me_interp.probes.measurement import short_batch
+from me_interp.probes.site import Site, Units
 from me_interp.prompts import read_prompts
 from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
+from me_interp.study.config import WeightConfig
+from me_interp.study.weights import fmt_value, inputs, setup
 from me_interp.terminal import fmt_table
 
 NAME = "super_weight"
@@ -200,11 +202,11 @@ def text_candidates(res: Result) -> list[LayerCandidate]:
     return [c for c in res.layers if c.coord in keep]
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
     """Detect the super weight and every layer's top candidate, zero them, restore the super
     activation, draw the controls (``NotApplicable`` without a massive activation and no
     ``layer``; ``ValueError`` on a layer out of range)."""
-    s = prepare(cfg, model)
+    s = setup(EXPERIMENT, cfg, model, site)
     m, model = s.layer, s.model
     positions = list(s.site.reference)
     spikes = dp.down_proj_spikes(model, s.batch, positions)
@@ -572,7 +574,7 @@ def summary(result: Result) -> str:
 
 
 EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("down_proj_spikes",)
+    NAME, Config, run, SPECS, figures, summary, __doc__, ("down_proj_spikes",), inputs=inputs
 )
 main = command(EXPERIMENT)
 

@@ -39,11 +39,11 @@ from me_interp.probes.activations import Activations
 from me_interp.probes.attention import attention_src_dst
 from me_interp.probes.batching import record
 from me_interp.probes.removal import not_ordinary
-from me_interp.probes.site import locate
+from me_interp.probes.site import Site
 from me_interp.probes.to_position import heads_mean, sink_claims_why, sink_heads
 from me_interp.study.cli import command
 from me_interp.study.config import SiteConfig, checked
-from me_interp.study.experiment import Experiment, model_for
+from me_interp.study.experiment import Experiment, prepare, prompt_inputs
 from me_interp.study.result import Headed, RunHeader, run_header
 from me_interp.terminal import fmt_table
 
@@ -227,16 +227,15 @@ class Config(SiteConfig):
     max_prompts: int | None = checked(40, ge=1)
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
     """Baseline, add and move. No printing, no files.
 
     Raises:
         claims.NotApplicable: no massive activation on this model and no ``layer`` given.
         ValueError: ``dst`` is the massive position, or ``max_tokens`` leaves no query after it.
     """
-    model = model_for(cfg, model)
-    pb = causal.prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
-    site = locate(model, pb.batch, layer=cfg.layer, position=cfg.position, seed=cfg.seed)
+    model, site = prepare(EXPERIMENT, cfg, model, site)
+    pb = site.inputs
     site.require("pass --layer to intervene anyway")
     p, L, dst = site.position, site.layer, cfg.dst
     if dst == p:
@@ -339,7 +338,7 @@ EXPERIMENT = Experiment(
     summary,
     __doc__,
     key_figures=("attention_old_new",),
-    result_type=Result,
+    inputs=prompt_inputs,
 )
 main = command(EXPERIMENT)
 

@@ -31,7 +31,6 @@ import torch
 from me_interp import claims, plotting
 from me_interp.architecture import FFN_RESIDUAL_SITE
 from me_interp.edits.core import moved_modules
-from me_interp.experiments._weights import SCAN_SITES, short_batch
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.batching import ResidMidRecorder, record
 from me_interp.probes.cross import (
@@ -42,11 +41,12 @@ from me_interp.probes.cross import (
     share_outcomes,
 )
 from me_interp.probes.massive import Criterion, CriterionKind
+from me_interp.probes.measurement import SCAN_SITES, short_batch
 from me_interp.probes.norms import NormRecorder
-from me_interp.probes.site import locate
+from me_interp.probes.site import Site
 from me_interp.study.cli import command
 from me_interp.study.config import CommonConfig, checked
-from me_interp.study.experiment import Experiment, model_for
+from me_interp.study.experiment import Experiment, Inputs, prepare
 from me_interp.study.result import Headed, RunHeader, run_header
 from me_interp.terminal import fmt_table
 
@@ -76,6 +76,9 @@ class Config(CommonConfig):
     n_prompts: int = checked(0, ge=0)
     max_tokens: int = checked(64, ge=2, also=(0,))
     criterion: str = checked("sun", choices=get_args(CriterionKind))
+
+    def detection(self) -> Criterion:
+        return Criterion(kind=self.criterion)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -155,23 +158,27 @@ def result_of(
     return Result(header, n_layers, positions, lengths, cross, k, r, stats, path_modules or [])
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
+def inputs(cfg: Config, model: LoadedModel) -> Inputs:
+    """The prompts and one forward pass: their norm scan (the FFN's own output too) and every
+    layer's ``resid_mid`` (``made``)."""
+    if cfg.layer is not None:
+        model.check_layer(cfg.layer)  # before the forward
+    batch = short_batch(model, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
+    norms = NormRecorder(model, batch, (*SCAN_SITES, FFN_SITE))
+    resid = ResidMidRecorder(model, batch)
+    record(model, batch, [norms, resid])
+    return Inputs(batch, norms.result(), made=(resid,))
+
+
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
     """One forward pass, then the cross of every layer's FFN path with every layer's input.
 
     Raises:
         NotApplicable: no massive activation on the model and no ``cfg.layer``.
         ValueError: ``cfg.layer`` out of range.
     """
-    model = model_for(cfg, model)
-    if cfg.layer is not None:
-        model.check_layer(cfg.layer)  # before the forward
-    batch = short_batch(model, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
-    crit = Criterion(kind=cfg.criterion)
-    norms = NormRecorder(model, batch, (*SCAN_SITES, FFN_SITE))
-    resid = ResidMidRecorder(model, batch)
-    record(model, batch, [norms, resid])
-    scan = norms.result()
-    site = locate(model, batch, scan=scan, criterion=crit, layer=cfg.layer, seed=cfg.seed)
+    model, site = prepare(EXPERIMENT, cfg, model, site)
+    batch, scan, (resid,) = site.batch, site.scan, site.inputs.made
     site.require("pass --layer to test a layer anyway")
     positions = torch.tensor(site.reference)
     cross = cross_matrices(model, resid.out, scan.site_norms(FFN_SITE), scan.mask, positions)
@@ -330,7 +337,7 @@ EXPERIMENT = Experiment(
     __doc__,
     attention="sdpa",
     key_figures=("cross_matrix",),
-    result_type=Result,
+    inputs=inputs,
 )
 main = command(EXPERIMENT)
 

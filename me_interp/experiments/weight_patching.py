@@ -22,26 +22,31 @@ from me_interp import claims, terminal
 from me_interp.claims import NotApplicable
 from me_interp.edits import patched_weights
 from me_interp.edits.core import ALL_PARTS, moved_modules
-from me_interp.experiments._weights import (
-    PART_ORDER,
-    PART_SECTION,
-    PART_WHAT,
-    Measurement,
-    PartModules,
-    Setup,
-    WeightConfig,
-    depth_label,
-    majority,
-    prepare,
-    short_batch,
-    spread,
-)
 from me_interp.interventions.core import check_layers
 from me_interp.loading import load_model
 from me_interp.loading.loaded import LoadedModel
 from me_interp.plotting import outcome_heatmap
-from me_interp.probes.site import locate
-from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
+from me_interp.probes.measurement import Measurement, Setup
+from me_interp.probes.site import Site, locate
+from me_interp.prompts import spread
+from me_interp.study import (
+    Experiment,
+    Headed,
+    RunHeader,
+    WeightConfig,
+    checked,
+    command,
+    run_header,
+    weights,
+)
+from me_interp.study.weights import (
+    PART_ORDER,
+    PART_SECTION,
+    PART_WHAT,
+    PartModules,
+    depth_label,
+    majority,
+)
 from me_interp.terminal import fmt_table
 
 NAME = "weight_patching"
@@ -104,7 +109,7 @@ class PatchRow:
 class TargetOutcome:
     """One target layer of one part, as the claim counts it: its depth label, the new ME layer (all
     prompts at once), whether it is eligible, how many prompts' own ME layer is the target, and the
-    majority outcome ``copied`` (:func:`~me_interp.experiments._weights.majority`)."""
+    majority outcome ``copied`` (:func:`~me_interp.study.weights.majority`)."""
 
     target: int
     label: str
@@ -196,8 +201,7 @@ def _source_layer(cfg: Config, source: LoadedModel, s: Setup) -> int:
         return source.check_layer(cfg.layer)
     me = s.site.me_layer
     if source is not s.model:
-        batch = short_batch(source, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
-        me = locate(source, batch, criterion=s.criterion).me_layer
+        me = locate(source, weights.inputs(cfg, source), criterion=s.criterion).me_layer
         if me is None:
             me = s.site.me_layer
     if me is None:
@@ -237,7 +241,10 @@ def resolve_targets(
 
 
 def run(
-    cfg: Config, model: LoadedModel | None = None, source_model: LoadedModel | None = None
+    cfg: Config,
+    model: LoadedModel | None = None,
+    site: Site | None = None,
+    source_model: LoadedModel | None = None,
 ) -> Result:
     """Copy each part of the source layer into each target layer and measure. No printing, no files.
 
@@ -250,7 +257,7 @@ def run(
         ValueError: a layer out of range, models of different shapes, a target equal to the source
             layer within one model.
     """
-    s = prepare(cfg, model, require_layer=False)
+    s = weights.setup(EXPERIMENT, cfg, model, site, require=False)
     target = s.model
     if source_model is None and cfg.source_model is not None:
         source_model = load_model(cfg.source_model, bos=cfg.bos, dtype=cfg.dtype, device=cfg.device)
@@ -400,7 +407,15 @@ def summary(result: Result) -> str:
 
 
 EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("me_layer_after_patch",)
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    key_figures=("me_layer_after_patch",),
+    inputs=weights.inputs,
 )
 main = command(EXPERIMENT)
 

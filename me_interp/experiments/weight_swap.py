@@ -23,23 +23,30 @@ import plotly.graph_objects as go
 from me_interp import claims, terminal
 from me_interp.edits import swapped_layers
 from me_interp.edits.core import ALL_PARTS, moved_modules
-from me_interp.experiments._weights import (
-    PART_ORDER,
-    PART_SECTION,
-    PART_WHAT,
-    Measurement,
-    PartModules,
-    Setup,
-    WeightConfig,
-    depth_label,
-    majority,
-    prepare,
-    spread,
-)
 from me_interp.interventions.core import check_layers
 from me_interp.loading.loaded import LoadedModel
 from me_interp.plotting import interval_bars, outcome_heatmap
-from me_interp.study import Experiment, Headed, RunHeader, checked, command, run_header
+from me_interp.probes.measurement import Measurement, Setup
+from me_interp.probes.site import Site
+from me_interp.prompts import spread
+from me_interp.study import (
+    Experiment,
+    Headed,
+    RunHeader,
+    WeightConfig,
+    checked,
+    command,
+    run_header,
+    weights,
+)
+from me_interp.study.weights import (
+    PART_ORDER,
+    PART_SECTION,
+    PART_WHAT,
+    PartModules,
+    depth_label,
+    majority,
+)
 from me_interp.terminal import fmt_table
 
 NAME = "weight_swap"
@@ -196,16 +203,16 @@ def resolve_partners(cfg: Config, model: LoadedModel, layer: int) -> list[int]:
     return spread([p for p in range(model.n_layers) if p != layer], cfg.max_partners)
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
+def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
     """Swap each part of the ME layer with each partner layer and measure. No printing, no files.
 
     Raises:
         NotApplicable: no massive activation on the model and no ``cfg.layer``.
         ValueError: a partner out of range or equal to the layer (a swap with itself).
     """
-    s: Setup = prepare(cfg, model)
+    s: Setup = weights.setup(EXPERIMENT, cfg, model, site)
     m = s.layer
-    assert m is not None  # prepare(require_layer=True) raises otherwise
+    assert m is not None  # setup(require=True) raises otherwise
     partners = resolve_partners(cfg, s.model, m)
     part_modules = [PartModules(part, moved_modules(s.model, part)) for part in cfg.parts]
     rows = []
@@ -407,7 +414,15 @@ def summary(result: Result) -> str:
 
 
 EXPERIMENT = Experiment(
-    NAME, Config, run, SPECS, figures, summary, __doc__, key_figures=("me_layer_after_swap",)
+    NAME,
+    Config,
+    run,
+    SPECS,
+    figures,
+    summary,
+    __doc__,
+    key_figures=("me_layer_after_swap",),
+    inputs=weights.inputs,
 )
 main = command(EXPERIMENT)
 

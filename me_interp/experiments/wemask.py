@@ -27,7 +27,6 @@ import plotly.graph_objects as go
 from me_interp import claims, evaluation, plotting, terminal
 from me_interp.backends import check_backend
 from me_interp.evaluation import Metrics
-from me_interp.experiments._weights import short_batch, spread
 from me_interp.interventions import soft
 from me_interp.interventions.soft import MaskCondition as Condition
 from me_interp.interventions.wemask import (
@@ -40,7 +39,8 @@ from me_interp.interventions.wemask import (
     start_layer,
 )
 from me_interp.loading.loaded import LoadedModel
-from me_interp.prompts import builtin_texts, read_prompts
+from me_interp.probes.measurement import short_batch
+from me_interp.prompts import builtin_texts, read_prompts, spread
 from me_interp.study import (
     CommonConfig,
     Experiment,
@@ -169,8 +169,9 @@ class Result(Headed, evaluation.MaskRows):
         return self.header.layer_given
 
 
-def run(cfg: Config, model: LoadedModel | None = None) -> Result:
-    """Run the sweep. No printing (a tqdm bar on stderr), no files.
+def run(cfg: Config, model: LoadedModel | None = None, site: None = None) -> Result:
+    """Run the sweep. No printing (a tqdm bar on stderr), no files. No Site is given (``site`` is
+    None): the detection prompts are cut to ``detect_tokens`` (``interventions.wemask``).
 
     Raises:
         NotApplicable: ``me_layer=None`` and the model has no massive activation on the prompts.

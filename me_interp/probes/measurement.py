@@ -45,7 +45,7 @@ class Measurement:
             on the reference positions (empty without ``sink``).
         prompt_ratio: ``[layer][prompt]`` the per-prompt ``R_{l,b}`` behind ``top_ratio``.
         prompt_me_layer: per prompt, the ME layer located on that prompt alone (``None``: none);
-            the units of a per-prompt majority (``experiments._weights.majority``).
+            the units of a per-prompt majority (``study.weights.majority``).
     """
 
     me_layer: int | None
@@ -167,6 +167,14 @@ class Setup:
     scan: NormScan | None = None
     sink_mass: torch.Tensor | None = None
     unedited: dict[str, Unedited] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def at(cls, model: LoadedModel, site: Site, criterion: Criterion, sink: bool = True) -> Setup:
+        """Measure the unedited model on the batch ``site`` was located on (its massive tokens'
+        sink too, with ``sink``): the set-up of an edit experiment."""
+        batch = site.batch
+        baseline, _, scan, mass = _measure(model, batch, criterion, site.token_positions, sink)
+        return cls(model, batch, criterion, baseline, site, sink, scan, mass)
 
     @property
     def layer(self) -> int | None:

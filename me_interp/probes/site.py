@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -178,6 +178,10 @@ class Site:
         dims: the massive dims at ``layer``, commonest first.
         units: the prompts grouped by their massive token's prefix (the effective n).
         n_prompts: the number of prompts located on.
+        batch: the prompts it was located on.
+        scan: their norm scan (the caller's, or the one :func:`locate` ran).
+        inputs: what the experiment built to locate it on (its ``inputs`` hook's answer, kept for
+            its ``run``: ``me_interp.study.prepare``); ``None`` when located directly.
     """
 
     location: MELocation
@@ -188,6 +192,9 @@ class Site:
     dims: tuple[int, ...]
     units: Units
     n_prompts: int
+    batch: Any = field(default=None, repr=False, compare=False)
+    scan: NormScan | None = field(default=None, repr=False, compare=False)
+    inputs: Any = field(default=None, repr=False, compare=False)
 
     @property
     def me_layer(self) -> int | None:
@@ -346,7 +353,21 @@ def locate(
         dims=tuple(int(d) for d in dims),
         units=massive_units(batch.right_aligned().tokens, reference, seed),
         n_prompts=n,
+        batch=batch,
+        scan=scan,
     )
+
+
+def selected_layer(site: Site) -> int | None:
+    """The layer the held-out claims test: the ME layer detected on the selection half of the
+    units alone (``None`` when that half has none); ``site.layer`` when given or when nothing can be
+    held out (fewer than 2 units)."""
+    units = site.units
+    if site.given or not units.held_out:
+        return site.layer
+    assert site.scan is not None  # locate keeps the scan it located on
+    half = subset_scan(site.scan, units.prompts(units.select))
+    return locate_me_layer(half, site.location.criterion).me_layer
 
 
 __all__ = [
@@ -357,5 +378,6 @@ __all__ = [
     "locate",
     "massive_units",
     "no_massive_why",
+    "selected_layer",
     "subset_scan",
 ]

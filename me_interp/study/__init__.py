@@ -1,15 +1,20 @@
 """The experiment framework: what every experiment shares, written once.
 
-* :mod:`.config` — :class:`CommonConfig` (the shared fields) and :func:`checked` (a field's checks as
-  metadata, applied by one :func:`validate`);
+* :mod:`.config` — :class:`CommonConfig` (the shared fields), the shared bases (:class:`SiteConfig`,
+  :class:`DetectConfig`, :class:`WeightConfig`) and :func:`checked` (a field's checks as metadata,
+  applied by one :func:`validate`);
 * :mod:`.experiment` — the :class:`Experiment` descriptor each experiment module declares, and the one
-  way it runs: load the model, execute, judge, write (:func:`execute`, :func:`write_outcome`);
+  way it runs: load the model and locate the Site on the experiment's inputs (:func:`prepare`),
+  execute, judge, write (:func:`execute`, :func:`write_outcome`);
 * :mod:`.result` — the :class:`RunHeader` every Result opens with, and the round trip of a Result
   through JSON (``io.to_jsonable`` / ``io.from_jsonable``);
-* :mod:`.cli` — the command line built from a Config (:func:`main`).
+* :mod:`.cli` — the command line built from a Config (:func:`main`);
+* :mod:`.layer_report` — what the per-layer reports share (:class:`~.layer_report.LayerReport`);
+  :mod:`.weights` — what the weight experiments share (their inputs, the parts they move).
 
 Dependencies point one way: the battery and the experiments import this package; it imports
-``claims``, ``io``, ``terminal``, ``prompts`` and ``loading``, never an experiment.
+``claims``, ``io``, ``terminal``, ``prompts``, ``loading``, ``probes`` and ``edits``, never an
+experiment.
 """
 
 from me_interp.study.cli import (
@@ -28,7 +33,9 @@ from me_interp.study.config import (
     INDEX_CONVENTION,
     Check,
     CommonConfig,
+    DetectConfig,
     SiteConfig,
+    WeightConfig,
     check_placement,
     checked,
     placement_kwargs,
@@ -37,11 +44,16 @@ from me_interp.study.config import (
 from me_interp.study.experiment import (
     SMALL_MODEL_PARAMS,
     Experiment,
+    Inputs,
     Outcome,
     apply_threads,
     execute,
+    locate_inputs,
     model_for,
+    prepare,
+    prompt_inputs,
     seed_everything,
+    site_arguments,
     write_outcome,
 )
 from me_interp.study.result import Headed, RunHeader, roundtrip, run_header
@@ -54,11 +66,14 @@ __all__ = [
     "ArgumentParser",
     "Check",
     "CommonConfig",
+    "DetectConfig",
     "Experiment",
     "Headed",
+    "Inputs",
     "Outcome",
     "RunHeader",
     "SiteConfig",
+    "WeightConfig",
     "apply_threads",
     "build_parser",
     "command",
@@ -69,12 +84,16 @@ __all__ = [
     "field_docs",
     "flag_names",
     "is_bad_input",
+    "locate_inputs",
     "main",
     "model_for",
     "placement_kwargs",
+    "prepare",
+    "prompt_inputs",
     "roundtrip",
     "run_header",
     "seed_everything",
+    "site_arguments",
     "validate",
     "write_outcome",
 ]

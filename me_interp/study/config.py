@@ -25,10 +25,11 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from me_interp.loading.devices import DTYPES
 from me_interp.loading.loaded import BOS_CHOICES
+from me_interp.probes.massive import Criterion, CriterionKind
 from me_interp.prompts import Prompt, as_prompts, builtin_prompts, read_prompts
 
 INDEX_CONVENTION = "0-based layers (blocks.L); *_1based = L + 1"
@@ -206,6 +207,52 @@ class SiteConfig(CommonConfig):
 
     layer: int | None = checked(None, ge=0)
     position: int | None = None
+
+
+@dataclass(frozen=True)
+class DetectConfig(CommonConfig):
+    """Fields of the experiments that detect the ME layer and the massive token themselves.
+
+    Attributes:
+        criterion: massive-activation criterion of the ME-layer detection (``sun``: value
+            thresholds; ``norm``: token-norm ratio).
+        position: ``detected`` = the detected massive token of each prompt; ``zero`` = position 0.
+        layer: the ME layer to test (0-based); ``None`` = detected. On a model without a massive
+            activation the claims are not applicable unless a layer is given.
+    """
+
+    criterion: str = checked("sun", choices=get_args(CriterionKind))
+    position: Literal["detected", "zero"] = "detected"
+    layer: int | None = checked(None, ge=0)
+
+    def detection(self) -> Criterion:
+        return Criterion(kind=self.criterion)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class WeightConfig(CommonConfig):
+    """Fields shared by the weight experiments.
+
+    Attributes:
+        layer: the layer to edit (0-based); ``None`` = the ME layer detected on the unedited model
+            (a model without one is then "not applicable").
+        n_prompts: how many prompts to use, spread evenly over the prompt set (every edit costs a
+            forward pass, so the default subsamples; ``0`` = all). The result reports the number.
+        max_tokens: cut every prompt to its first ``max_tokens`` tokens (the massive token is among
+            the first; ``0`` = no cut).
+        criterion: massive-activation criterion (``sun``: value thresholds; ``norm``: token-norm
+            ratio).
+        sink: also measure the attention sink (in the same forward pass).
+    """
+
+    layer: int | None = None
+    n_prompts: int = checked(8, ge=0)
+    max_tokens: int = checked(16, ge=2, also=(0,))
+    criterion: str = checked("sun", choices=get_args(CriterionKind))
+    sink: bool = True
+
+    def detection(self) -> Criterion:
+        return Criterion(kind=self.criterion)  # type: ignore[arg-type]
 
 
 def check_placement(cfg: CommonConfig) -> None:

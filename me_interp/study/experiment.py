@@ -1,14 +1,17 @@
 """The experiment descriptor and the one way an experiment is run: set up, execute, judge, write.
 
-An experiment module declares its ``Config``, its ``Result``, ``run(cfg, model) -> Result`` (pure: no
-printing, no files, no loading), its ``SPECS``, ``figures(result)``, ``summary(result)`` and one
+An experiment module declares its ``Config``, its ``Result``, ``run(cfg, model, site) -> Result``
+(pure: no printing, no files, no loading), how the inputs its Site is located on are built
+(``inputs(cfg, model)``), its ``SPECS``, ``figures(result)``, ``summary(result)`` and one
 :class:`Experiment` that names them::
 
     EXPERIMENT = Experiment("weight_swap", Config, run, SPECS, figures, summary, __doc__,
-                            key_figures=("me_layer_after_swap",))
+                            key_figures=("me_layer_after_swap",), inputs=weights.inputs)
     main = command(EXPERIMENT)
 
-Everything else is done here, once: the model is loaded (:func:`model_for`), threads and seeds set,
+Everything else is done here, once: the model is loaded (:func:`model_for`) and the Site located
+on the experiment's inputs (:func:`prepare`: one :func:`me_interp.probes.site.locate`, with the
+layer, position, criterion and seed of the Config, :func:`site_arguments`), threads and seeds set,
 ``run`` executed under the attention kernel it asks for, its claims judged by
 :func:`me_interp.claims.judge` (a :class:`claims.NotApplicable` from ``run`` makes every claim "not
 applicable", with the reason), and ``config.json``, ``env.json``, ``result.json`` and the figures
@@ -20,8 +23,9 @@ from __future__ import annotations
 
 import os
 import random
+import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +33,40 @@ import numpy as np
 import torch
 
 from me_interp import claims, io, usage
+from me_interp.interventions.causal import PromptBatch, prompt_batch
 from me_interp.loading import load_model
 from me_interp.loading.attention import kernel as attention_kernel
 from me_interp.loading.errors import PlacementError
-from me_interp.loading.loaded import LoadedModel
+from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.probes.norms import NormScan
+from me_interp.probes.site import Site, locate
 from me_interp.study.config import CommonConfig, placement_kwargs
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What an experiment's ``inputs`` hook builds when a batch alone is not enough.
+
+    A hook returns a :class:`Batch`, an object with a ``batch`` (e.g. an
+    ``interventions.causal.PromptBatch``), or this; ``None`` when the run needs no Site.
+
+    Attributes:
+        batch: the prompts the Site is located on.
+        scan: their norm scan when the hook ran one (the Site is located on it: one forward).
+        made: what else the hook made for ``run`` (recorders read in the same forward, the number
+            of prompts given, tokenised pairs), in the order ``run`` unpacks them from
+            ``site.inputs.made``.
+    """
+
+    batch: Batch
+    scan: NormScan | None = None
+    made: tuple[Any, ...] = ()
+
+
+def prompt_inputs(cfg: Any, model: LoadedModel) -> PromptBatch:
+    """The ``inputs`` of the experiments that intervene at the Site: ``cfg``'s prompts, each cut to
+    ``cfg.max_tokens`` tokens, at most ``cfg.max_prompts`` (``interventions.causal.prompt_batch``)."""
+    return prompt_batch(model, cfg.load_prompts(), cfg.max_tokens, cfg.max_prompts)
 
 
 @dataclass(frozen=True)
@@ -43,8 +76,8 @@ class Experiment:
     Attributes:
         name: the experiment's name (its module, its run folder, its claims' id prefix).
         config: its Config class (a :class:`CommonConfig`; every field is a command-line flag).
-        run: ``run(cfg, model) -> Result``; raises :class:`claims.NotApplicable` when the model
-            lacks what its claims presuppose.
+        run: ``run(cfg, model, site) -> Result``; raises :class:`claims.NotApplicable` when the
+            model lacks what its claims presuppose.
         specs: every claim it can state, declared (:class:`claims.Spec`).
         figures: ``figures(result) -> {stem: plotly Figure}``.
         summary: ``summary(result) -> str``, the short table the command line prints.
@@ -54,7 +87,10 @@ class Experiment:
             experiment reads no attention pattern; recorded in ``env.json``).
         specs_for: when the result decides which claims apply, ``specs_for(result)``.
         result_type: its Result class, for readers of a finished run's ``result.json``
-            (``io.read_result(result_type, run_dir)``); ``None`` where none reads it back.
+            (``io.read_result(result_type, run_dir)``); by default ``run``'s return annotation
+            (given only where ``run`` may return more than one type).
+        inputs: ``inputs(cfg, model)``: what the Site is located on (see :class:`Inputs`);
+            ``None``: the experiment has no Site (``run`` gets ``site=None``).
     """
 
     name: str
@@ -68,6 +104,14 @@ class Experiment:
     attention: str = "eager"
     specs_for: Callable[[Any], Sequence[claims.Spec]] | None = field(default=None, repr=False)
     result_type: type | None = field(default=None, repr=False)
+    inputs: Callable[[Any, LoadedModel], Any] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.result_type is None:
+            returned = typing.get_type_hints(self.run).get("return")
+            if not isinstance(returned, type):
+                raise TypeError(f"{self.name}: give result_type= (run returns {returned})")
+            object.__setattr__(self, "result_type", returned)
 
     def judged(self, result: Any) -> list[claims.Claim]:
         """Every claim of this experiment judged on ``result``."""
@@ -127,6 +171,44 @@ def model_for(cfg: CommonConfig, model: Any = None) -> LoadedModel:
     )
 
 
+def site_arguments(cfg: CommonConfig) -> dict[str, Any]:
+    """What :func:`locate` is given from ``cfg``: its ``layer`` and ``position`` where it has them
+    (``position`` ``"zero"`` is 0, ``"detected"`` the detected token), the criterion of its
+    ``detection()`` where it has one (else the default :class:`~me_interp.probes.massive.Criterion`)
+    and its ``seed``."""
+    position = getattr(cfg, "position", None)
+    return {
+        "criterion": cfg.detection() if hasattr(cfg, "detection") else None,
+        "layer": getattr(cfg, "layer", None),
+        "position": {"zero": 0, "detected": None}.get(position, position),
+        "seed": cfg.seed,
+    }
+
+
+def locate_inputs(cfg: CommonConfig, model: LoadedModel, made: Any) -> Site | None:
+    """The Site on what an ``inputs`` hook ``made`` (see :class:`Inputs`; ``None``: no Site), located
+    once with :func:`site_arguments`; it carries ``made`` as ``site.inputs``."""
+    if made is None:
+        return None
+    batch = getattr(made, "batch", made)
+    site = locate(model, batch, scan=getattr(made, "scan", None), **site_arguments(cfg))
+    return replace(site, inputs=made)
+
+
+def prepare(
+    exp: Experiment, cfg: CommonConfig, model: Any = None, site: Site | None = None
+) -> tuple[LoadedModel, Site | None]:
+    """The model (:func:`model_for`) and the Site ``exp.run`` works on: ``site`` if given, else
+    located on ``exp.inputs(cfg, model)`` (:func:`locate_inputs`). :func:`execute` calls it before
+    ``run``; a ``run`` called without them (from a library or a test) calls it first itself."""
+    if site is not None and model is None:
+        raise ValueError("a site was given without the model it was located on")
+    model = model_for(cfg, model)
+    if site is None and exp.inputs is not None:
+        site = locate_inputs(cfg, model, exp.inputs(cfg, model))
+    return model, site
+
+
 @dataclass
 class Outcome:
     """What one experiment produced: its result (``None`` when not applicable), its claims and its
@@ -153,18 +235,19 @@ class Outcome:
 def execute(
     exp: Experiment, cfg: CommonConfig, model: LoadedModel, figures: bool = True
 ) -> Outcome:
-    """Run ``exp`` with ``cfg`` on ``model`` and judge its claims; without ``figures`` none are
-    drawn (for callers that read only the claims).
+    """Locate the Site (:func:`prepare`), run ``exp`` with ``cfg`` on ``model`` and the Site, and
+    judge its claims; without ``figures`` none are drawn (for callers that read only the claims).
 
-    A :class:`claims.NotApplicable` raised by ``run`` becomes "not applicable" for every claim of
-    ``exp.specs``, with its message as the reason. ``run`` runs under
+    A :class:`claims.NotApplicable` raised by ``run`` (or while its inputs are built) becomes "not applicable" for every claim of
+    ``exp.specs``, with its message as the reason. The inputs and ``run`` run under
     :func:`me_interp.loading.attention.kernel` with ``exp.attention``. On a model with offloaded
     weights, an experiment that reads or edits weights is refused with a :class:`PlacementError`
     naming it.
     """
     try:
         with attention_kernel(model, exp.attention) as attention:
-            result = exp.run(cfg, model)
+            model, site = prepare(exp, cfg, model)
+            result = exp.run(cfg, model, site)
     except claims.NotApplicable as e:
         return Outcome(None, claims.not_applicable(exp.specs, str(e)), {}, str(e))
     except PlacementError as e:

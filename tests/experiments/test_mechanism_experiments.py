@@ -303,7 +303,7 @@ def test_massive_units_group_prompts_by_the_massive_prefix():
 
 
 def test_peak_measure_tests_held_out_units_by_hand():
-    from me_interp.experiments._layer_report import peak_measure
+    from me_interp.study.layer_report import peak_measure
 
     u = _units(["5", "7", "5", "9", "7", "8"])
     v = np.array([[0, 3, 1], [0, 1, 2], [0, 1, 0], [4, 1, 0], [0, 3, 0], [1, 2, 0]], dtype=float)

@@ -11,8 +11,8 @@ import pytest
 
 from me_interp import claims, study, terminal
 from me_interp import study as common
-from me_interp.experiments._layer_report import DetectConfig
-from me_interp.experiments._weights import EDIT_COLUMNS, EditRow, Measurement
+from me_interp.probes.measurement import EDIT_COLUMNS, EditRow, Measurement
+from me_interp.study import DetectConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,7 @@ def test_cli_keeps_the_traceback_of_a_bug(monkeypatch, tmp_path, capsys):
 
     argv = ["--model", "synthetic:planted", "--out", str(tmp_path)]
 
-    def bug(cfg, model=None):
+    def bug(cfg, model=None, site=None):
         return torch.distributions.Normal(0.0, -1.0)
 
     buggy = dataclasses.replace(me_layer.EXPERIMENT, run=bug)

@@ -1,4 +1,4 @@
-"""weight_swap and weight_patching (and what they share in ``_weights``): the verdicts the planted
+"""weight_swap and weight_patching (and what they share in ``study.weights``): the verdicts the planted
 construction implies, "not applicable" / "fails" on models without the mechanism, measurements against
 hand computations, subsampling, CLI smoke and bad inputs, and the bundled model with two-sided bounds.
 
@@ -18,12 +18,13 @@ import torch
 
 from me_interp import claims, io, load_model, names, synthetic
 from me_interp.claims import FAILS, HOLDS, INCONCLUSIVE, NOT_APPLICABLE, NotApplicable
-from me_interp.experiments import _weights, weight_patching, weight_swap
+from me_interp.experiments import weight_patching, weight_swap
 from me_interp.probes import Criterion, measurement
 from me_interp.probes.attention import attention_stats
+from me_interp.probes.measurement import EditRow
 from me_interp.probes.site import locate
 from me_interp.prompts import spread
-from me_interp.study import roundtrip
+from me_interp.study import roundtrip, weights
 
 # What the planted construction implies (synthetic.planted_llama: layer 2's pre-FFN gain is 8 on the
 # gain dims, neuron 5 reads them and writes the massive dim; no part of attention is involved).
@@ -182,16 +183,18 @@ def test_prompt_me_layers_match_one_prompt_batches(planted, twin):
 
 
 def test_depth_label_and_majority():
-    assert _weights.depth_label(3, 11) == "layer 3 (m-8)"
-    assert _weights.depth_label(12, 11) == "layer 12 (m+1)"
-    assert _weights.majority([True, True, False]) and not _weights.majority([True, False])
-    assert not _weights.majority([])
+    assert weights.depth_label(3, 11) == "layer 3 (m-8)"
+    assert weights.depth_label(12, 11) == "layer 12 (m+1)"
+    assert weights.majority([True, True, False]) and not weights.majority([True, False])
+    assert not weights.majority([])
 
 
-def test_prepare_on_a_model_without_massive_activation_is_not_applicable(twin, prompt_file):
+def test_setup_on_a_model_without_massive_activation_is_not_applicable(twin, prompt_file):
     with pytest.raises(NotApplicable, match="no massive activation on this model"):
-        _weights.prepare(weight_swap.Config(prompts=prompt_file), twin[0])
-    s = _weights.prepare(weight_swap.Config(prompts=prompt_file, layer=2), twin[0])
+        weights.setup(weight_swap.EXPERIMENT, weight_swap.Config(prompts=prompt_file), twin[0])
+    s = weights.setup(
+        weight_swap.EXPERIMENT, weight_swap.Config(prompts=prompt_file, layer=2), twin[0]
+    )
     assert s.layer == 2 and s.layer_given and s.baseline.me_layer is None
 
 
@@ -551,7 +554,7 @@ def test_edit_row_per_prompt(planted, prompt_file):
     batch = measurement.short_batch(model, synthetic.planted_prompts(5), 0, 0)
     m = measurement.measure(model, batch, Criterion(), sink=False)
     assert m.sink == []
-    row = _weights.EditRow.measured(m, m, plant.layer)
+    row = EditRow.measured(m, m, plant.layer)
     assert row.ratio_at_layer_per_prompt == m.prompt_ratio[plant.layer]
     assert len(row.ratio_last_per_prompt) == 5 and row.change == pytest.approx(1.0)  # unedited
     assert row.cells() == (m.me_layer, "yes", m.top_ratio[plant.layer], m.top_ratio[-1])

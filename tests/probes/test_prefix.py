@@ -11,9 +11,11 @@ import torch
 
 from me_interp import load_model, synthetic
 from me_interp.edits import neurons_ablated, swapped_layers
-from me_interp.experiments import _weights
+from me_interp.experiments import weight_swap
 from me_interp.probes.batching import capture_prefix, record
+from me_interp.probes.measurement import measure
 from me_interp.probes.norms import NormRecorder
+from me_interp.study import weights
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
 
@@ -21,8 +23,8 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma
 def _setup(model, tmp_path, sink=True):
     f = tmp_path / "p.txt"
     f.write_text("\n".join(synthetic.planted_prompts(6)))
-    cfg = _weights.WeightConfig(prompts=str(f), n_prompts=0, sink=sink)
-    return _weights.prepare(cfg, model, require_layer=False)
+    cfg = weight_swap.Config(prompts=str(f), n_prompts=0, sink=sink)
+    return weights.setup(weight_swap.EXPERIMENT, cfg, model, require=False)
 
 
 def _assert_same(a, b):
@@ -48,7 +50,7 @@ def test_prefix_run_equals_the_whole_forward_under_an_edit(arch, tmp_path):
     ]
     for start, ctx in edits:
         with ctx():
-            whole = _weights.measure(model, s.batch, s.criterion, s.positions, True)
+            whole = measure(model, s.batch, s.criterion, s.positions, True)
             part = s.measure(start=start)
         _assert_same(part, whole)
         with ctx():  # and the edit did change something, so the equality is not vacuous

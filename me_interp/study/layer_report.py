@@ -1,7 +1,8 @@
 """What the per-layer reports (``me_layer``, ``mechanism``, ``invariance``, ``attention_sinks``) share.
 
-:class:`DetectConfig` (their detection fields), :func:`detect` (a norm scan to a :class:`Detection`),
-:class:`LayerReport` (the common part of their results) and the statistics of their claims.
+:func:`detect` (a Site to a :class:`Detection`), :class:`LayerReport` (the common part of their
+results) and the statistics of their claims. Their Config is
+:class:`~me_interp.study.config.DetectConfig`.
 
 **Units.** The massive token's state depends only on its prefix ``x[: m + 1]`` (causal attention), so
 prompts whose massive token has the same prefix measure it once: the claims are resampled over those
@@ -17,48 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 
 from me_interp import claims
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.massive import (
-    Criterion,
-    CriterionKind,
-    locate_me_layer,
-)
-from me_interp.probes.norms import NormScan
-from me_interp.probes.site import Site, Units, locate, subset_scan
-from me_interp.study import CommonConfig, Headed, RunHeader, checked, run_header
+from me_interp.probes.site import Site, Units, selected_layer
+from me_interp.study.config import CommonConfig
+from me_interp.study.result import Headed, RunHeader, run_header
 from me_interp.terminal import fmt_table
-
-PositionChoice = Literal["detected", "zero"]
-
-
-# ------------------------------------------------------------------------------------------
-# detection
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DetectConfig(CommonConfig):
-    """Fields of the experiments that detect the ME layer and the massive token themselves.
-
-    Attributes:
-        criterion: massive-activation criterion of the ME-layer detection (``sun``: value
-            thresholds; ``norm``: token-norm ratio).
-        position: ``detected`` = the detected massive token of each prompt; ``zero`` = position 0.
-        layer: the ME layer to test (0-based); ``None`` = detected. On a model without a massive
-            activation the claims are not applicable unless a layer is given.
-    """
-
-    criterion: str = checked("sun", choices=get_args(CriterionKind))
-    position: PositionChoice = "detected"
-    layer: int | None = checked(None, ge=0)
-
-    def detection(self) -> Criterion:
-        return Criterion(kind=self.criterion)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -101,24 +70,15 @@ class Detection:
         }
 
 
-def detect(cfg: DetectConfig, model: LoadedModel, scan: NormScan, batch: Batch) -> Detection:
-    """The ME layer and massive tokens of a norm scan (see :class:`Detection`).
+def detect(site: Site) -> Detection:
+    """The tested layer and massive tokens of ``site`` (located by the framework on the
+    experiment's scan), with the layer the held-out claims test (``probes.site.selected_layer``).
 
     Raises:
-        claims.NotApplicable: no massive activation and no ``cfg.layer``.
+        claims.NotApplicable: no massive activation and no ``--layer``.
     """
-    crit = cfg.detection()
-    zero = 0 if cfg.position == "zero" else None
-    site = locate(
-        model, batch, scan=scan, criterion=crit, layer=cfg.layer, position=zero, seed=cfg.seed
-    )
-    me = site.require("pass --layer to measure a chosen layer anyway")
-    units = site.units
-    if site.given or not units.held_out:
-        selected: int | None = me
-    else:
-        selected = locate_me_layer(subset_scan(scan, units.prompts(units.select)), crit).me_layer
-    return Detection(site, selected)
+    site.require("pass --layer to measure a chosen layer anyway")
+    return Detection(site, selected_layer(site))
 
 
 @dataclass(frozen=True)
