@@ -322,7 +322,8 @@ def test_fallback_after_an_error_is_recorded(pair, monkeypatch):
     def broken(*args, **kwargs):
         raise TypeError("unexpected keyword argument 'position_embeddings'")
 
-    monkeypatch.setattr(suffix, "_run_blocks", broken)
+    monkeypatch.setattr(suffix, "_run_blocks", broken)  # every position
+    monkeypatch.setattr(suffix, "_block", broken)  # the position suffix
     with pytest.warns(RuntimeWarning, match="TypeError: unexpected keyword"):
         sw = patch_sweep(model, clean, corrupt, "resid_pre", _metrics(plant))
     assert not sw.prefix_skipped and sw.prefix_fallback.startswith("running blocks")
