@@ -264,6 +264,27 @@ def clean_from_prefix(
     return {n: store[n] for n in site_names}, values
 
 
+class _PrefixKV:
+    """The corrupt run's keys and values of one block at positions ``< p`` (``[B, kv_head, p,
+    d_head]``), as attention's cache: ``update`` returns them, for every group of ``B`` rows,
+    followed by the new positions' keys and values, written once into one tensor (a
+    ``DynamicCache`` would tile the prefix, then copy it again to concatenate)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    @staticmethod
+    def _join(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        B, p = past.shape[0], past.shape[2]
+        out = new.new_empty(new.shape[0], new.shape[1], p + new.shape[2], new.shape[3])
+        out.view(-1, B, *out.shape[1:])[:, :, :, :p] = past  # every group of B rows
+        out[:, :, p:] = new
+        return out
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self._join(self.keys, keys), self._join(self.values, values)
+
+
 def _run_suffix(model, suffix, entry: Sequence[int], last: int, p: int, B: int, hooks):
     """Run row groups of ``B`` rows (the corrupt prompts), group ``j`` joining at block
     ``entry[j]`` (ascending) with the corrupt residual stream entering that block, through block
@@ -288,12 +309,8 @@ def _run_suffix(model, suffix, entry: Sequence[int], last: int, p: int, B: int, 
                 memo[key] = (v, _tile(v, k, B))  # keep v alive so its id stays unique
             kw[name] = memo[key][1]
         if p:
-            from transformers import DynamicCache
-
             keys, values = kv[i]
-            cache = DynamicCache()
-            cache.update(keys[:, :, :p].repeat(k, 1, 1, 1), values[:, :, :p].repeat(k, 1, 1, 1), i)
-            kw["layer_past"] = cache
+            kw["layer_past"] = _PrefixKV(keys[:, :, :p], values[:, :, :p])
         return kw
 
     joining = collections.Counter(entry)
