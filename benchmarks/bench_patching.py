@@ -13,6 +13,9 @@ it prints, measured in one run:
   metric layer`` at positions ``p …`` for cell ``(L, p)``; per-head cells patch every position, so
   from position 0), summed over the cells that can change the metrics, at the FLOP rate of one plain
   batched forward measured here; 1.0 would be doing exactly that work at that rate;
+* the same ratio with the two runs every exact sweep needs besides its cells added to the floor
+  (``runs_seconds``: the corrupt run and the clean run, through the last block a metric reads, the
+  clean one from the first block where it can differ), at the same rate;
 * the largest difference to TransformerLens (equality), and the attribution-patching estimate's
   time and its Spearman rank agreement with exact patching over the cells;
 * ``forward_seconds``: one plain forward of the same batch (every position's logits, the fastest of
@@ -396,6 +399,7 @@ def main(argv=None) -> int:
         # the cells that can change the metrics: the ones the skipping sweep runs
         floor = _floor_of_run(model, sw, B, T, hooks, clean, corrupt, metrics)
         floor_secs = floor / rate
+        runs_secs = _baseline_flops(model, B, T, hooks, clean, corrupt, metrics) / rate
         rho = {m: rank_agreement(attr, sw, m) for m in metrics}
         sampled = "" if len(cells) == n_cells else f" (timed on {len(cells)} random cells, scaled)"
         print(f"\nsite {s}: {n_cells} cells, {run_cells} can change the metrics")
@@ -407,6 +411,10 @@ def main(argv=None) -> int:
             )
         print(
             f"  FLOP floor                   {floor_secs:8.2f} s  ({floor / 1e12:.3g} TFLOP at the plain-forward rate)"
+        )
+        print(
+            f"  + the clean and corrupt runs {runs_secs:8.2f} s  (at that rate): sweep / (floor + runs) "
+            f"{secs[True] / (floor_secs + runs_secs):.2f}x"
         )
         print(
             f"  attribution patching         {secs['attribution']:8.2f} s  x{tl_secs / secs['attribution']:6.1f} vs TL; "
@@ -429,6 +437,8 @@ def main(argv=None) -> int:
             "seconds_all": secs[False],
             "all_layers_timed": len(all_layers),
             "floor_seconds": floor_secs,
+            "runs_seconds": runs_secs,
+            "skip_over_floor_and_runs": secs[True] / (floor_secs + runs_secs),
             "attribution_seconds": secs["attribution"],
             "forward_seconds": forward_secs,
             "skip_over_floor": secs[True] / floor_secs,
@@ -443,6 +453,23 @@ def main(argv=None) -> int:
 
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     return 0
+
+
+def _baseline_flops(model, B, T, hooks, clean, corrupt, metrics) -> float:
+    """The matrix-multiply FLOPs of the two runs every exact sweep needs besides its cells: the
+    corrupt run (the baseline, and the activations the cells start from) and the clean run (the
+    activations patched in), each through the last block a metric reads (and each row's last-token
+    unembedding for logit metrics); the clean run from the first block where it can differ from
+    the corrupt one (the first corruption hook's block when the tokens are the same)."""
+    per_tok, per_pair = block_flops(model, T)
+    reads = {n for m in metrics.values() for n in m.hook_names()}
+    last = max(hook_layer(n, model.n_layers) for n in reads)
+    per_block = B * (T * per_tok + T * (T + 1) / 2 * per_pair)
+    unembed = B * unembed_flops(model) if LOGITS in reads else 0.0
+    first = 0
+    if hooks and torch.equal(clean.tokens, corrupt.tokens):
+        first = min(hook_layer(n, model.n_layers) for n, _ in hooks)
+    return (last + 1) * per_block + (last + 1 - first) * per_block + 2 * unembed
 
 
 def _floor_of_run(model, sw, B, T, hooks, clean, corrupt, metrics) -> float:
