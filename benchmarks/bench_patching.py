@@ -13,10 +13,18 @@ it prints, measured in one run:
   metric layer`` at positions ``p …`` for cell ``(L, p)``; per-head cells patch every position, so
   from position 0), summed over the cells that can change the metrics, at the FLOP rate of one plain
   batched forward measured here; 1.0 would be doing exactly that work at that rate;
+* the same ratio with the two runs every exact sweep needs besides its cells added to the floor
+  (``runs_seconds``: the corrupt run and the clean run, through the last block a metric reads, the
+  clean one from the first block where it can differ), at the same rate;
 * the largest difference to TransformerLens (equality), and the attribution-patching estimate's
   time and its Spearman rank agreement with exact patching over the cells;
 * ``forward_seconds``: one plain forward of the same batch (every position's logits, the fastest of
   three), measured in the same run, the unit attribution's cost is given in.
+
+The skipping sweep and attribution are timed as the fastest of ``--repeats`` runs (default 2), as
+the floor's rate and the plain forward are the fastest of three: on a shared machine a single run
+against a best-of-three reference reads the load as overhead. The rate and the plain forward are
+measured again before each site, so each site's ratios compare times taken close together.
 
 ``--pairs FILE --metric logit_diff`` patches user pairs instead (clean and corrupt texts, the logit
 metric at each pair's last token, no corruption hook; ``experiments/pairs/ioi32.jsonl``: 32 IOI
@@ -261,6 +269,13 @@ def main(argv=None) -> int:
         default=None,
         help="time the full-forward sweep on this many random layers (scaled to all)",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="time the skipping sweep and attribution as the fastest of this many runs (the "
+        "floor's rate and the plain forward are the fastest of three)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -276,24 +291,30 @@ def main(argv=None) -> int:
     B, T = clean.tokens.shape
     layers = args.layers or list(range(model.n_layers))
     # the FLOP rate of a plain batched forward of the same prompts tiled to 64 rows (the fastest
-    # of three), and one plain forward of the batch itself
+    # of three), and one plain forward of the batch itself: measured again before each site, so
+    # that each site's ratios compare times taken close together on a shared machine
     tile = max(1, 64 // B)
     rows = Batch(clean.tokens.repeat(tile, 1), clean.attention_mask.repeat(tile, 1), None)
     per_tok, per_pair = block_flops(model, T)
     fwd_flops = rows.tokens.shape[0] * model.n_layers * (T * per_tok + T * (T + 1) / 2 * per_pair)
-    best = float("inf")
-    for i in range(4):
-        t = time.perf_counter()
-        blocks_forward(model, rows)
-        if i:
-            best = min(best, time.perf_counter() - t)
-    rate = fwd_flops / best
+
+    def measure_rate() -> float:
+        best = float("inf")
+        for i in range(4):
+            t = time.perf_counter()
+            blocks_forward(model, rows)
+            if i:
+                best = min(best, time.perf_counter() - t)
+        return fwd_flops / best
+
+    rate = measure_rate()
     forward_secs = plain_forward_seconds(model, corrupt)
     print(
         f"model {model.name}; {what}; {B} prompts x {T} tokens; layers "
         f"{layers[0]}..{layers[-1]} ({len(layers)}); torch threads {torch.get_num_threads()}; "
         f"plain forward {rate / 1e9:.1f} GFLOP/s (blocks' matrix multiplies); one plain forward "
-        f"of the batch {forward_secs:.3f} s"
+        f"of the batch {forward_secs:.3f} s; sweeps and attribution: the fastest of "
+        f"{args.repeats} runs"
     )
     rng = np.random.default_rng(args.seed)
     results: dict = {
@@ -313,29 +334,35 @@ def main(argv=None) -> int:
         if not head:
             kw["positions"] = args.positions
         got, secs = {}, {}
+        rate = measure_rate()
+        forward_secs = plain_forward_seconds(model, corrupt)
         # the full-forward sweep costs the same per cell: timed on --all-layers random layers
         all_layers = layers
         if args.all_layers is not None and args.all_layers < len(layers):
             all_layers = sorted(rng.choice(layers, args.all_layers, replace=False).tolist())
         for skip in (True, False):
-            t = time.perf_counter()
-            got[skip] = patch_sweep(
-                model,
-                clean,
-                corrupt,
-                s,
-                metrics,
-                corrupt_hooks=hooks,
-                progress=False,
-                skip_shared=skip,
-                **batch_kw,
-                **{**kw, "layers": layers if skip else all_layers},
-            )
-            secs[skip] = time.perf_counter() - t
+            secs[skip] = float("inf")
+            for _ in range(args.repeats if skip else 1):  # the full forwards: one run
+                t = time.perf_counter()
+                got[skip] = patch_sweep(
+                    model,
+                    clean,
+                    corrupt,
+                    s,
+                    metrics,
+                    corrupt_hooks=hooks,
+                    progress=False,
+                    skip_shared=skip,
+                    **batch_kw,
+                    **{**kw, "layers": layers if skip else all_layers},
+                )
+                secs[skip] = min(secs[skip], time.perf_counter() - t)
         secs[False] *= len(layers) / len(all_layers)
-        t = time.perf_counter()
-        attr = attribution_sweep(model, clean, corrupt, s, metrics, corrupt_hooks=hooks, **kw)
-        secs["attribution"] = time.perf_counter() - t
+        secs["attribution"] = float("inf")
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            attr = attribution_sweep(model, clean, corrupt, s, metrics, corrupt_hooks=hooks, **kw)
+            secs["attribution"] = min(secs["attribution"], time.perf_counter() - t)
         sw = got[True]
         axes = TL_AXES.get(s, ("layer", "pos"))
         grid = [sw.layers, sw.heads] if head else [sw.layers, sw.positions]
@@ -372,6 +399,7 @@ def main(argv=None) -> int:
         # the cells that can change the metrics: the ones the skipping sweep runs
         floor = _floor_of_run(model, sw, B, T, hooks, clean, corrupt, metrics)
         floor_secs = floor / rate
+        runs_secs = _baseline_flops(model, B, T, hooks, clean, corrupt, metrics) / rate
         rho = {m: rank_agreement(attr, sw, m) for m in metrics}
         sampled = "" if len(cells) == n_cells else f" (timed on {len(cells)} random cells, scaled)"
         print(f"\nsite {s}: {n_cells} cells, {run_cells} can change the metrics")
@@ -385,6 +413,10 @@ def main(argv=None) -> int:
             f"  FLOP floor                   {floor_secs:8.2f} s  ({floor / 1e12:.3g} TFLOP at the plain-forward rate)"
         )
         print(
+            f"  + the clean and corrupt runs {runs_secs:8.2f} s  (at that rate): sweep / (floor + runs) "
+            f"{secs[True] / (floor_secs + runs_secs):.2f}x"
+        )
+        print(
             f"  attribution patching         {secs['attribution']:8.2f} s  x{tl_secs / secs['attribution']:6.1f} vs TL; "
             f"{secs['attribution'] / forward_secs:.2f} plain forwards; "
             f"rank agreement with exact: " + ", ".join(f"{m} {v:.3f}" for m, v in rho.items())
@@ -396,6 +428,7 @@ def main(argv=None) -> int:
             f"ratio to the FLOP floor {secs[True] / floor_secs:.2f}x"
         )
         results["sites"][s] = {
+            "gflops_per_s": rate / 1e9,
             "cells": n_cells,
             "cells_run": run_cells,
             "tl_cells_timed": len(cells),
@@ -404,6 +437,8 @@ def main(argv=None) -> int:
             "seconds_all": secs[False],
             "all_layers_timed": len(all_layers),
             "floor_seconds": floor_secs,
+            "runs_seconds": runs_secs,
+            "skip_over_floor_and_runs": secs[True] / (floor_secs + runs_secs),
             "attribution_seconds": secs["attribution"],
             "forward_seconds": forward_secs,
             "skip_over_floor": secs[True] / floor_secs,
@@ -418,6 +453,23 @@ def main(argv=None) -> int:
 
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     return 0
+
+
+def _baseline_flops(model, B, T, hooks, clean, corrupt, metrics) -> float:
+    """The matrix-multiply FLOPs of the two runs every exact sweep needs besides its cells: the
+    corrupt run (the baseline, and the activations the cells start from) and the clean run (the
+    activations patched in), each through the last block a metric reads (and each row's last-token
+    unembedding for logit metrics); the clean run from the first block where it can differ from
+    the corrupt one (the first corruption hook's block when the tokens are the same)."""
+    per_tok, per_pair = block_flops(model, T)
+    reads = {n for m in metrics.values() for n in m.hook_names()}
+    last = max(hook_layer(n, model.n_layers) for n in reads)
+    per_block = B * (T * per_tok + T * (T + 1) / 2 * per_pair)
+    unembed = B * unembed_flops(model) if LOGITS in reads else 0.0
+    first = 0
+    if hooks and torch.equal(clean.tokens, corrupt.tokens):
+        first = min(hook_layer(n, model.n_layers) for n, _ in hooks)
+    return (last + 1) * per_block + (last + 1 - first) * per_block + 2 * unembed
 
 
 def _floor_of_run(model, sw, B, T, hooks, clean, corrupt, metrics) -> float:

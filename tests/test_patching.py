@@ -102,6 +102,11 @@ def test_sweep_with_corruption_hooks_equals_transformer_lens(pair):
     torch.testing.assert_close(ours.values["ratio"], ref.float(), rtol=1e-4, atol=1e-5)
     # patching the corrupted site itself undoes the corruption exactly
     assert ours.cell("ratio", plant.layer, 0) == pytest.approx(1.0, abs=1e-4)
+    # the clean run, run from the corrupt run's prefix (same tokens, the hook later), equals a
+    # full clean forward
+    full = evaluate_metrics(model, clean, metrics)
+    for k in metrics:
+        torch.testing.assert_close(ours.clean[k], full[k], rtol=1e-5, atol=1e-6)
 
 
 def test_ffn_in_sweep_equals_one_forward_per_cell_loop(pair):
@@ -322,7 +327,8 @@ def test_fallback_after_an_error_is_recorded(pair, monkeypatch):
     def broken(*args, **kwargs):
         raise TypeError("unexpected keyword argument 'position_embeddings'")
 
-    monkeypatch.setattr(suffix, "_run_blocks", broken)
+    monkeypatch.setattr(suffix, "_run_blocks", broken)  # every position
+    monkeypatch.setattr(suffix, "_block", broken)  # the position suffix
     with pytest.warns(RuntimeWarning, match="TypeError: unexpected keyword"):
         sw = patch_sweep(model, clean, corrupt, "resid_pre", _metrics(plant))
     assert not sw.prefix_skipped and sw.prefix_fallback.startswith("running blocks")

@@ -327,6 +327,8 @@ def test_attribution_is_exact_to_first_order(tiny64, site, per_position):
     for k in metrics:
         err = float((attr.values[k] - exact.values[k]).abs().max())
         assert err <= 0.05 * moved[k] + 1e-9, (k, err, moved[k])
+        # below the corruption hook clean and corrupt are equal: no backward there, exactly 0
+        assert float((attr.values[k][0] - attr.corrupt[k].double().cpu()).abs().max()) == 0.0
 
 
 def test_rank_agreement_matches_scipy():

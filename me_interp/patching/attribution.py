@@ -68,8 +68,9 @@ def attribution_sweep(
 
     The work, whatever the number of cells: the clean forward (without gradients), one corrupt
     forward with gradients and, per metric, one vector-Jacobian product on that graph to the site
-    activations only (no weight gradients); both forwards stop at the last block a metric reads
-    and unembed only each row's last token.
+    activations only (no weight gradients), and only to those whose clean and corrupt values
+    differ (the others' cells are 0; with a corruption hook the backward stops at its block); both
+    forwards stop at the last block a metric reads and unembed only each row's last token.
     """
     if heads is not None and site not in HEAD_SITES:
         _heads(site, clean.tokens, heads)  # the error, before any forward
@@ -80,8 +81,15 @@ def attribution_sweep(
     clean_acts, clean_vals = forward_metrics(model, clean, metrics, names_, ())
     acts, vals = forward_metrics(model, corrupt, metrics, names_, corrupt_hooks, grad=True)
     grid = _Cells(site, layers, pos_list, _heads(site, clean_acts[names_[0]], heads))
-    # the activations the metrics depend on (later ones are not in the graph: attribution 0)
-    live = [n for n in names_ if n in acts and acts[n].requires_grad]
+    # the activations the metrics depend on (later ones are not in the graph) and whose clean and
+    # corrupt values differ (where they are equal, every cell's attribution is 0 whatever the
+    # gradient): the vector-Jacobian products stop there, e.g. at the first block a corruption
+    # hook acts in, not at the embedding
+    live = [
+        n
+        for n in names_
+        if n in acts and acts[n].requires_grad and not torch.equal(clean_acts[n], acts[n].detach())
+    ]
     values, corrupt_vals = {}, {}
     for j, (k, v) in enumerate(vals.items()):
         # rows are independent prompts: row b's gradient is its own; one graph for every metric

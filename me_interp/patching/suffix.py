@@ -2,14 +2,16 @@
 
 A patch at layer ``L`` cannot change blocks before ``L``, and (attention being causal) a patch at
 position ``p`` cannot change positions before ``p``. :func:`me_interp.patching.patch_sweep` therefore
-runs each cell's rows from its own block, starting from the corrupt run's residual stream there
-(the corrupt run's :class:`~me_interp.probes.batching.Prefix`, checked once when it is captured:
-:func:`~me_interp.probes.batching.capture_prefix`), and a chunk of per-position cells from its
-first position, the earlier keys and values coming from the corrupt run's cache
-(:func:`_capture_kv`, passed to the bridge's attention as ``layer_past``; checked once per sweep
-against the full corrupt forward: :func:`_check_positions`). Where the prefix or the position suffix
-does not reproduce the full forward, the sweep falls back to full forwards (or every position) with
-a warning, or raises under :data:`STRICT_ENV`.
+runs each cell's rows from its own block, starting from the corrupt run's residual stream there,
+and a chunk of per-position cells from its first position, the earlier keys and values coming from
+the corrupt run's own cache. One corrupt forward keeps all of it (:func:`corrupt_prefix`: each
+block's keyword arguments, the residual stream entering each patched block, every block's keys and
+values, passed to the bridge's attention as ``layer_past``); one short direct run of the blocks at
+the last positions checks it against the full corrupt forward (:func:`_check_positions`, or
+:func:`check_blocks` where a position suffix cannot be used). Where they do not reproduce the full
+forward, the sweep falls back to full forwards (or every position) with a warning, or raises under
+:data:`STRICT_ENV`. Where the clean run equals the corrupt run up to a block (same tokens, the
+corruption hooks later), :func:`clean_from_prefix` runs it from there.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from jaxtyping import Float
 from me_interp.models import Batch, LoadedModel
 from me_interp.patching.metrics import LOGITS, hook_layer, metric_hooks
 from me_interp.probes.batching import (
-    _block_inputs,
+    block_inputs,
     final_logits,
     give_up,
     save_hook,
@@ -190,29 +192,36 @@ def forward_metrics(
 def corrupt_prefix(model: LoadedModel, batch: Batch, hooks, starts: Sequence[int]):
     """One forward of the corrupt ``batch`` under ``hooks`` (corruption and recording), stopped
     before the unembedding: each block's keyword arguments (masks, rotary embeddings), the
-    residual stream entering each of ``starts``, and the last block's output."""
-    kwargs, store = _block_inputs(model, batch, hooks, starts)
-    last = store.pop(-1)
-    return kwargs, store, last
-
-
-def check_blocks(model, kwargs, resid_in, first: int, last: int, hooks, want, mask):
-    """Run blocks ``first..last`` directly from the corrupt run's residual stream entering
-    ``first`` (under the corruption ``hooks``), keeping their keys and values, and compare the
-    metric inputs with the full corrupt forward's ``want``. Returns ``(None, kv)`` (kv as
-    :func:`_capture_kv`'s) when they agree, else ``(why, None)`` with a warning (under
-    :func:`strict` a ``RuntimeError``): the sweep then runs full forwards."""
+    residual stream entering each of ``starts``, the last block's output, and every block's keys
+    and values (``{layer: (keys, values)}``, each ``[batch, kv_head, pos, d_head]``, as attention
+    caches them: what the position suffix reads), or ``None`` where the model's attention takes no
+    cache here (the forward is then run again without one)."""
     from transformers import DynamicCache
 
+    cache = DynamicCache()
+    try:
+        kwargs, store = block_inputs(model, batch, hooks, starts, cache=cache)
+    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, IndexError):
+        kwargs, store = block_inputs(model, batch, hooks, starts)
+        cache = None
+    kv = None
+    if cache is not None and len(cache.layers) == model.n_layers:
+        kv = {i: (c.keys, c.values) for i, c in enumerate(cache.layers)}
+    last = store.pop(-1)
+    return kwargs, store, last, kv
+
+
+def check_blocks(model, kwargs, resid_in, first: int, last: int, hooks, want, mask) -> str | None:
+    """Run blocks ``first..last`` directly from the corrupt run's residual stream entering
+    ``first`` (under the corruption ``hooks``) and compare the metric inputs with the full corrupt
+    forward's ``want``. Returns ``None`` when they agree, else why not, with a warning (under
+    :func:`strict` a ``RuntimeError``): the sweep then runs full forwards."""
     names_ = [n for n in want if n != LOGITS and hook_layer(n, model.n_layers) >= first]
     got: dict[str, torch.Tensor] = {}
     rec = [(n, partial(save_hook, store=got, key=n)) for n in names_]
     why, err = None, None
     try:
-        cache = DynamicCache()
-        kw = {i: {**v, "layer_past": cache} for i, v in kwargs.items()}
-        h = _run_blocks(model, resid_in[first], first, last, kw, [*hooks, *rec])
-        kv = {i: (cache.layers[i].keys, cache.layers[i].values) for i in range(first, last + 1)}
+        h = _run_blocks(model, resid_in[first], first, last, kwargs, [*hooks, *rec])
         if LOGITS in want:
             got[LOGITS] = last_token_logits(model, h, mask)
         bad = _mismatch(got, {n: want[n] for n in got})
@@ -223,23 +232,57 @@ def check_blocks(model, kwargs, resid_in, first: int, last: int, hooks, want, ma
             )
     except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, IndexError) as e:
         why, err = f"running blocks {first}..{last} directly failed: {type(e).__name__}: {e}", e
-    if why is None:
-        return None, kv
-    give_up(
-        f"runs from the corrupt prefix fall back to full forwards (slower, same values): {why}", err
-    )
-    return why, None
+    if why is not None:
+        give_up(
+            f"runs from the corrupt prefix fall back to full forwards (slower, same values): {why}",
+            err,
+        )
+    return why
 
 
-def _capture_kv(model: LoadedModel, resid_in, first: int, last: int, kwargs, hooks) -> dict:
-    """The corrupt run's keys and values (after rotary embeddings, as attention caches them) of
-    blocks ``first..last``: ``{layer: (keys, values)}``, each ``[batch, kv_head, pos, d_head]``."""
-    from transformers import DynamicCache
+def clean_from_prefix(
+    model: LoadedModel, kwargs, resid_in, start: int, last: int, metrics, site_names, known, mask
+) -> tuple[dict, dict]:
+    """The clean run where it equals the corrupt run before block ``start`` (the same tokens, no
+    clean hook, every corruption hook in block ``start`` or later): blocks ``start..last`` run
+    directly from the corrupt run's residual stream entering ``start``; the activations of earlier
+    blocks are the corrupt run's, ``known`` (name → tensor: the sites and the metric inputs it
+    recorded). Returns what :func:`forward_metrics` does: the activations ``site_names`` and each
+    metric's per-row values."""
+    n_layers = model.n_layers
+    wanted = [n for n in {*metric_hooks(metrics), *site_names} if n != LOGITS]
+    store = {n: known[n] for n in wanted if hook_layer(n, n_layers) < start}
+    rec = [
+        (n, partial(save_hook, store=store, key=n))
+        for n in wanted
+        if hook_layer(n, n_layers) >= start
+    ]
+    h = _run_blocks(model, resid_in[start], start, last, kwargs, rec)
+    if LOGITS in metric_hooks(metrics):
+        store[LOGITS] = last_token_logits(model, h, mask)
+    values = {k: m(store, mask) for k, m in metrics.items()}
+    return {n: store[n] for n in site_names}, values
 
-    cache = DynamicCache()
-    kw = {i: {**kv, "layer_past": cache} for i, kv in kwargs.items()}
-    _run_blocks(model, resid_in[first], first, last, kw, hooks)
-    return {i: (cache.layers[i].keys, cache.layers[i].values) for i in range(first, last + 1)}
+
+class _PrefixKV:
+    """The corrupt run's keys and values of one block at positions ``< p`` (``[B, kv_head, p,
+    d_head]``), as attention's cache: ``update`` returns them, for every group of ``B`` rows,
+    followed by the new positions' keys and values, written once into one tensor (a
+    ``DynamicCache`` would tile the prefix, then copy it again to concatenate)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    @staticmethod
+    def _join(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        B, p = past.shape[0], past.shape[2]
+        out = new.new_empty(new.shape[0], new.shape[1], p + new.shape[2], new.shape[3])
+        out.view(-1, B, *out.shape[1:])[:, :, :, :p] = past  # every group of B rows
+        out[:, :, p:] = new
+        return out
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self._join(self.keys, keys), self._join(self.values, values)
 
 
 def _run_suffix(model, suffix, entry: Sequence[int], last: int, p: int, B: int, hooks):
@@ -266,12 +309,8 @@ def _run_suffix(model, suffix, entry: Sequence[int], last: int, p: int, B: int, 
                 memo[key] = (v, _tile(v, k, B))  # keep v alive so its id stays unique
             kw[name] = memo[key][1]
         if p:
-            from transformers import DynamicCache
-
             keys, values = kv[i]
-            cache = DynamicCache()
-            cache.update(keys[:, :, :p].repeat(k, 1, 1, 1), values[:, :, :p].repeat(k, 1, 1, 1), i)
-            kw["layer_past"] = cache
+            kw["layer_past"] = _PrefixKV(keys[:, :, :p], values[:, :, :p])
         return kw
 
     joining = collections.Counter(entry)
@@ -284,9 +323,14 @@ def _run_suffix(model, suffix, entry: Sequence[int], last: int, p: int, B: int, 
                 h = new if h is None else torch.cat([h, new])
                 k += joining[i]
             present[i] = k * B
-            out = model.bridge.blocks[i](h, **block_kwargs(i, k))
-            h = out[0] if isinstance(out, tuple) else out
+            h = _block(model, i, h, block_kwargs(i, k))
     return h, present.__getitem__
+
+
+def _block(model: LoadedModel, i: int, h: torch.Tensor, kwargs: Mapping) -> torch.Tensor:
+    """Block ``i`` called directly on ``h`` with its captured ``kwargs``: its output stream."""
+    out = model.bridge.blocks[i](h, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _assemble(acts: dict, full: Mapping[str, torch.Tensor], p: int, n: int, rows_at, n_layers):
@@ -305,21 +349,20 @@ def _assemble(acts: dict, full: Mapping[str, torch.Tensor], p: int, n: int, rows
 
 
 def _check_positions(
-    model, suffix, first: int, last: int, p: int, B: int, want, mask, kv=None
-) -> tuple[str | None, dict | None]:
-    """Capture the corrupt run's keys and values of blocks ``first..last`` (above every corruption
-    hook), run those blocks at positions ``p..`` only from them, and compare the metric inputs with the full corrupt forward's. Returns
-    ``(None, kv)`` when they agree, else ``(why, None)`` (a warning, or under :func:`strict` a
-    ``RuntimeError``); the sweep then runs every position of each chunk's layers."""
-    kwargs, resid_in, _ = suffix
+    model, suffix, first: int, last: int, p: int, B: int, want, mask
+) -> str | None:
+    """Run blocks ``first..last`` (above every corruption hook) at positions ``p..`` only, from the
+    corrupt run's residual stream entering ``first`` and its keys and values (``suffix``), and
+    compare the metric inputs with the full corrupt forward's. Returns ``None`` when they agree,
+    else why not (a warning, or under :func:`strict` a ``RuntimeError``); the sweep then runs every
+    position of each chunk's layers. The run calls the blocks directly, as every chunk does, so
+    where it agrees it also checks the block suffix."""
     names_ = [n for n in want if n != LOGITS and hook_layer(n, model.n_layers) >= first]
     got: dict[str, torch.Tensor] = {}
     rec = [(n, partial(save_hook, store=got, key=n)) for n in names_]
     why = None
     try:
-        if kv is None:  # no corruption hook from first on
-            kv = _capture_kv(model, resid_in, first, last, kwargs, [])
-        h, rows_at = _run_suffix(model, (kwargs, resid_in, kv), [first], last, p, B, rec)
+        h, rows_at = _run_suffix(model, suffix, [first], last, p, B, rec)
         _assemble(got, {n: want[n] for n in names_}, p, 1, rows_at, model.n_layers)
         if LOGITS in want:
             got[LOGITS] = last_token_logits(model, h, mask[:, p:])
@@ -331,10 +374,9 @@ def _check_positions(
         bad = _mismatch(got, want)
         if bad is not None:
             why = f"running positions {p}.. gave {bad[0]} up to {bad[1]:.3g} away from the full run"
-    if why is None:
-        return None, kv
-    give_up(f"patch_sweep runs every position (slower, same values): {why}", err)
-    return why, None
+    if why is not None:
+        give_up(f"patch_sweep runs every position (slower, same values): {why}", err)
+    return why
 
 
 #: Row-positions (rows × positions run) per block call of a sweep, times ``d_model``: what a chunk

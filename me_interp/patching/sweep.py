@@ -52,6 +52,7 @@ from me_interp.patching.suffix import (
     _run_suffix,
     _schedule,
     check_blocks,
+    clean_from_prefix,
     corrupt_prefix,
     forward_metrics,
     gather_last,
@@ -428,24 +429,39 @@ def patch_sweep(
     rec = [(n, partial(save_hook, store=cstore, key=n)) for n in site_names]
     rec += [(n, partial(save_hook, store=cstore_m, key=n)) for n in mhooks if n != LOGITS]
     corrupt_logits = None
+    # the clean run equals the corrupt one in the blocks before the first corruption hook's when
+    # their tokens are the same and the clean run has no hook of its own: it then runs from the
+    # last of them (whose input no corruption hook has touched; checked below)
+    shared = max(0, min(hook_layers, default=0) - 1) if not clean_hooks else 0
+    if shared and not torch.equal(clean.tokens, corrupt.tokens):
+        shared = 0
     if skip_shared:
-        # clean run: the site's activations and the clean metrics, through the last block read
-        # (the unembedding of the last token only)
-        got, clean_vals = forward_metrics(model, clean, metrics, site_names, clean_hooks)
-        clean_acts = {layer: got[hook_of[layer]] for layer in layers}  # [B T ...]
         # corrupt run: the metrics and their inputs, the site's activations (to find cells where
         # clean == corrupt) and what running blocks directly needs (each block's keyword
-        # arguments, the residual stream entering each patched layer and the first block above
-        # every corruption hook), in one forward
-        starts = sorted({*layers, *(h + 1 for h in hook_layers if h + 1 < n_layers)})
-        block_kw, resid_in, last_out = corrupt_prefix(
-            model, corrupt, [*corrupt_hooks, *rec], starts
+        # arguments and keys and values, the residual stream entering each patched layer, the
+        # first block above every corruption hook and the first the clean run needs), in one
+        # forward
+        starts = {*layers, *(h + 1 for h in hook_layers if h + 1 < n_layers)}
+        starts |= {shared} if shared else set()
+        block_kw, resid_in, last_out, kv = corrupt_prefix(
+            model, corrupt, [*corrupt_hooks, *rec], sorted(starts)
         )
         if wants_logits:
             corrupt_logits = last_token_logits(model, last_out, mask_b)
         corrupt_vals = {
             k: m({**cstore_m, LOGITS: corrupt_logits}, mask_b) for k, m in metrics.items()
         }
+        # clean run: the site's activations and the clean metrics, through the last block read
+        # (the unembedding of the last token only)
+        if shared:
+            known = {**cstore, **cstore_m}
+            last_clean = max(hook_layer(n, n_layers) for n in [*mhooks, *site_names])
+            got, clean_vals = clean_from_prefix(
+                model, block_kw, resid_in, shared, last_clean, metrics, site_names, known, mask_b
+            )
+        else:
+            got, clean_vals = forward_metrics(model, clean, metrics, site_names, clean_hooks)
+        clean_acts = {layer: got[hook_of[layer]] for layer in layers}  # [B T ...]
     else:  # the plain reference: full forwards
         store: dict[str, torch.Tensor] = {}
         rec_c = [(n, partial(save_hook, store=store, key=n)) for n in site_names]
@@ -496,27 +512,43 @@ def patch_sweep(
     fallback: str | None = None
     pos_ok = False
     pos_fallback: str | None = None
-    if skip_shared and cells:
-        # run only blocks first_patched..last_needed, from the corrupt run's residual stream,
-        # checked once (the same run keeps the keys and values the position suffix needs), else
-        # fall back to full forwards
-        first0 = min(layers[c[0]] for c in cells)
-        # the first layer a position-suffix run can start at: above every corruption hook
-        first_p = max([first0, *(h + 1 for h in hook_layers)])
+    if skip_shared and (cells or shared):
+        # run only blocks first_patched..last_needed, from the corrupt run's residual stream and
+        # keys and values, checked once by a run of the last positions (of every position from
+        # the first patched block where that lies below a corruption hook's block), else fall
+        # back to full forwards. The clean run from block `shared` calls the blocks the same way.
+        first0 = min([layers[c[0]] for c in cells], default=shared)
+        first_p = max([first0, *(h + 1 for h in hook_layers)])  # above every corruption hook
         want = {**cstore_m, **({LOGITS: corrupt_logits} if wants_logits else {})}
-        fallback, kv = check_blocks(
-            model, block_kw, resid_in, first0, last_needed, corrupt_hooks, want, mask_b
-        )
-        if fallback is None:
-            suffix = (block_kw, resid_in, None)
-            if T > 1 and not corrupt.padded and first_p <= last_needed:
-                kv = {i: kv[i] for i in range(first_p, last_needed + 1)}
-                pos_fallback, kv = _check_positions(
-                    model, suffix, first_p, last_needed, max(1, T - 2), B, want, mask_b, kv=kv
+        by_pos = kv is not None and T > 1 and not corrupt.padded and first_p <= last_needed
+        kv_p = {i: kv[i] for i in range(first_p, last_needed + 1)} if by_pos else None
+        if not by_pos or first_p > first0:  # cells below a corruption hook run every position
+            at = min(first0, shared) if shared else first0
+            fallback = check_blocks(
+                model, block_kw, resid_in, at, last_needed, corrupt_hooks, want, mask_b
+            )
+        if by_pos and fallback is None:
+            pos_fallback = _check_positions(
+                model,
+                (block_kw, resid_in, kv_p),
+                first_p,
+                last_needed,
+                max(1, T - 2),
+                B,
+                want,
+                mask_b,
+            )
+            pos_ok = pos_fallback is None
+            if not pos_ok and first_p == first0:  # is the block suffix alone usable?
+                fallback = check_blocks(
+                    model, block_kw, resid_in, first0, last_needed, corrupt_hooks, want, mask_b
                 )
-                if pos_fallback is None:
-                    suffix = (block_kw, resid_in, kv)
-                    pos_ok = True
+        if fallback is None:
+            suffix = (block_kw, resid_in, kv_p if pos_ok else None)
+        elif shared:  # the clean run from the prefix is not to be trusted: a full forward
+            got, clean_vals = forward_metrics(model, clean, metrics, site_names, clean_hooks)
+            clean_acts = {layer: got[hook_of[layer]] for layer in layers}
+            cells = [c for c in grid.all() if changes(c)]
     if suffix is not None:
         plan = _schedule(cells, start_pos, layers, budget, B, T)
     else:

@@ -307,7 +307,7 @@ def _aligned(hook: Hook, starts: Sequence[int]) -> Hook:
 # running blocks directly: the unedited prefix, computed once and reused
 # ------------------------------------------------------------------------------------------
 
-_DROP = ("cache", "past_key_value", "past_key_values", "use_cache", "cache_position")
+_DROP = ("cache", "past_key_value", "past_key_values", "layer_past", "use_cache", "cache_position")
 """Block keyword arguments that belong to one forward's cache, not to the block's input."""
 
 STRICT_ENV = "ME_INTERP_STRICT"
@@ -329,15 +329,25 @@ def give_up(msg: str, err: BaseException | None = None, stacklevel: int = 4) -> 
     warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel)
 
 
-def _block_inputs(model: LoadedModel, batch: Batch, hooks: Sequence, starts: Sequence[int]):
+def block_inputs(
+    model: LoadedModel, batch: Batch, hooks: Sequence, starts: Sequence[int], cache: Any = None
+):
     """One forward of ``batch`` under ``hooks``, stopped before the unembedding: the keyword
     arguments each block receives (masks, rotary embeddings), per block — Gemma 2/3 give
-    sliding-window and global layers their own mask and rotary embedding —, the residual stream
-    entering each of ``starts`` and the last block's output."""
+    sliding-window and global layers their own mask and rotary embedding —, and the residual
+    stream entering each of ``starts`` and the last block's output (key ``-1``).
+
+    ``cache``: a ``transformers`` cache (e.g. an empty ``DynamicCache``) handed to every block's
+    attention as ``layer_past``, which appends the keys and values it computes (after rotary
+    embeddings) to it; appending to an empty cache leaves the forward's values unchanged. The
+    caller then has the keys and values of every block of this forward (``cache.layers[i]``) without
+    running the blocks again.
+    """
     got: dict[int, dict] = {}
 
     def pre(module, args, kwargs, *, i):
         got.setdefault(i, kwargs)
+        return None if cache is None else (args, {**kwargs, "layer_past": cache})
 
     last = model.n_layers - 1
     store: dict[int, torch.Tensor] = {}
@@ -485,7 +495,7 @@ def capture_prefix(
     cs = [Chunk.whole(batch)] if max_tokens is None else chunks(batch, max_tokens=max_tokens)
     kwargs, resid, ends = [], [], []
     for c in cs:  # every block runs (each one's kwargs are needed); the unembedding does not
-        kw, res = _block_inputs(model, c.batch, fwd_hooks, starts)
+        kw, res = block_inputs(model, c.batch, fwd_hooks, starts)
         kwargs.append(kw)
         ends.append(res.pop(-1))
         resid.append(res)
