@@ -16,13 +16,12 @@ A model without a massive activation is a result, not an error: ``sudden_birth``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import numpy as np
 import torch
 
 from me_interp import claims, names, plotting
-from me_interp.backends import check_backend
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import (
     EVENT_COLUMNS,
@@ -35,7 +34,7 @@ from me_interp.probes.massive import (
 from me_interp.probes.norms import ratio_to_others, reference_medians, scan_norms, top_ratio
 from me_interp.probes.site import Site, Units, no_massive_why
 from me_interp.study import (
-    CommonConfig,
+    BackendConfig,
     Experiment,
     Headed,
     Inputs,
@@ -52,7 +51,7 @@ NAME = "me_layer"
 
 
 @dataclass(frozen=True)
-class Config(CommonConfig):
+class Config(BackendConfig):
     """ME-layer scan settings (see ``probes.massive`` for the criterion).
 
     Attributes:
@@ -67,9 +66,6 @@ class Config(CommonConfig):
         min_prompt_fraction: a layer counts as massive when at least this fraction of the prompts has
             a massive token there, in (0, 1].
         top_k: how many of each token's largest ``|a|`` values the scan keeps per site (>= 1).
-        backend: ``tl`` (TransformerLens) or ``nnsight`` (a plain HF model under nnsight; the
-            statistics are reduced inside the trace, ``docs/remote.md``).
-        remote: with ``nnsight``: run on NDIF (key in ``NDIF_API_KEY``; the model is an HF name).
     """
 
     criterion: str = checked("sun", choices=get_args(CriterionKind))
@@ -78,12 +74,6 @@ class Config(CommonConfig):
     norm_ratio: float = checked(50.0, ge=1)
     min_prompt_fraction: float = checked(0.5, gt=0, le=1)
     top_k: int = checked(16, ge=1)
-    backend: Literal["tl", "nnsight"] = "tl"
-    remote: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_backend(self.backend, self.remote)
 
     def detection(self) -> Criterion:
         return Criterion(

@@ -26,12 +26,11 @@ import numpy as np
 
 from me_interp import claims, names, plotting
 from me_interp.interventions.causal import PromptsUsed
-from me_interp.interventions.conditions import REMOVALS, condition_hooks
+from me_interp.interventions.conditions import REMOVALS, Conditions, condition_hooks
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
 from me_interp.probes.ffn import FfnShare, ffn_share
-from me_interp.probes.removal import not_ordinary
 from me_interp.probes.site import Site
 from me_interp.probes.to_position import (
     ToPosition,
@@ -85,7 +84,7 @@ class Condition:
 
 
 @dataclass(frozen=True)
-class Result(Headed):
+class Result(Headed, Conditions):
     """The conditions and what they did (``header``: the ME layer, position ``p`` and dims).
 
     Attributes:
@@ -112,9 +111,6 @@ class Result(Headed):
     def ffn(self) -> FfnShare:
         return FfnShare(self.ffn_cos, self.ffn_norm_ratio)
 
-    def of(self, name: str) -> Condition | None:
-        return next((c for c in self.conditions if c.name == name), None)
-
     def sink_per_prompt(self, name: str) -> np.ndarray:
         return np.asarray(self.of(name).sink, dtype=np.float64)
 
@@ -129,12 +125,10 @@ def _why(key: str):
     """Why the spec of condition ``key`` does not apply (``None`` when it does)."""
 
     def why(r: Result) -> str | None:
-        h, c = r.header, r.of(key)
+        h = r.header
         why = sink_claims_why(r.why_not, h.layer, r.n_layers, h.position, r.sink_heads)
-        if why is not None:
+        if why := why or r.not_run(key):
             return why
-        if c is None:
-            return f"the condition {key} was not run (--conditions)"
         if key in CONTROLS:
             if r.same_prefix:
                 return (
@@ -145,7 +139,7 @@ def _why(key: str):
         if key == "remove_ffn":  # see _removed_by_ffn
             gate = _removed_by_ffn(r)
         else:
-            gate = not_ordinary({"the ME layer": c.me_ratio, "the last layer": c.last_ratio}, key)
+            gate = r.not_removed(key, key)
         if gate is not None:
             return gate
         if key == "remove_ffn" and r.ffn.is_state():

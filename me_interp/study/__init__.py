@@ -1,7 +1,7 @@
 """The experiment framework: what every experiment shares, written once.
 
 * :mod:`.config` — :class:`CommonConfig` (the shared fields), the shared bases (:class:`SiteConfig`,
-  :class:`DetectConfig`, :class:`WeightConfig`) and :func:`checked` (a field's checks as metadata,
+  :class:`DetectConfig`, :class:`WeightConfig`, :class:`BackendConfig`) and :func:`checked` (a field's checks as metadata,
   applied by one :func:`validate`);
 * :mod:`.experiment` — the :class:`Experiment` descriptor each experiment module declares, and the one
   way it runs: load the model and locate the Site on the experiment's inputs (:func:`prepare`),
@@ -31,6 +31,7 @@ from me_interp.study.cli import (
 )
 from me_interp.study.config import (
     INDEX_CONVENTION,
+    BackendConfig,
     Check,
     CommonConfig,
     DetectConfig,
@@ -65,6 +66,7 @@ __all__ = [
     "SMALL_MODEL_PARAMS",
     "ArgumentParser",
     "Check",
+    "BackendConfig",
     "CommonConfig",
     "DetectConfig",
     "Experiment",

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from me_interp.backends import check_backend
 from me_interp.loading.devices import DTYPES
 from me_interp.loading.loaded import BOS_CHOICES
 from me_interp.probes.massive import Criterion, CriterionKind
@@ -253,6 +254,25 @@ class WeightConfig(CommonConfig):
 
     def detection(self) -> Criterion:
         return Criterion(kind=self.criterion)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class BackendConfig(CommonConfig):
+    """Fields of the experiments that also run under nnsight (:mod:`me_interp.backends`); a
+    subclass describes these fields again where its nnsight path differs.
+
+    Attributes:
+        backend: ``tl`` (TransformerLens) or ``nnsight`` (a plain HF model under nnsight; the
+            statistics are reduced inside the trace, ``docs/remote.md``).
+        remote: with ``nnsight``: run on NDIF (key in ``NDIF_API_KEY``; the model is an HF name).
+    """
+
+    backend: Literal["tl", "nnsight"] = "tl"
+    remote: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_backend(self.backend, self.remote)
 
 
 def check_placement(cfg: CommonConfig) -> None:
