@@ -16,7 +16,7 @@ A model without a massive activation is a result, not an error: ``sudden_birth``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +26,6 @@ from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import (
     EVENT_COLUMNS,
     Criterion,
-    CriterionKind,
     MELocation,
     massive_tokens,
     site_text,
@@ -35,6 +34,7 @@ from me_interp.probes.norms import ratio_to_others, reference_medians, scan_norm
 from me_interp.probes.site import Site, Units, no_massive_why
 from me_interp.study import (
     BackendConfig,
+    CriterionConfig,
     Experiment,
     Headed,
     Inputs,
@@ -51,12 +51,10 @@ NAME = "me_layer"
 
 
 @dataclass(frozen=True)
-class Config(BackendConfig):
+class Config(CriterionConfig, BackendConfig):
     """ME-layer scan settings (see ``probes.massive`` for the criterion).
 
     Attributes:
-        criterion: massive-activation criterion (``sun``: value thresholds; ``norm``: token-norm
-            ratio).
         abs_threshold: ``sun`` criterion: a value is massive when ``|a|`` exceeds this absolute
             threshold (and the relative one).
         rel_threshold: ``sun`` criterion: ... and ``|a|`` is at least this many times the median
@@ -68,7 +66,6 @@ class Config(BackendConfig):
         top_k: how many of each token's largest ``|a|`` values the scan keeps per site (>= 1).
     """
 
-    criterion: str = checked("sun", choices=get_args(CriterionKind))
     abs_threshold: float = checked(100.0, ge=0)
     rel_threshold: float = checked(1000.0, ge=1)  # ratios to a median: below 1 every token passes
     norm_ratio: float = checked(50.0, ge=1)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from me_interp import claims, names, plotting
+from me_interp import claims, evaluation, names, plotting
 from me_interp.interventions.causal import PromptsUsed
 from me_interp.interventions.conditions import REMOVALS, Conditions, condition_hooks
 from me_interp.loading.loaded import LoadedModel
@@ -168,16 +168,10 @@ def _removed_by_ffn(r: Result) -> str | None:
     )
 
 
-@claims.of_means
-def _drop_stat(m: np.ndarray) -> np.ndarray | float:
-    """Columns ``[after, before]`` (means ``m``) → ``1 − mean(after) / mean(before)``."""
-    return 1 - claims.divide(m[..., 0], m[..., 1])
-
-
 def _stat(key: str):
     def stat(r: Result) -> claims.Sample:
-        rows = np.stack([r.sink_per_prompt(key), r.sink_per_prompt("baseline")], 1)
-        return claims.Sample(rows, _drop_stat)
+        rows = np.stack([r.sink_per_prompt("baseline"), r.sink_per_prompt(key)], 1)
+        return claims.Sample(rows, evaluation.sink_drop)  # the attention is never negative
 
     return stat
 

@@ -44,7 +44,8 @@ COMPONENTS: tuple[str, ...] = (
 
 class Conditions:
     """What a Result of these conditions answers about its ``conditions`` (``baseline`` first, each
-    with a ``name`` and ``p``'s per-prompt norm ratios ``me_ratio`` and ``last_ratio``)."""
+    with a ``name``; for :meth:`not_removed`, ``p``'s per-prompt norm ratios ``me_ratio`` and
+    ``last_ratio``)."""
 
     conditions: list[Any]
 

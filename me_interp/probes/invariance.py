@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 
@@ -59,6 +60,14 @@ def partner_mean(
     """``[layer, prompt]`` mean of ``mats[l, a, b]`` over the partners ``b`` with ``pairs[a, b]``."""
     p = pairs.to(mats.dtype)
     return (mats * p).sum(-1) / p.sum(-1)  # NaN for a prompt without partners
+
+
+def removed_misalignment(cos: np.ndarray, me: int) -> np.ndarray | float:
+    """``1 − mean_{l ≥ me}(1 − cos_l) / mean_{l < me}(1 − cos_l)``: the fraction of the remaining
+    non-alignment ``1 − cos`` that is gone from the ME layer on (1: perfectly aligned after it);
+    over the last axis of ``cos [..., layer]``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return 1.0 - (1.0 - cos[..., me:]).mean(-1) / (1.0 - cos[..., :me]).mean(-1)
 
 
 def norm_cv(x: Float[torch.Tensor, "n d"]) -> float:

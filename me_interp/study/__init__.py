@@ -1,7 +1,8 @@
 """The experiment framework: what every experiment shares, written once.
 
 * :mod:`.config` — :class:`CommonConfig` (the shared fields), the shared bases (:class:`SiteConfig`,
-  :class:`DetectConfig`, :class:`WeightConfig`, :class:`BackendConfig`) and :func:`checked` (a field's checks as metadata,
+  :class:`DetectConfig`, :class:`WeightConfig`, :class:`CriterionConfig`, :class:`BackendConfig`)
+  and :func:`checked` (a field's checks as metadata,
   applied by one :func:`validate`);
 * :mod:`.experiment` — the :class:`Experiment` descriptor each experiment module declares, and the one
   way it runs: load the model and locate the Site on the experiment's inputs (:func:`prepare`),
@@ -34,6 +35,7 @@ from me_interp.study.config import (
     BackendConfig,
     Check,
     CommonConfig,
+    CriterionConfig,
     DetectConfig,
     SiteConfig,
     WeightConfig,
@@ -53,6 +55,7 @@ from me_interp.study.experiment import (
     model_for,
     prepare,
     prompt_inputs,
+    scanned_inputs,
     seed_everything,
     site_arguments,
     write_outcome,
@@ -68,6 +71,7 @@ __all__ = [
     "Check",
     "BackendConfig",
     "CommonConfig",
+    "CriterionConfig",
     "DetectConfig",
     "Experiment",
     "Headed",
@@ -92,6 +96,7 @@ __all__ = [
     "placement_kwargs",
     "prepare",
     "prompt_inputs",
+    "scanned_inputs",
     "roundtrip",
     "run_header",
     "seed_everything",
