@@ -116,11 +116,6 @@ class Result(Headed, Conditions):
     def ppl_ratio(self, name: str) -> float:
         return self.of(name).perplexity / self.of("baseline").perplexity
 
-    def excess(self, name: str, last: bool = True) -> float:
-        """``excess_fraction`` of the prompt-mean ratio at the last (or the ME) layer."""
-        after, before = self.of(name).ratio(last).mean(), self.of("baseline").ratio(last).mean()
-        return claims.excess_fraction(float(after), float(before))
-
 
 def _why(key: str):
     """Why spec ``key`` does not apply (``None`` when it does)."""

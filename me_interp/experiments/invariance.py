@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-import torch
 
 from me_interp import claims, io, plotting
 from me_interp.loading.loaded import Batch, LoadedModel
@@ -203,10 +202,6 @@ def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None)
     )
 
 
-def _sym(m: torch.Tensor) -> np.ndarray:
-    return (m | m.T).numpy()
-
-
 def _scans(r: Result) -> tuple[InvarianceScan, InvarianceScan]:
     if r.scan is None or r.control is None:
         raise ValueError("the invariance claims need the scans of run() (result.scan, .control)")
@@ -225,7 +220,7 @@ def _distinct_applies(r: Result) -> str | None:
 
 def _cross(r: Result, mats: np.ndarray, reduce: Callable[[np.ndarray], Any]) -> claims.Sample:
     scan, _ = _scans(r)
-    return claims.pair_measure(mats, _sym(scan.pairs(False)), reduce)
+    return claims.pair_measure(mats, scan.pair_array(False), reduce)
 
 
 def _state(r: Result) -> claims.Sample:
@@ -264,7 +259,7 @@ def _control(r: Result) -> claims.Sample:
     _, ctrl = _scans(r)
     return claims.pair_measure(
         ctrl.cos_matrices().numpy()[r.me_layer :],
-        _sym(ctrl.pairs(True)),
+        ctrl.pair_array(True),
         claims.lowest,
         r.control_keys,
     )

@@ -194,8 +194,6 @@ def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None)
         ref_norm=scan.site_norms("resid_post")[:, torch.arange(len(ref)), ref].T.tolist(),
     )
     layer = loc.me_layer if loc.me_layer is not None else int(torch.tensor(loc.top_ratio).argmax())
-    n0 = batch.lengths[0]
-    tokens = [model.tokenizer.decode([int(t)]) for t in batch.tokens[0, :n0]]
     return Result(
         header=run_header(cfg, model, n_prompts, site),
         bos_prepended=model.bos_prepended(batch),
@@ -203,7 +201,7 @@ def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None)
         site_norms={
             s: SiteNorms(*v) for s, v in reference_medians(scan, loc.reference_positions).items()
         },
-        heatmap_tokens=tokens,
+        heatmap_tokens=model.token_texts(batch),
         heatmap_values=scan.kept_resid[layer].tolist(),
         heatmap_layer=layer,
         prompt_lengths=list(batch.lengths),

@@ -30,7 +30,7 @@ from me_interp.interventions.conditions import REMOVALS, Conditions, condition_h
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
-from me_interp.probes.ffn import FfnShare, ffn_share
+from me_interp.probes.ffn import HasFfnShare, ffn_share
 from me_interp.probes.site import Site
 from me_interp.probes.to_position import (
     ToPosition,
@@ -84,7 +84,7 @@ class Condition:
 
 
 @dataclass(frozen=True)
-class Result(Headed, Conditions):
+class Result(Headed, Conditions, HasFfnShare):
     """The conditions and what they did (``header``: the ME layer, position ``p`` and dims).
 
     Attributes:
@@ -106,10 +106,6 @@ class Result(Headed, Conditions):
     same_prefix: bool
     ffn_cos: tuple[float, ...]
     ffn_norm_ratio: tuple[float, ...]
-
-    @property
-    def ffn(self) -> FfnShare:
-        return FfnShare(self.ffn_cos, self.ffn_norm_ratio)
 
     def sink_per_prompt(self, name: str) -> np.ndarray:
         return np.asarray(self.of(name).sink, dtype=np.float64)
@@ -157,9 +153,7 @@ def _removed_by_ffn(r: Result) -> str | None:
     excess, not the ordinary-token rule: it is judged only where the FFN output is not the state,
     i.e. where ≥ 5 % of the massive state predates the FFN and stays (32× on ``decoy-primed``), so
     that rule would never let it be decided; it is about the FFN's write."""
-    frac = claims.excess_fraction(
-        np.mean(r.of("remove_ffn").me_ratio), np.mean(r.of("baseline").me_ratio)
-    )
+    frac = r.excess("remove_ffn", last=False)
     if frac <= claims.threshold("removed"):
         return None
     return (

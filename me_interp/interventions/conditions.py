@@ -23,10 +23,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Float
 
-from me_interp import names
+from me_interp import claims, names
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.removal import not_ordinary
@@ -58,6 +59,13 @@ class Conditions:
         if self.of(name) is None:
             return f"the condition {name} was not run (--conditions)"
         return None
+
+    def excess(self, name: str, last: bool = True) -> float:
+        """:func:`~me_interp.claims.excess_fraction` of condition ``name``'s prompt-mean norm ratio
+        over the baseline's, at the last (or the ME) layer."""
+        key = "last_ratio" if last else "me_ratio"
+        after, before = (np.mean(getattr(self.of(n), key)) for n in (name, "baseline"))
+        return claims.excess_fraction(float(after), float(before))
 
     def not_removed(self, name: str, edit: str, at_last: bool = True) -> str | None:
         """Why condition ``name`` (said as ``edit``) was not a removal (``None``: it was): its token

@@ -98,6 +98,12 @@ class InvarianceScan:
     def pairs(self, same_first_token: bool = False) -> Bool[torch.Tensor, "batch batch"]:
         return pair_mask(self.first_tokens, same_first_token)
 
+    def pair_array(self, same_first_token: bool = False) -> np.ndarray:
+        """:meth:`pairs` with each pair both ways (symmetric), as a NumPy array (what
+        :func:`me_interp.claims.pair_measure` reads)."""
+        m = self.pairs(same_first_token)
+        return (m | m.T).numpy()
+
     def n_pairs(self, same_first_token: bool = False) -> int:
         return int(self.pairs(same_first_token).sum())
 
