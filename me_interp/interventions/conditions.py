@@ -55,7 +55,7 @@ class Conditions:
         return next((c for c in self.conditions if c.name == name), None)
 
     def not_run(self, name: str) -> str | None:
-        """Why a claim about condition ``name`` does not apply because it was not run (``None``: run)."""
+        """Why a claim about condition ``name`` does not apply: it was not run (``None``: it was)."""
         if self.of(name) is None:
             return f"the condition {name} was not run (--conditions)"
         return None
