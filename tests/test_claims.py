@@ -71,12 +71,8 @@ def _by_hand():
     """Each ``claims.of_means`` statistic of the experiments beside its per-resample formula, as it
     was written before (sums and means of the rows, Python branches), and the width of its rows."""
     from me_interp import evaluation
-    from me_interp.experiments import (
-        mechanism,
-        sink_causality,
-        super_weight,
-        transplant,
-    )
+    from me_interp.experiments import super_weight, transplant
+    from me_interp.probes.alignment import gain_alignment
 
     def ppl(a):
         return math.exp((a[:, 2].sum() - a[:, 1].sum()) / a[:, 0].sum())
@@ -104,7 +100,6 @@ def _by_hand():
         (claims.excess_stat, lambda a: (a[:, 0].mean() - 1) / (a[:, 1].mean() - 1), 2),
         (restore_stat, restore, 6),
         (claims.relative_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
-        (sink_causality._drop_stat, lambda a: 1 - a[:, 0].mean() / a[:, 1].mean(), 2),
         (
             transplant._share_stat,
             lambda a: (a[:, 0].mean() - a[:, 1].mean()) / a[:, 2].mean(),
@@ -115,7 +110,7 @@ def _by_hand():
         (evaluation.sink_drop, lambda a: 1 - a[:, 1].mean() / a[:, 0].mean(), 2),
         (evaluation.ratio_change, lambda a: a[:, 1].mean() / a[:, 0].mean() - 1, 2),
         (super_weight._recovered, recovered, 4),
-        (mechanism._gain_alignment, gain, 4),
+        (gain_alignment, gain, 4),
         (claims.of_means(lambda m: claims.rise_after(m, 2)), shift, 6),
     ]
 

@@ -50,7 +50,7 @@ from me_interp.patching.pairs import Pair, PairsLike, as_pairs
 from me_interp.patching.sinkheads import SinkHeads
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
-from me_interp.probes.ffn import FfnShare, ffn_share
+from me_interp.probes.ffn import HasFfnShare, ffn_share
 from me_interp.probes.site import Site
 from me_interp.study import (
     CommonConfig,
@@ -76,7 +76,7 @@ Cell = tuple[str, int, int]
 
 
 @dataclass(frozen=True)
-class Result(Headed):
+class Result(Headed, HasFfnShare):
     """The clean/corrupt pair, the sweeps, and what the claims need to know about the FFN output
     (``header.layer``: the ME layer; ``header.position``: the massive position ``p``).
 
@@ -110,10 +110,6 @@ class Result(Headed):
     direction_cos: float
     sink_heads: SinkHeads | None = None
     sink_heads_why: str | None = None
-
-    @property
-    def ffn(self) -> FfnShare:
-        return FfnShare(tuple(self.ffn_cos), tuple(self.ffn_norm_ratio))
 
     def cell_rows(self, cells: Sequence[Cell], metric: str) -> np.ndarray | None:
         """Per prompt ``[clean, corrupt, patched at each (site, layer, position) cell]``; ``None``
@@ -495,7 +491,7 @@ def run(
         me_ratio_clean=cx.ratio_clean.tolist(),
         me_ratio_corrupt=cx.ratio_corrupt.tolist(),
         sweeps=sweeps,
-        tokens=[model.tokenizer.decode([int(t)]) for t in clean.tokens[0, : clean.lengths[0]]],
+        tokens=model.token_texts(clean),
         ffn_cos=list(ffn.cos),
         ffn_norm_ratio=list(ffn.norm_ratio),
         direction_cos=direction_cos,

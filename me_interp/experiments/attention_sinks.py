@@ -25,25 +25,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import plotly.graph_objects as go
 
 from me_interp import claims, plotting
-from me_interp.backends import check_backend
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.geometry import METRICS
 from me_interp.probes.sinks import sink_scan
 from me_interp.probes.site import Site
-from me_interp.study import DetectConfig, Experiment, Inputs, command, prepare
+from me_interp.study import BackendConfig, DetectConfig, Experiment, Inputs, command, prepare
 from me_interp.study.layer_report import LayerReport, as_array, detect
 
 NAME = "attention_sinks"
 
 
 @dataclass(frozen=True)
-class Config(DetectConfig):
+class Config(DetectConfig, BackendConfig):
     """Attention-sink settings (those of :class:`DetectConfig`; the sink threshold is
     ``claims.THRESHOLDS['sink_attention']``).
 
@@ -53,13 +51,6 @@ class Config(DetectConfig):
         remote: with ``nnsight``: run on NDIF (key in ``NDIF_API_KEY``; needs a model served with
             attention weights).
     """
-
-    backend: Literal["tl", "nnsight"] = "tl"
-    remote: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_backend(self.backend, self.remote)
 
 
 @dataclass(frozen=True)

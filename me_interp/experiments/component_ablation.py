@@ -31,6 +31,7 @@ from me_interp import claims, evaluation, names, plotting
 from me_interp.interventions.causal import PromptsUsed
 from me_interp.interventions.conditions import (
     COMPONENTS,
+    Conditions,
     condition_hooks,
     edit_sizes,
     unedited_names,
@@ -39,7 +40,6 @@ from me_interp.loading.loaded import LoadedModel
 from me_interp.patching import NormRatio, SinkMass
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
-from me_interp.probes.removal import not_ordinary
 from me_interp.probes.site import Site
 from me_interp.probes.to_position import read_metrics
 from me_interp.study.cli import command
@@ -96,7 +96,7 @@ class Condition:
 
 
 @dataclass(frozen=True)
-class Result(Headed):
+class Result(Headed, Conditions):
     """Every condition and what it did (``header``: the ME layer, position ``p`` and dims).
 
     Attributes:
@@ -113,35 +113,22 @@ class Result(Headed):
     conditions: list[Condition]
     same_prefix: bool
 
-    def of(self, name: str) -> Condition | None:
-        return next((c for c in self.conditions if c.name == name), None)
-
     def ppl_ratio(self, name: str) -> float:
         return self.of(name).perplexity / self.of("baseline").perplexity
-
-    def excess(self, name: str, last: bool = True) -> float:
-        """``excess_fraction`` of the prompt-mean ratio at the last (or the ME) layer."""
-        after, before = self.of(name).ratio(last).mean(), self.of("baseline").ratio(last).mean()
-        return claims.excess_fraction(float(after), float(before))
 
 
 def _why(key: str):
     """Why spec ``key`` does not apply (``None`` when it does)."""
 
     def why(r: Result) -> str | None:
-        h, cond = r.header, r.of(CLAIM_CONDITION[key])
-        if r.why_not is not None:
-            return r.why_not
-        if cond is None:
-            return f"the condition {CLAIM_CONDITION[key]} was not run (--conditions)"
+        h, name = r.header, CLAIM_CONDITION[key]
+        if why := r.why_not or r.not_run(name):
+            return why
         last = h.layer == r.n_layers - 1
         if key == "cap_removes" and last:
             return "the ME layer is the last layer: its ratio is the capped site itself"
         if key in _REMOVALS:
-            where = {"the ME layer": cond.me_ratio}
-            if not last:
-                where["the last layer"] = cond.last_ratio
-            return not_ordinary(where, _REMOVALS[key])
+            return r.not_removed(name, _REMOVALS[key], at_last=not last)
         if key == "mean_dims_harmless" and r.same_prefix:
             return (
                 f"every prompt has the same tokens up to position {h.position}, so the massive "

@@ -27,9 +27,8 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-import torch
 
-from me_interp import claims, io, names, plotting
+from me_interp import claims, io, plotting
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.batching import record
 from me_interp.probes.invariance import (
@@ -37,11 +36,11 @@ from me_interp.probes.invariance import (
     InvarianceScan,
     UnitSumRecorder,
     partner_mean,
+    removed_misalignment,
     same_first_token_control,
 )
-from me_interp.probes.norms import NormRecorder
 from me_interp.probes.site import Site, massive_units
-from me_interp.study import DetectConfig, Experiment, Inputs, command, prepare
+from me_interp.study import DetectConfig, Experiment, Inputs, command, prepare, scanned_inputs
 from me_interp.study.layer_report import LayerReport, detect
 
 NAME = "invariance"
@@ -124,10 +123,7 @@ def inputs(cfg: Config, model: LoadedModel) -> Inputs:
     batch = model.tokenize(cfg.load_prompts())
     if len(batch) < 2:
         raise ValueError("the invariance experiment compares inputs: give at least 2 prompts")
-    norms = NormRecorder(model, batch, names.SITES)
-    units = UnitSumRecorder(model, batch)
-    record(model, batch, [norms, units])
-    return Inputs(batch, norms.result(), made=(units,))
+    return scanned_inputs(model, batch, UnitSumRecorder(model, batch))
 
 
 def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:
@@ -206,10 +202,6 @@ def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None)
     )
 
 
-def _sym(m: torch.Tensor) -> np.ndarray:
-    return (m | m.T).numpy()
-
-
 def _scans(r: Result) -> tuple[InvarianceScan, InvarianceScan]:
     if r.scan is None or r.control is None:
         raise ValueError("the invariance claims need the scans of run() (result.scan, .control)")
@@ -228,7 +220,7 @@ def _distinct_applies(r: Result) -> str | None:
 
 def _cross(r: Result, mats: np.ndarray, reduce: Callable[[np.ndarray], Any]) -> claims.Sample:
     scan, _ = _scans(r)
-    return claims.pair_measure(mats, _sym(scan.pairs(False)), reduce)
+    return claims.pair_measure(mats, scan.pair_array(False), reduce)
 
 
 def _state(r: Result) -> claims.Sample:
@@ -258,14 +250,6 @@ def _created_applies(r: Result) -> str | None:
     return _distinct_applies(r)
 
 
-def removed_misalignment(cos: np.ndarray, me: int) -> np.ndarray | float:
-    """``1 − mean_{l ≥ me}(1 − cos_l) / mean_{l < me}(1 − cos_l)``: the fraction of the remaining
-    non-alignment ``1 − cos`` that is gone from the ME layer on (1: perfectly aligned after it);
-    over the last axis of ``cos [..., layer]``."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return 1.0 - (1.0 - cos[..., me:]).mean(-1) / (1.0 - cos[..., :me]).mean(-1)
-
-
 def _created(r: Result) -> claims.Sample:
     me = r.me_layer
     return _cross(r, _scans(r)[0].cos_matrices().numpy(), lambda x: removed_misalignment(x, me))
@@ -275,7 +259,7 @@ def _control(r: Result) -> claims.Sample:
     _, ctrl = _scans(r)
     return claims.pair_measure(
         ctrl.cos_matrices().numpy()[r.me_layer :],
-        _sym(ctrl.pairs(True)),
+        ctrl.pair_array(True),
         claims.lowest,
         r.control_keys,
     )

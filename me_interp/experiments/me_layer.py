@@ -16,18 +16,16 @@ A model without a massive activation is a result, not an error: ``sudden_birth``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 import torch
 
 from me_interp import claims, names, plotting
-from me_interp.backends import check_backend
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.massive import (
     EVENT_COLUMNS,
     Criterion,
-    CriterionKind,
     MELocation,
     massive_tokens,
     site_text,
@@ -35,7 +33,8 @@ from me_interp.probes.massive import (
 from me_interp.probes.norms import ratio_to_others, reference_medians, scan_norms, top_ratio
 from me_interp.probes.site import Site, Units, no_massive_why
 from me_interp.study import (
-    CommonConfig,
+    BackendConfig,
+    CriterionConfig,
     Experiment,
     Headed,
     Inputs,
@@ -52,12 +51,10 @@ NAME = "me_layer"
 
 
 @dataclass(frozen=True)
-class Config(CommonConfig):
+class Config(CriterionConfig, BackendConfig):
     """ME-layer scan settings (see ``probes.massive`` for the criterion).
 
     Attributes:
-        criterion: massive-activation criterion (``sun``: value thresholds; ``norm``: token-norm
-            ratio).
         abs_threshold: ``sun`` criterion: a value is massive when ``|a|`` exceeds this absolute
             threshold (and the relative one).
         rel_threshold: ``sun`` criterion: ... and ``|a|`` is at least this many times the median
@@ -67,23 +64,13 @@ class Config(CommonConfig):
         min_prompt_fraction: a layer counts as massive when at least this fraction of the prompts has
             a massive token there, in (0, 1].
         top_k: how many of each token's largest ``|a|`` values the scan keeps per site (>= 1).
-        backend: ``tl`` (TransformerLens) or ``nnsight`` (a plain HF model under nnsight; the
-            statistics are reduced inside the trace, ``docs/remote.md``).
-        remote: with ``nnsight``: run on NDIF (key in ``NDIF_API_KEY``; the model is an HF name).
     """
 
-    criterion: str = checked("sun", choices=get_args(CriterionKind))
     abs_threshold: float = checked(100.0, ge=0)
     rel_threshold: float = checked(1000.0, ge=1)  # ratios to a median: below 1 every token passes
     norm_ratio: float = checked(50.0, ge=1)
     min_prompt_fraction: float = checked(0.5, gt=0, le=1)
     top_k: int = checked(16, ge=1)
-    backend: Literal["tl", "nnsight"] = "tl"
-    remote: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_backend(self.backend, self.remote)
 
     def detection(self) -> Criterion:
         return Criterion(
@@ -207,8 +194,6 @@ def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None)
         ref_norm=scan.site_norms("resid_post")[:, torch.arange(len(ref)), ref].T.tolist(),
     )
     layer = loc.me_layer if loc.me_layer is not None else int(torch.tensor(loc.top_ratio).argmax())
-    n0 = batch.lengths[0]
-    tokens = [model.tokenizer.decode([int(t)]) for t in batch.tokens[0, :n0]]
     return Result(
         header=run_header(cfg, model, n_prompts, site),
         bos_prepended=model.bos_prepended(batch),
@@ -216,7 +201,7 @@ def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None)
         site_norms={
             s: SiteNorms(*v) for s, v in reference_medians(scan, loc.reference_positions).items()
         },
-        heatmap_tokens=tokens,
+        heatmap_tokens=model.token_texts(batch),
         heatmap_values=scan.kept_resid[layer].tolist(),
         heatmap_layer=layer,
         prompt_lengths=list(batch.lengths),

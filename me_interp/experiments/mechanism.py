@@ -29,12 +29,13 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from me_interp import claims, names, plotting
+from me_interp import claims, plotting
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.alignment import (
     ALIGN_SITES,
     AlignmentRecorder,
     GainRank,
+    gain_alignment,
     massive_dim_gain_ranks,
 )
 from me_interp.probes.batching import record
@@ -49,9 +50,9 @@ from me_interp.probes.ffn import (
     neuron_contributions,
     top_neurons,
 )
-from me_interp.probes.norms import NormRecorder
 from me_interp.probes.site import Site
 from me_interp.study import DetectConfig, Experiment, Inputs, checked, command, prepare
+from me_interp.study.experiment import scanned_inputs
 from me_interp.study.layer_report import LayerReport, as_array, detect
 from me_interp.terminal import fmt_table
 
@@ -110,20 +111,6 @@ def _peak_spec(
     )
 
 
-@claims.of_means
-def _gain_alignment(m: np.ndarray) -> np.ndarray | float:
-    """``min(1 − F_o / F_m, (E − E₀) / max(|E|, |E₀|))`` of rows ``(F_m, F_o, F_m⁰, F_o⁰)``: the
-    massive token's share on the top-|w| dims after the gain, over the others' (``F``), and how
-    much the gain widened its excess ``E = F_m − F_o`` over the standardised ``h / rms`` (``⁰``)."""
-    fm, fo, fm0, fo0 = (m[..., i] for i in range(4))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        excess = 1.0 - fo / fm
-    e, e0 = fm - fo, fm0 - fo0
-    top = np.maximum(np.abs(e), np.abs(e0))
-    widened = claims.divide(e - e0, top, fill=0.0)
-    return np.minimum(excess, widened)
-
-
 def _frac_rows(r: Result, layer: int | None = None) -> np.ndarray:
     p, layer = r.per_prompt, r.me_layer if layer is None else layer
     cols = (p.frac_massive, p.frac_others, p.frac_massive_pregain, p.frac_others_pregain)
@@ -131,7 +118,7 @@ def _frac_rows(r: Result, layer: int | None = None) -> np.ndarray:
 
 
 def _frac(r: Result, layer: int | None = None) -> claims.Sample:
-    return claims.Sample(_frac_rows(r, layer), _gain_alignment)
+    return claims.Sample(_frac_rows(r, layer), gain_alignment)
 
 
 def _kl(r: Result, layer: int | None = None) -> claims.Sample:
@@ -379,11 +366,8 @@ def _mean(x) -> float:
 def inputs(cfg: Config, model: LoadedModel) -> Inputs:
     """The prompts and one forward pass: their norm scan, alignment and FFN recorders (``made``)."""
     batch = model.tokenize(cfg.load_prompts())
-    norms = NormRecorder(model, batch, names.SITES)
     align = AlignmentRecorder(model, batch, k=cfg.k(), sites=ALIGN_SITES)
-    ffn = FFNRecorder(model, batch)
-    record(model, batch, [norms, align, ffn])
-    return Inputs(batch, norms.result(), made=(align, ffn))
+    return scanned_inputs(model, batch, align, FFNRecorder(model, batch))
 
 
 def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:

@@ -224,7 +224,7 @@ def run(
         agree = rank_agreement(got[1], got[0], name) if len(got) > 1 else None
         att = Cells.of(got[1]) if len(got) > 1 else None
         sites.append(SiteCells(Cells.of(got[0]), att, agree))
-    tokens = [model.tokenizer.decode([int(t)]) for t in pb.clean.tokens[0, : pb.clean.lengths[0]]]
+    tokens = model.token_texts(pb.clean)
     everyone = list(range(len(pb)))
     select, test = everyone, everyone
     if len(pb) >= 2:

@@ -24,14 +24,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from me_interp import claims, names, plotting
+from me_interp import claims, evaluation, names, plotting
 from me_interp.interventions.causal import PromptsUsed
-from me_interp.interventions.conditions import REMOVALS, condition_hooks
+from me_interp.interventions.conditions import REMOVALS, Conditions, condition_hooks
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import record
-from me_interp.probes.ffn import FfnShare, ffn_share
-from me_interp.probes.removal import not_ordinary
+from me_interp.probes.ffn import HasFfnShare, ffn_share
 from me_interp.probes.site import Site
 from me_interp.probes.to_position import (
     ToPosition,
@@ -85,7 +84,7 @@ class Condition:
 
 
 @dataclass(frozen=True)
-class Result(Headed):
+class Result(Headed, Conditions, HasFfnShare):
     """The conditions and what they did (``header``: the ME layer, position ``p`` and dims).
 
     Attributes:
@@ -108,13 +107,6 @@ class Result(Headed):
     ffn_cos: tuple[float, ...]
     ffn_norm_ratio: tuple[float, ...]
 
-    @property
-    def ffn(self) -> FfnShare:
-        return FfnShare(self.ffn_cos, self.ffn_norm_ratio)
-
-    def of(self, name: str) -> Condition | None:
-        return next((c for c in self.conditions if c.name == name), None)
-
     def sink_per_prompt(self, name: str) -> np.ndarray:
         return np.asarray(self.of(name).sink, dtype=np.float64)
 
@@ -129,12 +121,10 @@ def _why(key: str):
     """Why the spec of condition ``key`` does not apply (``None`` when it does)."""
 
     def why(r: Result) -> str | None:
-        h, c = r.header, r.of(key)
+        h = r.header
         why = sink_claims_why(r.why_not, h.layer, r.n_layers, h.position, r.sink_heads)
-        if why is not None:
+        if why := why or r.not_run(key):
             return why
-        if c is None:
-            return f"the condition {key} was not run (--conditions)"
         if key in CONTROLS:
             if r.same_prefix:
                 return (
@@ -145,7 +135,7 @@ def _why(key: str):
         if key == "remove_ffn":  # see _removed_by_ffn
             gate = _removed_by_ffn(r)
         else:
-            gate = not_ordinary({"the ME layer": c.me_ratio, "the last layer": c.last_ratio}, key)
+            gate = r.not_removed(key, key)
         if gate is not None:
             return gate
         if key == "remove_ffn" and r.ffn.is_state():
@@ -163,9 +153,7 @@ def _removed_by_ffn(r: Result) -> str | None:
     excess, not the ordinary-token rule: it is judged only where the FFN output is not the state,
     i.e. where ≥ 5 % of the massive state predates the FFN and stays (32× on ``decoy-primed``), so
     that rule would never let it be decided; it is about the FFN's write."""
-    frac = claims.excess_fraction(
-        np.mean(r.of("remove_ffn").me_ratio), np.mean(r.of("baseline").me_ratio)
-    )
+    frac = r.excess("remove_ffn", last=False)
     if frac <= claims.threshold("removed"):
         return None
     return (
@@ -174,16 +162,10 @@ def _removed_by_ffn(r: Result) -> str | None:
     )
 
 
-@claims.of_means
-def _drop_stat(m: np.ndarray) -> np.ndarray | float:
-    """Columns ``[after, before]`` (means ``m``) → ``1 − mean(after) / mean(before)``."""
-    return 1 - claims.divide(m[..., 0], m[..., 1])
-
-
 def _stat(key: str):
     def stat(r: Result) -> claims.Sample:
-        rows = np.stack([r.sink_per_prompt(key), r.sink_per_prompt("baseline")], 1)
-        return claims.Sample(rows, _drop_stat)
+        rows = np.stack([r.sink_per_prompt("baseline"), r.sink_per_prompt(key)], 1)
+        return claims.Sample(rows, evaluation.sink_drop)  # the attention is never negative
 
     return stat
 

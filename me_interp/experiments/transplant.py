@@ -34,6 +34,7 @@ import torch
 from me_interp import claims, names, plotting
 from me_interp.interventions import causal
 from me_interp.interventions.causal import PromptsUsed
+from me_interp.interventions.conditions import Conditions
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.attention import attention_src_dst
@@ -73,7 +74,7 @@ class Condition:
 
 
 @dataclass(frozen=True)
-class Result(Headed):
+class Result(Headed, Conditions):
     """The transplants and what they did (``header``: the ME layer, position ``p`` and dims).
 
     Attributes:
@@ -93,9 +94,6 @@ class Result(Headed):
     sink_heads: list[tuple[int, int]]
     conditions: list[Condition]
     component_norm: list[float]
-
-    def of(self, name: str) -> Condition:
-        return next(c for c in self.conditions if c.name == name)
 
     def sink_to(self, name: str) -> tuple[float, float]:
         """Mean attention of the sink heads to (old position p, new position dst)."""

@@ -22,7 +22,6 @@ in row ``m``, for every earlier input; "the input matters" predicts a band of in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import get_args
 
 import numpy as np
 import plotly.graph_objects as go
@@ -32,7 +31,7 @@ from me_interp import claims, plotting
 from me_interp.architecture import FFN_RESIDUAL_SITE
 from me_interp.edits.core import moved_modules
 from me_interp.loading.loaded import LoadedModel
-from me_interp.probes.batching import ResidMidRecorder, record
+from me_interp.probes.batching import ResidMidRecorder
 from me_interp.probes.cross import (
     PromptStats,
     breadth_outcomes,
@@ -40,13 +39,11 @@ from me_interp.probes.cross import (
     prompt_statistics,
     share_outcomes,
 )
-from me_interp.probes.massive import Criterion, CriterionKind
 from me_interp.probes.measurement import SCAN_SITES, short_batch
-from me_interp.probes.norms import NormRecorder
 from me_interp.probes.site import Site
 from me_interp.study.cli import command
-from me_interp.study.config import CommonConfig, checked
-from me_interp.study.experiment import Experiment, Inputs, prepare
+from me_interp.study.config import CriterionConfig, checked
+from me_interp.study.experiment import Experiment, Inputs, prepare, scanned_inputs
 from me_interp.study.result import Headed, RunHeader, run_header
 from me_interp.terminal import fmt_table
 
@@ -58,7 +55,7 @@ FFN_SITE = FFN_RESIDUAL_SITE
 
 
 @dataclass(frozen=True)
-class Config(CommonConfig):
+class Config(CriterionConfig):
     """Weights × input cross settings.
 
     Attributes:
@@ -68,17 +65,11 @@ class Config(CommonConfig):
         max_tokens: cut every prompt to its first ``max_tokens`` tokens (the massive token is among
             the first; the others give the normalising median; ``0`` = no cut). One forward pass
             keeps ``resid_mid`` of every layer, so memory grows with ``n_prompts × max_tokens``.
-        criterion: massive-activation criterion (``sun``: value thresholds; ``norm``: token-norm
-            ratio).
     """
 
     layer: int | None = checked(None, ge=0)
     n_prompts: int = checked(0, ge=0)
     max_tokens: int = checked(64, ge=2, also=(0,))
-    criterion: str = checked("sun", choices=get_args(CriterionKind))
-
-    def detection(self) -> Criterion:
-        return Criterion(kind=self.criterion)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -164,10 +155,8 @@ def inputs(cfg: Config, model: LoadedModel) -> Inputs:
     if cfg.layer is not None:
         model.check_layer(cfg.layer)  # before the forward
     batch = short_batch(model, cfg.load_prompts(), cfg.n_prompts, cfg.max_tokens)
-    norms = NormRecorder(model, batch, (*SCAN_SITES, FFN_SITE))
     resid = ResidMidRecorder(model, batch)
-    record(model, batch, [norms, resid])
-    return Inputs(batch, norms.result(), made=(resid,))
+    return scanned_inputs(model, batch, resid, sites=(*SCAN_SITES, FFN_SITE))
 
 
 def run(cfg: Config, model: LoadedModel | None = None, site: Site | None = None) -> Result:

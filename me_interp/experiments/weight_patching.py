@@ -22,7 +22,6 @@ from me_interp import claims, terminal
 from me_interp.claims import NotApplicable
 from me_interp.edits import patched_weights
 from me_interp.edits.core import ALL_PARTS, moved_modules
-from me_interp.interventions.core import check_layers
 from me_interp.loading import load_model
 from me_interp.loading.loaded import LoadedModel
 from me_interp.plotting import outcome_heatmap
@@ -45,6 +44,7 @@ from me_interp.study.weights import (
     PART_WHAT,
     PartModules,
     depth_label,
+    given_layers,
     majority,
 )
 from me_interp.terminal import fmt_table
@@ -219,13 +219,9 @@ def resolve_targets(
         ValueError: a target out of range, or the source layer itself within one model.
     """
     if cfg.targets:
-        targets = list(check_layers(cfg.targets, target.n_layers, "--targets", sort=False))
-        if same_model and source_layer in targets:
-            raise ValueError(
-                f"--targets contains the source layer {source_layer}: patching a layer onto itself "
-                "changes nothing"
-            )
-        return targets
+        why = f"source layer {source_layer}: patching a layer onto itself changes nothing"
+        own = source_layer if same_model else None
+        return given_layers(cfg.targets, target, "--targets", own, why)
     if same_model:
         candidates = [
             t for t in eligible_targets(range(target.n_layers), me_layer) if t != source_layer

@@ -23,7 +23,6 @@ import plotly.graph_objects as go
 from me_interp import claims, terminal
 from me_interp.edits import swapped_layers
 from me_interp.edits.core import ALL_PARTS, moved_modules
-from me_interp.interventions.core import check_layers
 from me_interp.loading.loaded import LoadedModel
 from me_interp.plotting import interval_bars, outcome_heatmap
 from me_interp.probes.measurement import Measurement, Setup
@@ -45,6 +44,7 @@ from me_interp.study.weights import (
     PART_WHAT,
     PartModules,
     depth_label,
+    given_layers,
     majority,
 )
 from me_interp.terminal import fmt_table
@@ -194,12 +194,8 @@ def resolve_partners(cfg: Config, model: LoadedModel, layer: int) -> list[int]:
         ValueError: a partner out of range or equal to ``layer`` (a swap with itself).
     """
     if cfg.partners:
-        partners = list(check_layers(cfg.partners, model.n_layers, "--partners", sort=False))
-        if layer in partners:
-            raise ValueError(
-                f"--partners contains the swapped layer {layer}: cannot swap a layer with itself"
-            )
-        return partners
+        why = f"swapped layer {layer}: cannot swap a layer with itself"
+        return given_layers(cfg.partners, model, "--partners", layer, why)
     return spread([p for p in range(model.n_layers) if p != layer], cfg.max_partners)
 
 

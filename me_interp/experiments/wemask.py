@@ -25,7 +25,6 @@ import numpy as np
 import plotly.graph_objects as go
 
 from me_interp import claims, evaluation, plotting, terminal
-from me_interp.backends import check_backend
 from me_interp.evaluation import Metrics
 from me_interp.interventions import soft
 from me_interp.interventions.soft import MaskCondition as Condition
@@ -42,7 +41,7 @@ from me_interp.loading.loaded import LoadedModel
 from me_interp.probes.measurement import short_batch
 from me_interp.prompts import builtin_texts, read_prompts, spread
 from me_interp.study import (
-    CommonConfig,
+    BackendConfig,
     Experiment,
     Headed,
     checked,
@@ -58,7 +57,7 @@ PER_TEXT = evaluation.TEXT_STATS
 
 
 @dataclass(frozen=True)
-class Config(CommonConfig):
+class Config(BackendConfig):
     """Mask-rate study settings.
 
     Attributes:
@@ -107,12 +106,9 @@ class Config(CommonConfig):
     positions: str = checked("first", choices=("first", "massive"))
     detect_tokens: int = checked(16, ge=2, also=(0,))
     batch_tokens: int = checked(1024, ge=1)
-    backend: Literal["tl", "nnsight"] = "tl"
-    remote: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_backend(self.backend, self.remote)
         if self.backend == "nnsight" and self.positions != "first":
             raise ValueError(
                 "positions must be 'first' with the nnsight backend (it masks position 0)"

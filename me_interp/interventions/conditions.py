@@ -21,13 +21,16 @@ hooks here:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Float
 
-from me_interp import names
+from me_interp import claims, names
 from me_interp.interventions import causal
 from me_interp.loading.loaded import Batch, LoadedModel
+from me_interp.probes.removal import not_ordinary
 
 REMOVALS: tuple[str, ...] = ("remove_ffn", "remove_dims", "remove_all", "patch_other")
 COMPONENTS: tuple[str, ...] = (
@@ -38,6 +41,40 @@ COMPONENTS: tuple[str, ...] = (
     "zero_dims",
     "mean_dims",
 )
+
+
+class Conditions:
+    """What a Result of these conditions answers about its ``conditions`` (``baseline`` first, each
+    with a ``name``; for :meth:`not_removed`, ``p``'s per-prompt norm ratios ``me_ratio`` and
+    ``last_ratio``)."""
+
+    conditions: list[Any]
+
+    def of(self, name: str) -> Any:
+        """Condition ``name`` (``None``: not run)."""
+        return next((c for c in self.conditions if c.name == name), None)
+
+    def not_run(self, name: str) -> str | None:
+        """Why a claim about condition ``name`` does not apply: it was not run (``None``: it was)."""
+        if self.of(name) is None:
+            return f"the condition {name} was not run (--conditions)"
+        return None
+
+    def excess(self, name: str, last: bool = True) -> float:
+        """:func:`~me_interp.claims.excess_fraction` of condition ``name``'s prompt-mean norm ratio
+        over the baseline's, at the last (or the ME) layer."""
+        key = "last_ratio" if last else "me_ratio"
+        after, before = (np.mean(getattr(self.of(n), key)) for n in (name, "baseline"))
+        return claims.excess_fraction(float(after), float(before))
+
+    def not_removed(self, name: str, edit: str, at_last: bool = True) -> str | None:
+        """Why condition ``name`` (said as ``edit``) was not a removal (``None``: it was): its token
+        is not ordinary at the ME layer or (``at_last``) the last layer (:func:`not_ordinary`)."""
+        c = self.of(name)
+        where = {"the ME layer": c.me_ratio}
+        if at_last:
+            where["the last layer"] = c.last_ratio
+        return not_ordinary(where, edit)
 
 
 def unedited_names(layer: int) -> list[str]:

@@ -334,6 +334,10 @@ class LoadedModel:
             mask[i, at] = 1
         return Batch(tokens.to(self.device), mask.to(self.device), prompts)
 
+    def token_texts(self, batch: Batch, row: int = 0) -> list[str]:
+        """The real tokens of prompt ``row`` of a right-padded ``batch``, each decoded alone."""
+        return [self.tokenizer.decode([int(t)]) for t in batch.tokens[row, : batch.lengths[row]]]
+
     def bos_prepended(self, batch: Batch) -> bool:
         """Whether every row of ``batch`` starts with the BOS token."""
         bos = self.bos_token_id

@@ -31,10 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 
-from me_interp import names
+from me_interp import claims, names
 from me_interp.loading.inputs import Prompts, as_batch
 from me_interp.models import Batch, LoadedModel
 from me_interp.probes.batching import Chunk, record
@@ -192,6 +193,20 @@ def others_mean(
         raise ValueError("every prompt needs at least one token outside the massive positions")
     w = keep.to(x.dtype)[..., None]
     return (x * w).sum(1) / w.sum(1)
+
+
+@claims.of_means
+def gain_alignment(m: np.ndarray) -> np.ndarray | float:
+    """``min(1 − F_o / F_m, (E − E₀) / max(|E|, |E₀|))`` of rows ``(F_m, F_o, F_m⁰, F_o⁰)``: the
+    massive token's share on the top-|w| dims after the gain, over the others' (``F``), and how
+    much the gain widened its excess ``E = F_m − F_o`` over the standardised ``h / rms`` (``⁰``)."""
+    fm, fo, fm0, fo0 = (m[..., i] for i in range(4))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        excess = 1.0 - fo / fm
+    e, e0 = fm - fo, fm0 - fo0
+    top = np.maximum(np.abs(e), np.abs(e0))
+    widened = claims.divide(e - e0, top, fill=0.0)
+    return np.minimum(excess, widened)
 
 
 @dataclass(frozen=True)

@@ -405,6 +405,18 @@ class FfnShare:
         }
 
 
+class HasFfnShare:
+    """What a Result holding per-prompt ``ffn_cos`` and ``ffn_norm_ratio`` (of :func:`ffn_share`)
+    answers: their :class:`FfnShare`, ``ffn``."""
+
+    ffn_cos: Sequence[float]
+    ffn_norm_ratio: Sequence[float]
+
+    @property
+    def ffn(self) -> FfnShare:
+        return FfnShare(tuple(self.ffn_cos), tuple(self.ffn_norm_ratio))
+
+
 def _acts_of(acts: Mapping[str, torch.Tensor], name: str, batch: Batch) -> torch.Tensor:
     if name not in acts:
         raise ValueError(f"acts has no {name!r}: capture it on the unmodified run of the batch")

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 
@@ -61,6 +62,14 @@ def partner_mean(
     return (mats * p).sum(-1) / p.sum(-1)  # NaN for a prompt without partners
 
 
+def removed_misalignment(cos: np.ndarray, me: int) -> np.ndarray | float:
+    """``1 − mean_{l ≥ me}(1 − cos_l) / mean_{l < me}(1 − cos_l)``: the fraction of the remaining
+    non-alignment ``1 − cos`` that is gone from the ME layer on (1: perfectly aligned after it);
+    over the last axis of ``cos [..., layer]``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return 1.0 - (1.0 - cos[..., me:]).mean(-1) / (1.0 - cos[..., :me]).mean(-1)
+
+
 def norm_cv(x: Float[torch.Tensor, "n d"]) -> float:
     """``std(‖x_a‖) / mean(‖x_a‖)`` over the rows (population std)."""
     n = x.double().norm(dim=-1)
@@ -88,6 +97,12 @@ class InvarianceScan:
 
     def pairs(self, same_first_token: bool = False) -> Bool[torch.Tensor, "batch batch"]:
         return pair_mask(self.first_tokens, same_first_token)
+
+    def pair_array(self, same_first_token: bool = False) -> np.ndarray:
+        """:meth:`pairs` with each pair both ways (symmetric), as a NumPy array (what
+        :func:`me_interp.claims.pair_measure` reads)."""
+        m = self.pairs(same_first_token)
+        return (m | m.T).numpy()
 
     def n_pairs(self, same_first_token: bool = False) -> int:
         return int(self.pairs(same_first_token).sum())

@@ -1,7 +1,8 @@
 """The experiment framework: what every experiment shares, written once.
 
 * :mod:`.config` — :class:`CommonConfig` (the shared fields), the shared bases (:class:`SiteConfig`,
-  :class:`DetectConfig`, :class:`WeightConfig`) and :func:`checked` (a field's checks as metadata,
+  :class:`DetectConfig`, :class:`WeightConfig`, :class:`CriterionConfig`, :class:`BackendConfig`)
+  and :func:`checked` (a field's checks as metadata,
   applied by one :func:`validate`);
 * :mod:`.experiment` — the :class:`Experiment` descriptor each experiment module declares, and the one
   way it runs: load the model and locate the Site on the experiment's inputs (:func:`prepare`),
@@ -31,8 +32,10 @@ from me_interp.study.cli import (
 )
 from me_interp.study.config import (
     INDEX_CONVENTION,
+    BackendConfig,
     Check,
     CommonConfig,
+    CriterionConfig,
     DetectConfig,
     SiteConfig,
     WeightConfig,
@@ -52,6 +55,7 @@ from me_interp.study.experiment import (
     model_for,
     prepare,
     prompt_inputs,
+    scanned_inputs,
     seed_everything,
     site_arguments,
     write_outcome,
@@ -65,7 +69,9 @@ __all__ = [
     "SMALL_MODEL_PARAMS",
     "ArgumentParser",
     "Check",
+    "BackendConfig",
     "CommonConfig",
+    "CriterionConfig",
     "DetectConfig",
     "Experiment",
     "Headed",
@@ -90,6 +96,7 @@ __all__ = [
     "placement_kwargs",
     "prepare",
     "prompt_inputs",
+    "scanned_inputs",
     "roundtrip",
     "run_header",
     "seed_everything",

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from me_interp.backends import check_backend
 from me_interp.loading.devices import DTYPES
 from me_interp.loading.loaded import BOS_CHOICES
 from me_interp.probes.massive import Criterion, CriterionKind
@@ -210,7 +211,22 @@ class SiteConfig(CommonConfig):
 
 
 @dataclass(frozen=True)
-class DetectConfig(CommonConfig):
+class CriterionConfig(CommonConfig):
+    """Fields of the experiments that detect massive activations by a criterion of their own.
+
+    Attributes:
+        criterion: massive-activation criterion (``sun``: value thresholds; ``norm``: token-norm
+            ratio).
+    """
+
+    criterion: str = checked("sun", choices=get_args(CriterionKind))
+
+    def detection(self) -> Criterion:
+        return Criterion(kind=self.criterion)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class DetectConfig(CriterionConfig):
     """Fields of the experiments that detect the ME layer and the massive token themselves.
 
     Attributes:
@@ -221,16 +237,12 @@ class DetectConfig(CommonConfig):
             activation the claims are not applicable unless a layer is given.
     """
 
-    criterion: str = checked("sun", choices=get_args(CriterionKind))
     position: Literal["detected", "zero"] = "detected"
     layer: int | None = checked(None, ge=0)
 
-    def detection(self) -> Criterion:
-        return Criterion(kind=self.criterion)  # type: ignore[arg-type]
-
 
 @dataclass(frozen=True)
-class WeightConfig(CommonConfig):
+class WeightConfig(CriterionConfig):
     """Fields shared by the weight experiments.
 
     Attributes:
@@ -240,19 +252,32 @@ class WeightConfig(CommonConfig):
             forward pass, so the default subsamples; ``0`` = all). The result reports the number.
         max_tokens: cut every prompt to its first ``max_tokens`` tokens (the massive token is among
             the first; ``0`` = no cut).
-        criterion: massive-activation criterion (``sun``: value thresholds; ``norm``: token-norm
-            ratio).
         sink: also measure the attention sink (in the same forward pass).
     """
 
     layer: int | None = None
     n_prompts: int = checked(8, ge=0)
     max_tokens: int = checked(16, ge=2, also=(0,))
-    criterion: str = checked("sun", choices=get_args(CriterionKind))
     sink: bool = True
 
-    def detection(self) -> Criterion:
-        return Criterion(kind=self.criterion)  # type: ignore[arg-type]
+
+@dataclass(frozen=True)
+class BackendConfig(CommonConfig):
+    """Fields of the experiments that also run under nnsight (:mod:`me_interp.backends`); a
+    subclass describes these fields again where its nnsight path differs.
+
+    Attributes:
+        backend: ``tl`` (TransformerLens) or ``nnsight`` (a plain HF model under nnsight; the
+            statistics are reduced inside the trace, ``docs/remote.md``).
+        remote: with ``nnsight``: run on NDIF (key in ``NDIF_API_KEY``; the model is an HF name).
+    """
+
+    backend: Literal["tl", "nnsight"] = "tl"
+    remote: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_backend(self.backend, self.remote)
 
 
 def check_placement(cfg: CommonConfig) -> None:

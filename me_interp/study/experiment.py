@@ -32,13 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from me_interp import claims, io, usage
+from me_interp import claims, io, names, usage
 from me_interp.interventions.causal import PromptBatch, prompt_batch
 from me_interp.loading import load_model
 from me_interp.loading.attention import kernel as attention_kernel
 from me_interp.loading.errors import PlacementError
 from me_interp.loading.loaded import Batch, LoadedModel
-from me_interp.probes.norms import NormScan
+from me_interp.probes.batching import record
+from me_interp.probes.norms import NormRecorder, NormScan
 from me_interp.probes.site import Site, locate
 from me_interp.study.config import CommonConfig, placement_kwargs
 
@@ -61,6 +62,16 @@ class Inputs:
     batch: Batch
     scan: NormScan | None = None
     made: tuple[Any, ...] = ()
+
+
+def scanned_inputs(
+    model: LoadedModel, batch: Batch, *recorders: Any, sites: Sequence[str] = names.SITES
+) -> Inputs:
+    """One forward over ``batch`` that records the norm scan at ``sites`` (the Site is located on
+    it) and ``recorders`` (the ``made`` of :class:`Inputs`, in this order)."""
+    norms = NormRecorder(model, batch, sites)
+    record(model, batch, [norms, *recorders])
+    return Inputs(batch, norms.result(), made=recorders)
 
 
 def prompt_inputs(cfg: Any, model: LoadedModel) -> PromptBatch:

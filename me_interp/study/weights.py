@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from me_interp.edits import PARTS
+from me_interp.interventions.core import check_layers
 from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.measurement import Setup, short_batch
 from me_interp.probes.site import Site
@@ -61,6 +62,21 @@ class PartModules:
 
     part: str
     modules: list[str]
+
+
+def given_layers(
+    given: Sequence[int], model: LoadedModel, flag: str, own: int | None, refusal: str
+) -> list[int]:
+    """The layers given by ``flag`` (``--partners``, ``--targets``), validated, in the order given.
+
+    Raises:
+        ValueError: a layer out of range, or ``own`` (the edited layer; ``None``: none) among them:
+            "``flag`` contains the ``refusal``".
+    """
+    layers = list(check_layers(given, model.n_layers, flag, sort=False))
+    if own in layers:
+        raise ValueError(f"{flag} contains the {refusal}")
+    return layers
 
 
 def depth_label(layer: int, ref: int, name: str = "m") -> str:

@@ -14,6 +14,8 @@ import torch
 from me_interp import claims, io, study, synthetic
 from me_interp.experiments import attention_sinks, invariance, mechanism
 from me_interp.models import LoadedModel
+from me_interp.probes.alignment import gain_alignment
+from me_interp.probes.invariance import removed_misalignment
 
 MODULES = (mechanism, invariance, attention_sinks)
 H, F, INC, NA = claims.HOLDS, claims.FAILS, claims.INCONCLUSIVE, claims.NOT_APPLICABLE
@@ -330,9 +332,9 @@ def test_relative_drop_gain_alignment_and_sink_shift_by_hand():
     rows = np.array([[0.4, 0.1, 0.2, 0.1], [0.6, 0.1, 0.2, 0.1]])  # F_m, F_o, before the gain
     e, e0 = 0.5 - 0.1, 0.2 - 0.1
     want = min(1 - 0.1 / 0.5, (e - e0) / e)
-    assert mechanism._gain_alignment(rows) == pytest.approx(want)
+    assert gain_alignment(rows) == pytest.approx(want)
     flat = np.array([[0.3, 0.1, 0.3, 0.1]] * 2)  # the gain changes nothing: (b) is 0
-    assert mechanism._gain_alignment(flat) == 0.0
+    assert gain_alignment(flat) == 0.0
     sink = np.array([[0.1, 0.2, 0.6, 0.8], [0.1, 0.4, 0.6, 0.6]])
     # per-layer means 0.1, 0.3, 0.6, 0.7: max over layers <= 1 is 0.3, mean over layers > 1 is 0.65
     assert claims.rise_after(sink.mean(0), 1) == pytest.approx((0.65 - 0.3) / 0.65)
@@ -341,9 +343,9 @@ def test_relative_drop_gain_alignment_and_sink_shift_by_hand():
 
 def test_removed_misalignment_is_measured_on_one_minus_cos():
     cos = np.array([0.9, 0.95, 0.999, 0.998])
-    assert invariance.removed_misalignment(cos, 2) == pytest.approx(1 - 0.0015 / 0.075)
+    assert removed_misalignment(cos, 2) == pytest.approx(1 - 0.0015 / 0.075)
     # near 1 already: the old gain in cos (0.0735) could not reach 0.2, this removes 98 %
-    assert invariance.removed_misalignment(cos, 2) > 0.9
+    assert removed_misalignment(cos, 2) > 0.9
 
 
 def test_pair_measure_resamples_prompts_not_pairs():
@@ -405,7 +407,7 @@ def test_created_at_me_and_sink_downstream_by_hand(second_results):
     r = second_results["invariance"]
     cos = np.asarray([x.cos_across_inputs for x in r.layers])
     c = {c.id: c for c in _claims(r)}["invariance.created_at_me"]
-    assert c.estimate.value == pytest.approx(invariance.removed_misalignment(cos, r.me_layer))
+    assert c.estimate.value == pytest.approx(removed_misalignment(cos, r.me_layer))
     a = second_results["attention_sinks"]
     att = np.asarray(a.per_prompt.attn_to_massive)
     before, after = att.mean(0)[: a.me_layer + 1].max(), att.mean(0)[a.me_layer + 1 :].mean()
