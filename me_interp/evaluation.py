@@ -43,21 +43,7 @@ from me_interp.loading.loaded import Batch, LoadedModel
 from me_interp.probes.activations import Activations
 from me_interp.probes.batching import Prefix, capture_prefix, record
 from me_interp.probes.geometry import effective_rank
-
-
-def logits_nll(
-    logits: Float[torch.Tensor, "batch pos vocab"],
-    tokens: Int[torch.Tensor, "batch pos"],
-    mask: Int[torch.Tensor, "batch pos"] | Bool[torch.Tensor, "batch pos"],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position next-token NLL ``[batch, pos-1]`` of ``tokens`` under ``logits`` and its validity
-    mask (both the predicting and the predicted token are real), on the CPU."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    target = tokens[:, 1:].to(logp.device)
-    nll = -logp.gather(-1, target[..., None])[..., 0]
-    m = mask.bool()
-    valid = m[:, 1:] & m[:, :-1]
-    return nll.cpu(), valid.cpu()
+from me_interp.probes.to_position import logits_nll
 
 
 def token_nll(
