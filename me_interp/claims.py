@@ -334,7 +334,9 @@ def unit_text(n: int, unit: str) -> str:
     """``unit`` (a plural noun such as ``"partner layers"``) in the singular when ``n`` is 1."""
     if n != 1 or "×" in unit or not unit.endswith("s") or unit.endswith("ss"):
         return unit
-    return unit[:-3] + "y" if unit.endswith("ies") else unit[:-1]
+    if unit.endswith("ies"):
+        return unit[:-3] + "y"
+    return unit[:-2] if unit.endswith(("xes", "ches", "shes")) else unit[:-1]
 
 
 def fmt_num(x: float, digits: int = 3) -> str:

@@ -335,6 +335,8 @@ def findings(state: Mapping[str, Any], experiments: Sequence[Experiment]) -> lis
                         + (f"; positions {spans_text(pos)}" if pos else "")
                         + f"; {me.n_prompts} prompts."
                     )
+                    if me.header.n_units == 1:
+                        lines.append(_one_unit_line(state, experiments))
         if entry["status"] == NOT_APPLICABLE:
             lines.append(f"{exp.name}: not applicable — {entry.get('why', '')}")
             continue
@@ -354,6 +356,23 @@ def findings(state: Mapping[str, Any], experiments: Sequence[Experiment]) -> lis
             + "."
         )
     return lines
+
+
+def _one_unit_line(state: Mapping[str, Any], experiments: Sequence[Experiment]) -> str:
+    """The finding for a battery whose prompts share one massive-token prefix (a BOS at the
+    massive position): how many claims and controls rest on that one measurement, and what decides
+    them."""
+    n = sum(
+        "(one measurement repeated)" in (d.get("why") or "")
+        for exp in experiments
+        if (entry := _finished(state, exp.name)) is not None
+        for d in entry.get("claims") or []
+    )
+    return (
+        "Every prompt has the same massive-token prefix (one unit), so the massive token's state "
+        f"is one measurement: {n} of the claims and controls about it are not decided; prompts "
+        "with different first tokens (--bos no) decide them."
+    )
 
 
 def _run_dir(entry: dict[str, Any], out: Path) -> tuple[Path, Path]:

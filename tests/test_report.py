@@ -348,6 +348,8 @@ def test_small_wording():
     assert report.spans_text([0, *range(2, 30, 2)], show=3) == "0, 2, 4, … (15 in all)"
     assert claims.unit_text(1, "pairs") == "pair" and claims.unit_text(2, "pairs") == "pairs"
     assert claims.unit_text(1, "prompts × seeds") == "prompts × seeds"
+    assert claims.unit_text(1, "massive-token prefixes") == "massive-token prefix"
+    assert claims.unit_text(1, "target layers") == "target layer"
     long = "not applicable: " + "the massive activation emerges at layer zero " * 3
     cut = terminal._fit(long, 60)
     assert len(cut) <= 60 and cut.endswith("…") and long.startswith(cut[:-1])

@@ -168,6 +168,15 @@ def test_the_planted_model_gets_exactly_what_was_planted(planted_battery):
     wrong = {i: (got.get(i), v) for i, v in PLANTED.items() if got.get(i) != v}
     assert not wrong, f"(got, expected): {wrong}"
     assert set(got) == set(PLANTED), set(got) ^ set(PLANTED)
+    # every prompt starts with <s>: the findings say once how many claims rest on that one unit
+    one = [c for c in _claims(planted_battery).values() if "one measurement repeated" in c["why"]]
+    assert len(one) >= 10  # the edits' removal claims and their controls, at least
+    found = report.findings(planted_battery, battery.EXPERIMENTS)
+    assert any(
+        line.startswith("Every prompt has the same massive-token prefix (one unit)")
+        and f": {len(one)} of the claims and controls about it are not decided" in line
+        for line in found
+    ), found
 
 
 @pytest.mark.slow  # end to end: the battery on a constructed model
