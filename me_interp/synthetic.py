@@ -536,6 +536,25 @@ class Decoy:
         return asdict(self)
 
 
+def _planted_fields(
+    kind: str, p: Plant, layer: int, position: int = 0, marked: tuple[int, ...] = STARTER_IDS
+) -> dict[str, object]:
+    """The record fields of a decoy that keeps the planted mechanism (``p``, one FFN neuron at
+    ``layer`` reading the boosted gain dims) and changes something around it."""
+    return dict(
+        kind=kind,
+        made_by="ffn",
+        layers=(layer,),
+        massive_dim=p.massive_dim,
+        position=position,
+        reads=p.gain_dims,
+        gain_dims=p.gain_dims,
+        neuron=p.neuron,
+        head=None,
+        marked_tokens=marked,
+    )
+
+
 DECOYS: dict[str, str] = {
     "attention": "made by an attention head's OV circuit, not the FFN",
     "embedding": "present from the embedding: no layer makes it",
@@ -754,19 +773,11 @@ def decoy(kind: str, layer: int = 2, seed: int = 0):
     if kind == "later":
         hf, tok, p = planted("llama", layer, 5, True, seed, add_bos=False, marked=(DELIMITER_ID,))
         with_chat_template(tok)  # its first token <s> is ordinary; the delimiter is massive
-        rec = Decoy(
-            kind=kind,
-            made_by="ffn",
-            layers=(layer,),
-            massive_dim=p.massive_dim,
-            position=DELIMITER_POSITION,
-            reads=p.gain_dims,
-            gain_dims=p.gain_dims,
-            neuron=p.neuron,
-            head=None,
-            marked_tokens=(DELIMITER_ID,),
+        return (
+            hf,
+            tok,
+            Decoy(**_planted_fields(kind, p, layer, DELIMITER_POSITION, (DELIMITER_ID,))),
         )
-        return hf, tok, rec
     if kind == "erased":
         at = layer + 2
         if at >= ERASED_LAYERS:
@@ -775,16 +786,7 @@ def decoy(kind: str, layer: int = 2, seed: int = 0):
             "llama", layer, ERASED_LAYERS, True, seed, add_bos=False, marked=STARTER_IDS
         )
         rec = Decoy(
-            kind=kind,
-            made_by="ffn",
-            layers=(layer,),
-            massive_dim=p.massive_dim,
-            position=0,
-            reads=p.gain_dims,
-            gain_dims=p.gain_dims,
-            neuron=p.neuron,
-            head=None,
-            marked_tokens=STARTER_IDS,
+            **_planted_fields(kind, p, layer),
             erased_at=at,
             eraser_neurons=_plant_eraser(hf, tok, p, at),
         )
@@ -1213,19 +1215,7 @@ def causal_decoy(kind: str, layer: int = 2, seed: int = 0):
     after = tuple(range(layer + 1, n_layers))
     emb = hf.get_input_embeddings()
     lay = _Layer(hf.model.layers[layer], hf.config)
-    rec = dict(
-        kind=kind,
-        made_by="ffn",
-        layers=(layer,),
-        massive_dim=D,
-        position=0,
-        reads=p.gain_dims,
-        gain_dims=p.gain_dims,
-        neuron=n,
-        head=None,
-        marked_tokens=STARTER_IDS,
-        sink_reads=(D,),
-    )
+    rec = dict(_planted_fields(kind, p, layer), sink_reads=(D,))
     with torch.no_grad():
         if kind == "rewritten":
             late = add_late_writer(hf, p, REWRITE_SCALE)
@@ -1561,23 +1551,9 @@ def fading_decoy(layer: int = 2, seed: int = 0):
     hf, tok, p = planted(
         "llama", layer, FADING_LAYERS, True, seed, add_bos=False, marked=STARTER_IDS
     )
-    D, n = p.massive_dim, p.neuron
     for L in range(layer + 1, FADING_LAYERS):
         _plant_eraser(hf, tok, p, L, fraction=1.0 - FADING_FACTOR)
-    rec = Decoy(
-        kind="fading",
-        made_by="ffn",
-        layers=(layer,),
-        massive_dim=D,
-        position=0,
-        reads=p.gain_dims,
-        gain_dims=p.gain_dims,
-        neuron=n,
-        head=None,
-        marked_tokens=STARTER_IDS,
-        factor=FADING_FACTOR,
-    )
-    return hf, tok, rec
+    return hf, tok, Decoy(**_planted_fields("fading", p, layer), factor=FADING_FACTOR)
 
 
 # --- a planted model whose sink is carried by a residual outside the massive dims ----------------
