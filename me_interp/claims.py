@@ -941,6 +941,12 @@ def point(m: Measure) -> float:
     return float(m.statistic(a)) if m.statistic is not None else float(a.mean())
 
 
+def _unit_codes(keys: Sequence[Any]) -> tuple[np.ndarray, int]:
+    """Each row's unit (the index of its key, in order of first appearance) and the number of units."""
+    order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    return np.array([order[k] for k in keys]), len(order)
+
+
 def _cluster_counts(codes: np.ndarray, n_units: int, seed_rng: Any) -> np.ndarray:
     """``[boot, rows]``: how often each row is drawn when the ``n_units`` units (``codes``: each
     row's unit) are resampled with replacement, all rows of a drawn unit together."""
@@ -971,10 +977,9 @@ def _boot_stats(m: Sample | Nested, seed: int) -> tuple[float, np.ndarray, int, 
         keys = None if m.keys is None else [k for k, f in zip(m.keys, ok, strict=True) if f]
         iu = rng.integers(0, n, size=(N_BOOTSTRAP, n))
         if keys is not None and len(set(keys)) < n:  # whole units drawn: all rows of a key
-            order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-            codes = np.array([order[k] for k in keys])
-            members = [np.flatnonzero(codes == u) for u in range(len(order))]
-            draws = rng.integers(0, len(order), size=(N_BOOTSTRAP, len(order)))
+            codes, n_units = _unit_codes(keys)
+            members = [np.flatnonzero(codes == u) for u in range(n_units)]
+            draws = rng.integers(0, n_units, size=(N_BOOTSTRAP, n_units))
             iu = [np.concatenate([members[u] for u in d]) for d in draws]  # rows per replicate
         if m.crossed:  # one seed resample per replicate, shared by its units
             iseed = np.broadcast_to(
@@ -1012,9 +1017,8 @@ def _boot_stats(m: Sample | Nested, seed: int) -> tuple[float, np.ndarray, int, 
     if m.statistic is None and arr.ndim != 1:
         raise ValueError("the default statistic (mean) needs 1-D values")
     if keys is not None and len(set(keys)) < n:  # resample the distinct units, not the rows
-        order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-        codes = np.array([order[k] for k in keys])
-        counts = _cluster_counts(codes, len(order), rng)  # [boot row]
+        codes, n_units = _unit_codes(keys)
+        counts = _cluster_counts(codes, n_units, rng)  # [boot row]
         if m.statistic is None or getattr(m.statistic, "of_means", None) is not None:
             f = getattr(m.statistic, "of_means", None) or (lambda x: x)
             total = counts.sum(1, keepdims=True)
@@ -1026,7 +1030,7 @@ def _boot_stats(m: Sample | Nested, seed: int) -> tuple[float, np.ndarray, int, 
                 [m.statistic(np.repeat(arr, c, axis=0)) for c in counts], dtype=np.float64
             )
         value = float(arr.mean()) if m.statistic is None else float(m.statistic(arr))
-        return value, stats, n, len(order)
+        return value, stats, n, n_units
     idx = rng.integers(0, n, size=(N_BOOTSTRAP, n))
     if m.statistic is None:
         value, stats = float(arr.mean()), arr[idx].mean(axis=1)
