@@ -55,6 +55,7 @@ import time
 from functools import partial
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")  # transformer_lens.patching draws a bar per sweep
 
 import numpy as np
 import pandas as pd
@@ -475,7 +476,8 @@ def _baseline_flops(model, B, T, hooks, clean, corrupt, metrics) -> float:
 def _floor_of_run(model, sw, B, T, hooks, clean, corrupt, metrics) -> float:
     """:func:`floor_flops` over the cells that can change the metrics (the others: their clean
     and corrupt activations are equal, or they lie after the last layer a metric reads), each from
-    the first position it changes — measured here, independently of the sweep."""
+    the first position it changes, less the cells whose patched run is the clean run (their work is
+    in ``runs_seconds``) — measured here, independently of the sweep."""
     names_ = {layer: site_hook(sw.site, layer) for layer in sw.layers}
     clean_acts = Activations(model, clean, list(names_.values()))
     record(model, clean, [clean_acts], last_layer=clean_acts.last_layer, max_tokens=None)
@@ -485,6 +487,19 @@ def _floor_of_run(model, sw, B, T, hooks, clean, corrupt, metrics) -> float:
     last = max(hook_layer(n, model.n_layers) for n in reads)
     ar = torch.arange(B)
     starts = {}
+    first_read = min(hook_layer(n, model.n_layers) for n in reads)
+
+    def repeats_clean(layer: int, ix) -> bool:
+        """Whether patching ``ix`` makes the whole stream entering ``layer`` the clean run's, with
+        no corruption hook from there on and every metric read later: the clean run is that run."""
+        if sw.site != "resid_pre" or layer > first_read:
+            return False
+        if any(hook_layer(n, model.n_layers) >= layer for n, _ in hooks):
+            return False
+        patched = corrupt_acts[names_[layer]].clone()
+        patched[ix] = clean_acts[names_[layer]][ix]
+        return torch.equal(patched, clean_acts[names_[layer]])
+
     for li, layer in enumerate(sw.layers):
         for pi in range(len(sw.positions or [None])):
             for hi in range(len(sw.heads or [None])):
@@ -492,7 +507,7 @@ def _floor_of_run(model, sw, B, T, hooks, clean, corrupt, metrics) -> float:
                 head = None if sw.heads is None else torch.full((B,), sw.heads[hi])
                 ix = _index(sw.site, ar, pos, head)
                 a, b = clean_acts[names_[layer]][ix], corrupt_acts[names_[layer]][ix]
-                if layer > last or torch.equal(a, b):
+                if layer > last or torch.equal(a, b) or repeats_clean(layer, ix):
                     continue
                 if sw.positions is not None:
                     starts[li, pi, hi] = sw.positions[pi]

@@ -146,10 +146,12 @@ def test_chunking_does_not_change_values(pair):
     b = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=1000)
     c = patch_loop(model, clean, corrupt, "resid_pre", metrics)
     d = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=3)
-    # layer 0, positions 1..5: the same token embeddings in clean and corrupt -> skipped; the 25
+    # layer 0, positions 1..5: the same token embeddings in clean and corrupt -> skipped; layer 0,
+    # position 0: patched, the stream is the clean one -> the clean run's values, not run; the 24
     # other cells run grouped by position (b: one chunk per position), d in chunks of at most
-    # 3 x 6 row-positions: 5 + 4 + 4 cells of one each at positions 0..2, then 2 + 2 + 1 chunks
-    assert (a.n_forwards, b.n_forwards, c.n_forwards, d.n_forwards) == (30, 6, 30, 18)
+    # 3 x 6 row-positions: 4 + 4 + 4 cells of one each at positions 0..2, then 2 + 2 + 1 chunks
+    assert (a.n_forwards, b.n_forwards, c.n_forwards, d.n_forwards) == (30, 6, 30, 17)
+    assert (b.n_cells_run, b.n_cells_clean, d.n_cells_clean, a.n_cells_clean) == (24, 1, 1, 0)
     assert (a.prefix_skipped, b.prefix_skipped, c.prefix_skipped, d.prefix_skipped) == (
         False,
         True,
@@ -456,3 +458,37 @@ def test_cells_patching_every_position_run_from_the_first_changed_one(planted, m
     ref = patch_loop(model, clean, corrupt, site, metrics, per_position=False)
     for k in metrics:
         torch.testing.assert_close(fast.values[k], ref.values[k], rtol=1e-4, atol=1e-5)
+
+
+def test_cells_that_repeat_the_clean_run_take_its_values(pair):
+    """The massive token's FFN output removed at the planted layer: one block later the clean and
+    corrupt streams differ only at position 0, so patching resid_pre there makes the stream the
+    clean one, and that cell takes the clean run's values without running. Not where a metric reads
+    an earlier block (the patched run keeps the corrupt values there), and not for a cell at or
+    below the corruption's block. The values equal one forward per cell either way."""
+    model, plant, clean, _ = pair
+    hooks = causal.remove_massive(
+        model, clean, plant.layer, [0], None, site="ffn_out", per_prompt=False
+    )
+    after = plant.layer + 1
+    late = {"ratio": NormRatio(4, 0), "sink": SinkMass(tuple(range(after, 5)), 0)}
+    early = {**late, "sink": SinkMass(tuple(range(plant.layer, 5)), 0)}
+    for metrics, n_clean in ((late, 1), (early, 0)):
+        fast = patch_sweep(model, clean, clean, "resid_pre", metrics, corrupt_hooks=hooks)
+        ref = patch_loop(model, clean, clean, "resid_pre", metrics, corrupt_hooks=hooks)
+        assert fast.n_cells_clean == n_clean
+        for k in metrics:
+            torch.testing.assert_close(fast.values[k], ref.values[k], rtol=1e-4, atol=1e-5)
+            if n_clean:
+                assert torch.equal(fast.cell_values(k, after, 0), fast.clean[k])
+    # every position patched: every cell above the corruption's block up to the first block a
+    # metric reads repeats the clean run; the later ones run
+    whole = patch_sweep(
+        model, clean, clean, "resid_pre", late, corrupt_hooks=hooks, per_position=False
+    )
+    ref = patch_loop(
+        model, clean, clean, "resid_pre", late, corrupt_hooks=hooks, per_position=False
+    )
+    assert whole.n_cells_clean == 1 and whole.n_cells_run == 4 - after
+    for k in late:
+        torch.testing.assert_close(whole.values[k], ref.values[k], rtol=1e-4, atol=1e-5)

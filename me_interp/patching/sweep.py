@@ -132,10 +132,12 @@ class SweepResult:
     ``heads`` (absent when ``None``: not a per-head site) — ``axes`` names them. ``clean`` /
     ``corrupt`` are the unpatched runs' ``[batch]`` values. ``to_dict()`` keeps them all
     (``per_prompt``), so intervals can be bootstrapped over prompts from a saved result.
-    ``prefix_fallback`` says why a ``skip_shared`` sweep fell back to full forwards (``None`` when it
-    did not, or did not try); ``positions_skipped`` whether chunks ran only the positions their
-    patches can change, and ``positions_fallback`` why not where that was tried and failed. ``method`` is ``"exact"`` (patched forwards) or ``"attribution"``
-    (the first-order estimate, :mod:`me_interp.patching.attribution`).
+    ``n_cells_run`` cells were run; ``n_cells_clean`` took the clean run's values (cells that repeat
+    it: :func:`patch_sweep`'s ``skip_shared``). ``prefix_fallback`` says why a ``skip_shared`` sweep
+    fell back to full forwards (``None`` when it did not, or did not try); ``positions_skipped``
+    whether chunks ran only the positions their patches can change, and ``positions_fallback`` why
+    not where that was tried and failed. ``method`` is ``"exact"`` (patched forwards) or
+    ``"attribution"`` (the first-order estimate, :mod:`me_interp.patching.attribution`).
     """
 
     site: str
@@ -151,6 +153,7 @@ class SweepResult:
     prefix_fallback: str | None = None
     heads: list[int] | None = None
     n_cells_run: int = 0
+    n_cells_clean: int = 0
     method: str = "exact"
     positions_skipped: bool = False
     positions_fallback: str | None = None
@@ -213,6 +216,7 @@ class SweepResult:
             "mean": {k: self.mean(k).tolist() for k in self.values},
             "n_forwards": self.n_forwards,
             "n_cells_run": self.n_cells_run,
+            "n_cells_clean": self.n_cells_clean,
             "method": self.method,
             "positions_skipped": self.positions_skipped,
             "positions_fallback": self.positions_fallback,
@@ -381,6 +385,11 @@ def patch_sweep(
             corrupt one for every prompt (bit for bit: e.g. every layer upstream of a hook-based
             corruption, or the unchanged tokens at layer 0) and a cell after the last layer a metric
             reads cannot change the corrupt run, so its value is the corrupt value and it is not run.
+            Likewise a ``resid_pre`` cell whose patch makes the whole stream entering its block the
+            clean run's (clean and corrupt differ only where it patches, or it patches every
+            position), with no corruption hook from that block on, no clean hook and no metric
+            reading an earlier block, repeats the clean run: its values are the clean values
+            (``SweepResult.n_cells_clean``).
             In a chunk, each cell's rows join the run at the cell's own layer (a patch at layer
             ``L`` cannot change blocks before ``L``) with the corrupt run's residual stream there,
             and run to the last layer a metric reads (and the unembedding at the last token when a
@@ -549,6 +558,31 @@ def patch_sweep(
             got, clean_vals = forward_metrics(model, clean, metrics, site_names, clean_hooks)
             clean_acts = {layer: got[hook_of[layer]] for layer in layers}
             cells = [c for c in grid.all() if changes(c)]
+    n_clean = 0
+    if skip_shared and site == "resid_pre" and not clean_hooks:
+        # a cell whose patch makes the whole stream entering its block the clean run's, with no
+        # corruption hook from that block on and no metric reading an earlier block, repeats the
+        # clean run from there: its values are the clean values, and it is not run
+        first_read = min(hook_layer(n, n_layers) for n in mhooks)
+
+        differ = {}  # layer -> the positions where the clean and corrupt streams differ
+
+        def is_clean(c) -> bool:
+            layer = layers[c[0]]
+            if layer > first_read or any(h >= layer for h in hook_layers):
+                return False
+            if grid.positions is None:  # every position patched
+                return True
+            if layer not in differ:
+                d = clean_acts[layer] != cstore[hook_of[layer]]  # [B T d_model]
+                differ[layer] = set(d.any(-1).any(0).nonzero()[:, 0].tolist())
+            return differ[layer] <= {grid.positions[c[1]]}
+
+        for c in [c for c in cells if is_clean(c)]:
+            for k in out:
+                out[k][grid.at(c)] = clean_vals[k]
+            cells.remove(c)
+            n_clean += 1
     if suffix is not None:
         plan = _schedule(cells, start_pos, layers, budget, B, T)
     else:
@@ -620,6 +654,7 @@ def patch_sweep(
         prefix_fallback=fallback,
         heads=grid.heads,
         n_cells_run=len(cells),
+        n_cells_clean=n_clean,
         positions_skipped=pos_ok,
         positions_fallback=pos_fallback,
     )
