@@ -49,6 +49,7 @@ from me_interp.loading.devices import resolve_device
 from me_interp.loading.errors import ModelLoadError
 from me_interp.loading.loaded import LoadedModel
 from me_interp.probes import down_proj
+from me_interp.probes.down_proj import SuperWeightCell
 from me_interp.probes.massive import Criterion, Event
 from me_interp.probes.measurement import short_batch
 from me_interp.study.cli import BAD_INPUT, build_parser, config_from_args, is_bad_input
@@ -86,34 +87,6 @@ class Config(me_layer.Config):
         """The ME-layer config of one model of the survey."""
         fields = me_layer.Config.__dataclass_fields__
         return me_layer.Config(**{**{k: getattr(self, k) for k in fields}, "model": model})
-
-
-@dataclass(frozen=True)
-class SuperWeight:
-    """The top super-weight candidate of a model (:func:`me_interp.probes.down_proj.survey`)."""
-
-    layer: int
-    row: int
-    col: int
-    weight: float
-    write: float
-    stability: float
-    in_me_layer: bool
-
-
-@dataclass(frozen=True)
-class SuperWeightCell:
-    """The survey's super-weight column of one model (``error`` when its detection failed)."""
-
-    me_layer: int | None = None
-    n_prompts: int = 0
-    largest_output: float | None = None
-    super_weight: SuperWeight | None = None
-    error: str | None = None
-
-    def text(self) -> str:
-        entry = io.to_jsonable(self)
-        return down_proj.survey_text({k: v for k, v in entry.items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -280,10 +253,7 @@ def run(
             if nnsight_backend:  # super weights need TL hooks on W_down: not measured (empty cell)
                 continue
             try:  # detection only (two short forwards); its failure must not lose the scan
-                entry = down_proj.survey(
-                    model, short_batch(model, prompts, 16, 16), cfg.detection()
-                )
-                cell = io.from_jsonable(SuperWeightCell, entry)
+                cell = down_proj.survey(model, short_batch(model, prompts, 16, 16), cfg.detection())
             except Exception as e:
                 cell = SuperWeightCell(error=f"{type(e).__name__}: {e}")
             rows[-1] = dataclasses.replace(rows[-1], super_weight=cell)

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -618,8 +618,9 @@ def draw(pool: Sequence, k: int, seed: int) -> list:
 # ------------------------------------------------------------------------------------------
 
 
-class SurveyWeight(TypedDict):
-    """The survey's record of a model's super weight (:class:`Candidate`'s fields)."""
+@dataclass(frozen=True)
+class SuperWeight:
+    """The top super-weight candidate of a model (:class:`Candidate`'s fields)."""
 
     layer: int
     row: int
@@ -630,17 +631,28 @@ class SurveyWeight(TypedDict):
     in_me_layer: bool
 
 
-class SurveyCell(TypedDict, total=False):
+@dataclass(frozen=True)
+class SuperWeightCell:
     """The survey's super-weight column of one model (``error``: why it could not be measured)."""
 
-    me_layer: int | None
-    n_prompts: int
-    super_weight: SurveyWeight | None
-    largest_output: float
-    error: str
+    me_layer: int | None = None
+    n_prompts: int = 0
+    largest_output: float | None = None
+    super_weight: SuperWeight | None = None
+    error: str | None = None
+
+    def text(self) -> str:
+        """One table cell: ``11 [507, 1229] (ME layer; top on 100%)``."""
+        if self.error is not None:
+            return f"error: {self.error}"
+        sw = self.super_weight
+        if sw is None:
+            return "none" if self.me_layer is not None else ""
+        where = "ME layer" if sw.in_me_layer else f"not the ME layer {self.me_layer}"
+        return f"{sw.layer} [{sw.row}, {sw.col}] ({where}; top on {sw.stability:.0%})"
 
 
-def survey(model: LoadedModel, batch: Batch, criterion: Any = None) -> SurveyCell:
+def survey(model: LoadedModel, batch: Batch, criterion: Any = None) -> SuperWeightCell:
     """Detection only (no perplexity: two short forwards), for the survey's super-weight column:
     the ME layer and massive positions located on ``batch``, and the top candidate.
     ``super_weight`` is ``None`` when no weight's write reaches the threshold (or there is no
@@ -649,30 +661,20 @@ def survey(model: LoadedModel, batch: Batch, criterion: Any = None) -> SurveyCel
     from me_interp.probes.site import locate
 
     loc = locate(model, batch, criterion=criterion or Criterion()).location
-    out = SurveyCell(me_layer=loc.me_layer, n_prompts=len(batch), super_weight=None)
     if loc.me_layer is None:
-        return out
+        return SuperWeightCell(me_layer=None, n_prompts=len(batch))
     spikes = down_proj_spikes(model, batch, loc.reference_positions)
     cands, _, _, _ = candidates(model, spikes, loc.me_layer, loc.massive_dims)
-    out["largest_output"] = float(spikes.out_max().amax())
+    top = None
     if cands and cands[0].stability > 0:
         c = cands[0]
-        keys = ("layer", "row", "col", "weight", "write", "stability", "in_me_layer")
-        out["super_weight"] = SurveyWeight(**{k: getattr(c, k) for k in keys})
-    return out
-
-
-def survey_text(entry: SurveyCell | None) -> str:
-    """One table cell for :func:`survey`: ``11 [507, 1229] (ME layer; top on 100%)``."""
-    if not entry:
-        return ""
-    if "error" in entry:
-        return f"error: {entry['error']}"
-    sw = entry.get("super_weight")
-    if sw is None:
-        return "none" if entry.get("me_layer") is not None else ""
-    where = "ME layer" if sw["in_me_layer"] else f"not the ME layer {entry['me_layer']}"
-    return f"{sw['layer']} [{sw['row']}, {sw['col']}] ({where}; top on {sw['stability']:.0%})"
+        top = SuperWeight(c.layer, c.row, c.col, c.weight, c.write, c.stability, c.in_me_layer)
+    return SuperWeightCell(
+        me_layer=loc.me_layer,
+        n_prompts=len(batch),
+        largest_output=float(spikes.out_max().amax()),
+        super_weight=top,
+    )
 
 
 __all__ = [
@@ -687,12 +689,11 @@ __all__ = [
     "control_pool",
     "draw",
     "survey",
-    "survey_text",
     "Pool",
     "SpikeRecorder",
     "SuperActivation",
-    "SurveyCell",
-    "SurveyWeight",
+    "SuperWeight",
+    "SuperWeightCell",
     "Spikes",
     "LayerCandidate",
     "candidate_at",

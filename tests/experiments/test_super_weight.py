@@ -290,15 +290,13 @@ def survey_column(model, prompts):
 def test_survey_column(planted, twin):
     model, plant = planted
     entry = survey_column(model, synthetic.planted_prompts(8))
-    assert entry["super_weight"]["layer"] == plant.layer
-    assert (entry["super_weight"]["row"], entry["super_weight"]["col"]) == (
-        plant.massive_dim,
-        plant.neuron,
-    )
-    assert dp.survey_text(entry) == "2 [7, 5] (ME layer; top on 100%)"
+    assert entry.super_weight.layer == plant.layer
+    assert (entry.super_weight.row, entry.super_weight.col) == (plant.massive_dim, plant.neuron)
+    assert entry.text() == "2 [7, 5] (ME layer; top on 100%)"
     none = survey_column(twin[0], synthetic.planted_prompts(8))
-    assert none["me_layer"] is None and none["super_weight"] is None and dp.survey_text(none) == ""
-    assert dp.survey_text({"error": "X: y"}) == "error: X: y"
+    assert none.me_layer is None and none.super_weight is None and none.text() == ""
+    assert dp.SuperWeightCell(error="X: y").text() == "error: X: y"
+    assert dp.SuperWeightCell(me_layer=3).text() == "none"
 
 
 # ---------------------------------------------------------------------------- command line
