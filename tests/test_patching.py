@@ -492,3 +492,57 @@ def test_cells_that_repeat_the_clean_run_take_its_values(pair):
     assert whole.n_cells_clean == 1 and whole.n_cells_run == 4 - after
     for k in late:
         torch.testing.assert_close(whole.values[k], ref.values[k], rtol=1e-4, atol=1e-5)
+
+
+def _late_pair(planted):
+    """Planted prompts whose corrupt copy differs at position 4 only."""
+    model, plant = planted
+    clean = model.tokenize(["w1 w2 w3 w4 w5 w6", "w7 w8 w9 w10 w11 w12"])
+    t = clean.tokens.clone()
+    t[:, 4] = t.flip(0)[:, 4]
+    return model, plant, clean, Batch(t, clean.attention_mask.clone())
+
+
+def test_control_rows_in_the_first_chunk_check_the_position_suffix(planted, monkeypatch):
+    """No separate check run: the first chunk carries the unpatched corrupt prompts (control rows,
+    joining at the first block) next to its cells, and every chunk is one run of the suffix. Where
+    the control rows do not reproduce the corrupt run (here the cached keys and values of the
+    earlier positions are lost), the sweep warns and runs every position, with the loop's values;
+    under STRICT_ENV it raises."""
+    import me_interp.patching.sweep as sweep_mod
+    from me_interp.patching import suffix
+
+    model, plant, clean, corrupt = _late_pair(planted)
+    metrics = _metrics(plant)
+    entries: list[list[int]] = []
+    real = sweep_mod._run_suffix
+
+    def spy(model, suffix_, entry, last, p, B, hooks):
+        entries.append(list(entry))
+        return real(model, suffix_, entry, last, p, B, hooks)
+
+    monkeypatch.setattr(sweep_mod, "_run_suffix", spy)
+    fast = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=4)
+    assert fast.positions_skipped and len(entries) == fast.n_forwards
+    # the control rows join first, at the lowest block any chunk starts from
+    assert entries[0][0] == min(e[0] for e in entries[1:]) and len(entries[0]) >= 2
+    ref = patch_loop(model, clean, corrupt, "resid_pre", metrics)
+    for k in metrics:
+        torch.testing.assert_close(fast.values[k], ref.values[k], rtol=1e-4, atol=1e-5)
+
+    join = suffix._PrefixKV._join
+
+    def forget(past, new):  # the earlier positions' keys and values lost
+        return join(torch.zeros_like(past), new)
+
+    monkeypatch.setattr(suffix._PrefixKV, "_join", staticmethod(forget))
+    monkeypatch.delenv(STRICT_ENV, raising=False)
+    with pytest.warns(RuntimeWarning, match="runs every position"):
+        slow = patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=4)
+    assert not slow.positions_skipped and slow.prefix_skipped
+    assert "away from the full run" in slow.positions_fallback
+    for k in metrics:
+        torch.testing.assert_close(slow.values[k], ref.values[k], rtol=1e-4, atol=1e-5)
+    monkeypatch.setenv(STRICT_ENV, "1")
+    with pytest.raises(RuntimeError, match="runs every position"):
+        patch_sweep(model, clean, corrupt, "resid_pre", metrics, batch_size=4)

@@ -6,12 +6,13 @@ runs each cell's rows from its own block, starting from the corrupt run's residu
 and a chunk of per-position cells from its first position, the earlier keys and values coming from
 the corrupt run's own cache. One corrupt forward keeps all of it (:func:`corrupt_prefix`: each
 block's keyword arguments, the residual stream entering each patched block, every block's keys and
-values, passed to the bridge's attention as ``layer_past``); one short direct run of the blocks at
-the last positions checks it against the full corrupt forward (:func:`_check_positions`, or
-:func:`check_blocks` where a position suffix cannot be used). Where they do not reproduce the full
-forward, the sweep falls back to full forwards (or every position) with a warning, or raises under
-:data:`STRICT_ENV`. Where the clean run equals the corrupt run up to a block (same tokens, the
-corruption hooks later), :func:`clean_from_prefix` runs it from there.
+values, passed to the bridge's attention as ``layer_past``); control rows in the sweep's first
+chunk (the corrupt prompts, unpatched, from the first block above every corruption hook) check it
+against the full corrupt forward, or :func:`check_blocks` where a position suffix cannot be used.
+Where they do not reproduce the full forward, the sweep falls back to full forwards (or every
+position) with a warning, or raises under :data:`STRICT_ENV`. Where the clean run equals the
+corrupt run up to a block (same tokens, the corruption hooks later), :func:`clean_from_prefix` runs
+it from there.
 """
 
 from __future__ import annotations
@@ -346,37 +347,6 @@ def _assemble(acts: dict, full: Mapping[str, torch.Tensor], p: int, n: int, rows
         else:
             whole[:rows, p:] = part
         acts[name] = whole
-
-
-def _check_positions(
-    model, suffix, first: int, last: int, p: int, B: int, want, mask
-) -> str | None:
-    """Run blocks ``first..last`` (above every corruption hook) at positions ``p..`` only, from the
-    corrupt run's residual stream entering ``first`` and its keys and values (``suffix``), and
-    compare the metric inputs with the full corrupt forward's. Returns ``None`` when they agree,
-    else why not (a warning, or under :func:`strict` a ``RuntimeError``); the sweep then runs every
-    position of each chunk's layers. The run calls the blocks directly, as every chunk does, so
-    where it agrees it also checks the block suffix."""
-    names_ = [n for n in want if n != LOGITS and hook_layer(n, model.n_layers) >= first]
-    got: dict[str, torch.Tensor] = {}
-    rec = [(n, partial(save_hook, store=got, key=n)) for n in names_]
-    why = None
-    try:
-        h, rows_at = _run_suffix(model, suffix, [first], last, p, B, rec)
-        _assemble(got, {n: want[n] for n in names_}, p, 1, rows_at, model.n_layers)
-        if LOGITS in want:
-            got[LOGITS] = last_token_logits(model, h, mask[:, p:])
-    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, IndexError) as e:
-        why = f"running positions {p}.. of blocks {first}..{last} failed: {type(e).__name__}: {e}"
-        err: BaseException | None = e
-    else:
-        err = None
-        bad = _mismatch(got, want)
-        if bad is not None:
-            why = f"running positions {p}.. gave {bad[0]} up to {bad[1]:.3g} away from the full run"
-    if why is not None:
-        give_up(f"patch_sweep runs every position (slower, same values): {why}", err)
-    return why
 
 
 #: Row-positions (rows × positions run) per block call of a sweep, times ``d_model``: what a chunk

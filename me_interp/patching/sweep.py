@@ -48,7 +48,7 @@ from me_interp.patching.metrics import LOGITS, PatchMetric, hook_layer, metric_h
 from me_interp.patching.suffix import (
     ROW_POSITIONS_X_D,
     _assemble,
-    _check_positions,
+    _mismatch,
     _run_suffix,
     _schedule,
     check_blocks,
@@ -58,7 +58,7 @@ from me_interp.patching.suffix import (
     gather_last,
     last_token_logits,
 )
-from me_interp.probes.batching import save_hook
+from me_interp.probes.batching import give_up, save_hook
 
 HEAD_SITES: dict[str, str] = {
     "attn_head_out": "z",
@@ -403,8 +403,10 @@ def patch_sweep(
             each also runs only positions from its first patched position on (a patch cannot
             change earlier positions: attention is causal), the earlier keys and values coming
             from the corrupt run's cache — when the prompts are unpadded and no corruption hook
-            acts inside the run; checked once the same way, else every position
-            (``SweepResult.positions_skipped`` / ``positions_fallback``). Cells are grouped by
+            acts inside the run; checked by control rows that ride in the first chunk run (the
+            corrupt prompts unpatched, from the first block above every corruption hook: no run
+            of its own), else every position (``SweepResult.positions_skipped`` /
+            ``positions_fallback``). Cells are grouped by
             the position they run from, so a chunk never runs a cell's rows at positions it
             cannot change (the work is each cell's own: blocks ``L..`` at positions ``p..``).
             ``False``: every cell, full forwards (the plain reference).
@@ -417,6 +419,53 @@ def patch_sweep(
         ValueError: unknown site, layer/position/head out of range, mismatched batches, no metric.
         RuntimeError: the block suffix cannot be run while :data:`STRICT_ENV` is set.
     """
+    args = (model, clean, corrupt, site, metrics, layers, positions, batch_size)
+    kwargs = dict(
+        corrupt_hooks=corrupt_hooks,
+        clean_hooks=clean_hooks,
+        progress=progress,
+        skip_shared=skip_shared,
+        heads=heads,
+        per_position=per_position,
+    )
+    try:
+        return _sweep(*args, **kwargs, by_position=True)
+    except _PositionsFailed as e:  # the first chunk's control rows: run every position
+        give_up(f"patch_sweep runs every position (slower, same values): {e.why}", e.err)
+        res = _sweep(*args, **kwargs, by_position=False)
+        res.positions_fallback = e.why
+        return res
+
+
+class _PositionsFailed(Exception):
+    """The control rows of a sweep's first chunk did not reproduce the corrupt run: ``why``, and
+    the error raised where running the chunk failed."""
+
+    def __init__(self, why: str, err: BaseException | None = None):
+        super().__init__(why)
+        self.why, self.err = why, err
+
+
+def _sweep(
+    model: LoadedModel,
+    clean: Batch,
+    corrupt: Batch,
+    site: str,
+    metrics: Mapping[str, PatchMetric],
+    layers: Sequence[int] | None,
+    positions: Sequence[int] | None,
+    batch_size: int | None,
+    *,
+    corrupt_hooks: Sequence,
+    clean_hooks: Sequence,
+    progress: bool | None,
+    skip_shared: bool,
+    heads: Sequence[int] | None,
+    per_position: bool,
+    by_position: bool,
+) -> SweepResult:
+    """:func:`patch_sweep`; ``by_position``: try running chunks at their later positions only
+    (checked by control rows in the first chunk: :class:`_PositionsFailed` where they disagree)."""
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if heads is not None and site not in HEAD_SITES:
@@ -489,7 +538,25 @@ def patch_sweep(
         idx = grid.index([c], arange_b, B)
         return not torch.equal(clean_acts[layer][idx], cstore[hook_of[layer]][idx])
 
-    cells = [c for c in grid.all() if not skip_shared or changes(c)]
+    first_read = min(hook_layer(n, n_layers) for n in mhooks)
+
+    def repeats_clean(c) -> bool:
+        """Whether cell ``c``'s patch makes the whole stream entering its block the clean run's,
+        with no corruption hook from that block on, no clean hook and no metric reading an earlier
+        block: its run repeats the clean run from there, so its values are the clean values."""
+        layer = layers[c[0]]
+        if not skip_shared or site != "resid_pre" or clean_hooks or layer > first_read:
+            return False
+        if any(h >= layer for h in hook_layers):
+            return False
+        if grid.positions is None:  # every position patched
+            return True
+        d = clean_acts[layer] != cstore[hook_of[layer]]  # [B T d_model]
+        return set(d.any(-1).any(0).nonzero()[:, 0].tolist()) <= {grid.positions[c[1]]}
+
+    ran = [c for c in grid.all() if not skip_shared or changes(c)]
+    cells = [c for c in ran if not repeats_clean(c)]
+    same = [c for c in ran if repeats_clean(c)]  # their values: the clean run's
     T = clean.tokens.shape[1]
     d_model = int(clean_acts[layers[0]].shape[-1]) if site not in HEAD_SITES else model.d_model
     budget = batch_size * T if batch_size is not None else max(B * T, ROW_POSITIONS_X_D // d_model)
@@ -530,77 +597,61 @@ def patch_sweep(
         first_p = max([first0, *(h + 1 for h in hook_layers)])  # above every corruption hook
         want = {**cstore_m, **({LOGITS: corrupt_logits} if wants_logits else {})}
         by_pos = kv is not None and T > 1 and not corrupt.padded and first_p <= last_needed
+        by_pos = by_pos and by_position
         kv_p = {i: kv[i] for i in range(first_p, last_needed + 1)} if by_pos else None
         if not by_pos or first_p > first0:  # cells below a corruption hook run every position
             at = min(first0, shared) if shared else first0
             fallback = check_blocks(
                 model, block_kw, resid_in, at, last_needed, corrupt_hooks, want, mask_b
             )
-        if by_pos and fallback is None:
-            pos_fallback = _check_positions(
-                model,
-                (block_kw, resid_in, kv_p),
-                first_p,
-                last_needed,
-                max(1, T - 2),
-                B,
-                want,
-                mask_b,
-            )
-            pos_ok = pos_fallback is None
-            if not pos_ok and first_p == first0:  # is the block suffix alone usable?
-                fallback = check_blocks(
-                    model, block_kw, resid_in, first0, last_needed, corrupt_hooks, want, mask_b
-                )
+        # the position suffix (and, where no block check ran, the block suffix) is checked by
+        # control rows in the first chunk run: unpatched corrupt prompts from block first_p on
+        pos_ok = by_pos and fallback is None
         if fallback is None:
             suffix = (block_kw, resid_in, kv_p if pos_ok else None)
         elif shared:  # the clean run from the prefix is not to be trusted: a full forward
             got, clean_vals = forward_metrics(model, clean, metrics, site_names, clean_hooks)
             clean_acts = {layer: got[hook_of[layer]] for layer in layers}
-            cells = [c for c in grid.all() if changes(c)]
-    n_clean = 0
-    if skip_shared and site == "resid_pre" and not clean_hooks:
-        # a cell whose patch makes the whole stream entering its block the clean run's, with no
-        # corruption hook from that block on and no metric reading an earlier block, repeats the
-        # clean run from there: its values are the clean values, and it is not run
-        first_read = min(hook_layer(n, n_layers) for n in mhooks)
-
-        differ = {}  # layer -> the positions where the clean and corrupt streams differ
-
-        def is_clean(c) -> bool:
-            layer = layers[c[0]]
-            if layer > first_read or any(h >= layer for h in hook_layers):
-                return False
-            if grid.positions is None:  # every position patched
-                return True
-            if layer not in differ:
-                d = clean_acts[layer] != cstore[hook_of[layer]]  # [B T d_model]
-                differ[layer] = set(d.any(-1).any(0).nonzero()[:, 0].tolist())
-            return differ[layer] <= {grid.positions[c[1]]}
-
-        for c in [c for c in cells if is_clean(c)]:
-            for k in out:
-                out[k][grid.at(c)] = clean_vals[k]
-            cells.remove(c)
-            n_clean += 1
+            ran = [c for c in grid.all() if changes(c)]
+            cells = [c for c in ran if not repeats_clean(c)]
+            same = [c for c in ran if repeats_clean(c)]
+    for c in same:
+        for k in out:
+            out[k][grid.at(c)] = clean_vals[k]
     if suffix is not None:
         plan = _schedule(cells, start_pos, layers, budget, B, T)
     else:
         per_fwd = max(1, budget // (B * T))
         plan = [(0, cells[i : i + per_fwd]) for i in range(0, len(cells), per_fwd)]
+    control = None  # the chunk whose control rows check the direct block calls, run first
+    if pos_ok and plan:
+        # one that runs later positions only, the fewest but at least two where it can (the
+        # causal mask among the new positions is then checked too); where every chunk runs every
+        # position, one whose cells all join at first_p or later (the block suffix is checked
+        # there unless check_blocks did it)
+        control = max(
+            range(len(plan)), key=lambda i: (plan[i][0] > 0, T - plan[i][0] > 1, plan[i][0])
+        )
+        if plan[control][0] == 0 and min(layers[c[0]] for c in plan[control][1]) < first_p:
+            control = None  # every position from block first0 was checked by check_blocks
+        else:
+            plan.insert(0, plan.pop(control))
     bar = terminal.bar(plan, desc=f"patching {site}") if progress is not False else plan
     max_rows = 0
-    for p0, chunk in bar:
-        # in layer order: a cell's rows join the run at its own layer (_run_suffix)
-        n = len(chunk)
+    for i_chunk, (p0, chunk) in enumerate(bar):
+        # in layer order: a cell's rows join the run at its own layer (_run_suffix), after the
+        # control rows where the chunk has them (the first B)
+        k0 = int(control is not None and i_chunk == 0)
+        n = len(chunk) + k0
         max_rows = max(max_rows, n * B)
         rows_batch = Batch(corrupt.tokens.repeat(n, 1), corrupt.attention_mask.repeat(n, 1), None)
         first = min(layers[c[0]] for c in chunk) if suffix is not None else 0
+        first = min(first, first_p) if k0 else first
         patch_hooks = []
         for li in sorted({c[0] for c in chunk}):
             idx = [j for j, c in enumerate(chunk) if c[0] == li]
             dev = clean.tokens.device
-            rows = torch.tensor([j * B + b for j in idx for b in range(B)], device=dev)
+            rows = torch.tensor([(j + k0) * B + b for j in idx for b in range(B)], device=dev)
             prompt = torch.arange(B, device=dev).repeat(len(idx))
             mine = [chunk[j] for j in idx]
             src = clean_acts[layers[li]][grid.index(mine, prompt, B)]
@@ -620,11 +671,24 @@ def patch_sweep(
         hooks = [*corrupt_hooks, *patch_hooks, *rec]
         mask = rows_batch.attention_mask.bool()
         if suffix is not None:
-            entry = [layers[c[0]] for c in chunk]
-            h, rows_at = _run_suffix(model, suffix, entry, last_needed, p0, B, hooks)
-            _assemble(acts, {k: cstore_m[k] for k, _ in rec}, p0, n, rows_at, n_layers)
-            if wants_logits:
-                acts[LOGITS] = last_token_logits(model, h, mask[:, p0:])
+            entry = [first_p] * k0 + [layers[c[0]] for c in chunk]
+            try:
+                h, rows_at = _run_suffix(model, suffix, entry, last_needed, p0, B, hooks)
+                _assemble(acts, {k: cstore_m[k] for k, _ in rec}, p0, n, rows_at, n_layers)
+                if wants_logits:
+                    acts[LOGITS] = last_token_logits(model, h, mask[:, p0:])
+            except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, IndexError) as e:
+                if not k0:
+                    raise
+                why = f"running positions {p0}.. of blocks {first_p}..{last_needed} failed"
+                raise _PositionsFailed(f"{why}: {type(e).__name__}: {e}", e) from e
+            # the control rows: the corrupt run's values, else every position is run
+            bad = _mismatch({k: v[:B] for k, v in acts.items()}, want) if k0 else None
+            if bad is not None:
+                raise _PositionsFailed(
+                    f"running positions {p0}.. gave {bad[0]} up to {bad[1]:.3g} away from the "
+                    "full run"
+                )
         else:
             with torch.no_grad():
                 logits = model.bridge.run_with_hooks(
@@ -639,7 +703,7 @@ def patch_sweep(
         for k, m in metrics.items():
             v = m(acts, mask).view(n, B)
             for j, c in enumerate(chunk):
-                out[k][grid.at(c)] = v[j]
+                out[k][grid.at(c)] = v[j + k0]
     return SweepResult(
         site=site,
         layers=layers,
@@ -654,7 +718,7 @@ def patch_sweep(
         prefix_fallback=fallback,
         heads=grid.heads,
         n_cells_run=len(cells),
-        n_cells_clean=n_clean,
+        n_cells_clean=len(same),
         positions_skipped=pos_ok,
         positions_fallback=pos_fallback,
     )
