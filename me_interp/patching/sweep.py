@@ -539,6 +539,7 @@ def _sweep(
         return not torch.equal(clean_acts[layer][idx], cstore[hook_of[layer]][idx])
 
     first_read = min(hook_layer(n, n_layers) for n in mhooks)
+    differ: dict[int, set[int]] = {}  # layer -> the positions where clean and corrupt differ
 
     def repeats_clean(c) -> bool:
         """Whether cell ``c``'s patch makes the whole stream entering its block the clean run's,
@@ -551,12 +552,18 @@ def _sweep(
             return False
         if grid.positions is None:  # every position patched
             return True
-        d = clean_acts[layer] != cstore[hook_of[layer]]  # [B T d_model]
-        return set(d.any(-1).any(0).nonzero()[:, 0].tolist()) <= {grid.positions[c[1]]}
+        if layer not in differ:
+            d = clean_acts[layer] != cstore[hook_of[layer]]  # [B T d_model]
+            differ[layer] = set(d.any(-1).any(0).nonzero()[:, 0].tolist())
+        return differ[layer] <= {grid.positions[c[1]]}
 
-    ran = [c for c in grid.all() if not skip_shared or changes(c)]
-    cells = [c for c in ran if not repeats_clean(c)]
-    same = [c for c in ran if repeats_clean(c)]  # their values: the clean run's
+    def split(ran: list) -> tuple[list, list]:
+        """The cells to run, and those whose values are the clean run's."""
+        same = [c for c in ran if repeats_clean(c)]
+        taken = set(same)
+        return [c for c in ran if c not in taken], same
+
+    cells, same = split([c for c in grid.all() if not skip_shared or changes(c)])
     T = clean.tokens.shape[1]
     d_model = int(clean_acts[layers[0]].shape[-1]) if site not in HEAD_SITES else model.d_model
     budget = batch_size * T if batch_size is not None else max(B * T, ROW_POSITIONS_X_D // d_model)
@@ -587,7 +594,6 @@ def _sweep(
     suffix = None
     fallback: str | None = None
     pos_ok = False
-    pos_fallback: str | None = None
     if skip_shared and (cells or shared):
         # run only blocks first_patched..last_needed, from the corrupt run's residual stream and
         # keys and values, checked once by a run of the last positions (of every position from
@@ -612,9 +618,8 @@ def _sweep(
         elif shared:  # the clean run from the prefix is not to be trusted: a full forward
             got, clean_vals = forward_metrics(model, clean, metrics, site_names, clean_hooks)
             clean_acts = {layer: got[hook_of[layer]] for layer in layers}
-            ran = [c for c in grid.all() if changes(c)]
-            cells = [c for c in ran if not repeats_clean(c)]
-            same = [c for c in ran if repeats_clean(c)]
+            differ.clear()
+            cells, same = split([c for c in grid.all() if changes(c)])
     for c in same:
         for k in out:
             out[k][grid.at(c)] = clean_vals[k]
@@ -720,7 +725,6 @@ def _sweep(
         n_cells_run=len(cells),
         n_cells_clean=len(same),
         positions_skipped=pos_ok,
-        positions_fallback=pos_fallback,
     )
 
 
