@@ -454,7 +454,8 @@ def test_cells_patching_every_position_run_from_the_first_changed_one(planted, m
 
     monkeypatch.setattr(sweep_mod, "_run_suffix", spy)
     fast = patch_sweep(model, clean, corrupt, site, metrics, per_position=False)
-    assert fast.positions_skipped and starts and set(starts) == {4}
+    # no chunk runs two positions or fewer: the control rows run alone at the last two (5, 6)
+    assert fast.positions_skipped and starts[0] == 5 and set(starts[1:]) == {4}
     ref = patch_loop(model, clean, corrupt, site, metrics, per_position=False)
     for k in metrics:
         torch.testing.assert_close(fast.values[k], ref.values[k], rtol=1e-4, atol=1e-5)
@@ -504,8 +505,9 @@ def _late_pair(planted):
 
 
 def test_control_rows_in_the_first_chunk_check_the_position_suffix(planted, monkeypatch):
-    """No separate check run: the first chunk carries the unpatched corrupt prompts (control rows,
-    joining at the first block) next to its cells, and every chunk is one run of the suffix. Where
+    """No separate check run where a chunk runs at most two positions: the first chunk carries the
+    unpatched corrupt prompts (control rows, joining at the first block) next to its cells, and
+    every run of the suffix is a chunk. Where
     the control rows do not reproduce the corrupt run (here the cached keys and values of the
     earlier positions are lost), the sweep warns and runs every position, with the loop's values;
     under STRICT_ENV it raises."""

@@ -6,9 +6,10 @@ runs each cell's rows from its own block, starting from the corrupt run's residu
 and a chunk of per-position cells from its first position, the earlier keys and values coming from
 the corrupt run's own cache. One corrupt forward keeps all of it (:func:`corrupt_prefix`: each
 block's keyword arguments, the residual stream entering each patched block, every block's keys and
-values, passed to the bridge's attention as ``layer_past``); control rows in the sweep's first
-chunk (the corrupt prompts, unpatched, from the first block above every corruption hook) check it
-against the full corrupt forward, or :func:`check_blocks` where a position suffix cannot be used.
+values, passed to the bridge's attention as ``layer_past``); control rows (the corrupt prompts,
+unpatched, from the first block above every corruption hook), riding in the sweep's first chunk
+where it runs at most two positions, else run alone at the last two, check it against the full
+corrupt forward, or :func:`check_blocks` where a position suffix cannot be used.
 Where they do not reproduce the full forward, the sweep falls back to full forwards (or every
 position) with a warning, or raises under :data:`STRICT_ENV`. Where the clean run equals the
 corrupt run up to a block (same tokens, the corruption hooks later), :func:`clean_from_prefix` runs

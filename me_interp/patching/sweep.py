@@ -403,10 +403,11 @@ def patch_sweep(
             each also runs only positions from its first patched position on (a patch cannot
             change earlier positions: attention is causal), the earlier keys and values coming
             from the corrupt run's cache — when the prompts are unpadded and no corruption hook
-            acts inside the run; checked by control rows that ride in the first chunk run (the
-            corrupt prompts unpatched, from the first block above every corruption hook: no run
-            of its own), else every position (``SweepResult.positions_skipped`` /
-            ``positions_fallback``). Cells are grouped by
+            acts inside the run; checked by control rows (the corrupt prompts unpatched, from the
+            first block above every corruption hook) that ride in the first chunk run where one
+            runs at most two positions, else run alone at the last two; where they disagree, every
+            position (``SweepResult.positions_skipped`` / ``positions_fallback``). Cells are
+            grouped by
             the position they run from, so a chunk never runs a cell's rows at positions it
             cannot change (the work is each cell's own: blocks ``L..`` at positions ``p..``).
             ``False``: every cell, full forwards (the plain reference).
@@ -628,30 +629,29 @@ def _sweep(
     else:
         per_fwd = max(1, budget // (B * T))
         plan = [(0, cells[i : i + per_fwd]) for i in range(0, len(cells), per_fwd)]
-    control = None  # the chunk whose control rows check the direct block calls, run first
-    if pos_ok and plan:
-        # one that runs later positions only, the fewest but at least two where it can (the
-        # causal mask among the new positions is then checked too); where every chunk runs every
-        # position, one whose cells all join at first_p or later (the block suffix is checked
-        # there unless check_blocks did it)
-        control = max(
-            range(len(plan)), key=lambda i: (plan[i][0] > 0, T - plan[i][0] > 1, plan[i][0])
-        )
-        if plan[control][0] == 0 and min(layers[c[0]] for c in plan[control][1]) < first_p:
-            control = None  # every position from block first0 was checked by check_blocks
+    control = False  # whether the first chunk carries the control rows
+    if pos_ok:
+        # they ride in a chunk of at most two positions (two where one exists: the causal mask
+        # among the new positions is then checked too), else run alone at the last two: no more
+        # row-positions than that for the check (it also checks the block suffix where
+        # check_blocks did not run)
+        short = [i for i, (p0, _) in enumerate(plan) if 0 < p0 and T - p0 <= 2]
+        if short:
+            plan.insert(0, plan.pop(min(short, key=lambda i: plan[i][0])))
         else:
-            plan.insert(0, plan.pop(control))
+            plan.insert(0, (max(1, T - 2), []))
+        control = True
     bar = terminal.bar(plan, desc=f"patching {site}") if progress is not False else plan
     max_rows = 0
     for i_chunk, (p0, chunk) in enumerate(bar):
         # in layer order: a cell's rows join the run at its own layer (_run_suffix), after the
         # control rows where the chunk has them (the first B)
-        k0 = int(control is not None and i_chunk == 0)
+        k0 = int(control and i_chunk == 0)
         n = len(chunk) + k0
         max_rows = max(max_rows, n * B)
         rows_batch = Batch(corrupt.tokens.repeat(n, 1), corrupt.attention_mask.repeat(n, 1), None)
-        first = min(layers[c[0]] for c in chunk) if suffix is not None else 0
-        first = min(first, first_p) if k0 else first
+        first = min(layers[c[0]] for c in chunk) if chunk and suffix is not None else 0
+        first = first_p if k0 else first  # control rows join below every cell (first_p <= L)
         patch_hooks = []
         for li in sorted({c[0] for c in chunk}):
             idx = [j for j, c in enumerate(chunk) if c[0] == li]
