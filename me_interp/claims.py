@@ -67,6 +67,9 @@ LEVEL = 0.95
 """Two-sided confidence level of every interval."""
 MIN_SEEDS = 5
 """Fewest seeds a random control may be judged on."""
+ONE_MEASUREMENT = "(one measurement repeated)"
+"""In the reason of a claim not decided because its units give one distinct measurement (the
+report counts these)."""
 
 
 @dataclass(frozen=True)
@@ -658,7 +661,7 @@ class Spec:
             if est.n_eff is not None and est.n_eff < 2:
                 notes.append(
                     f"not decided: the {est.n} {est.unit} give {est.n_eff} distinct measurement "
-                    f"(one measurement repeated), so the interval says nothing about variation"
+                    f"{ONE_MEASUREMENT}, so the interval says nothing about variation"
                 )
                 verdict = INCONCLUSIVE
             elif est.method != "clopper-pearson" and est.n_eff is not None and est.n_eff < least:

@@ -363,7 +363,7 @@ def _one_unit_line(state: Mapping[str, Any], experiments: Sequence[Experiment]) 
     massive position): how many claims and controls rest on that one measurement, and what decides
     them."""
     n = sum(
-        "(one measurement repeated)" in (d.get("why") or "")
+        claims_mod.ONE_MEASUREMENT in (d.get("why") or "")
         for exp in experiments
         if (entry := _finished(state, exp.name)) is not None
         for d in entry.get("claims") or []
