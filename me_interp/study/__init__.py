@@ -2,8 +2,7 @@
 
 * :mod:`.config` — :class:`CommonConfig` (the shared fields), the shared bases (:class:`SiteConfig`,
   :class:`DetectConfig`, :class:`WeightConfig`, :class:`CriterionConfig`, :class:`BackendConfig`)
-  and :func:`checked` (a field's checks as metadata,
-  applied by one :func:`validate`);
+  and :func:`checked` (a field's checks as metadata, applied by one :func:`validate`);
 * :mod:`.experiment` — the :class:`Experiment` descriptor each experiment module declares, and the one
   way it runs: load the model and locate the Site on the experiment's inputs (:func:`prepare`),
   execute, judge, write (:func:`execute`, :func:`write_outcome`);

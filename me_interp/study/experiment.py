@@ -250,10 +250,10 @@ def execute(
     judge its claims; without ``figures`` none are drawn (for callers that read only the claims).
 
     A :class:`claims.NotApplicable` raised by ``run`` (or while its inputs are built) becomes "not
-    applicable" for every claim of ``exp.specs``, with its message as the reason. The inputs and ``run`` run under
-    :func:`me_interp.loading.attention.kernel` with ``exp.attention``. On a model with offloaded
-    weights, an experiment that reads or edits weights is refused with a :class:`PlacementError`
-    naming it.
+    applicable" for every claim of ``exp.specs``, with its message as the reason. The inputs and
+    ``run`` run under :func:`me_interp.loading.attention.kernel` with ``exp.attention``. On a model
+    with offloaded weights, an experiment that reads or edits weights is refused with a
+    :class:`PlacementError` naming it.
     """
     try:
         with attention_kernel(model, exp.attention) as attention:
